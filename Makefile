@@ -1,0 +1,35 @@
+# `make test` and `make demo` each create .venv if missing, install, then run.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, from the pinned CPU wheel, so nothing pulls a CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# test-only peer: torchscale 0.3.0 pins fairscale/timm/torchvision builds that do not
+	# install beside torch 2.13; its architecture code needs only fairscale (see tests/peers.py)
+	$(BIN)/pip install --quiet --no-deps torchscale==0.3.0 fairscale==0.4.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(BIN)/kilolayer describe deepnet_500l500l
+	$(BIN)/kilolayer configs --like vit_b16
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,15 @@
+"""kilolayer: configure, train and diagnose deep Transformers (DeepNet's DeepNorm, Bamboo's depth-vs-width)."""
+
+from kilolayer.config import Config, ModelConfig, load_config
+from kilolayer.errors import ConfigError, InputError, KilolayerError
+from kilolayer.nn.budget import budget, count_parameters, matched_configs, training_flops
+from kilolayer.nn.deepnorm import deepnorm_constants
+from kilolayer.nn.residual import SCHEMES
+from kilolayer.nn.transformer import build_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config", "ModelConfig", "load_config", "ConfigError", "InputError", "KilolayerError", "budget",
+    "count_parameters", "matched_configs", "training_flops", "deepnorm_constants", "SCHEMES", "build_model",
+]

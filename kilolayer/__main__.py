@@ -1,0 +1,3 @@
+from kilolayer.cli import main
+
+raise SystemExit(main())

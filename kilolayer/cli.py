@@ -1,0 +1,165 @@
+"""The ``kilolayer`` command.
+
+Every error a user can cause ends as one line ``kilolayer: error: ...`` and a
+non-zero exit (2 for bad input, 3 for a diverged training run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from kilolayer.errors import ConfigError, KilolayerError
+
+
+def _parse_count(text: str) -> int:
+    """'85M', '1.3B', '350k' or a plain integer."""
+    t = text.strip().lower().replace("_", "")
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(t[-1:], None)
+    try:
+        return int(float(t[:-1]) * mult) if mult else int(float(t))
+    except ValueError:
+        raise ConfigError(f"--params {text!r}: expected a count such as 86M, 1.3B or 350000") from None
+
+
+def _model_source(source: str, sets: list[str]):
+    from kilolayer.config import load_config
+
+    return load_config(source, sets).model
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def _schemes_text(cfg) -> str:
+    from kilolayer.nn.residual import Depth, make_scheme
+
+    scheme = make_scheme(cfg.scheme, Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
+                         layerscale_init=cfg.layerscale_init, ds_init_variant=cfg.ds_init_variant)
+    parts = []
+    for side, consts in scheme.describe().items():
+        inner = ", ".join(f"{k}={v:.4g}" for k, v in consts.items())
+        parts.append(f"{side}: {inner}")
+    return "; ".join(parts) or "-"
+
+
+def cmd_describe(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kilolayer.nn.budget import budget
+    from kilolayer.presets import DESCRIPTIONS
+
+    table = Table(title="kilolayer describe")
+    for col in ("model", "arch", "enc layers", "dec layers", "width", "heads", "ffn", "scheme", "scheme constants",
+                "params", "seq", "FLOPs/token (train)"):
+        table.add_column(col, overflow="fold")
+    notes = []
+    for source in args.sources:
+        cfg = _model_source(source, args.set)
+        b = budget(cfg, args.seq_len)
+        table.add_row(
+            source, cfg.arch, str(cfg.encoder_layers or "-"), str(cfg.n_decoder_layers or "-"), str(cfg.width),
+            str(cfg.heads), str(cfg.ffn), cfg.scheme, _schemes_text(cfg), _fmt_count(b.parameters), str(b.seq_len),
+            _fmt_count(b.flops_per_token),
+        )
+        if source in DESCRIPTIONS:
+            notes.append(f"{source}: {DESCRIPTIONS[source]}")
+    console = Console(width=max(160, Console().width))
+    console.print(table)
+    for n in notes:
+        console.print(n)
+    return 0
+
+
+def cmd_configs(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kilolayer.config import ModelConfig
+    from kilolayer.nn.budget import budget, count_parameters, matched_configs
+
+    if args.like is None and args.params is None:
+        raise ConfigError("configs: give --like PRESET|CONFIG.yaml or --params COUNT")
+    if args.like is not None:
+        base = _model_source(args.like, args.set)
+    else:
+        base = ModelConfig(arch=args.arch, layers=2, width=args.head_dim * 2, heads=2, ffn=args.head_dim * 8,
+                           decoder_layers=2 if args.arch == "encoder_decoder" else 0)
+    target = _parse_count(args.params) if args.params is not None else count_parameters(base)
+    rows = matched_configs(base, params=target if args.params is not None else None, tolerance=args.tolerance,
+                           head_dim=args.head_dim)
+    title = f"configs within {args.tolerance:.0%} of {_fmt_count(target)} parameters"
+    if args.like:
+        title += f", shaped like {args.like} (head size {args.head_dim}, FFN ratio {base.ffn / base.width:g})"
+    table = Table(title=title)
+    for col in ("layers", "dec layers", "width", "heads", "ffn", "params", "diff", "FLOPs/token"):
+        table.add_column(col, justify="right")
+    for c in rows:
+        b = budget(c)
+        table.add_row(str(c.layers), str(c.decoder_layers or "-"), str(c.width), str(c.heads), str(c.ffn),
+                      _fmt_count(b.parameters), f"{(b.parameters - target) / target:+.1%}",
+                      _fmt_count(b.flops_per_token))
+    Console(width=max(120, Console().width)).print(table)
+    if not rows:
+        print("no configuration matches; widen --tolerance or change --head-dim")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kilolayer",
+        description="Configure, train and diagnose deep Transformers (DeepNorm; depth vs width by objective).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("describe", help="table of a model: layers, width, scheme constants, parameters, FLOPs/token")
+    p.add_argument("sources", nargs="+", metavar="PRESET|CONFIG.yaml", help="preset names or config files")
+    p.add_argument("--set", action="append", default=[], metavar="key.path=value", help="override a config key")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length for FLOPs/token (default: model.max_len)")
+    p.set_defaults(func=cmd_describe)
+
+    p = sub.add_parser("configs", help="parameter-matched deeper-narrower variants of a model")
+    p.add_argument("--like", metavar="PRESET|CONFIG.yaml", help="the model to match")
+    p.add_argument("--params", metavar="COUNT", help="match this parameter count instead (e.g. 86M)")
+    p.add_argument("--arch", default="encoder", choices=["encoder", "decoder", "encoder_decoder"],
+                   help="with --params: the architecture (default encoder, 256-token vocabulary)")
+    p.add_argument("--head-dim", type=int, default=64, help="head size to keep (default 64)")
+    p.add_argument("--tolerance", type=float, default=0.03, help="relative parameter tolerance (default 0.03)")
+    p.add_argument("--set", action="append", default=[], metavar="key.path=value", help="override a config key")
+    p.set_defaults(func=cmd_configs)
+
+    p = sub.add_parser("presets", help="list the model presets")
+    p.set_defaults(func=cmd_presets)
+    return parser
+
+
+def cmd_presets(args) -> int:
+    from kilolayer.presets import DESCRIPTIONS
+
+    for name, text in DESCRIPTIONS.items():
+        print(f"{name:22s} {text}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KilolayerError as err:
+        print(f"kilolayer: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("kilolayer: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,253 @@
+"""Configs: pydantic models for every section, YAML in/out, ``--set`` overrides.
+
+A config has four sections, ``model``, ``objective``, ``data`` and ``train``.
+Every field is validated; a bad value becomes one line naming the field, the
+value and what is allowed (see :func:`format_validation_error`).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kilolayer.errors import ConfigError
+
+Arch = Literal["encoder", "decoder", "encoder_decoder"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The backbone: stacks, widths, residual scheme and input embedding."""
+
+    arch: Arch = "encoder"
+    scheme: str = "pre_ln"
+    layers: int = Field(6, ge=1, description="encoder layers, or the layers of a decoder-only model")
+    decoder_layers: int = Field(0, ge=0, description="decoder layers (encoder_decoder only)")
+    width: int = Field(256, ge=1)
+    heads: int = Field(4, ge=1)
+    ffn: int = Field(1024, ge=1)
+    activation: Literal["gelu", "relu"] = "gelu"
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = True
+    norm_eps: float = Field(1e-5, gt=0)
+    # inputs
+    input: Literal["tokens", "patches"] = "tokens"
+    vocab_size: int = Field(256, ge=2, description="token vocabulary (both sides of an encoder-decoder)")
+    max_len: int = Field(512, ge=1, description="longest token sequence the positions cover")
+    positions: Literal["learned", "sinusoidal", "none"] = "learned"
+    embed_scale: bool = False
+    image_size: int = Field(32, ge=1)
+    patch_size: int = Field(4, ge=1)
+    channels: int = Field(3, ge=1)
+    cls_token: bool = True
+    # scheme options (ignored by schemes that do not use them)
+    layerscale_init: Optional[float] = Field(None, gt=0, description="LayerScale gain; default by depth as CaiT")
+    ds_init_variant: Literal["paper", "code"] = "paper"
+    admin_omega: Literal["default", "profile"] = "default"
+    # speed options (the model's numbers do not depend on them)
+    checkpoint_activations: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        from kilolayer.nn.residual import SCHEMES
+
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"model.scheme={self.scheme!r}: unknown scheme; allowed: {', '.join(sorted(SCHEMES))}")
+        if self.width % self.heads:
+            raise ValueError(
+                f"model.width={self.width}: must be divisible by model.heads={self.heads}"
+            )
+        if self.arch == "encoder_decoder" and self.decoder_layers < 1:
+            raise ValueError("model.decoder_layers=0: an encoder_decoder needs at least 1 decoder layer")
+        if self.arch != "encoder_decoder" and self.decoder_layers:
+            raise ValueError(
+                f"model.decoder_layers={self.decoder_layers}: only an encoder_decoder has decoder layers "
+                f"(model.arch={self.arch!r}; use model.layers)"
+            )
+        if self.input == "patches":
+            if self.arch != "encoder":
+                raise ValueError(f"model.input='patches': only an encoder takes image patches (model.arch={self.arch!r})")
+            if self.image_size % self.patch_size:
+                raise ValueError(
+                    f"model.image_size={self.image_size}: must be divisible by model.patch_size={self.patch_size}"
+                )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def encoder_layers(self) -> int:
+        return self.layers if self.arch in ("encoder", "encoder_decoder") else 0
+
+    @property
+    def n_decoder_layers(self) -> int:
+        if self.arch == "decoder":
+            return self.layers
+        return self.decoder_layers if self.arch == "encoder_decoder" else 0
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens one sample gives the encoder/decoder at full length."""
+        if self.input == "patches":
+            return self.num_patches + int(self.cls_token)
+        return self.max_len
+
+
+class ObjectiveConfig(_Section):
+    """What the backbone is trained to do; options apply to the named objective."""
+
+    name: Literal["classification", "contrastive", "mae", "mlm", "causal_lm", "seq2seq"] = "causal_lm"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class DataConfig(_Section):
+    """Where batches come from: a built-in source or a user's path."""
+
+    name: str = "stdlib_bytes"
+    task: Literal["copy", "reverse", "sort", "add"] = "reverse"
+    path: Optional[str] = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainConfig(_Section):
+    """The training loop."""
+
+    steps: int = Field(100, ge=0)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    warmup: int = Field(0, ge=0)
+    seed: int = 0
+    eval_every: int = Field(0, ge=0, description="0 = only at the end")
+    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line for the first problem pydantic found: field path, bad value, what is allowed."""
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e.get("loc", ()) if p != "__root__")
+    where = ".".join(p for p in (prefix, loc) if p)
+    msg = e.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        # our own validators already name the field
+        return msg[len("Value error, "):]
+    if e.get("type") == "extra_forbidden":
+        return f"{where}: unknown key"
+    value = e.get("input")
+    shown = f"={value!r}" if not isinstance(value, (dict, list)) else ""
+    return f"{where}{shown}: {msg[0].lower() + msg[1:]}"
+
+
+def _validate(cls, data: Any, prefix: str):
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, prefix)) from None
+
+
+def model_config(cfg: "ModelConfig | dict") -> ModelConfig:
+    """Accept the ``model`` section as a dict or a ModelConfig and validate it."""
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"model: expected a mapping or ModelConfig, got {type(cfg).__name__}")
+    return _validate(ModelConfig, cfg, "model")
+
+
+# ---------------------------------------------------------------- YAML and --set
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """``key.path=value`` -> (["key", "path"], value parsed as YAML scalar)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key.path=value")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".")]
+    if not all(path):
+        raise ConfigError(f"--set {item!r}: empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_sets(data: dict, sets: list[str]) -> dict:
+    """Return a copy of ``data`` with each ``key.path=value`` applied."""
+    out = copy.deepcopy(data)
+    for item in sets:
+        path, value = parse_set(item)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {'.'.join(path[: i + 1])} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def read_yaml(path: "str | Path") -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{where}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{p}: cannot read ({err.__class__.__name__})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections (model, objective, data, train)")
+    return data
+
+
+def load_config(source: "str | Path | dict | None" = None, sets: Optional[list[str]] = None) -> Config:
+    """Load a full config from a YAML file, a preset name or a dict, then apply ``--set`` items.
+
+    A file that holds only a model section (or a preset name) gives defaults for the rest.
+    """
+    from kilolayer.presets import PRESETS
+
+    if source is None:
+        data: dict = {}
+    elif isinstance(source, dict):
+        data = copy.deepcopy(source)
+    elif str(source) in PRESETS:
+        data = {"model": PRESETS[str(source)].model_dump()}
+    else:
+        data = read_yaml(source)
+    data = apply_sets(data, sets or [])
+    return _validate(Config, data, "")
+
+
+def dump_yaml(cfg: BaseModel) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,1 @@
+"""The model: attention, feed-forward, residual schemes, layers, stacks, budgets."""

@@ -1,0 +1,72 @@
+"""One Transformer layer: self-attention, optional cross-attention, FFN, each a Residual of its scheme."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kilolayer.nn.attention import Attention
+from kilolayer.nn.feedforward import FeedForward
+from kilolayer.nn.residual import Residual, Scheme, Site, xavier_
+
+
+class Layer(nn.Module):
+    """An encoder layer (``cross=False``) or a decoder layer (causal; ``cross=True`` adds cross-attention)."""
+
+    def __init__(self, cfg, scheme: Scheme, side: str, index: int, cross: bool = False):
+        super().__init__()
+        d, eps = cfg.width, cfg.norm_eps
+        causal = side == "decoder"
+
+        def site(kind):
+            return Site(side, index, kind)
+
+        def attention(kind):
+            s = site(kind)
+            return Attention(
+                d, cfg.heads, cross=kind == "cross_attn", causal=causal and kind == "self_attn", bias=cfg.bias,
+                inner_norm=scheme.attn_inner_norm(s), head_scale=scheme.head_scale(s), dropout=cfg.dropout, eps=eps,
+            )
+
+        s = site("self_attn")
+        self.self_attn = Residual(attention("self_attn"), d, s, scheme, eps, cfg.dropout)
+        self.cross_attn = None
+        if cross:
+            s = site("cross_attn")
+            self.cross_attn = Residual(attention("cross_attn"), d, s, scheme, eps, cfg.dropout)
+        s = site("ffn")
+        ff = FeedForward(
+            d, cfg.ffn, activation=cfg.activation, bias=cfg.bias, inner_norm=scheme.ffn_inner_norm(s),
+            dropout=cfg.dropout, eps=eps,
+        )
+        self.ffn = Residual(ff, d, s, scheme, eps, cfg.dropout)
+        # ReZero: one scalar per layer, shared by its sublayers, starting at 0
+        self.resweight = nn.Parameter(torch.zeros(1)) if scheme.layer_gain else None
+        self.reset_parameters(scheme)
+
+    def sublayers(self) -> list[Residual]:
+        return [r for r in (self.self_attn, self.cross_attn, self.ffn) if r is not None]
+
+    @torch.no_grad()
+    def reset_parameters(self, scheme: Scheme) -> None:
+        """Each branch weight: Xavier with the scheme's gain for its site and name; biases zero."""
+        for res in self.sublayers():
+            for name, weight, bias in res.branch.weights():
+                xavier_(weight, scheme.gain(res.site, name), scheme.init_dist)
+                if bias is not None:
+                    bias.zero_()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        memory: Optional[torch.Tensor] = None,
+        memory_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        g = self.resweight
+        x = self.self_attn(x, None, mask, gain=g)
+        if self.cross_attn is not None:
+            x = self.cross_attn(x, memory, memory_mask, gain=g)
+        return self.ffn(x, gain=g)

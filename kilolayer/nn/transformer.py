@@ -1,0 +1,300 @@
+"""Stacks, embeddings and the three backbones (encoder, decoder, encoder-decoder).
+
+A backbone maps inputs to final hidden states ``(B, T, width)``; heads belong
+to objectives. Every stack takes an optional ``observe(layer_index, hidden)``
+callback: index 0 is the embedding output, index i the output of layer i (the
+last one after the stack's final norm, if the scheme has one). Analysis uses
+it so that a 1,000-layer model never holds more than one layer's activations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kilolayer.config import ModelConfig, model_config
+from kilolayer.errors import InputError
+from kilolayer.nn.layers import Layer
+from kilolayer.nn.residual import Depth, Scheme, make_scheme, xavier_
+
+Observer = Callable[[int, torch.Tensor], None]
+
+
+# ---------------------------------------------------------------- embeddings
+
+
+def sinusoidal_positions(length: int, width: int) -> torch.Tensor:
+    """The fixed sin/cos table of "Attention is all you need" (sin on even, cos on odd channels)."""
+    pos = torch.arange(length, dtype=torch.float32)[:, None]
+    inv = torch.exp(torch.arange(0, width, 2, dtype=torch.float32) * (-math.log(10000.0) / width))
+    table = torch.zeros(length, width)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv)[:, : width // 2]
+    return table
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding (times sqrt(width) if ``embed_scale``) plus learned, sinusoidal or no positions."""
+
+    def __init__(self, cfg: ModelConfig, std: float):
+        super().__init__()
+        self.vocab_size, self.max_len = cfg.vocab_size, cfg.max_len
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.scale = math.sqrt(cfg.width) if cfg.embed_scale else 1.0
+        self.positions = None
+        if cfg.positions == "learned":
+            self.positions = nn.Parameter(torch.empty(cfg.max_len, cfg.width))
+        elif cfg.positions == "sinusoidal":
+            self.register_buffer("sinusoid", sinusoidal_positions(cfg.max_len, cfg.width), persistent=False)
+        self.kind = cfg.positions
+        with torch.no_grad():
+            self.tokens.weight.normal_(0.0, std)
+            if self.positions is not None:
+                self.positions.normal_(0.0, cfg.width**-0.5)
+
+    def check(self, tokens: torch.Tensor, name: str = "tokens") -> None:
+        if not isinstance(tokens, torch.Tensor):
+            raise InputError(f"{name}: expected a torch.Tensor of token ids, got {type(tokens).__name__}")
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise InputError(
+                f"{name}: expected integer token ids of shape (batch, length), got {tuple(tokens.shape)} {tokens.dtype}"
+            )
+        if tokens.shape[1] > self.max_len:
+            raise InputError(f"{name}: length {tokens.shape[1]} exceeds model.max_len={self.max_len}")
+        if tokens.device.type == "cpu" and tokens.numel():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise InputError(f"{name}: ids must lie in [0, {self.vocab_size}), got [{lo}, {hi}]")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.check(tokens)
+        x = self.tokens(tokens)
+        if self.scale != 1.0:
+            x = x * self.scale
+        T = tokens.shape[1]
+        if self.positions is not None:
+            x = x + self.positions[:T]
+        elif self.kind == "sinusoidal":
+            x = x + self.sinusoid[:T].to(x.dtype)
+        return x
+
+
+class PatchEmbedding(nn.Module):
+    """Image -> non-overlapping patches -> linear projection, plus an optional CLS token and learned positions."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.image_size, self.patch_size, self.channels = cfg.image_size, cfg.patch_size, cfg.channels
+        self.grid = cfg.image_size // cfg.patch_size
+        self.proj = nn.Linear(cfg.channels * cfg.patch_size**2, cfg.width)
+        self.cls = nn.Parameter(torch.zeros(1, 1, cfg.width)) if cfg.cls_token else None
+        self.positions = nn.Parameter(torch.empty(self.grid**2 + int(cfg.cls_token), cfg.width))
+        with torch.no_grad():
+            xavier_(self.proj.weight, 1.0, "uniform")
+            self.proj.bias.zero_()
+            self.positions.normal_(0.0, 0.02)
+            if self.cls is not None:
+                self.cls.normal_(0.0, 0.02)
+
+    def check(self, images: torch.Tensor) -> None:
+        want = (self.channels, self.image_size, self.image_size)
+        if not isinstance(images, torch.Tensor) or images.dim() != 4 or tuple(images.shape[1:]) != want:
+            got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+            raise InputError(f"images: expected shape (batch, {', '.join(map(str, want))}), got {got}")
+        if not images.is_floating_point():
+            raise InputError(f"images: expected a floating-point tensor, got {images.dtype}")
+
+    def patchify(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, grid*grid, C*p*p), row-major over the grid."""
+        B, C, _, _ = images.shape
+        p, g = self.patch_size, self.grid
+        x = images.reshape(B, C, g, p, g, p).permute(0, 2, 4, 3, 5, 1)
+        return x.reshape(B, g * g, p * p * C)
+
+    def forward(self, images: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``keep`` (B, K) patch indices to embed (MAE's visible patches); all patches if None."""
+        self.check(images)
+        x = self.proj(self.patchify(images))
+        offset = 1 if self.cls is not None else 0
+        x = x + self.positions[offset:]
+        if keep is not None:
+            x = torch.gather(x, 1, keep[..., None].expand(-1, -1, x.shape[-1]))
+        if self.cls is not None:
+            cls = (self.cls + self.positions[:1]).expand(x.shape[0], -1, -1)
+            x = torch.cat([cls, x], dim=1)
+        return x
+
+
+# ---------------------------------------------------------------- masks
+
+
+def check_padding_mask(mask: Optional[torch.Tensor], shape: tuple, name: str) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(shape):
+        got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise InputError(f"{name}: expected a bool tensor of shape {tuple(shape)} (True = padding), got {got}")
+
+
+def attention_mask(
+    padding: Optional[torch.Tensor], causal: bool, length: int, device
+) -> Optional[torch.Tensor]:
+    """Bool (B or 1, 1, T, S) mask, True = may attend; None when SDPA needs none (or does causal itself)."""
+    if padding is None:
+        return None
+    keep = ~padding[:, None, None, :]
+    if causal:
+        keep = keep & torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return keep
+
+
+# ---------------------------------------------------------------- stacks
+
+
+class Stack(nn.Module):
+    """N layers of one side, with the scheme's final norm. ``checkpoint_activations`` recomputes each layer."""
+
+    def __init__(self, cfg: ModelConfig, scheme: Scheme, side: str, n: int, cross: bool = False):
+        super().__init__()
+        self.side = side
+        self.causal = side == "decoder"
+        self.layers = nn.ModuleList(Layer(cfg, scheme, side, i, cross=cross) for i in range(n))
+        self.final_norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps) if scheme.final_norm else None
+        self.checkpoint_activations = cfg.checkpoint_activations
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        padding_mask: Optional[torch.Tensor] = None,
+        memory: Optional[torch.Tensor] = None,
+        memory_padding_mask: Optional[torch.Tensor] = None,
+        observe: Optional[Observer] = None,
+    ) -> torch.Tensor:
+        mask = attention_mask(padding_mask, self.causal, x.shape[1], x.device)
+        memory_mask = None if memory_padding_mask is None else ~memory_padding_mask[:, None, None, :]
+        if observe is not None:
+            observe(0, x)
+        recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
+        last = len(self.layers)
+        for i, layer in enumerate(self.layers, 1):
+            if recompute:
+                x = checkpoint(layer, x, mask, memory, memory_mask, use_reentrant=False)
+            else:
+                x = layer(x, mask, memory, memory_mask)
+            if i == last and self.final_norm is not None:
+                x = self.final_norm(x)
+            if observe is not None:
+                observe(i, x)
+        return x
+
+
+# ---------------------------------------------------------------- backbones
+
+
+class Backbone(nn.Module):
+    """Common parts of the three backbones."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.depth = Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers)
+        self.scheme = make_scheme(
+            cfg.scheme, self.depth, layerscale_init=cfg.layerscale_init, ds_init_variant=cfg.ds_init_variant
+        )
+
+    @property
+    def width(self) -> int:
+        return self.config.width
+
+    def stacks(self) -> list[Stack]:
+        return [m for m in self.children() if isinstance(m, Stack)]
+
+
+class EncoderModel(Backbone):
+    """Encoder-only backbone over tokens (BERT-like) or image patches (ViT-like)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        if cfg.input == "patches":
+            self.embed = PatchEmbedding(cfg)
+        else:
+            self.embed = TokenEmbedding(cfg, self.scheme.embedding_std("encoder", cfg.width))
+        self.encoder = Stack(cfg, self.scheme, "encoder", cfg.layers)
+
+    def forward(
+        self, inputs: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, observe: Optional[Observer] = None
+    ) -> torch.Tensor:
+        x = self.embed(inputs)
+        check_padding_mask(padding_mask, x.shape[:2], "padding_mask")
+        return self.encoder(x, padding_mask, observe=observe)
+
+
+class DecoderModel(Backbone):
+    """Decoder-only (causal) backbone over tokens (GPT-like)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.embed = TokenEmbedding(cfg, self.scheme.embedding_std("decoder", cfg.width))
+        self.decoder = Stack(cfg, self.scheme, "decoder", cfg.layers)
+
+    def forward(
+        self, tokens: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, observe: Optional[Observer] = None
+    ) -> torch.Tensor:
+        x = self.embed(tokens)
+        check_padding_mask(padding_mask, tokens.shape, "padding_mask")
+        return self.decoder(x, padding_mask, observe=observe)
+
+
+class EncoderDecoderModel(Backbone):
+    """Encoder-decoder backbone (source tokens -> target tokens) with cross-attention in every decoder layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.src_embed = TokenEmbedding(cfg, self.scheme.embedding_std("encoder", cfg.width))
+        self.tgt_embed = TokenEmbedding(cfg, self.scheme.embedding_std("decoder", cfg.width))
+        self.encoder = Stack(cfg, self.scheme, "encoder", cfg.layers)
+        self.decoder = Stack(cfg, self.scheme, "decoder", cfg.decoder_layers, cross=True)
+
+    def encode(
+        self, src: torch.Tensor, src_padding_mask: Optional[torch.Tensor] = None, observe: Optional[Observer] = None
+    ) -> torch.Tensor:
+        x = self.src_embed(src)
+        check_padding_mask(src_padding_mask, src.shape, "src_padding_mask")
+        return self.encoder(x, src_padding_mask, observe=observe)
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        tgt_padding_mask: Optional[torch.Tensor] = None,
+        src_padding_mask: Optional[torch.Tensor] = None,
+        observe: Optional[Observer] = None,
+    ) -> torch.Tensor:
+        y = self.tgt_embed(tgt)
+        check_padding_mask(tgt_padding_mask, tgt.shape, "tgt_padding_mask")
+        return self.decoder(y, tgt_padding_mask, memory, src_padding_mask, observe=observe)
+
+    def forward(
+        self,
+        src: torch.Tensor,
+        tgt: torch.Tensor,
+        src_padding_mask: Optional[torch.Tensor] = None,
+        tgt_padding_mask: Optional[torch.Tensor] = None,
+        observe: Optional[Observer] = None,
+        observe_decoder: Optional[Observer] = None,
+    ) -> torch.Tensor:
+        memory = self.encode(src, src_padding_mask, observe)
+        return self.decode(tgt, memory, tgt_padding_mask, src_padding_mask, observe_decoder)
+
+
+BACKBONES = {"encoder": EncoderModel, "decoder": DecoderModel, "encoder_decoder": EncoderDecoderModel}
+
+
+def build_model(cfg: "ModelConfig | dict") -> Backbone:
+    """Build the backbone that the ``model`` config section describes (a dict or a ModelConfig)."""
+    cfg = model_config(cfg)
+    return BACKBONES[cfg.arch](cfg)
