@@ -137,7 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)
+
+    # Other command groups live beside their code; each module has register(subparsers).
+    import importlib
+
+    for module in SUBCOMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
+
+
+SUBCOMMAND_MODULES: list[str] = ["kilolayer.train.cli", "kilolayer.analysis.cli"]
 
 
 def cmd_presets(args) -> int:

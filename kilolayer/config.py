@@ -126,12 +126,41 @@ class TrainConfig(_Section):
     """The training loop."""
 
     steps: int = Field(100, ge=0)
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1, description="global batch (all processes, all accumulation steps)")
+    accumulate: int = Field(1, ge=1, description="gradient accumulation: micro-batches per step")
     lr: float = Field(5e-4, gt=0)
     warmup: int = Field(0, ge=0)
+    schedule: Literal["constant", "inverse_sqrt", "cosine"] = "inverse_sqrt"
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine: final lr as a fraction of lr")
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    clip: float = Field(1.0, ge=0, description="gradient-norm clipping (0 = off)")
     seed: int = 0
     eval_every: int = Field(0, ge=0, description="0 = only at the end")
+    eval_batches: int = Field(8, ge=1, description="evaluation batches each time")
     checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    compile: bool = Field(False, description="torch.compile each layer")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
+    diverge_factor: float = Field(10.0, gt=1, description="diverged if loss > factor x running minimum after warm-up")
+    diagnostics_every: int = Field(0, ge=0, description="log DeepNet's stability diagnostics every K steps (0 = off)")
+    diagnostics_until: int = Field(0, ge=0, description="stop diagnostics after this step (0 = never)")
+    init_from: Optional[str] = Field(None, description="a run directory whose backbone weights to start from")
+    freeze_backbone: bool = Field(False, description="with init_from: train only the objective's head (linear probe)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.batch_size % self.accumulate:
+            raise ValueError(
+                f"train.batch_size={self.batch_size}: must be divisible by train.accumulate={self.accumulate}"
+            )
+        if self.freeze_backbone and not self.init_from:
+            raise ValueError("train.freeze_backbone=true: needs train.init_from (a pretrained run directory)")
+        return self
 
 
 class Config(_Section):

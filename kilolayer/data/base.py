@@ -1,0 +1,72 @@
+"""The data-source interface: every split is deterministic in (seed, step).
+
+A training batch is a pure function of the step (and of rank/world for
+multi-process runs), so resuming a run needs no saved iterator state beyond
+the step, and a resumed run sees exactly the batches an uninterrupted one
+would. Adding a source is one module with one ``@register_source`` function.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Iterator
+
+import torch
+
+SOURCES: dict[str, Callable] = {}
+
+
+def register_source(name: str):
+    def deco(fn):
+        SOURCES[name] = fn
+        return fn
+
+    return deco
+
+
+class Source(ABC):
+    """A dataset with a train split sampled by step and a fixed evaluation split.
+
+    Subclasses implement ``__len__`` (train examples), ``collate(indices, split)`` and
+    ``eval_size``.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of training examples."""
+
+    @property
+    @abstractmethod
+    def eval_size(self) -> int:
+        """Number of evaluation examples."""
+
+    @abstractmethod
+    def collate(self, indices: list[int], split: str) -> dict:
+        """The batch (a dict of tensors) of examples ``indices`` of ``split`` (train|eval)."""
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        cached = getattr(self, "_order", None)
+        if cached is None or cached[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = cached = (epoch, torch.randperm(len(self), generator=g))
+        return cached[1]
+
+    def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
+        """The global batch of ``step`` is examples [step*B, (step+1)*B) of the epoch-shuffled order;
+        rank r of ``world`` takes its contiguous share."""
+        n = len(self)
+        start = step * batch_size
+        per = batch_size // world
+        idx = []
+        for pos in range(start + rank * per, start + (rank + 1) * per):
+            epoch, k = divmod(pos, n)
+            idx.append(int(self.epoch_order(epoch)[k]) if n > 1 else 0)
+        return self.collate(idx, "train")
+
+    def eval_batches(self, batch_size: int, limit: int | None = None) -> Iterator[dict]:
+        n = self.eval_size if limit is None else min(limit, self.eval_size)
+        for start in range(0, n, batch_size):
+            yield self.collate(list(range(start, min(n, start + batch_size))), "eval")

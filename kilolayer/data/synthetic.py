@@ -1,0 +1,209 @@
+"""``synthetic``: seeded sequence-to-sequence tasks (copy, reverse, sort, add), and ``parallel`` text files.
+
+Ids: 0 = PAD, 1 = BOS, 2 = EOS, then the task's symbols. ``add`` uses the
+digits 0-9 and "+": "123+45" -> "168". A training example is drawn by a
+generator seeded with (seed, step, rank); the evaluation set is fixed (its
+own seed stream), so runs with the same seed see the same data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kilolayer.data.base import Source, register_source
+from kilolayer.data.options import parse_options
+from kilolayer.data import vocab
+from kilolayer.data.vocab import BYTE_VOCAB
+from kilolayer.errors import ConfigError, InputError
+
+PAD, BOS, EOS, FIRST = 0, 1, 2, 3
+
+
+class SyntheticOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    vocab: int = Field(10, ge=2, le=100_000, description="symbols (copy/reverse/sort)")
+    min_len: int = Field(4, ge=1)
+    max_len: int = Field(12, ge=1)
+    eval_size: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _lens(self):
+        if self.min_len > self.max_len:
+            raise ValueError(f"data.options.min_len={self.min_len}: must not exceed data.options.max_len={self.max_len}")
+        return self
+
+
+def pad_batch(seqs: list[list[int]], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (B, T) padded with ``pad``, padding mask (B, T) True = padding)."""
+    T = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    lengths = torch.as_tensor([len(s) for s in seqs])
+    return ids, torch.arange(T)[None, :] >= lengths[:, None]
+
+
+def seq2seq_batch(pairs: list[tuple[list[int], list[int]]], bos: int, eos: int, pad: int) -> dict:
+    src, src_mask = pad_batch([s for s, _ in pairs], pad)
+    tgt_in, tgt_mask = pad_batch([[bos] + t for _, t in pairs], pad)
+    tgt_out, _ = pad_batch([t + [eos] for _, t in pairs], pad)
+    return {"src": src, "src_padding_mask": src_mask, "tgt_in": tgt_in, "tgt_out": tgt_out,
+            "tgt_padding_mask": tgt_mask}
+
+
+class Seq2SeqSource(Source):
+    """Shared by synthetic tasks and parallel files: pairs of id lists, batched with BOS/EOS/PAD."""
+
+    bos, eos, pad = BOS, EOS, PAD
+
+    def batch_of(self, pairs) -> dict:
+        return seq2seq_batch(pairs, self.bos, self.eos, self.pad)
+
+    def detokenize(self, ids) -> str:
+        """A readable string of output ids (stops at EOS), for BLEU and samples."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos:
+                break
+            if i not in (self.bos, self.pad):
+                out.append(self.symbol(i))
+        return self.joiner.join(out)
+
+    joiner = " "
+
+    def symbol(self, i: int) -> str:
+        return str(i - FIRST)
+
+
+class Synthetic(Seq2SeqSource):
+    def __init__(self, task: str, opts: SyntheticOptions, seed: int):
+        super().__init__(seed)
+        self.task, self.opts = task, opts
+        self.vocab = 11 if task == "add" else opts.vocab
+        g = torch.Generator().manual_seed(seed * 7919 + 1)
+        self.eval_pairs = [self.example(g) for _ in range(opts.eval_size)]
+
+    @property
+    def vocab_size(self) -> int:
+        return FIRST + self.vocab
+
+    def symbol(self, i: int) -> str:
+        return "+" if self.task == "add" and i == FIRST + 10 else str(i - FIRST)
+
+    def example(self, g: torch.Generator) -> tuple[list[int], list[int]]:
+        o = self.opts
+        n = int(torch.randint(o.min_len, o.max_len + 1, (1,), generator=g))
+        if self.task == "add":
+            # two numbers whose digits total n (each at least 1 digit)
+            k = max(1, n // 2)
+            a = int(torch.randint(0, 10**k, (1,), generator=g))
+            b = int(torch.randint(0, 10 ** max(1, n - k), (1,), generator=g))
+            digits = lambda v: [FIRST + int(c) for c in str(v)]  # noqa: E731
+            return digits(a) + [FIRST + 10] + digits(b), digits(a + b)
+        x = (torch.randint(0, self.vocab, (n,), generator=g) + FIRST).tolist()
+        y = {"copy": x, "reverse": x[::-1], "sort": sorted(x)}[self.task]
+        return x, list(y)
+
+    def __len__(self) -> int:
+        return 1 << 62  # an endless stream
+
+    @property
+    def eval_size(self) -> int:
+        return len(self.eval_pairs)
+
+    def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
+        g = torch.Generator().manual_seed(((self.seed * 1_000_003 + step) * 64 + rank) * 2 + 1)
+        return self.batch_of([self.example(g) for _ in range(batch_size // world)])
+
+    def collate(self, indices, split):
+        return self.batch_of([self.eval_pairs[i] for i in indices])
+
+
+def _check_fits(config, vocab_size: int, longest: int, what: str) -> None:
+    m = config.model
+    if m.arch != "encoder_decoder":
+        raise ConfigError(f"model.arch={m.arch!r}: {what} needs an encoder_decoder")
+    if m.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size}: {what} needs at least {vocab_size}")
+    if m.max_len < longest:
+        raise ConfigError(f"model.max_len={m.max_len}: {what} has sequences of up to {longest} tokens")
+
+
+@register_source("synthetic")
+def synthetic(config) -> Synthetic:
+    opts = parse_options(SyntheticOptions, config.data.options, "data.options")
+    src = Synthetic(config.data.task, opts, config.train.seed)
+    longest = 2 * opts.max_len + 2 if config.data.task == "add" else opts.max_len + 1
+    _check_fits(config, src.vocab_size, longest, f"data.task={config.data.task!r}")
+    return src
+
+
+class ParallelOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(..., description="source-language file, one sentence per line")
+    target: str = Field(..., description="target-language file, aligned line by line")
+    valid_percent: int = Field(5, ge=1, le=50)
+    max_len: int = Field(0, ge=0, description="drop pairs longer than this many bytes (0 = model.max_len - 1)")
+
+
+class Parallel(Seq2SeqSource):
+    """Byte-level parallel text: ids are bytes; PAD/BOS/EOS from the shared byte vocabulary."""
+
+    bos, eos, pad = vocab.BOS, vocab.EOS, vocab.PAD
+    joiner = ""
+
+    def __init__(self, pairs, valid_percent: int, seed: int):
+        super().__init__(seed)
+        cut = max(1, len(pairs) * valid_percent // 100)
+        self.valid, self.train = pairs[:cut], pairs[cut:]
+        if not self.train:
+            raise InputError("parallel data: too few sentence pairs for a train and a validation split")
+
+    def symbol(self, i: int) -> str:
+        return bytes([i]).decode("latin-1")
+
+    def detokenize(self, ids) -> str:
+        raw = bytes(int(i) for i in ids[: next((k for k, i in enumerate(ids) if int(i) == self.eos), len(ids))]
+                    if 0 <= int(i) < 256)
+        return raw.decode("utf-8", errors="replace")
+
+    def __len__(self):
+        return len(self.train)
+
+    @property
+    def eval_size(self):
+        return len(self.valid)
+
+    def collate(self, indices, split):
+        data = self.train if split == "train" else self.valid
+        return self.batch_of([data[i] for i in indices])
+
+
+def _read_lines(path: str) -> list[str]:
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{p}: cannot read as UTF-8 text ({err.__class__.__name__})") from None
+
+
+@register_source("parallel")
+def parallel(config) -> Parallel:
+    """A user's parallel text: ``data.options.source`` and ``data.options.target``, aligned line by line."""
+    opts = parse_options(ParallelOptions, config.data.options, "data.options")
+    src, tgt = _read_lines(opts.source), _read_lines(opts.target)
+    if len(src) != len(tgt):
+        raise InputError(f"{opts.target}: {len(tgt)} lines, but {opts.source} has {len(src)}; files must be aligned")
+    limit = opts.max_len or config.model.max_len - 1
+    pairs = [(list(s.encode()), list(t.encode())) for s, t in zip(src, tgt) if s.strip() and t.strip()]
+    pairs = [(s, t) for s, t in pairs if len(s) <= limit and len(t) <= limit]
+    if len(pairs) < 2:
+        raise InputError(f"{opts.source}: fewer than 2 non-empty sentence pairs of at most {limit} bytes")
+    _check_fits(config, BYTE_VOCAB, limit + 1, "parallel data")
+    return Parallel(pairs, opts.valid_percent, config.train.seed)

@@ -1,0 +1,35 @@
+"""Objectives: one module per objective, registered by name (``objective.name``)."""
+
+from __future__ import annotations
+
+import importlib
+
+from kilolayer.errors import ConfigError
+from kilolayer.objectives.base import OBJECTIVES, Objective, Task, register_objective
+
+# Importing a module registers its objective.
+MODULES = ["kilolayer.objectives.causal_lm", "kilolayer.objectives.seq2seq"]
+
+
+def build_objective(config, backbone) -> Objective:
+    """The objective ``config.objective.name`` with its heads, checked against ``model.arch``."""
+    for m in MODULES:
+        importlib.import_module(m)
+    name = config.objective.name
+    if name not in OBJECTIVES:
+        raise ConfigError(f"objective.name={name!r}: not available; allowed: {', '.join(sorted(OBJECTIVES))}")
+    cls = OBJECTIVES[name]
+    if cls.archs and config.model.arch not in cls.archs:
+        raise ConfigError(f"model.arch={config.model.arch!r}: objective {name!r} needs model.arch in {list(cls.archs)}")
+    return cls(config, backbone)
+
+
+def build_task(config) -> Task:
+    """Backbone + objective for a full config."""
+    from kilolayer.nn.transformer import build_model
+
+    backbone = build_model(config.model)
+    return Task(backbone, build_objective(config, backbone))
+
+
+__all__ = ["OBJECTIVES", "Objective", "Task", "register_objective", "build_objective", "build_task"]

@@ -1,0 +1,81 @@
+"""The objective interface. An objective owns its head(s), its loss and how a
+data batch becomes model inputs; the trainer knows nothing objective-specific.
+
+Adding an objective is one module with one ``@register_objective`` class.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Iterable
+
+import torch
+from torch import nn
+
+OBJECTIVES: dict[str, type["Objective"]] = {}
+
+
+def register_objective(cls):
+    OBJECTIVES[cls.name] = cls
+    return cls
+
+
+class Objective(nn.Module):
+    """Heads + loss. Subclasses set ``name`` and ``archs`` and implement forward/evaluate.
+
+    * ``forward(backbone, batch) -> (loss, stats)``: ``loss`` a scalar tensor,
+      ``stats`` floats worth logging (e.g. accuracy on the batch).
+    * ``evaluate(backbone, batches) -> dict``: metrics over an evaluation set;
+      must contain ``loss``.
+    * ``represent(backbone, batch) -> Tensor``: the network output F(x, theta)
+      on a probe batch, for DeepNet's model-update diagnostic.
+    * ``tokens(batch) -> int``: tokens the backbone processes, for tokens/s.
+    """
+
+    name = ""
+    archs: tuple[str, ...] = ()
+
+    def __init__(self, config, backbone: nn.Module):
+        super().__init__()
+        self.config = config
+
+    @abstractmethod
+    def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(scalar loss, stats) for one batch."""
+
+    @torch.no_grad()
+    def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
+        """Default: mean loss over the batches, weighted by ``tokens``."""
+        total = weight = 0.0
+        for batch in batches:
+            loss, _ = self(backbone, batch)
+            w = self.tokens(batch)
+            total, weight = total + float(loss) * w, weight + w
+        return {"loss": total / max(weight, 1)}
+
+    @abstractmethod
+    def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
+        """F(x, theta) on a probe batch."""
+
+    def analysis_inputs(self, batch: dict) -> tuple[dict, "torch.Tensor | None"]:
+        """(keyword arguments for ``backbone(**kwargs, observe=fn)``, padding mask (B, T) of the observed
+        sequence, True = padding). Default: the batch's ``inputs``/``tokens`` and ``padding_mask``."""
+        x = batch["inputs"] if "inputs" in batch else batch["tokens"]
+        mask = batch.get("padding_mask")
+        return {"inputs" if "inputs" in batch else "tokens": x, "padding_mask": mask}, mask
+
+    @abstractmethod
+    def tokens(self, batch: dict) -> int:
+        """Tokens the backbone processes in ``batch``."""
+
+
+class Task(nn.Module):
+    """Backbone + objective as one module, so DDP/FSDP and checkpoints see one tree."""
+
+    def __init__(self, backbone: nn.Module, objective: Objective):
+        super().__init__()
+        self.backbone = backbone
+        self.objective = objective
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        return self.objective(self.backbone, batch)

@@ -1,0 +1,63 @@
+"""``causal_lm``: next-token prediction (GPT/OPT) — a token-level objective.
+
+Batches hold ``tokens`` (B, T+1); the model reads tokens[:, :-1] and predicts
+tokens[:, 1:]. Positions whose target is padding carry no loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kilolayer.objectives.base import Objective, register_objective
+
+
+@register_objective
+class CausalLM(Objective):
+    name = "causal_lm"
+    archs = ("decoder",)
+
+    def __init__(self, config, backbone):
+        super().__init__(config, backbone)
+        m = config.model
+        self.head = nn.Linear(m.width, m.vocab_size, bias=False)
+        nn.init.normal_(self.head.weight, std=m.width**-0.5)
+
+    def _split(self, batch):
+        tokens = batch["tokens"]
+        pad = batch.get("padding_mask")
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        in_pad = pad[:, :-1] if pad is not None else None
+        valid = ~pad[:, 1:] if pad is not None else None
+        return x, y, in_pad, valid
+
+    def forward(self, backbone, batch):
+        x, y, in_pad, valid = self._split(batch)
+        h = backbone(x, padding_mask=in_pad)
+        logits = self.head(h).float()
+        if valid is not None:
+            y = y.masked_fill(~valid, -100)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+        return loss, {}
+
+    @torch.no_grad()
+    def evaluate(self, backbone, batches):
+        out = super().evaluate(backbone, batches)
+        out["bits_per_token"] = out["loss"] / math.log(2)
+        return out
+
+    def represent(self, backbone, batch):
+        x, _, in_pad, _ = self._split(batch)
+        return backbone(x, padding_mask=in_pad)
+
+    def analysis_inputs(self, batch):
+        x, _, in_pad, _ = self._split(batch)
+        return {"tokens": x, "padding_mask": in_pad}, in_pad
+
+    def tokens(self, batch):
+        _, _, _, valid = self._split(batch)
+        x = batch["tokens"]
+        return int(valid.sum()) if valid is not None else x.shape[0] * (x.shape[1] - 1)

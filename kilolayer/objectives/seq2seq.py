@@ -1,0 +1,101 @@
+"""``seq2seq``: sequence-to-sequence with teacher forcing; greedy decoding, exact match and BLEU at evaluation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from kilolayer.data.options import parse_options
+from kilolayer.objectives.base import Objective, register_objective
+
+
+class Seq2SeqOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    decode_samples: int = Field(256, ge=0, description="evaluation samples decoded greedily (0 = none)")
+    max_new_tokens: int = Field(0, ge=0, description="0 = source length + 8, capped by model.max_len")
+
+
+@register_objective
+class Seq2Seq(Objective):
+    name = "seq2seq"
+    archs = ("encoder_decoder",)
+
+    def __init__(self, config, backbone):
+        super().__init__(config, backbone)
+        m = config.model
+        self.opts = parse_options(Seq2SeqOptions, config.objective.options, "objective.options")
+        self.head = nn.Linear(m.width, m.vocab_size, bias=False)
+        nn.init.normal_(self.head.weight, std=m.width**-0.5)
+        # ids and detokenizer of the data source (attach_data); defaults for plain id sequences
+        self.bos, self.eos = 1, 2
+        self.detokenize = lambda ids: " ".join(str(int(i)) for i in ids)
+
+    def attach_data(self, source) -> None:
+        """Take BOS/EOS ids and the detokenizer (for BLEU and exact match) from the data source."""
+        self.bos, self.eos, self.detokenize = source.bos, source.eos, source.detokenize
+
+    def forward(self, backbone, batch):
+        h = backbone(batch["src"], batch["tgt_in"], batch["src_padding_mask"], batch["tgt_padding_mask"])
+        logits = self.head(h).float()
+        y = batch["tgt_out"].masked_fill(batch["tgt_padding_mask"], -100)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
+                               label_smoothing=self.opts.label_smoothing)
+        return loss, {}
+
+    @torch.no_grad()
+    def greedy(self, backbone, src, src_padding_mask, bos: int, eos: int, max_new: int) -> torch.Tensor:
+        """Greedy decoding; returns (B, <= max_new) ids, EOS-terminated rows padded with EOS."""
+        memory = backbone.encode(src, src_padding_mask)
+        out = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
+        done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
+        for _ in range(max_new):
+            h = backbone.decode(out, memory, None, src_padding_mask)
+            nxt = self.head(h[:, -1]).argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            done |= nxt == eos
+            if bool(done.all()):
+                break
+        return out[:, 1:]
+
+    @torch.no_grad()
+    def evaluate(self, backbone, batches):
+        import sacrebleu
+
+        batches = list(batches)
+        out = super().evaluate(backbone, batches)
+        if not self.opts.decode_samples:
+            return out
+        m = self.config.model
+        detok = self.detokenize
+        hyps, refs, exact, seen = [], [], 0, 0
+        for batch in batches:
+            if seen >= self.opts.decode_samples:
+                break
+            src, mask = batch["src"], batch["src_padding_mask"]
+            max_new = self.opts.max_new_tokens or src.shape[1] + 8
+            max_new = min(max_new, m.max_len - 1)
+            pred = self.greedy(backbone, src, mask, self.bos, self.eos, max_new)
+            for i in range(src.shape[0]):
+                h = detok(pred[i].tolist())
+                r = detok(batch["tgt_out"][i][~batch["tgt_padding_mask"][i]].tolist())
+                hyps.append(h)
+                refs.append(r)
+                exact += int(h == r)
+            seen += src.shape[0]
+        out["exact_match"] = exact / max(1, len(hyps))
+        out["bleu"] = float(sacrebleu.corpus_bleu(hyps, [refs]).score)
+        return out
+
+    def represent(self, backbone, batch):
+        return backbone(batch["src"], batch["tgt_in"], batch["src_padding_mask"], batch["tgt_padding_mask"])
+
+    def analysis_inputs(self, batch):
+        # the encoder's layers: src through encode()
+        return {"src": batch["src"], "src_padding_mask": batch["src_padding_mask"]}, batch["src_padding_mask"]
+
+    def tokens(self, batch):
+        return int((~batch["src_padding_mask"]).sum() + (~batch["tgt_padding_mask"]).sum())

@@ -1,0 +1,1 @@
+"""Training: the loop, optimiser and schedules, checkpoints, multi-process, logging, diagnostics."""

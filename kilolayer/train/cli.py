@@ -1,0 +1,33 @@
+"""``kilolayer train``."""
+
+from __future__ import annotations
+
+
+def cmd_train(args) -> int:
+    from kilolayer.train.loop import train
+
+    if args.config is None and not args.resume:
+        from kilolayer.errors import ConfigError
+
+        raise ConfigError("train: give a CONFIG (file or preset), or --resume an existing --out directory")
+    result = train(args.config, args.out, resume=args.resume, sets=args.set, quiet=args.quiet)
+    print(f"{result['status']} at step {result['step']}: {args.out}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model; writes config.yaml, metrics.jsonl, status.json, checkpoints/ and tensorboard/ to --out",
+        description="Train a model. A diverged run (non-finite loss, or loss above train.diverge_factor x its running "
+                    "minimum after warm-up) is recorded as status 'diverged' and exits with code 3. Multi-process: "
+                    "torchrun --nproc-per-node K -m kilolayer train CONFIG --out DIR (train.parallel: ddp|fsdp).",
+    )
+    p.add_argument("config", nargs="?", metavar="CONFIG", help="a YAML config file or a preset name")
+    p.add_argument("--out", required=True, metavar="DIR", help="the run directory")
+    p.add_argument("--set", action="append", default=[], metavar="key.path=value",
+                   help="override a config key (repeatable), e.g. --set train.steps=200")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint (bit-identical losses)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=cmd_train)

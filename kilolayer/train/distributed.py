@@ -1,0 +1,129 @@
+"""Multi-process training on PyTorch's own engine, applied from outside the model.
+
+Under ``torchrun`` (WORLD_SIZE > 1) the process group is gloo on CPU and nccl
+on GPU; ``train.parallel`` picks DDP or FSDP2 (``fully_shard`` per layer, then
+the whole task). Full state dicts are gathered for checkpoints, so a
+checkpoint is the same safetensors file whatever the parallelism.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def setup(device_choice: str = "auto") -> Dist:
+    """Read torchrun's environment, pick the device, start the process group if there is more than one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return Dist(rank, world, local, device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(task: nn.Module, mode: str, env: Dist) -> nn.Module:
+    """DDP or FSDP2 around the task (no-op for one process)."""
+    if not env.active:
+        return task
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        from kilolayer.nn.layers import Layer
+
+        for module in task.modules():
+            if isinstance(module, Layer):
+                fully_shard(module)
+        fully_shard(task)
+        return task
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(task, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    return module.module if hasattr(module, "module") and isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on CPU. Every rank must call it under FSDP."""
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(unwrap(module), options=_options())
+    return {k: v.detach().cpu() for k, v in unwrap(module).state_dict().items()}
+
+
+def load_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(unwrap(module), state, options=StateDictOptions(full_state_dict=True))
+    else:
+        unwrap(module).load_state_dict(state)
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(unwrap(module), optimizer, options=_options())
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(unwrap(module), optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
+
+
+def all_mean(value: float, env: Dist) -> float:
+    """Mean of a float over processes."""
+    if not env.active:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=env.device if env.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return float(t) / env.world
+
+
+def barrier(env: Dist) -> None:
+    if env.active:
+        dist.barrier()
