@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SUBCOMMAND_MODULES: list[str] = ["kilolayer.train.cli", "kilolayer.analysis.cli"]
+SUBCOMMAND_MODULES: list[str] = ["kilolayer.train.cli", "kilolayer.study.cli", "kilolayer.analysis.cli"]
 
 
 def cmd_presets(args) -> int:

@@ -1,0 +1,1 @@
+"""Studies: grids of training runs, their analyses, findings and the report."""

@@ -1,0 +1,50 @@
+"""``kilolayer study``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def cmd_study(args) -> int:
+    from kilolayer.errors import ConfigError
+
+    if args.list:
+        from kilolayer.study.builtin import BUILTIN
+        from kilolayer.study.spec import expand, load_spec
+
+        for name in BUILTIN:
+            spec = load_spec(name)
+            mins = f"~{spec.expected_minutes:g} min on 2 CPU cores" if spec.expected_minutes else "time not measured"
+            print(f"{name:10s} {len(expand(spec)):3d} runs, {mins}: {spec.description.strip().splitlines()[0]}")
+        return 0
+    if not args.spec or not args.out:
+        raise ConfigError("study: give NAME|SPEC.yaml and --out DIR (or --list)")
+    from kilolayer.study.report import write_report
+    from kilolayer.study.runner import run_study
+    from kilolayer.study.spec import load_spec
+
+    spec = load_spec(args.spec)
+    t0 = time.perf_counter()
+    results = run_study(spec, Path(args.out), jobs=args.jobs)
+    md, html, findings = write_report(spec, results, Path(args.out), time.perf_counter() - t0)
+    for f in findings:
+        print(f"{f.verdict.verdict:>13s}: {f.title}")
+    print(f"report: {html}")
+    print(f"        {md}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "study",
+        help="run a grid of training runs that tests DeepNet's and Bamboo's claims, and write a report",
+        description="Run a study (a built-in NAME or a SPEC.yaml): every grid point is an ordinary `kilolayer train` "
+                    "run under DIR/runs/; DIR/report.md and DIR/report.html say what each paper claims, what was "
+                    "measured and a verdict. Re-running skips finished points and resumes failed ones.",
+    )
+    p.add_argument("spec", nargs="?", metavar="NAME|SPEC.yaml", help="a built-in study (see --list) or a spec file")
+    p.add_argument("--out", metavar="DIR", help="the study directory")
+    p.add_argument("--jobs", type=int, default=1, metavar="K", help="train K points at once (default 1)")
+    p.add_argument("--list", action="store_true", help="list the built-in studies with their expected run time")
+    p.set_defaults(func=cmd_study)

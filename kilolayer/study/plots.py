@@ -1,0 +1,89 @@
+"""Plots for study reports (matplotlib, Agg): loss curves, model update, token cosine per layer."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SCHEME_COLORS = {"post_ln": "tab:red", "pre_ln": "tab:blue", "deepnorm": "tab:green"}
+
+
+def _save(fig, path: Path) -> bool:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def loss_curves(results, path: Path) -> bool:
+    """Validation loss vs step; one panel per depth, one line per scheme (and seed)."""
+    rs = [r for r in results if r.evals]
+    if not rs:
+        return False
+    depths = sorted({r.point.config.model.layers for r in rs})
+    fig, axes = plt.subplots(1, len(depths), figsize=(4.2 * len(depths), 3.4), sharey=True, squeeze=False)
+    for ax, d in zip(axes[0], depths):
+        for r in sorted((r for r in rs if r.point.config.model.layers == d), key=lambda r: r.point.name):
+            scheme = r.point.config.model.scheme
+            steps = [e["step"] for e in r.evals]
+            loss = [e["loss"] for e in r.evals]
+            label = f"{scheme} (seed {r.point.config.train.seed})" + (" diverged" if r.status == "diverged" else "")
+            ax.plot(steps, loss, marker="o", ms=3, color=SCHEME_COLORS.get(scheme), label=label)
+        cfg = next(r for r in rs if r.point.config.model.layers == d).point.config.model
+        ax.set_title(f"{d}L-{cfg.decoder_layers}L" if cfg.arch == "encoder_decoder" else f"{d} layers")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation loss (nats/token)")
+    axes[0][-1].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def update_curves(results, path: Path) -> bool:
+    rs = [r for r in results if r.diagnostics]
+    if not rs:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for r in sorted(rs, key=lambda r: (r.point.config.model.scheme, r.point.config.model.layers)):
+        m = r.point.config.model
+        ax.plot([d["step"] for d in r.diagnostics], [d["update"] for d in r.diagnostics],
+                color=SCHEME_COLORS.get(m.scheme), alpha=0.35 + 0.65 * m.layers / max(x.point.config.model.layers for x in rs),
+                label=f"{m.scheme} {m.layers}L")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("||F(x, θ_t) − F(x, θ_0)|| (mean per token)")
+    ax.set_title("Early model update on a fixed probe batch")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def smoothness_curves(results, path: Path) -> bool:
+    """Token cosine per layer (depth normalised to [0, 1]); one panel per shape, one line per group."""
+    rs = [r for r in results if r.smoothness and r.smoothness.get("cosine")]
+    if not rs:
+        return False
+    shapes = sorted({(r.point.config.model.layers, r.point.config.model.width) for r in rs})
+    groups = sorted({r.point.group for r in rs})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.6 * len(shapes), 3.6), sharey=True, squeeze=False)
+    for ax, (layers, width) in zip(axes[0], shapes):
+        for g in groups:
+            curves = [r.smoothness["cosine"] for r in rs
+                      if r.point.group == g and (r.point.config.model.layers, r.point.config.model.width) == (layers, width)]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
+            x = [i / (n - 1) if n > 1 else 0 for i in range(n)]
+            ax.plot(x, mean, marker="o", ms=3, label=f"{g} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+        ax.set_title(f"{layers} layers x {width}")
+        ax.set_xlabel("layer / depth (0 = embeddings)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean token cosine similarity")
+    axes[0][-1].legend(fontsize=7)
+    return _save(fig, path)

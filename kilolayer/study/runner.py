@@ -1,0 +1,171 @@
+"""Run a study: every point is a ``kilolayer train`` subprocess, K at a time.
+
+Finished points (completed or diverged: both are results) are skipped on a
+re-run; failed or interrupted ones are resumed from their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from kilolayer.config import dump_yaml, load_config
+from kilolayer.study.spec import Point, StudySpec, expand
+from kilolayer.train.logging import read_metrics
+
+FINISHED = ("completed", "diverged")
+
+
+@dataclass
+class Result:
+    """What one point produced, read back from its run directory."""
+
+    point: Point
+    status: str
+    reason: str = ""
+    step: int = 0
+    eval: dict = field(default_factory=dict)  # the last evaluation record
+    evals: list = field(default_factory=list)
+    train_losses: list = field(default_factory=list)
+    diagnostics: list = field(default_factory=list)
+    smoothness: Optional[dict] = None
+    seconds: float = 0.0
+    command: str = ""
+    ran: bool = False  # trained in this invocation
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "completed"
+
+
+def train_command(point: Point, out: Path) -> list[str]:
+    cfg = out / "configs" / point.group / f"{point.name}.yaml"
+    return [sys.executable, "-m", "kilolayer", "train", str(cfg), "--out", str(point.run_dir(out)), "--resume",
+            "--quiet"]
+
+
+def shell_command(point: Point, out: Path) -> str:
+    """The command as a user would type it (to rerun a point by hand, or send it to a cluster)."""
+    cmd = train_command(point, out)
+    return shlex.join(["kilolayer", *cmd[3:]])
+
+
+def _status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _materialise(point: Point, out: Path) -> None:
+    cfg = point.config
+    if point.init_from_point:
+        group, name = point.init_from_point.split("/")
+        src = (out / "runs" / group / name).resolve()
+        cfg = load_config({**cfg.model_dump(), "train": {**cfg.train.model_dump(), "init_from": str(src)}})
+        point.config = cfg
+    path = out / "configs" / point.group / f"{point.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = dump_yaml(cfg)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def run_point(point: Point, out: Path, log=print) -> tuple[str, float, bool]:
+    """Train one point unless it already finished. Returns (status, seconds, trained now)."""
+    run_dir = point.run_dir(out)
+    st = _status(run_dir)
+    if st.get("status") in FINISHED:
+        return st["status"], float(st.get("seconds", 0.0)), False
+    _materialise(point, out)
+    logfile = out / "logs" / point.group / f"{point.name}.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    log(f"[study] train {point.key}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(logfile, "a") as fh:
+        proc = subprocess.run(train_command(point, out), stdout=fh, stderr=subprocess.STDOUT, env=env)
+    seconds = time.perf_counter() - t0
+    st = _status(run_dir)
+    status = st.get("status") if st.get("status") in FINISHED else "failed"
+    if status == "failed":
+        # a crash (not a divergence): record it so the report says so; a re-run retries it
+        reason = (logfile.read_text().strip().splitlines() or ["no output"])[-1][:300]
+        from kilolayer.train.logging import write_status
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_status(run_dir, "failed", int(st.get("step", 0)), f"exit code {proc.returncode}: {reason}")
+    else:
+        data = {**st, "seconds": seconds}
+        (run_dir / "status.json").write_text(json.dumps(data, indent=2) + "\n")
+    log(f"[study] {point.key}: {status} ({seconds:.0f}s)")
+    return status, seconds, True
+
+
+def run_analyses(point: Point, out: Path, log=print) -> None:
+    run_dir = point.run_dir(out)
+    if _status(run_dir).get("status") != "completed":
+        return
+    for name in point.analyses:
+        target = run_dir / "analysis" / name
+        if (target / f"{name}.json").exists():
+            continue
+        if name == "smoothness":
+            from kilolayer.cli import main
+
+            # the validation split of the run's own data, through its observer: same as the CLI
+            rc = main(["analyze", "smoothness", "--run", str(run_dir), "--samples", "256", "--out", str(target)])
+            log(f"[study] smoothness of {point.key}" + ("" if rc == 0 else f" failed (exit code {rc})"))
+
+
+def collect(point: Point, out: Path) -> Result:
+    run_dir = point.run_dir(out)
+    st = _status(run_dir)
+    records = read_metrics(run_dir)
+    evals = [r for r in records if r.get("split") == "eval"]
+    smooth = None
+    sfile = run_dir / "analysis" / "smoothness" / "smoothness.json"
+    if sfile.exists():
+        smooth = json.loads(sfile.read_text())
+    return Result(
+        point=point, status=st.get("status", "missing"), reason=st.get("reason", ""), step=int(st.get("step", 0)),
+        eval=evals[-1] if evals else {}, evals=evals,
+        train_losses=[(r["step"], r["loss"]) for r in records if r.get("split") == "train"],
+        diagnostics=[r for r in records if r.get("split") == "diagnostics"], smoothness=smooth,
+        seconds=float(st.get("seconds", 0.0)), command=shell_command(point, out),
+    )
+
+
+def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Result]:
+    """Train every point (groups in order, ``jobs`` at a time), run analyses, return the results."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    points = expand(spec)
+    ran: set[str] = set()
+    for group in spec.groups:
+        mine = [p for p in points if p.group == group.name]
+
+        def one(p: Point):
+            status, _, trained = run_point(p, out, log)
+            if trained:
+                ran.add(p.key)
+            run_analyses(p, out, log)
+
+        if jobs > 1:
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                list(pool.map(one, mine))
+        else:
+            for p in mine:
+                one(p)
+    results = [collect(p, out) for p in points]
+    for r in results:
+        r.ran = r.point.key in ran
+    return results

@@ -1,0 +1,194 @@
+"""Study specs: groups of grids over config keys, expanded into ordinary training points.
+
+A spec (YAML or a built-in name)::
+
+    name: my_study
+    description: what it asks
+    groups:
+      - name: deepnet
+        base: {model: {...}, objective: {...}, data: {...}, train: {...}}
+        grid:                       # the product of these
+          model.scheme: [post_ln, deepnorm]
+          model.layers,model.decoder_layers: [[6, 6], [18, 18]]   # keys tied together
+        seeds: [0, 1]               # train.seed values (default [0])
+        analyses: [smoothness]      # run on each finished point
+      - name: finetune
+        after: pretrain             # runs once the named group is done
+        init_from: pretrain         # train.init_from = the pretrain point with the same grid values
+        ...
+    findings: [deepnet_depth, ...]  # names in kilolayer.study.findings.FINDINGS
+
+Each point is a plain ``kilolayer train`` run directory ``OUT/runs/<group>/<point>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kilolayer.config import Config, apply_sets, format_validation_error, load_config
+from kilolayer.errors import ConfigError
+
+ANALYSES = ("smoothness",)
+
+
+class GroupSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_\-]+$")
+    description: str = ""
+    base: dict[str, Any] = Field(default_factory=dict)
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    analyses: list[str] = Field(default_factory=list)
+    after: Optional[str] = None
+    init_from: Optional[str] = None
+
+    @field_validator("grid")
+    @classmethod
+    def _grid(cls, grid):
+        for key, values in grid.items():
+            if not values:
+                raise ValueError(f"grid.{key}: empty list of values")
+            width = len(key.split(","))
+            if width > 1:
+                for v in values:
+                    if not isinstance(v, list) or len(v) != width:
+                        raise ValueError(f"grid.{key}: each value must be a list of {width} values (keys tied together)")
+        return grid
+
+    @field_validator("analyses")
+    @classmethod
+    def _analyses(cls, names):
+        for n in names:
+            if n not in ANALYSES:
+                raise ValueError(f"analyses: unknown analysis {n!r}; allowed: {', '.join(ANALYSES)}")
+        return names
+
+
+class StudySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str = ""
+    expected_minutes: Optional[float] = Field(None, description="run time on a 2-core CPU machine, measured")
+    groups: list[GroupSpec] = Field(..., min_length=1)
+    findings: list[str] = Field(default_factory=list)
+
+
+@dataclass
+class Point:
+    """One training run of a study."""
+
+    group: str
+    name: str
+    values: dict[str, Any]  # grid values (dotted keys) + train.seed
+    config: Config
+    init_from_point: Optional[str] = None  # "<group>/<name>" whose run initialises this one
+    analyses: list[str] = field(default_factory=list)
+
+    def run_dir(self, out: Path) -> Path:
+        return Path(out) / "runs" / self.group / self.name
+
+    @property
+    def key(self) -> str:
+        return f"{self.group}/{self.name}"
+
+
+def _short(key: str) -> str:
+    return key.split(".")[-1]
+
+
+def point_name(values: dict[str, Any]) -> str:
+    parts = []
+    for k, v in values.items():
+        parts.append(f"{_short(k)}={v}")
+    return "_".join(parts).replace("/", "-") or "base"
+
+
+def expand(spec: StudySpec) -> list[Point]:
+    """All points of a spec, groups in order; validates every config up front (one line if any is bad)."""
+    from kilolayer.objectives import build_objective  # noqa: F401 - registers objectives for validation
+
+    names = [g.name for g in spec.groups]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"groups: duplicate group names in {names}")
+    points: list[Point] = []
+    by_group: dict[str, list[Point]] = {}
+    for g in spec.groups:
+        if g.after is not None and g.after not in by_group:
+            raise ConfigError(f"groups.{g.name}.after={g.after!r}: no earlier group of that name")
+        if g.init_from is not None and g.init_from not in by_group:
+            raise ConfigError(f"groups.{g.name}.init_from={g.init_from!r}: no earlier group of that name")
+        keys = list(g.grid)
+        combos = list(itertools.product(*(g.grid[k] for k in keys))) if keys else [()]
+        mine = []
+        for combo in combos:
+            for seed in g.seeds:
+                values: dict[str, Any] = {}
+                for key, value in zip(keys, combo):
+                    subkeys = key.split(",")
+                    vals = value if len(subkeys) > 1 else [value]
+                    for sk, sv in zip(subkeys, vals):
+                        values[sk.strip()] = sv
+                values["train.seed"] = seed
+                sets = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                        for k, v in values.items()]
+                data = apply_sets(copy.deepcopy(g.base), sets)
+                try:
+                    cfg = load_config(data)
+                except ConfigError as err:
+                    raise ConfigError(f"groups.{g.name} point {point_name(values)}: {err}") from None
+                p = Point(g.name, point_name(values), values, cfg, analyses=list(g.analyses))
+                if g.init_from is not None:
+                    p.init_from_point = _match(p, by_group[g.init_from], g.init_from)
+                mine.append(p)
+        by_group[g.name] = mine
+        points += mine
+    return points
+
+
+def _match(p: Point, candidates: list[Point], group: str) -> str:
+    """The candidate whose grid values agree with p's on every key they share."""
+    best = [c for c in candidates if all(p.values.get(k) == v for k, v in c.values.items() if k in p.values)]
+    if len(best) != 1:
+        raise ConfigError(
+            f"groups.{p.group} point {p.name}: init_from={group!r} matches {len(best)} points; "
+            "give both groups the same grid keys"
+        )
+    return best[0].key
+
+
+def load_spec(source: "str | Path") -> StudySpec:
+    """A built-in study by name, or a YAML spec file."""
+    from kilolayer.study.builtin import BUILTIN
+
+    src = str(source)
+    if src in BUILTIN:
+        data = BUILTIN[src]()
+    else:
+        p = Path(src)
+        if not p.is_file():
+            raise ConfigError(
+                f"{src}: neither a built-in study ({', '.join(BUILTIN)}) nor a spec file; see kilolayer study --list"
+            )
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError:
+            raise ConfigError(f"{p}: not valid YAML") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping with name, groups and findings")
+    try:
+        spec = StudySpec.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, "study")) from None
+    from kilolayer.study.findings import FINDINGS
+
+    for f in spec.findings:
+        if f not in FINDINGS:
+            raise ConfigError(f"study.findings: unknown finding {f!r}; allowed: {', '.join(sorted(FINDINGS))}")
+    return spec
