@@ -111,12 +111,19 @@ def cmd_configs(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kilolayer",
         description="Configure, train and diagnose deep Transformers (DeepNorm; depth vs width by objective).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     p = sub.add_parser("describe", help="table of a model: layers, width, scheme constants, parameters, FLOPs/token")
@@ -168,6 +175,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("kilolayer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # output piped into e.g. `head`: the files are written; stop quietly
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

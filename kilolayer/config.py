@@ -8,6 +8,7 @@ value and what is allowed (see :func:`format_validation_error`).
 from __future__ import annotations
 
 import copy
+import difflib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -173,19 +174,34 @@ class Config(_Section):
 # ---------------------------------------------------------------- errors
 
 
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """One line for the first problem pydantic found: field path, bad value, what is allowed."""
+def _section_keys(cls: Optional[type], path: tuple) -> Optional[list[str]]:
+    """The keys a nested section of ``cls`` accepts (``path`` names the section), or None if unknown."""
+    for part in path:
+        field = cls.model_fields.get(str(part)) if cls is not None else None
+        cls = field.annotation if field is not None else None
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return None
+    return list(cls.model_fields) if cls is not None else None
+
+
+def format_validation_error(err: ValidationError, prefix: str = "", cls: Optional[type] = None) -> str:
+    """One line for the first problem pydantic found: field path, bad value, what is allowed.
+
+    ``cls`` (the validated model) lets an unknown key list the keys its section accepts.
+    """
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e.get("loc", ()) if p != "__root__")
+    parts = tuple(p for p in e.get("loc", ()) if p != "__root__")
+    loc = ".".join(str(p) for p in parts)
     where = ".".join(p for p in (prefix, loc) if p)
     msg = e.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         # our own validators already name the field
         return msg[len("Value error, "):]
     if e.get("type") == "extra_forbidden":
-        return f"{where}: unknown key"
+        keys = _section_keys(cls, parts[:-1])
+        return f"{where}: unknown key" + (f"; allowed: {', '.join(keys)}" if keys else "")
     value = e.get("input")
-    shown = f"={value!r}" if not isinstance(value, (dict, list)) else ""
+    shown = f"={value!r}" if not isinstance(value, (dict, list)) or len(repr(value)) <= 40 else ""
     return f"{where}{shown}: {msg[0].lower() + msg[1:]}"
 
 
@@ -193,7 +209,7 @@ def _validate(cls, data: Any, prefix: str):
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, prefix)) from None
+        raise ConfigError(format_validation_error(err, prefix, cls)) from None
 
 
 def model_config(cfg: "ModelConfig | dict") -> ModelConfig:
@@ -240,6 +256,12 @@ def apply_sets(data: dict, sets: list[str]) -> dict:
     return out
 
 
+def _looks_like_a_name(source: "str | Path") -> bool:
+    """A missing source with no directory part and no YAML suffix was meant as a preset name."""
+    p = Path(source)
+    return not p.exists() and len(p.parts) == 1 and p.suffix.lower() not in (".yaml", ".yml", ".json")
+
+
 def read_yaml(path: "str | Path") -> dict:
     p = Path(path)
     if not p.is_file():
@@ -268,10 +290,18 @@ def load_config(source: "str | Path | dict | None" = None, sets: Optional[list[s
 
     if source is None:
         data: dict = {}
+    elif isinstance(source, BaseModel):
+        data = source.model_dump()
     elif isinstance(source, dict):
         data = copy.deepcopy(source)
     elif str(source) in PRESETS:
         data = {"model": PRESETS[str(source)].model_dump()}
+    elif _looks_like_a_name(source):
+        near = difflib.get_close_matches(str(source), list(PRESETS), n=3)
+        hint = f"did you mean {' or '.join(near)}? " if near else ""
+        raise ConfigError(
+            f"{source}: neither a preset nor a config file; {hint}`kilolayer presets` lists the presets"
+        )
     else:
         data = read_yaml(source)
     data = apply_sets(data, sets or [])

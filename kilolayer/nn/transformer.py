@@ -40,9 +40,10 @@ def sinusoidal_positions(length: int, width: int) -> torch.Tensor:
 class TokenEmbedding(nn.Module):
     """Token embedding (times sqrt(width) if ``embed_scale``) plus learned, sinusoidal or no positions."""
 
-    def __init__(self, cfg: ModelConfig, std: float):
+    def __init__(self, cfg: ModelConfig, std: float, name: str = "tokens"):
         super().__init__()
         self.vocab_size, self.max_len = cfg.vocab_size, cfg.max_len
+        self.name = name  # how input errors refer to this input (src/tgt in an encoder-decoder)
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.width)
         self.scale = math.sqrt(cfg.width) if cfg.embed_scale else 1.0
         self.positions = None
@@ -71,7 +72,7 @@ class TokenEmbedding(nn.Module):
                 raise InputError(f"{name}: ids must lie in [0, {self.vocab_size}), got [{lo}, {hi}]")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.check(tokens)
+        self.check(tokens, self.name)
         x = self.tokens(tokens)
         if self.scale != 1.0:
             x = x * self.scale
@@ -254,8 +255,8 @@ class EncoderDecoderModel(Backbone):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.src_embed = TokenEmbedding(cfg, self.scheme.embedding_std("encoder", cfg.width))
-        self.tgt_embed = TokenEmbedding(cfg, self.scheme.embedding_std("decoder", cfg.width))
+        self.src_embed = TokenEmbedding(cfg, self.scheme.embedding_std("encoder", cfg.width), name="src")
+        self.tgt_embed = TokenEmbedding(cfg, self.scheme.embedding_std("decoder", cfg.width), name="tgt")
         self.encoder = Stack(cfg, self.scheme, "encoder", cfg.layers)
         self.decoder = Stack(cfg, self.scheme, "decoder", cfg.decoder_layers, cross=True)
 

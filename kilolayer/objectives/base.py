@@ -58,8 +58,10 @@ class Objective(nn.Module):
         """F(x, theta) on a probe batch."""
 
     def analysis_inputs(self, batch: dict) -> tuple[dict, "torch.Tensor | None"]:
-        """(keyword arguments for ``backbone(**kwargs, observe=fn)``, padding mask (B, T) of the observed
-        sequence, True = padding). Default: the batch's ``inputs``/``tokens`` and ``padding_mask``."""
+        """(keyword arguments for ``backbone(**kwargs, observe=fn)`` — for an encoder-decoder, for
+        ``backbone.encode(**kwargs, observe=fn)``, its encoder being what is analysed — and the padding mask
+        (B, T) of the observed sequence, True = padding). Default: the batch's ``inputs``/``tokens`` and
+        ``padding_mask``."""
         x = batch["inputs"] if "inputs" in batch else batch["tokens"]
         mask = batch.get("padding_mask")
         return {"inputs" if "inputs" in batch else "tokens": x, "padding_mask": mask}, mask

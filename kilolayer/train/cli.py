@@ -10,8 +10,11 @@ def cmd_train(args) -> int:
         from kilolayer.errors import ConfigError
 
         raise ConfigError("train: give a CONFIG (file or preset), or --resume an existing --out directory")
+    import os
+
     result = train(args.config, args.out, resume=args.resume, sets=args.set, quiet=args.quiet)
-    print(f"{result['status']} at step {result['step']}: {args.out}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{result['status']} at step {result['step']}: {args.out}")
     return 0
 
 

@@ -307,19 +307,25 @@ def resolve_config(config, out_dir: Path, resume: bool, sets: "list[str] | None"
     e.g. more steps)."""
     saved = Path(out_dir) / "config.yaml"
     if resume and saved.is_file():
-        base = load_config(saved, sets)
-        if config is not None:
-            given = config if isinstance(config, Config) else load_config(config, sets)
+        original = load_config(saved)
+
+        def same_run(cfg: Config) -> None:
             for section in ("model", "objective", "data"):
-                a, b = getattr(given, section).model_dump(), getattr(base, section).model_dump()
+                a, b = getattr(cfg, section).model_dump(), getattr(original, section).model_dump()
                 for key in a:
                     if a[key] != b.get(key):
                         raise ConfigError(
                             f"{section}.{key}={a[key]!r}: differs from the run being resumed "
-                            f"({saved} has {b.get(key)!r}); resume without a config, or use another --out"
+                            f"({saved} has {b.get(key)!r}); only train.* may change on --resume"
                         )
-            base = load_config({**base.model_dump(), "train": given.train.model_dump()})
-        return base
+
+        resumed = load_config(saved, sets)
+        if config is not None:
+            given = load_config(config, sets)
+            same_run(given)
+            resumed = load_config({**resumed.model_dump(), "train": given.train.model_dump()})
+        same_run(resumed)
+        return resumed
     if config is None:
         raise ConfigError(f"{out_dir}: nothing to resume (no config.yaml); give a CONFIG to start a run")
     if isinstance(config, Config):

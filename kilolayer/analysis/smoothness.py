@@ -1,0 +1,329 @@
+"""Over-smoothing metrics on hidden states, layer by layer (REFERENCE.md §3).
+
+Every metric takes hidden states ``(B, T, D)`` and an optional padding mask
+``(B, T)`` (bool, True = padding) and returns one value per sample ``(B,)``;
+a sample the metric is undefined for (e.g. fewer than two tokens) gets NaN and
+is left out of averages. Padding tokens never change a result.
+
+:class:`SmoothnessObserver` is passed to a backbone as ``observe``: it reduces
+each layer's hidden states to these numbers at once, so analysing a
+1,000-layer model holds one layer's activations, not 1,000.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from kilolayer.errors import InputError
+
+# name -> what the number is; the order is the order of plot panels.
+METRICS = {
+    "cosine": "token cosine similarity",
+    "cosine_centred": "dataset-centred token cosine similarity",
+    "rank_residual": "rank-collapse residual (Dong et al.)",
+    "effective_rank": "effective rank",
+    "hc_ratio": "high-frequency share ||HC|| / ||X||",
+    "high_freq": "relative log amplitude at the highest frequency",
+}
+
+FOURIER_EPS = 1e-6
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _as_float(hidden: torch.Tensor) -> torch.Tensor:
+    """Half precision is too coarse for sums over thousands of pairs; keep float64 if given."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise InputError(f"hidden states: expected a tensor of shape (batch, tokens, width), got {got}")
+    hidden = hidden.detach()
+    return hidden if hidden.dtype == torch.float64 else hidden.float()
+
+
+def keep_mask(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+              exclude: Sequence[int] = ()) -> torch.Tensor:
+    """(B, T) bool, True = a token the metrics use: not padding and not at an excluded position."""
+    B, T = hidden.shape[:2]
+    if padding_mask is None:
+        keep = torch.ones(B, T, dtype=torch.bool, device=hidden.device)
+    else:
+        if tuple(padding_mask.shape) != (B, T):
+            raise InputError(
+                f"padding mask: expected shape {(B, T)} to match the hidden states, got {tuple(padding_mask.shape)}"
+            )
+        keep = ~padding_mask.to(device=hidden.device, dtype=torch.bool)
+    if exclude:
+        keep = keep.clone()
+        keep[:, list(exclude)] = False
+    return keep
+
+
+def _masked(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Hidden states with unused tokens set to zero rows (zero rows leave every metric below unchanged)."""
+    return hidden * keep[..., None].to(hidden.dtype)
+
+
+def _token_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(B, 1, D) mean over each sample's kept tokens."""
+    n = keep.sum(1).clamp_min(1).to(x.dtype)
+    return (_masked(x, keep).sum(1) / n[:, None])[:, None, :]
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def token_cosine(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                 exclude: Sequence[int] = ()) -> torch.Tensor:
+    """Per sample: mean of cos(h_i, h_j) over ordered pairs i != j of its kept tokens (NaN if fewer than 2)."""
+    x = _as_float(hidden)
+    keep = keep_mask(x, padding_mask, exclude)
+    unit = _masked(x / x.norm(dim=-1, keepdim=True).clamp_min(1e-30), keep)
+    gram = unit @ unit.transpose(1, 2)
+    n = keep.sum(1).to(x.dtype)
+    off_diagonal = gram.sum((1, 2)) - gram.diagonal(dim1=1, dim2=2).sum(1)
+    pairs = n * (n - 1)
+    return torch.where(pairs > 0, off_diagonal / pairs.clamp_min(1), torch.full_like(n, math.nan))
+
+
+def centred_token_cosine(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                         exclude: Sequence[int] = ()) -> torch.Tensor:
+    """Token cosine after subtracting the mean token of the whole batch (all samples' kept tokens).
+
+    Removes the direction every token shares (e.g. a large common bias), which plain
+    cosine counts as similarity."""
+    x = _as_float(hidden)
+    keep = keep_mask(x, padding_mask, exclude)
+    mean = _masked(x, keep).sum((0, 1)) / keep.sum().clamp_min(1).to(x.dtype)
+    return token_cosine(x - mean, ~keep)
+
+
+def _composite_norm(a: torch.Tensor) -> torch.Tensor:
+    """sqrt(||A||_1 ||A||_inf) per sample of (B, T, D): max column abs-sum times max row abs-sum."""
+    one = a.abs().sum(1).amax(-1)
+    inf = a.abs().sum(2).amax(-1)
+    return (one * inf).sqrt()
+
+
+def rank_collapse_residual(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                           exclude: Sequence[int] = ()) -> torch.Tensor:
+    """Per sample: ||X - 1 mean(X)|| / ||X|| with Dong et al.'s norm sqrt(||.||_1 ||.||_inf); 0 = rank one."""
+    x = _as_float(hidden)
+    keep = keep_mask(x, padding_mask, exclude)
+    residual = _masked(x - _token_mean(x, keep), keep)
+    norm = _composite_norm(_masked(x, keep))
+    return torch.where(norm > 0, _composite_norm(residual) / norm.clamp_min(1e-30), torch.full_like(norm, math.nan))
+
+
+def effective_rank(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                   exclude: Sequence[int] = ()) -> torch.Tensor:
+    """Per sample: exp(entropy of p_k = s_k / sum s), s the singular values of the kept tokens (T x D)."""
+    x = _as_float(hidden)
+    keep = keep_mask(x, padding_mask, exclude)
+    s = torch.linalg.svdvals(_masked(x, keep))
+    total = s.sum(-1, keepdim=True)
+    p = s / total.clamp_min(1e-30)
+    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # 0 log 0 = 0
+    return torch.where(total[:, 0] > 0, entropy.exp(), torch.full_like(entropy, math.nan))
+
+
+def hc_ratio(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+             exclude: Sequence[int] = ()) -> torch.Tensor:
+    """Per sample: ||HC|| / ||X|| (Frobenius), HC = X - DC and DC = the mean token; 0 = all tokens equal."""
+    x = _as_float(hidden)
+    keep = keep_mask(x, padding_mask, exclude)
+    hc = _masked(x - _token_mean(x, keep), keep).norm(dim=(1, 2))
+    norm = _masked(x, keep).norm(dim=(1, 2))
+    return torch.where(norm > 0, hc / norm.clamp_min(1e-30), torch.full_like(norm, math.nan))
+
+
+def relative_log_amplitude(hidden: torch.Tensor, grid: int) -> torch.Tensor:
+    """Park & Kim's Fourier curve per sample, ``(B, grid // 2 + 1)``: frequency 0 ... highest.
+
+    The last ``grid * grid`` tokens are the patch grid (row-major); leading tokens
+    (CLS, distillation or register tokens) are dropped. For each channel take
+    log(|FFT2| + 1e-6), centre it (fftshift), average over channels, read the
+    diagonal from the centre outwards and subtract the value at frequency 0.
+    The diagonal runs towards the (-pi, -pi) corner, which for an even grid ends
+    exactly at frequency pi (a real input's spectrum is symmetric, so this equals
+    the +pi direction).
+    """
+    x = _as_float(hidden)
+    B, T, D = x.shape
+    prefix = T - grid * grid
+    if grid < 2 or prefix < 0:
+        raise InputError(f"grid {grid}x{grid}: needs at least {grid * grid} patch tokens, the hidden states have {T}")
+    patches = x[:, prefix:].reshape(B, grid, grid, D).permute(0, 3, 1, 2)
+    amplitude = torch.log(torch.fft.fft2(patches).abs() + FOURIER_EPS)
+    centred = torch.fft.fftshift(amplitude, dim=(-2, -1)).mean(1)
+    c = grid // 2
+    steps = torch.arange(c + 1, device=x.device)
+    diagonal = centred[:, c - steps, c - steps]
+    return diagonal - diagonal[:, :1]
+
+
+def high_frequency(hidden: torch.Tensor, grid: int) -> torch.Tensor:
+    """Per sample: the last point of :func:`relative_log_amplitude` (higher = more high-frequency content)."""
+    return relative_log_amplitude(hidden, grid)[:, -1]
+
+
+def layer_metrics(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                  exclude: Sequence[int] = (), grid: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """Every metric that applies, each ``(B,)``. ``high_freq`` only with a grid (images: no padding)."""
+    out = {
+        "cosine": token_cosine(hidden, padding_mask, exclude),
+        "cosine_centred": centred_token_cosine(hidden, padding_mask, exclude),
+        "rank_residual": rank_collapse_residual(hidden, padding_mask, exclude),
+        "effective_rank": effective_rank(hidden, padding_mask, exclude),
+        "hc_ratio": hc_ratio(hidden, padding_mask, exclude),
+    }
+    if grid is not None:
+        if padding_mask is not None and bool(padding_mask.any()):
+            raise InputError("the Fourier metric needs a full patch grid, but the batch has padding")
+        out["high_freq"] = high_frequency(hidden, grid)
+    return out
+
+
+# ---------------------------------------------------------------- accumulation
+
+
+class SmoothnessObserver:
+    """An ``observe(layer_index, hidden)`` callback that keeps only running sums of the metrics.
+
+    Call :meth:`begin_batch` with the batch's padding mask before each forward
+    pass. Averages are over samples (each sample counts once, whatever its
+    length), across all batches.
+    """
+
+    def __init__(self, grid: Optional[int] = None, exclude_first: bool = False):
+        self.grid = grid
+        self.exclude = (0,) if exclude_first else ()
+        self.padding_mask: Optional[torch.Tensor] = None
+        self.samples = 0
+        self._sums: dict[str, list[float]] = {}
+        self._counts: dict[str, list[int]] = {}
+
+    def begin_batch(self, padding_mask: Optional[torch.Tensor] = None) -> "SmoothnessObserver":
+        self.padding_mask = padding_mask
+        return self
+
+    def __call__(self, layer: int, hidden: torch.Tensor) -> None:
+        if layer == 0:
+            self.samples += hidden.shape[0]
+        with torch.no_grad():
+            values = layer_metrics(hidden, self.padding_mask, self.exclude, self.grid)
+        for name, v in values.items():
+            sums = self._sums.setdefault(name, [])
+            counts = self._counts.setdefault(name, [])
+            while len(sums) <= layer:
+                sums.append(0.0)
+                counts.append(0)
+            finite = torch.isfinite(v)
+            sums[layer] += float(v[finite].double().sum())
+            counts[layer] += int(finite.sum())
+
+    def result(self) -> dict:
+        """``{"layers": [0..L], "samples": n, metric: [mean per layer], ...}`` (NaN where no sample counted)."""
+        if not self._sums:
+            raise InputError("no hidden states were observed (empty input?)")
+        depth = len(self._sums["cosine"])
+        out: dict = {"layers": list(range(depth)), "samples": self.samples}
+        for name in METRICS:
+            if name in self._sums:
+                out[name] = [s / c if c else math.nan for s, c in zip(self._sums[name], self._counts[name])]
+        return out
+
+
+# ---------------------------------------------------------------- models
+
+
+def hidden_states_of(output) -> list[torch.Tensor]:
+    """A Hugging Face output's per-layer hidden states, the last replaced by ``last_hidden_state``
+    when shapes agree: as in kilolayer backbones, the last entry is after the final norm."""
+    states = getattr(output, "hidden_states", None)
+    if states is None:
+        raise InputError("the model returned no hidden_states (does it support output_hidden_states=True?)")
+    states = list(states)
+    last = getattr(output, "last_hidden_state", None)
+    if isinstance(last, torch.Tensor) and last.shape == states[-1].shape:
+        states[-1] = last
+    return states
+
+
+def _split_batch(batch, kilolayer_model: bool) -> tuple[dict, Optional[torch.Tensor]]:
+    if isinstance(batch, tuple):
+        return batch
+    if kilolayer_model:
+        return batch, batch.get("padding_mask")
+    mask = batch.get("attention_mask")
+    return batch, (mask == 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+
+
+def smoothness(model: torch.nn.Module, batches: Iterable, *, grid: Optional[int] = None,
+               exclude_first: bool = False) -> dict:
+    """Over-smoothing metrics per layer of ``model`` over ``batches``.
+
+    ``model`` is a kilolayer backbone (run with ``observe=``; memory stays at one
+    layer's activations) or a Hugging Face model (run with
+    ``output_hidden_states=True``). Each batch is a dict of keyword arguments for
+    the model, or a ``(kwargs, padding_mask)`` pair. Without a pair the padding
+    mask is ``kwargs["padding_mask"]`` (kilolayer) or ``attention_mask == 0``
+    (Hugging Face). ``grid`` (patches per side) adds the Fourier metric;
+    ``exclude_first`` leaves token 0 (CLS) out of the token metrics.
+
+    Returns ``{"layers": [0..L], "samples": n, "cosine": [...], ...}``: index 0 is
+    the embedding output, index L the last layer's output after any final norm.
+    """
+    from kilolayer.nn.transformer import Backbone
+
+    ours = isinstance(model, Backbone)
+    observer = SmoothnessObserver(grid=grid, exclude_first=exclude_first)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                kwargs, mask = _split_batch(batch, ours)
+                observer.begin_batch(mask)
+                if ours:
+                    # encoder-decoder objectives hand over the encoder's inputs (src, ...): run encode()
+                    run = model.encode if hasattr(model, "encode") and "tgt" not in kwargs else model
+                    run(**kwargs, observe=observer)
+                else:
+                    for i, h in enumerate(hidden_states_of(model(**kwargs, output_hidden_states=True))):
+                        observer(i, h)
+    finally:
+        model.train(was_training)
+    return observer.result()
+
+
+def smoothness_of_run(run_dir: "str | Path", *, data: Optional[str] = None, samples: int = 128,
+                      batch_size: int = 32, exclude_first: bool = False, device: str = "cpu") -> dict:
+    """:func:`smoothness` of a kilolayer run's newest checkpoint on its evaluation data (or source ``data``).
+
+    Adds metadata: ``source``, ``path``, ``name``, ``input``, ``depth``, ``grid``."""
+    from kilolayer.data import load_source
+    from kilolayer.train.checkpoint import load_run
+
+    run_dir = Path(run_dir)
+    config, task = load_run(run_dir, device=device)
+    if data is not None:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"name": data})})
+    source = load_source(config)
+    m = config.model
+    grid = m.image_size // m.patch_size if m.input == "patches" else None
+
+    def batches():
+        for batch in source.eval_batches(batch_size, limit=samples):
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            yield task.objective.analysis_inputs(batch)
+
+    result = smoothness(task.backbone, batches(), grid=grid, exclude_first=exclude_first)
+    result.update(source="run", path=str(run_dir.resolve()), name=run_dir.resolve().name,
+                  input=f"data:{config.data.name}", depth=len(result["layers"]) - 1, grid=grid,
+                  model=f"{m.arch} {m.scheme} {config.objective.name}")
+    return result

@@ -1,0 +1,152 @@
+"""DeepNet's stability diagnostics, read back from a run's ``metrics.jsonl``.
+
+The trainer logs, every ``train.diagnostics_every`` steps, one line
+
+    {"step": s, "split": "diagnostics", "layers": [...], "grad_norm": [...],
+     "update": ||F(x, theta_t) - F(x, theta_0)||, "ln_names": [...], "ln_input": [...]}
+
+next to the ordinary ``{"step", "split": "train"|"eval", "loss", ...}`` lines.
+This module turns those lines into per-run series for :mod:`kilolayer.analysis.plots`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from kilolayer.errors import InputError
+
+
+@dataclass
+class Diagnostics:
+    """One diagnostics line."""
+
+    step: int
+    layers: list[str] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    update: float = math.nan
+    ln_names: list[str] = field(default_factory=list)
+    ln_input: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StabilityRun:
+    """A run's diagnostics (sorted by step) and its loss curves (``split -> [(step, loss)]``)."""
+
+    name: str
+    path: Path
+    diagnostics: list[Diagnostics]
+    losses: dict[str, list[tuple[int, float]]]
+
+    def at(self, step: int) -> Diagnostics:
+        """The diagnostics line nearest to ``step``."""
+        return min(self.diagnostics, key=lambda d: abs(d.step - step))
+
+
+def _number(value) -> float:
+    """JSON numbers, with null / non-numbers (a diverged run's logs) as NaN."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def read_metrics(path: "str | Path") -> list[dict]:
+    """The JSON objects of a ``metrics.jsonl``. A cut-off last line (a run killed mid-write) is ignored;
+    any other bad line is an error naming its line number."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: cannot read ({err.__class__.__name__})") from None
+    records = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == last:
+                break
+            raise InputError(f"{path}:{i + 1}: not a JSON object") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise InputError(f"{path}:{i + 1}: expected a JSON object with a 'step'")
+        records.append(record)
+    return records
+
+
+def _diagnostics(record: dict, where: str) -> Diagnostics:
+    d = Diagnostics(step=int(record["step"]), update=_number(record.get("update")))
+    for names_key, values_key in (("layers", "grad_norm"), ("ln_names", "ln_input")):
+        names, values = record.get(names_key, []), record.get(values_key, [])
+        if not isinstance(names, list) or not isinstance(values, list) or len(names) != len(values):
+            raise InputError(f"{where}: '{names_key}' and '{values_key}' must be lists of the same length")
+        setattr(d, names_key, [str(n) for n in names])
+        setattr(d, values_key, [_number(v) for v in values])
+    return d
+
+
+def read_run(run: "str | Path", name: Optional[str] = None) -> StabilityRun:
+    """A run directory (or its ``metrics.jsonl``) as a :class:`StabilityRun`; the name defaults to the
+    directory's name."""
+    run = Path(run)
+    path = run if run.is_file() else run / "metrics.jsonl"
+    if not run.exists():
+        raise InputError(f"--run {run}: no such run directory")
+    if not path.is_file():
+        raise InputError(f"--run {run}: no metrics.jsonl (not a kilolayer run directory?)")
+    diagnostics, losses = [], {}
+    for record in read_metrics(path):
+        split = record.get("split")
+        if split == "diagnostics":
+            diagnostics.append(_diagnostics(record, f"{path} (diagnostics at step {record['step']})"))
+        elif "loss" in record and split is not None:
+            losses.setdefault(str(split), []).append((int(record["step"]), _number(record["loss"])))
+    if not diagnostics:
+        raise InputError(
+            f"--run {run}: metrics.jsonl has no diagnostics lines (train with train.diagnostics_every > 0)"
+        )
+    diagnostics.sort(key=lambda d: d.step)
+    for series in losses.values():
+        series.sort()
+    run_dir = path.parent
+    return StabilityRun(name or run_dir.resolve().name, run_dir, diagnostics, losses)
+
+
+def read_runs(runs: list["str | Path"]) -> list[StabilityRun]:
+    """Several runs; names that collide get their parent directory prefixed."""
+    out = [read_run(r) for r in runs]
+    names = [r.name for r in out]
+    for r in out:
+        if names.count(r.name) > 1:
+            r.name = f"{r.path.resolve().parent.name}/{r.name}"
+    return out
+
+
+def pick_steps(runs: list[StabilityRun], count: int = 3) -> list[int]:
+    """Up to ``count`` diagnostics steps spread from the first to the last (of the first run)."""
+    steps = [d.step for d in runs[0].diagnostics]
+    if len(steps) <= count:
+        return steps
+    idx = sorted({round(k * (len(steps) - 1) / (count - 1)) for k in range(count)})
+    return [steps[i] for i in idx]
+
+
+def summary(runs: list[StabilityRun]) -> dict:
+    """Per run: the model update at every diagnostics step and the largest LayerNorm input seen."""
+    out = {}
+    for r in runs:
+        out[r.name] = {
+            "path": str(r.path.resolve()),
+            "steps": [d.step for d in r.diagnostics],
+            "update": [d.update for d in r.diagnostics],
+            "max_ln_input": max((v for d in r.diagnostics for v in d.ln_input if math.isfinite(v)),
+                                default=math.nan),
+        }
+    return out

@@ -1,0 +1,75 @@
+"""Start a task's backbone from another run's weights (``train.init_from``): fine-tuning or a linear probe.
+
+Typical use: pretrain with ``objective.name: mae``, then train ``classification``
+with ``train.init_from: MAE_RUN`` (full fine-tuning) or additionally
+``train.freeze_backbone: true`` (a linear probe: only the head learns). Only the
+``backbone.*`` tensors of the run's newest complete checkpoint are copied; the
+objective's heads start fresh. The two backbones must match exactly (same
+tensors, same shapes); anything else is one line naming the run and the first
+difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from kilolayer.config import read_yaml
+from kilolayer.errors import InputError
+from kilolayer.train.checkpoint import STEP_DIR, complete_checkpoints, read_weights
+
+_SHAPE_KEYS = ("arch", "scheme", "layers", "width", "heads", "ffn", "input", "image_size", "patch_size", "channels")
+
+
+def _describe(model: dict) -> str:
+    return " ".join(f"{k}={model[k]}" for k in _SHAPE_KEYS if k in model)
+
+
+def pretrained_checkpoint(run_dir: "str | Path") -> Path:
+    """``model.safetensors`` of the newest complete checkpoint of the run at ``run_dir``."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise InputError(f"{run}: no such run directory (train.init_from)")
+    if not (run / "config.yaml").is_file():
+        raise InputError(f"{run}: not a kilolayer run directory (no config.yaml) (train.init_from)")
+    found = complete_checkpoints(run)
+    if not found:
+        raise InputError(
+            f"{run}: the run has no complete checkpoint (checkpoints/step_XXXXXXXX/COMPLETE) (train.init_from)"
+        )
+    return found[-1] / "model.safetensors"
+
+
+def load_pretrained(task: nn.Module, run_dir: "str | Path", freeze: bool = False) -> dict:
+    """Copy the backbone weights of the run at ``run_dir`` into ``task.backbone``; with ``freeze``,
+    stop the backbone's gradients (``requires_grad=False``) so only the objective's heads train.
+
+    Returns what was loaded: ``run``, ``checkpoint``, ``step``, ``tensors``, ``frozen``.
+    """
+    run = Path(run_dir)
+    path = pretrained_checkpoint(run)
+    weights = read_weights(path)
+    pretrained = {k[len("backbone.") :]: v for k, v in weights.items() if k.startswith("backbone.")}
+    if not pretrained:
+        raise InputError(f"{path}: holds no backbone.* tensors (train.init_from)")
+    own = task.backbone.state_dict()
+    run_model = read_yaml(run / "config.yaml").get("model") or {}
+    here = task.backbone.config.model_dump() if hasattr(task.backbone, "config") else {}
+    models = f"(run model: {_describe(run_model)}; this model: {_describe(here)})"
+    for key, value in own.items():
+        if key not in pretrained:
+            raise InputError(f"init_from {run}: the backbones differ: backbone.{key} is not in the run {models}")
+        if tuple(pretrained[key].shape) != tuple(value.shape):
+            raise InputError(
+                f"init_from {run}: the backbones differ: backbone.{key} has shape {tuple(pretrained[key].shape)} "
+                f"in the run, {tuple(value.shape)} here {models}"
+            )
+    extra = sorted(set(pretrained) - set(own))
+    if extra:
+        raise InputError(f"init_from {run}: the backbones differ: backbone.{extra[0]} is not in this model {models}")
+    task.backbone.load_state_dict(pretrained, strict=True)
+    if freeze:
+        task.backbone.requires_grad_(False)
+    step = int(STEP_DIR.match(path.parent.name).group(1))
+    return {"run": str(run), "checkpoint": str(path), "step": step, "tensors": len(pretrained), "frozen": freeze}

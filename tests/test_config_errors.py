@@ -1,0 +1,182 @@
+"""User errors are one line naming the field (or input), the bad value and what is allowed; never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kilolayer import ConfigError, InputError, build_model, load_config
+from kilolayer.cli import main
+
+KILOLAYER = Path(sys.executable).parent / "kilolayer"
+
+# (--set items, source, fragments the one-line message must contain)
+BAD = {
+    "unknown scheme": (["model.scheme=deepnet"], "bert_base",
+                       ["model.scheme", "'deepnet'", "allowed", "deepnorm", "post_ln", "pre_ln"]),
+    "width not divisible by heads": (["model.width=100", "model.heads=3"], None,
+                                     ["model.width=100", "model.heads=3", "divisible"]),
+    "negative depth": (["model.layers=-2"], "gpt2_small", ["model.layers=-2", "greater than or equal to 1"]),
+    "negative decoder depth": (["model.decoder_layers=-1"], "transformer_base",
+                               ["model.decoder_layers=-1", "greater than or equal to 0"]),
+    "zero decoder layers": (["model.arch=encoder_decoder", "model.decoder_layers=0"], None,
+                            ["model.decoder_layers=0", "at least 1"]),
+    "unknown preset": ([], "vit_b61", ["vit_b61", "neither a preset nor a config file", "vit_b16",
+                                        "kilolayer presets"]),
+    "unknown preset, no near name": ([], "nope", ["nope", "neither a preset nor a config file", "kilolayer presets"]),
+    "unknown key": (["model.wdith=64"], None, ["model.wdith", "unknown key", "allowed", "width", "heads"]),
+    "unknown section": (["modle.width=64"], None, ["modle", "unknown key", "model", "objective", "train"]),
+    "wrong type (int)": (["model.width=wide"], None, ["model.width='wide'", "integer"]),
+    "wrong type (bool)": (["model.bias=maybe"], None, ["model.bias='maybe'", "boolean"]),
+    "wrong type (list)": (["model.dropout=[0.1]"], None, ["model.dropout=[0.1]", "number"]),
+    "bad choice": (["model.arch=rnn"], None, ["model.arch='rnn'", "encoder", "decoder", "encoder_decoder"]),
+    "patches on a decoder": (["model.input=patches", "model.arch=decoder"], None, ["model.input", "encoder"]),
+    "set without =": (["model.width"], None, ["model.width", "key.path=value"]),
+}
+
+
+def one_line(msg: str) -> str:
+    assert msg and "\n" not in msg.strip(), f"not one line: {msg!r}"
+    assert "Traceback" not in msg and "pydantic" not in msg.lower() and "errors.pydantic.dev" not in msg
+    return msg
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_load_config_errors(case):
+    sets, source, fragments = BAD[case]
+    with pytest.raises(ConfigError) as info:
+        load_config(source, sets=sets)
+    msg = one_line(str(info.value))
+    for f in fragments:
+        assert f in msg, f"{case}: {f!r} missing from {msg!r}"
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_cli_errors(case, capsys):
+    sets, source, fragments = BAD[case]
+    argv = ["describe", source or "bert_base"]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    line = one_line(err.strip())
+    assert line.startswith("kilolayer: error: ")
+    for f in fragments:
+        assert f in line
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["describe", "nope"], ["nope: neither a preset nor a config file", "kilolayer presets"]),
+        (["configs", "--like", "vit_b16", "--set", "model.heads=5"], ["model.width=768", "model.heads=5"]),
+    ],
+)
+def test_installed_command(args, fragments):
+    """The real entry point: exit 2, exactly one line on stderr, nothing on stdout, no traceback."""
+    proc = subprocess.run([str(KILOLAYER), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for f in fragments:
+        assert f in lines[0]
+
+
+def test_missing_yaml_path_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {width: [\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(bad))
+    assert "bad.yaml: not valid YAML" in one_line(str(info.value))
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(str(listy))
+
+
+def test_yaml_file_errors_name_the_field(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("model:\n  width: 96\n  heads: 5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(p))
+    assert one_line(str(info.value)) == "model.width=96: must be divisible by model.heads=5"
+
+
+def test_build_model_with_a_bad_dict():
+    with pytest.raises(ConfigError) as info:
+        build_model({"scheme": "deepnorm", "layers": 0})
+    assert "model.layers=0" in one_line(str(info.value))
+    with pytest.raises(ConfigError) as info:
+        build_model({"width": 64, "hedas": 2})
+    assert "model.hedas: unknown key; allowed:" in one_line(str(info.value))
+
+
+def test_good_config_loads():
+    cfg = load_config("transformer_base", sets=["model.scheme=deepnorm", "model.layers=18", "train.steps=3"])
+    assert (cfg.model.scheme, cfg.model.layers, cfg.model.decoder_layers, cfg.train.steps) == ("deepnorm", 18, 6, 3)
+
+
+# ---------------------------------------------------------------- model inputs
+
+
+def _models():
+    torch.manual_seed(0)
+    small = dict(layers=1, width=16, heads=2, ffn=32, vocab_size=20, max_len=8)
+    return {
+        "encoder": build_model(dict(arch="encoder", **small)),
+        "decoder": build_model(dict(arch="decoder", **small)),
+        "encoder_decoder": build_model(dict(arch="encoder_decoder", decoder_layers=1, **small)),
+        "patches": build_model(dict(arch="encoder", input="patches", image_size=8, patch_size=4, channels=3,
+                                    layers=1, width=16, heads=2, ffn=32)),
+    }
+
+
+MODELS = _models()
+ids = torch.zeros(2, 5, dtype=torch.long)
+
+BAD_INPUTS = {
+    "float token ids": ("encoder", (torch.zeros(2, 5),), ["tokens", "integer", "float32"]),
+    "1-D token ids": ("decoder", (torch.zeros(5, dtype=torch.long),), ["tokens", "(batch, length)", "(5,)"]),
+    "3-D token ids": ("encoder", (torch.zeros(2, 5, 1, dtype=torch.long),), ["tokens", "(2, 5, 1)"]),
+    "a list": ("encoder", ([[1, 2, 3]],), ["tokens", "torch.Tensor", "list"]),
+    "ids out of range": ("encoder", (torch.full((2, 5), 20),), ["tokens", "[0, 20)", "20"]),
+    "negative ids": ("decoder", (torch.full((2, 5), -1),), ["tokens", "[0, 20)", "-1"]),
+    "too long": ("decoder", (torch.zeros(2, 9, dtype=torch.long),), ["tokens", "9", "model.max_len=8"]),
+    "float target ids": ("encoder_decoder", (ids, torch.zeros(2, 5)), ["tgt:", "integer"]),
+    "float source ids": ("encoder_decoder", (torch.zeros(2, 5), ids), ["src:", "integer"]),
+    "target too long": ("encoder_decoder", (ids, torch.zeros(2, 9, dtype=torch.long)), ["tgt:", "max_len=8"]),
+    "image of the wrong size": ("patches", (torch.zeros(2, 3, 16, 16),), ["images", "(batch, 3, 8, 8)",
+                                                                          "(2, 3, 16, 16)"]),
+    "image without batch": ("patches", (torch.zeros(3, 8, 8),), ["images", "(batch, 3, 8, 8)", "(3, 8, 8)"]),
+    "integer image": ("patches", (torch.zeros(2, 3, 8, 8, dtype=torch.uint8),), ["images", "floating", "uint8"]),
+    "float padding mask": ("encoder", (ids, torch.zeros(2, 5)), ["padding_mask", "bool", "(2, 5)"]),
+    "padding mask of the wrong shape": ("decoder", (ids, torch.zeros(2, 4, dtype=torch.bool)),
+                                        ["padding_mask", "(2, 5)", "(2, 4)"]),
+    "source padding mask of the wrong shape": ("encoder_decoder", (ids, ids, torch.zeros(2, 6, dtype=torch.bool)),
+                                               ["src_padding_mask", "(2, 5)"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise_one_line_input_errors(case):
+    arch, args, fragments = BAD_INPUTS[case]
+    with pytest.raises(InputError) as info:
+        MODELS[arch](*args)
+    msg = one_line(str(info.value))
+    for f in fragments:
+        assert f in msg, f"{case}: {f!r} missing from {msg!r}"
+
+
+def test_good_inputs_pass():
+    assert MODELS["encoder"](ids).shape == (2, 5, 16)
+    assert MODELS["encoder_decoder"](ids, ids[:, :3]).shape == (2, 3, 16)
+    assert MODELS["patches"](torch.zeros(2, 3, 8, 8)).shape == (2, 5, 16)

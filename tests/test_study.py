@@ -1,0 +1,168 @@
+"""kilolayer study: verdict rule, end-to-end tiny study, skip/retry, divergence as a result, bad specs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kilolayer.errors import ConfigError
+from kilolayer.study.findings import HELD, INCONCLUSIVE, NOT_HELD, verdict
+from kilolayer.study.report import write_report
+from kilolayer.study.runner import run_study
+from kilolayer.study.spec import expand, load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- the verdict rule
+
+
+def test_verdict_held_not_held_inconclusive():
+    assert verdict([0.5, 0.6, 0.55], margin=0.1).verdict == HELD
+    assert verdict([-0.5, -0.6, -0.55], margin=0.1).verdict == NOT_HELD
+    # a mean above the margin but with a seed spread that swamps it
+    v = verdict([1.0, -0.8, 0.9], margin=0.1)
+    assert v.verdict == INCONCLUSIVE and "within noise" in v.reason
+    # below the margin
+    assert verdict([0.05, 0.04], margin=0.1).verdict == INCONCLUSIVE
+    # one seed: decided by the margin alone, and the reason says so
+    v = verdict([0.3], margin=0.1)
+    assert v.verdict == HELD and "one seed" in v.reason
+    assert verdict([], margin=0.1).verdict == INCONCLUSIVE
+    assert verdict([float("nan")], margin=0.1).verdict == INCONCLUSIVE
+
+
+def test_verdict_threshold_is_max_of_margin_and_two_standard_errors():
+    v = verdict([1.0, 3.0], margin=0.1)  # mean 2, sd sqrt(2), se 1 -> threshold 2
+    assert v.threshold == pytest.approx(2.0) and v.verdict == INCONCLUSIVE
+    v = verdict([1.9, 2.1], margin=0.5)  # se 0.1 -> threshold is the margin
+    assert v.threshold == pytest.approx(0.5) and v.verdict == HELD
+
+
+@given(st.lists(st.floats(-10, 10), min_size=1, max_size=6), st.floats(0.01, 1))
+def test_verdict_is_antisymmetric(diffs, margin):
+    a, b = verdict(diffs, margin), verdict([-d for d in diffs], margin)
+    flip = {HELD: NOT_HELD, NOT_HELD: HELD, INCONCLUSIVE: INCONCLUSIVE}
+    assert b.verdict == flip[a.verdict]
+
+
+# ---------------------------------------------------------------- a tiny study end to end
+
+BASE = {
+    "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 1, "decoder_layers": 1, "width": 32,
+              "heads": 2, "ffn": 64, "vocab_size": 13, "max_len": 12},
+    "objective": {"name": "seq2seq", "options": {"decode_samples": 8}},
+    "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 6, "eval_size": 16}},
+    "train": {"steps": 4, "batch_size": 8, "lr": 1e-3, "warmup": 2, "eval_every": 2, "log_every": 1,
+              "diagnostics_every": 1},
+}
+
+
+def tiny_spec(tmp_path: Path, grid=None, **extra) -> Path:
+    spec = {
+        "name": "tiny", "description": "two points",
+        "groups": [{"name": "deepnet", "base": BASE,
+                    "grid": grid or {"model.scheme": ["post_ln", "deepnorm"]}}],
+        "findings": ["deepnet_postln", "deepnet_update"], **extra,
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_tiny_study_end_to_end_and_rerun(tmp_path):
+    spec = load_spec(tiny_spec(tmp_path))
+    out = tmp_path / "study"
+    results = run_study(spec, out, log=lambda *_: None)
+    assert [r.status for r in results] == ["completed", "completed"]
+    assert all(r.ran for r in results)
+    md, html, findings = write_report(spec, results, out, 1.0)
+    text = md.read_text()
+    for section in ("# kilolayer study: tiny", "## Verdicts", "## DeepNorm trains where Post-LN fails at depth",
+                    "**Claim.**", "**Rule.**", "**Verdict:", "## Runs", "kilolayer train"):
+        assert section in text, section
+    page = html.read_text()
+    assert page.startswith("<!doctype html>") and "data:image/png;base64," in page
+    assert {f.name for f in findings} == {"deepnet_postln", "deepnet_update"}
+    assert all(f.verdict.verdict in (HELD, NOT_HELD, INCONCLUSIVE) for f in findings)
+    # re-running trains nothing
+    again = run_study(spec, out, log=lambda *_: None)
+    assert not any(r.ran for r in again)
+    assert [r.eval for r in again] == [r.eval for r in results]
+    # deleting one run re-runs only that one
+    shutil.rmtree(results[0].point.run_dir(out))
+    third = run_study(spec, out, log=lambda *_: None)
+    assert [r.ran for r in third] == [True, False]
+    assert third[0].eval == results[0].eval  # same seed, same data: the same result
+
+
+def test_diverged_point_is_a_result(tmp_path):
+    path = tiny_spec(tmp_path, grid={"train.lr": [1e-3, 1e5]})
+    data = yaml.safe_load(path.read_text())
+    data["groups"][0]["base"]["train"].update(warmup=0, clip=0.0, steps=30, eval_every=0)
+    data["groups"][0]["base"]["model"]["scheme"] = "post_ln"
+    data["findings"] = []
+    path.write_text(yaml.safe_dump(data))
+    spec = load_spec(path)
+    out = tmp_path / "study"
+    results = run_study(spec, out, log=lambda *_: None)
+    assert [r.status for r in results] == ["completed", "diverged"]
+    md, _, _ = write_report(spec, results, out, 1.0)
+    assert "diverged at step" in md.read_text()
+    # a diverged point is finished: a re-run does not train it again
+    assert not any(r.ran for r in run_study(spec, out, log=lambda *_: None))
+
+
+def test_builtin_studies_expand_and_validate():
+    for name in ("quick", "deepnet", "bamboo"):
+        spec = load_spec(name)
+        points = expand(spec)
+        assert points and len({p.key for p in points}) == len(points)
+    quick = expand(load_spec("quick"))
+    ft = [p for p in quick if p.group == "finetune"]
+    assert ft and all(p.init_from_point.startswith("mae/") for p in ft)
+    # init_from pairs each fine-tuning point with the MAE point of the same shape and seed
+    for p in ft:
+        src = next(q for q in quick if q.key == p.init_from_point)
+        assert src.config.model == p.config.model and src.values["train.seed"] == p.values["train.seed"]
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ({"name": "x", "groups": [{"name": "g", "base": BASE, "bogus": 1}]}, "unknown key"),
+        ({"name": "x", "groups": [{"name": "g", "base": BASE, "grid": {"model.layers": []}}]}, "empty list"),
+        ({"name": "x", "groups": []}, "groups"),
+        ({"name": "x", "groups": [{"name": "g", "base": BASE}], "findings": ["nope"]}, "unknown finding"),
+        ({"name": "x", "groups": [{"name": "g", "base": BASE, "grid": {"model.scheme": ["nope"]}}]},
+         "model.scheme='nope'"),
+    ],
+)
+def test_bad_spec_is_one_line(tmp_path, spec, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match=needle) as err:
+        expand(load_spec(path))
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_study_name_cli_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "nosuchstudy", "--out", str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nosuchstudy" in lines[0] and "quick" in lines[0]
+
+
+def test_study_list():
+    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert p.returncode == 0
+    assert all(name in p.stdout for name in ("quick", "deepnet", "bamboo"))
