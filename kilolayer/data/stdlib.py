@@ -81,9 +81,11 @@ class ByteWindows(Source):
         return {"tokens": data[idx].long()}
 
     def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 64 + rank)
-        starts = torch.randint(0, len(self), (batch_size // world,), generator=g)
-        return self._windows(self.train, starts)
+        # draw the global batch, then take this process's share: the same data whatever the world size
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self), (batch_size,), generator=g)
+        per = batch_size // world
+        return self._windows(self.train, starts[rank * per : (rank + 1) * per])
 
     def collate(self, indices: list[int], split: str) -> dict:
         if split == "train":

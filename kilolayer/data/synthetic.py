@@ -116,8 +116,11 @@ class Synthetic(Seq2SeqSource):
         return len(self.eval_pairs)
 
     def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
-        g = torch.Generator().manual_seed(((self.seed * 1_000_003 + step) * 64 + rank) * 2 + 1)
-        return self.batch_of([self.example(g) for _ in range(batch_size // world)])
+        # draw the global batch, then take this process's share: the same data whatever the world size
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 2 + 1)
+        pairs = [self.example(g) for _ in range(batch_size)]
+        per = batch_size // world
+        return self.batch_of(pairs[rank * per : (rank + 1) * per])
 
     def collate(self, indices, split):
         return self.batch_of([self.eval_pairs[i] for i in indices])
