@@ -79,7 +79,7 @@ def _materialise(point: Point, out: Path) -> None:
         path.write_text(text)
 
 
-def run_point(point: Point, out: Path, log=print) -> tuple[str, float, bool]:
+def run_point(point: Point, out: Path, log=print, threads: Optional[int] = None) -> tuple[str, float, bool]:
     """Train one point unless it already finished. Returns (status, seconds, trained now)."""
     run_dir = point.run_dir(out)
     st = _status(run_dir)
@@ -91,6 +91,9 @@ def run_point(point: Point, out: Path, log=print) -> tuple[str, float, bool]:
     t0 = time.perf_counter()
     log(f"[study] train {point.key}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if threads:
+        # K concurrent points share the cores instead of each taking them all
+        env["OMP_NUM_THREADS"] = str(threads)
     with open(logfile, "a") as fh:
         proc = subprocess.run(train_command(point, out), stdout=fh, stderr=subprocess.STDOUT, env=env)
     seconds = time.perf_counter() - t0
@@ -154,7 +157,7 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Resu
         mine = [p for p in points if p.group == group.name]
 
         def one(p: Point):
-            status, _, trained = run_point(p, out, log)
+            status, _, trained = run_point(p, out, log, threads=max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None)
             if trained:
                 ran.add(p.key)
             run_analyses(p, out, log)
