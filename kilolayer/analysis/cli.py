@@ -48,7 +48,7 @@ def _out_dir(path: str) -> Path:
 
 
 def cmd_smoothness(args) -> int:
-    from kilolayer.analysis.plots import compare, plot_smoothness
+    from kilolayer.analysis.plots import compare
 
     if args.compare:
         if args.text or args.images or args.data:
@@ -77,14 +77,22 @@ def cmd_smoothness(args) -> int:
     if args.name:
         result["name"] = args.name
     result["exclude_cls"] = args.exclude_cls
-    out = _out_dir(args.out)
-    json_path = out / "smoothness.json"
-    json_path.write_text(json.dumps(_json_safe(result), indent=1) + "\n")
-    paths = plot_smoothness([result], out / "smoothness", depth=args.depth, svg=args.svg)
+    paths = save_smoothness(result, _out_dir(args.out), depth=args.depth, svg=args.svg)
     print(f"{result['name']}: {result['depth']} layers, {result['samples']} samples ({result['input']})")
     print(_table(result))
-    print("wrote " + ", ".join(map(str, [json_path, *paths])))
+    print("wrote " + ", ".join(map(str, paths)))
     return 0
+
+
+def save_smoothness(result: dict, out: "str | Path", depth: str = "auto", svg: bool = False) -> list[Path]:
+    """Write OUT/smoothness.json and its plot; returns the paths written."""
+    from kilolayer.analysis.plots import plot_smoothness
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "smoothness.json"
+    json_path.write_text(json.dumps(_json_safe(result), indent=1) + "\n")
+    return [json_path, *plot_smoothness([result], out / "smoothness", depth=depth, svg=svg)]
 
 
 def cmd_stability(args) -> int:

@@ -13,7 +13,7 @@ def _deepnet_base(steps: int, width: int, eval_every: int, diag_until: int) -> d
     return {
         "model": {"arch": "encoder_decoder", "width": width, "heads": 4, "ffn": 4 * width, "vocab_size": 13,
                   "max_len": 16},
-        "objective": {"name": "seq2seq", "options": {"decode_samples": 64}},
+        "objective": {"name": "seq2seq", "options": {"decode_samples": 32}},
         "data": {"name": "synthetic", "task": "reverse", "options": {"vocab": 10, "min_len": 4, "max_len": 12,
                                                                      "eval_size": 128}},
         # one learning rate and warm-up for every scheme and depth: that is the comparison
@@ -60,7 +60,7 @@ def _bamboo_groups(shapes, image_size, seeds, sup_steps, mae_steps, ft_steps, ma
 
 
 def quick() -> dict:
-    deep = _deepnet_base(steps=300, width=64, eval_every=50, diag_until=50)
+    deep = _deepnet_base(steps=200, width=64, eval_every=50, diag_until=50)
     return {
         "name": "quick",
         "description": (
@@ -77,8 +77,8 @@ def quick() -> dict:
              "grid": {"model.scheme": ["post_ln", "pre_ln", "deepnorm"],
                       "model.layers,model.decoder_layers": [[2, 2], [6, 6], [18, 18]]},
              "seeds": [0]},
-            *_bamboo_groups([(4, 128), (16, 64)], image_size=8, seeds=[0, 1], sup_steps=500, mae_steps=600,
-                            ft_steps=300, mask_ratio=0.5),
+            *_bamboo_groups([(4, 128), (16, 64)], image_size=8, seeds=[0, 1], sup_steps=300, mae_steps=400,
+                            ft_steps=200, mask_ratio=0.5),
         ],
         "findings": ["deepnet_postln", "deepnet_preln", "deepnet_update", "bamboo_smoothing", "bamboo_depth"],
     }

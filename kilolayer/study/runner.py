@@ -122,11 +122,16 @@ def run_analyses(point: Point, out: Path, log=print) -> None:
         if (target / f"{name}.json").exists():
             continue
         if name == "smoothness":
-            from kilolayer.cli import main
+            from kilolayer.analysis.cli import save_smoothness
+            from kilolayer.analysis.smoothness import smoothness_of_run
+            from kilolayer.errors import KilolayerError
 
-            # the validation split of the run's own data, through its observer: same as the CLI
-            rc = main(["analyze", "smoothness", "--run", str(run_dir), "--samples", "256", "--out", str(target)])
-            log(f"[study] smoothness of {point.key}" + ("" if rc == 0 else f" failed (exit code {rc})"))
+            # the run's own validation data, through the stack's observer (as `kilolayer analyze --run`)
+            try:
+                save_smoothness(smoothness_of_run(run_dir, samples=256), target)
+                log(f"[study] smoothness of {point.key}")
+            except KilolayerError as err:
+                log(f"[study] smoothness of {point.key} failed: {err}")
 
 
 def collect(point: Point, out: Path) -> Result:

@@ -105,7 +105,8 @@ class Trainer:
         if hasattr(obj, "attach_data"):
             obj.attach_data(self.source)
         self.start_step = 0
-        self.state = {"running_min": math.inf, "tokens": 0, "elapsed": 0.0}
+        # ema: the smoothed training loss (bias-corrected, weight 0.9); running_min: its minimum
+        self.state = {"running_min": math.inf, "ema": 0.0, "ema_weight": 0.0, "tokens": 0}
         latest = ckpt.latest_checkpoint(self.out) if resume else None
         if latest is None:
             self._fresh_start()
@@ -205,13 +206,24 @@ class Trainer:
         return {"step": step, "split": "diagnostics", "layers": names, "grad_norm": norms,
                 "update": diag.update_size(out, self.reference), "ln_names": ln_names, "ln_input": ln_values}
 
+    def _smoothed(self, loss: float) -> float:
+        st = self.state
+        st["ema"] = 0.9 * st["ema"] + 0.1 * loss
+        st["ema_weight"] = 0.9 * st["ema_weight"] + 0.1
+        return st["ema"] / st["ema_weight"]
+
     def _diverged(self, step: int, loss: float) -> str:
+        """Non-finite loss, or (after warm-up) a smoothed loss above factor x its running minimum and above
+        that minimum by ``diverge_increase``. Updates the smoothed loss and its minimum."""
         tc = self.config.train
         if not math.isfinite(loss):
             return f"non-finite loss ({loss}) at step {step}"
-        if step > tc.warmup and loss > tc.diverge_factor * self.state["running_min"]:
-            return (f"loss {loss:.4g} at step {step} exceeds {tc.diverge_factor:g} x its running minimum "
-                    f"{self.state['running_min']:.4g}")
+        smooth = self._smoothed(loss)
+        best = self.state["running_min"]
+        if step > tc.warmup and smooth > tc.diverge_factor * best and smooth > best + tc.diverge_increase:
+            return (f"smoothed loss {smooth:.4g} at step {step} exceeds {tc.diverge_factor:g} x its running minimum "
+                    f"{best:.4g}")
+        self.state["running_min"] = min(best, smooth)
         return ""
 
     # -------------------------------------------------------------- the loop
@@ -260,7 +272,6 @@ class Trainer:
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                self.state["running_min"] = min(self.state["running_min"], loss_value)
                 self.state["tokens"] += tokens * env.world
                 if log and (step % tc.log_every == 0 or step == tc.steps):
                     now = time.perf_counter()
