@@ -52,8 +52,11 @@ class ModelConfig(_Section):
     layerscale_init: Optional[float] = Field(None, gt=0, description="LayerScale gain; default by depth as CaiT")
     ds_init_variant: Literal["paper", "code"] = "paper"
     admin_omega: Literal["default", "profile"] = "default"
-    # speed options (the model's numbers do not depend on them)
+    # speed options (the model's numbers do not depend on them beyond dtype rounding)
     checkpoint_activations: bool = False
+    attention_fp32_cpu: bool = Field(
+        True, description="on CPU, run bf16/fp16 attention in fp32 (PyTorch's bf16 CPU attention backward is ~2x slower)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -147,7 +150,12 @@ class TrainConfig(_Section):
     compile: bool = Field(False, description="torch.compile each layer")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
-    diverge_factor: float = Field(10.0, gt=1, description="diverged if loss > factor x running minimum after warm-up")
+    diverge_factor: float = Field(
+        10.0, gt=1, description="diverged if the smoothed loss exceeds factor x its running minimum after warm-up ..."
+    )
+    diverge_increase: float = Field(
+        1.0, ge=0, description="... and also exceeds that minimum by this much (so a loss near 0 may fluctuate)"
+    )
     diagnostics_every: int = Field(0, ge=0, description="log DeepNet's stability diagnostics every K steps (0 = off)")
     diagnostics_until: int = Field(0, ge=0, description="stop diagnostics after this step (0 = never)")
     init_from: Optional[str] = Field(None, description="a run directory whose backbone weights to start from")
