@@ -28,8 +28,9 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 demo: $(STAMP)
-	$(BIN)/kilolayer describe deepnet_500l500l
-	$(BIN)/kilolayer configs --like vit_b16
+	$(BIN)/kilolayer describe deepnet_500l500l vit_b16 vit_b16_deep48
+	$(BIN)/kilolayer study quick --out runs/demo --jobs 2
+	@echo "report: $(CURDIR)/runs/demo/report.html (and report.md)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
