@@ -8,7 +8,10 @@ from kilolayer.data.base import SOURCES, Source, register_source
 from kilolayer.errors import ConfigError
 
 # Importing a module registers its sources.
-MODULES = ["kilolayer.data.stdlib", "kilolayer.data.synthetic"]
+MODULES = [
+    "kilolayer.data.stdlib", "kilolayer.data.synthetic", "kilolayer.data.digits", "kilolayer.data.images",
+    "kilolayer.data.text", "kilolayer.data.hf_dataset",
+]
 
 
 def load_source(config) -> Source:

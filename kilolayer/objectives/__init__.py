@@ -8,7 +8,10 @@ from kilolayer.errors import ConfigError
 from kilolayer.objectives.base import OBJECTIVES, Objective, Task, register_objective
 
 # Importing a module registers its objective.
-MODULES = ["kilolayer.objectives.causal_lm", "kilolayer.objectives.seq2seq"]
+MODULES = [
+    "kilolayer.objectives.causal_lm", "kilolayer.objectives.seq2seq", "kilolayer.objectives.classification",
+    "kilolayer.objectives.contrastive", "kilolayer.objectives.mae", "kilolayer.objectives.mlm",
+]
 
 
 def build_objective(config, backbone) -> Objective:

@@ -197,6 +197,11 @@ class Trainer:
                 batches = (to_device(b, self.env.device) for b in self.source.eval_batches(tc.batch_size,
                                                                                            tc.eval_batches * tc.batch_size))
                 metrics = self.task.objective.evaluate(self.task.backbone, batches)
+                save = getattr(self.task.objective, "save_samples", None)
+                if save is not None and self.env.main:
+                    # e.g. MAE's original / masked / reconstruction grid
+                    batch = to_device(next(self.source.eval_batches(8, 8)), self.env.device)
+                    save(self.task.backbone, batch, self.out / "samples" / f"step_{step:08d}.png")
         self.task.train()
         return {k: float(v) for k, v in metrics.items()}
 

@@ -1,0 +1,123 @@
+"""Sequence-level classification (ViT / BERT-classifier style): pool the final hidden states, one linear head.
+
+Batch: ``{"inputs": images float (B, C, H, W) or token ids long (B, T),
+"labels": long (B,)}`` plus ``padding_mask`` for tokens (``images`` or
+``tokens`` are accepted in place of ``inputs``). Options (``objective.options``):
+
+* ``pool``: ``cls`` (the first token: the CLS token of a patch model, or a CLS
+  id the text source put first) or ``mean`` (over non-padding tokens; a
+  patch model's CLS token is left out). Default: ``cls`` for a patch model
+  with a CLS token, else ``mean``.
+* ``num_classes``: default, the data source's number of classes.
+* ``head_norm``: LayerNorm on the pooled features before the linear head
+  (default true; makes a frozen-backbone linear probe far better conditioned).
+
+Evaluation reports ``loss`` and ``accuracy`` over the evaluation split.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from kilolayer.errors import ConfigError
+from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.data.options import parse_options
+from kilolayer.objectives.common import batch_inputs, pool, token_count
+
+
+class ClassificationOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pool: Optional[Literal["cls", "mean"]] = None
+    num_classes: Optional[int] = Field(None, ge=2)
+    head_norm: bool = True
+
+
+def source_num_classes(config) -> int:
+    """The number of classes of ``config``'s data source: its cheap ``count_classes`` if it has one,
+    else the ``num_classes`` of the built source."""
+    from kilolayer.data import SOURCES, load_source
+
+    count = getattr(SOURCES.get(config.data.name), "count_classes", None)
+    n = count(config) if count is not None else getattr(load_source(config), "num_classes", None)
+    if not n:
+        raise ConfigError(
+            f"objective.options.num_classes: required; data.name={config.data.name!r} does not give class labels"
+        )
+    return int(n)
+
+
+@register_objective
+class Classification(Objective):
+    name = "classification"
+    archs = ("encoder",)
+
+    def __init__(self, config, backbone: nn.Module):
+        super().__init__(config, backbone)
+        opts = parse_options(ClassificationOptions, config.objective.options, "objective.options")
+        m = backbone.config
+        if m.arch != "encoder":
+            raise ConfigError(f"model.arch={m.arch!r}: classification needs an encoder")
+        self.patches = m.input == "patches"
+        self.seq_len = m.seq_len
+        self.cls_token = self.patches and m.cls_token
+        self.pool = opts.pool or ("cls" if self.cls_token else "mean")
+        if self.pool == "cls" and self.patches and not m.cls_token:
+            raise ConfigError("objective.options.pool='cls': model.cls_token is false; use pool: mean")
+        self.num_classes = opts.num_classes or source_num_classes(config)
+        self.norm = nn.LayerNorm(m.width, eps=m.norm_eps) if opts.head_norm else nn.Identity()
+        self.head = nn.Linear(m.width, self.num_classes)
+        with torch.no_grad():
+            self.head.weight.normal_(0.0, 0.02)
+            self.head.bias.zero_()
+
+    def _inputs(self, batch: dict):
+        if self.patches:  # "images" when the source pairs images with captions
+            return batch_inputs(batch, "inputs", "images"), None
+        return batch_inputs(batch, "inputs", "tokens"), batch.get("padding_mask")
+
+    def features(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
+        """Pooled final hidden states (B, width)."""
+        x, mask = self._inputs(batch)
+        hidden = backbone(x, mask)
+        return pool(hidden, mask, self.pool, skip_first=self.cls_token)
+
+    def logits(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
+        return self.head(self.norm(self.features(backbone, batch)))
+
+    def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+        logits = self.logits(backbone, batch)
+        labels = batch["labels"]
+        loss = F.cross_entropy(logits.float(), labels)
+        accuracy = (logits.argmax(-1) == labels).float().mean()
+        return loss, {"accuracy": float(accuracy)}
+
+    @torch.no_grad()
+    def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
+        total_loss = correct = count = 0.0
+        for batch in batches:
+            logits = self.logits(backbone, batch)
+            labels = batch["labels"]
+            total_loss += float(F.cross_entropy(logits.float(), labels, reduction="sum"))
+            correct += float((logits.argmax(-1) == labels).sum())
+            count += len(labels)
+        return {"loss": total_loss / max(count, 1), "accuracy": correct / max(count, 1)}
+
+    def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
+        x, mask = self._inputs(batch)
+        return backbone(x, mask)
+
+    def analysis_inputs(self, batch: dict):
+        x, mask = self._inputs(batch)
+        return {"inputs": x, "padding_mask": mask}, mask
+
+    def tokens(self, batch: dict) -> int:
+        x, mask = self._inputs(batch)
+        if self.patches:
+            return x.shape[0] * self.seq_len
+        return token_count(x, mask)

@@ -1,0 +1,215 @@
+"""Masked autoencoding of image patches (MAE, He et al. 2021): a token-level objective.
+
+Per sample, a random permutation of the L patches keeps the first
+K = max(1, int(L * (1 - mask_ratio))) visible; the backbone's encoder sees only
+those K patches (plus its CLS token), embedded by ``PatchEmbedding(images,
+keep=...)`` with their own positions. A lighter decoder (a kilolayer encoder
+stack of its own depth, width and heads) takes the encoded tokens projected to
+its width, a shared learned mask token at every hidden patch, and its own
+learned positions, and predicts every patch's pixels. The target is each
+patch's pixels, normalised by that patch's mean and variance when
+``norm_pix_loss`` (default, as MAE); the loss is the mean squared error over
+the masked patches only.
+
+Batch: ``{"inputs": float (B, C, H, W)}`` (labels, if any, are ignored).
+Evaluation: the reconstruction loss with fixed masks. :meth:`MAE.save_samples`
+writes a PNG grid: original | masked | reconstruction, one row per sample.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from kilolayer.config import ModelConfig
+from kilolayer.data.options import parse_options
+from kilolayer.errors import ConfigError
+from kilolayer.nn.residual import SCHEMES, Depth, make_scheme
+from kilolayer.nn.transformer import Stack
+from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator
+
+
+class MAEOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)
+    norm_pix_loss: bool = True
+    decoder_layers: int = Field(2, ge=1)
+    decoder_width: Optional[int] = Field(None, ge=1, description="default: half the encoder width, at least 32")
+    decoder_heads: int = Field(4, ge=1)
+    decoder_ffn: Optional[int] = Field(None, ge=1, description="default: 4 x decoder_width")
+    decoder_scheme: str = "pre_ln"
+
+
+def unpatchify(patches: torch.Tensor, channels: int, patch: int) -> torch.Tensor:
+    """(B, g*g, p*p*C) -> (B, C, g*p, g*p); the inverse of ``PatchEmbedding.patchify``."""
+    B, L, _ = patches.shape
+    g = math.isqrt(L)
+    x = patches.reshape(B, g, g, patch, patch, channels).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(B, channels, g * patch, g * patch)
+
+
+def random_masking(batch: int, length: int, keep: int, generator: torch.Generator, device) -> tuple:
+    """(keep_idx (B, K), restore (B, L), mask (B, L) with 1 = hidden) from per-sample random permutations."""
+    noise = torch.rand(batch, length, generator=generator).to(device)
+    shuffle = noise.argsort(dim=1)
+    restore = shuffle.argsort(dim=1)
+    mask = torch.ones(batch, length, device=device)
+    mask[:, :keep] = 0
+    return shuffle[:, :keep], restore, torch.gather(mask, 1, restore)
+
+
+@register_objective
+class MAE(Objective):
+    name = "mae"
+    archs = ("encoder",)
+
+    def __init__(self, config, backbone: nn.Module):
+        super().__init__(config, backbone)
+        opts = parse_options(MAEOptions, config.objective.options, "objective.options")
+        m = backbone.config
+        if m.input != "patches":
+            raise ConfigError(f"model.input={m.input!r}: mae reconstructs image patches; set model.input: patches")
+        self.mask_ratio, self.norm_pix_loss = opts.mask_ratio, opts.norm_pix_loss
+        self.num_patches, self.cls = m.num_patches, int(m.cls_token)
+        self.keep = max(1, int(self.num_patches * (1 - opts.mask_ratio)))
+        self.channels, self.patch_size = m.channels, m.patch_size
+        width = opts.decoder_width or max(32, m.width // 2)
+        if width % opts.decoder_heads:
+            raise ConfigError(
+                f"objective.options.decoder_width={width}: must be divisible by "
+                f"objective.options.decoder_heads={opts.decoder_heads}"
+            )
+        if opts.decoder_scheme not in SCHEMES:
+            raise ConfigError(
+                f"objective.options.decoder_scheme={opts.decoder_scheme!r}: unknown scheme; "
+                f"allowed: {', '.join(sorted(SCHEMES))}"
+            )
+        dec = ModelConfig(
+            arch="encoder",
+            scheme=opts.decoder_scheme,
+            layers=opts.decoder_layers,
+            width=width,
+            heads=opts.decoder_heads,
+            ffn=opts.decoder_ffn or 4 * width,
+            activation=m.activation,
+            norm_eps=m.norm_eps,
+        )
+        scheme = make_scheme(dec.scheme, Depth("encoder", dec.layers))
+        self.decoder_embed = nn.Linear(m.width, width)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.decoder_positions = nn.Parameter(torch.zeros(1, self.num_patches + self.cls, width))
+        self.decoder = Stack(dec, scheme, "encoder", dec.layers)
+        self.predict = nn.Linear(width, m.channels * m.patch_size**2)
+        with torch.no_grad():
+            self.mask_token.normal_(0.0, 0.02)
+            self.decoder_positions.normal_(0.0, 0.02)
+            for lin in (self.decoder_embed, self.predict):
+                nn.init.xavier_uniform_(lin.weight)
+                lin.bias.zero_()
+
+    # -- pieces (public so that tests and analyses can call them one by one)
+    def targets(self, backbone: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """Per-patch pixel targets (B, L, p*p*C), normalised per patch when ``norm_pix_loss``."""
+        target = backbone.embed.patchify(images)
+        if self.norm_pix_loss:
+            mean = target.mean(dim=-1, keepdim=True)
+            var = target.var(dim=-1, keepdim=True)
+            target = (target - mean) / (var + 1e-6).sqrt()
+        return target
+
+    def reconstruct(
+        self, backbone: nn.Module, images: torch.Tensor, generator: torch.Generator, observe=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted patches (B, L, p*p*C), mask (B, L), 1 = hidden) for one random masking."""
+        B = images.shape[0]
+        keep, restore, mask = random_masking(B, self.num_patches, self.keep, generator, images.device)
+        x = backbone.embed(images, keep=keep)  # (B, cls + K, width): only the visible patches
+        latent = backbone.encoder(x, observe=observe)
+        y = self.decoder_embed(latent)
+        visible = y[:, self.cls :]
+        filler = self.mask_token.to(y.dtype).expand(B, self.num_patches - self.keep, -1)
+        full = torch.cat([visible, filler], dim=1)
+        full = torch.gather(full, 1, restore[..., None].expand(-1, -1, full.shape[-1]))  # back to patch order
+        full = torch.cat([y[:, : self.cls], full], dim=1) + self.decoder_positions.to(y.dtype)
+        out = self.predict(self.decoder(full))
+        return out[:, self.cls :], mask
+
+    @staticmethod
+    def masked_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean squared error per patch, averaged over the hidden patches only."""
+        per_patch = ((pred.float() - target.float()) ** 2).mean(dim=-1)
+        return (per_patch * mask).sum() / mask.sum()
+
+    # -- the Objective interface
+    def _loss(self, backbone, batch, generator) -> torch.Tensor:
+        images = batch_inputs(batch, "inputs", "images")
+        pred, mask = self.reconstruct(backbone, images, generator)
+        return self.masked_loss(pred, self.targets(backbone, images), mask)
+
+    def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+        return self._loss(backbone, batch, step_generator()), {}
+
+    @torch.no_grad()
+    def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
+        total = count = 0.0
+        for i, batch in enumerate(batches):
+            n = batch_inputs(batch, "inputs", "images").shape[0]
+            total += float(self._loss(backbone, batch, eval_generator(i))) * n
+            count += n
+        return {"loss": total / max(count, 1)}
+
+    def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
+        return backbone(batch_inputs(batch, "inputs", "images"))
+
+    def analysis_inputs(self, batch: dict):
+        # over-smoothing is measured on the encoder over whole images, as for a supervised ViT
+        return {"inputs": batch_inputs(batch, "inputs", "images"), "padding_mask": None}, None
+
+    def tokens(self, batch: dict) -> int:
+        return batch_inputs(batch, "inputs", "images").shape[0] * (self.keep + self.cls)
+
+    @torch.no_grad()
+    def save_samples(self, backbone: nn.Module, batch: dict, path: "str | Path", count: int = 8) -> Path:
+        """Write a PNG grid, one row per sample: original | masked (hidden patches grey) | reconstruction
+        (visible patches from the original, hidden ones predicted, de-normalised with the patch's statistics)."""
+        from PIL import Image
+
+        images = batch_inputs(batch, "inputs", "images")[:count]
+        pred, mask = self.reconstruct(backbone, images, eval_generator(0))
+        patches = backbone.embed.patchify(images).float()
+        pred = pred.float()
+        if self.norm_pix_loss:
+            mean = patches.mean(dim=-1, keepdim=True)
+            std = (patches.var(dim=-1, keepdim=True) + 1e-6).sqrt()
+            pred = pred * std + mean
+        hidden = mask.bool()[..., None]
+        lo = images.flatten(1).amin(1)[:, None, None]
+        hi = images.flatten(1).amax(1)[:, None, None]
+
+        def show(p):  # patches -> [0, 1] image by each sample's original range
+            return ((p - lo) / (hi - lo).clamp_min(1e-6)).clamp(0, 1)
+
+        panels = [
+            show(patches),
+            torch.where(hidden, torch.full_like(patches, 0.5), show(patches)),
+            show(torch.where(hidden, pred, patches)),
+        ]
+        rows = [
+            torch.cat([unpatchify(p, self.channels, self.patch_size)[i] for p in panels], dim=2)
+            for i in range(len(images))
+        ]
+        grid = torch.cat(rows, dim=1)  # (C, rows*H, 3*W)
+        scale = max(1, math.ceil(64 / images.shape[-1]))
+        grid = grid.repeat_interleave(scale, 1).repeat_interleave(scale, 2)
+        arr = (grid * 255).round().byte().permute(1, 2, 0).cpu().numpy()
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(arr if self.channels == 3 else arr[..., 0]).save(out)
+        return out

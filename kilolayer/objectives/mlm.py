@@ -1,0 +1,155 @@
+"""Masked-token prediction (BERT): a token-level objective for an encoder over tokens.
+
+Each non-padding, non-special token is selected with probability
+``mask_prob`` (0.15); a selected token is replaced by the MASK id with
+probability ``mask_fraction`` (0.8), by a random token with probability
+``random_fraction`` (0.1), else kept. The head (dense, GELU, LayerNorm,
+vocabulary projection, as BERT) predicts the original token at the selected
+positions only; unselected positions carry no loss. Every batch selects at
+least one token when it has any candidate.
+
+Masks come from a CPU generator seeded from the global RNG, so they follow
+the trainer's seed, resume exactly, and are the same on CPU and GPU;
+evaluation uses fixed generators. Ids: by default those of the data source's
+tokenizer (``data.options.tokenizer``, else bytes with MASK = 259 from
+:mod:`kilolayer.data.vocab`); random replacements are drawn from
+``[0, random_high)`` (the 256 byte values for byte data). Evaluation reports
+``loss`` and ``accuracy`` over selected tokens.
+
+Batch: ``{"tokens": long (B, T), "padding_mask": bool (B, T)}`` (``inputs`` is
+accepted for ``tokens``; no padding mask means no padding).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from kilolayer.data.options import parse_options
+from kilolayer.data.text import tokenizer_for
+from kilolayer.errors import ConfigError
+from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator, token_count
+
+IGNORE = -100
+
+
+class MLMOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mask_prob: float = Field(0.15, gt=0.0, le=1.0)
+    mask_fraction: float = Field(0.8, ge=0.0, le=1.0)
+    random_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    mask_id: Optional[int] = Field(None, ge=0, description="default: the data tokenizer's MASK id")
+    random_high: Optional[int] = Field(None, ge=1, description="random replacements come from [0, random_high)")
+    special_ids: Optional[list[int]] = Field(None, description="ids never selected; default: the tokenizer's")
+
+
+@register_objective
+class MLM(Objective):
+    name = "mlm"
+    archs = ("encoder",)
+
+    def __init__(self, config, backbone: nn.Module):
+        super().__init__(config, backbone)
+        opts = parse_options(MLMOptions, config.objective.options, "objective.options")
+        m = backbone.config
+        if m.input != "tokens":
+            raise ConfigError(f"model.input={m.input!r}: mlm predicts tokens; set model.input: tokens")
+        if opts.mask_fraction + opts.random_fraction > 1.0:
+            raise ConfigError(
+                f"objective.options.random_fraction={opts.random_fraction}: mask_fraction + random_fraction "
+                f"= {opts.mask_fraction + opts.random_fraction:g} exceeds 1"
+            )
+        needs_tokenizer = opts.mask_id is None or opts.random_high is None or opts.special_ids is None
+        tok = tokenizer_for(config) if needs_tokenizer else None
+        self.mask_id = opts.mask_id if opts.mask_id is not None else tok.mask_id
+        if self.mask_id is None:
+            raise ConfigError(f"objective.options.mask_id: required; the tokenizer in {tok.name} has no mask token")
+        self.random_high = opts.random_high if opts.random_high is not None else tok.random_high
+        specials = opts.special_ids if opts.special_ids is not None else tok.special_ids
+        V = m.vocab_size
+        if self.mask_id >= V:
+            raise ConfigError(f"objective.options.mask_id={self.mask_id}: outside model.vocab_size={V}")
+        if self.random_high > V:
+            raise ConfigError(f"objective.options.random_high={self.random_high}: exceeds model.vocab_size={V}")
+        self.mask_prob, self.mask_fraction, self.random_fraction = (
+            opts.mask_prob,
+            opts.mask_fraction,
+            opts.random_fraction,
+        )
+        self.register_buffer("special_ids", torch.as_tensor(sorted(set(specials)), dtype=torch.long), persistent=False)
+        self.head = nn.Sequential(
+            nn.Linear(m.width, m.width), nn.GELU(), nn.LayerNorm(m.width, eps=m.norm_eps), nn.Linear(m.width, V)
+        )
+        with torch.no_grad():
+            for lin in (self.head[0], self.head[3]):
+                lin.weight.normal_(0.0, 0.02)
+                lin.bias.zero_()
+
+    def corrupt(
+        self, tokens: torch.Tensor, padding_mask: Optional[torch.Tensor], generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(model inputs, targets): targets hold the original id at selected positions and -100 elsewhere."""
+        shape, device = tokens.shape, tokens.device
+        pick = torch.rand(shape, generator=generator).to(device)
+        how = torch.rand(shape, generator=generator).to(device)
+        random_ids = torch.randint(0, self.random_high, shape, generator=generator).to(device)
+        candidate = ~torch.isin(tokens, self.special_ids.to(device))
+        if padding_mask is not None:
+            candidate &= ~padding_mask
+        selected = (pick < self.mask_prob) & candidate
+        if not selected.any() and candidate.any():
+            # a batch with nothing selected would have no loss: take the candidate with the smallest draw
+            first = pick.masked_fill(~candidate, 2.0).flatten().argmin()
+            selected.view(-1)[first] = True
+        to_mask = selected & (how < self.mask_fraction)
+        to_random = selected & (how >= self.mask_fraction) & (how < self.mask_fraction + self.random_fraction)
+        inputs = tokens.masked_fill(to_mask, self.mask_id)
+        inputs = torch.where(to_random, random_ids, inputs)
+        targets = tokens.masked_fill(~selected, IGNORE)
+        return inputs, targets
+
+    def masked_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean cross-entropy, number correct) over the selected positions; others never reach the head."""
+        sel = targets != IGNORE
+        logits = self.head(hidden[sel]).float()
+        gold = targets[sel]
+        if gold.numel() == 0:
+            return hidden.sum() * 0.0, torch.zeros((), device=hidden.device)
+        return F.cross_entropy(logits, gold), (logits.argmax(-1) == gold).sum()
+
+    def _step(self, backbone, batch, generator):
+        tokens = batch_inputs(batch, "tokens", "inputs")
+        mask = batch.get("padding_mask")
+        inputs, targets = self.corrupt(tokens, mask, generator)
+        loss, correct = self.masked_loss(backbone(inputs, mask), targets)
+        return loss, correct, int((targets != IGNORE).sum())
+
+    def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+        loss, correct, n = self._step(backbone, batch, step_generator())
+        return loss, {"accuracy": float(correct) / max(n, 1)}
+
+    @torch.no_grad()
+    def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
+        total = correct = count = 0.0
+        for i, batch in enumerate(batches):
+            loss, right, n = self._step(backbone, batch, eval_generator(i))
+            total += float(loss) * n
+            correct += float(right)
+            count += n
+        return {"loss": total / max(count, 1), "accuracy": correct / max(count, 1)}
+
+    def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
+        return backbone(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"))
+
+    def analysis_inputs(self, batch: dict):
+        mask = batch.get("padding_mask")
+        return {"inputs": batch_inputs(batch, "tokens", "inputs"), "padding_mask": mask}, mask
+
+    def tokens(self, batch: dict) -> int:
+        return token_count(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"))

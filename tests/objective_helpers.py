@@ -1,0 +1,77 @@
+"""Tiny configs and a plain AdamW loop shared by the objective tests."""
+
+from __future__ import annotations
+
+import torch
+
+from kilolayer.config import Config, load_config
+from kilolayer.data import load_source
+from kilolayer.objectives import build_task
+
+TINY_IMAGE = dict(input="patches", channels=1, image_size=8, patch_size=2, width=32, heads=4, ffn=64, layers=2)
+TINY_TEXT = dict(input="tokens", width=32, heads=4, ffn=64, layers=2, vocab_size=262, max_len=32)
+
+
+def config(
+    objective: str,
+    data: str,
+    options: dict | None = None,
+    data_options: dict | None = None,
+    model: dict | None = None,
+    seed: int = 0,
+    path: str | None = None,
+) -> Config:
+    base = TINY_IMAGE if data in ("digits", "digit_captions") else TINY_TEXT
+    return load_config(
+        {
+            "model": {**base, **(model or {})},
+            "objective": {"name": objective, "options": options or {}},
+            "data": {"name": data, "options": data_options or {}, "path": path},
+            "train": {"seed": seed},
+        }
+    )
+
+
+def setup(cfg: Config, seed: int = 0):
+    """(task, source) with the global RNG seeded as the trainer does."""
+    source = load_source(cfg)
+    torch.manual_seed(seed)
+    return build_task(cfg), source
+
+
+def train(task, source, steps: int, lr: float = 3e-3, batch_size: int = 32) -> list[float]:
+    """Plain AdamW on the trainable parameters; returns the training losses."""
+    opt = torch.optim.AdamW([p for p in task.parameters() if p.requires_grad], lr=lr)
+    task.train()
+    losses = []
+    for step in range(steps):
+        loss, _ = task(source.train_batch(step, batch_size))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def evaluate(task, source, limit: int | None = None, batch_size: int = 128, split: str = "eval") -> dict:
+    task.eval()
+    batches = source.eval_batches(batch_size, limit) if split == "eval" else source.split_batches(split, batch_size)
+    out = task.objective.evaluate(task.backbone, batches)
+    task.train()
+    return out
+
+
+def fake_run(run_dir, cfg: Config, task, step: int = 10, complete: bool = True):
+    """A run directory as the trainer writes it: config.yaml and checkpoints/step_XXXXXXXX/ holding
+    model.safetensors and (if ``complete``) COMPLETE."""
+    from safetensors.torch import save_file
+
+    from kilolayer.config import dump_yaml
+
+    ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+    ckpt.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    save_file({k: v.detach().contiguous() for k, v in task.state_dict().items()}, str(ckpt / "model.safetensors"))
+    if complete:
+        (ckpt / "COMPLETE").write_text(str(step))
+    return run_dir
