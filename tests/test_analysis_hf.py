@@ -17,14 +17,6 @@ transformers.utils.logging.disable_progress_bar()
 
 MINILM = str(gt_minilm.get_model_path())
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: thread start-up dominates, and on a busy machine it costs ~100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 SENTENCES = [
     "The cat sat on the mat.",
     "Deep Transformers tend to over-smooth: token representations grow alike with depth.",

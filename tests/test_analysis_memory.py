@@ -9,14 +9,6 @@ from kilolayer import build_model
 from kilolayer.analysis.smoothness import smoothness, token_cosine
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: thread start-up dominates, and on a busy machine it costs ~100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 class LiveCounter:
     """Counts layer outputs still alive (CPython frees a tensor when its last reference goes)."""

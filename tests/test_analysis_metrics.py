@@ -24,14 +24,6 @@ from kilolayer.errors import InputError
 TOKEN_METRICS = [token_cosine, centred_token_cosine, rank_collapse_residual, effective_rank, hc_ratio]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: thread start-up dominates, and on a busy machine it costs ~100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _random(seed, B, T, D):
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)

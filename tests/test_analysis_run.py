@@ -12,14 +12,6 @@ from kilolayer.cli import main
 checkpoint = pytest.importorskip("kilolayer.train.checkpoint")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: thread start-up dominates, and on a busy machine it costs ~100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _train(root, name, config):
     path = root / f"{name}.yaml"

@@ -16,14 +16,6 @@ from kilolayer.cli import main
 from kilolayer.presets import PRESETS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds synchronisation (and spins badly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def built_parameters(cfg) -> int:
     # the meta device allocates nothing, so even the 1,000-layer presets are cheap to build

@@ -15,14 +15,6 @@ from kilolayer import ConfigError, build_model, deepnorm_constants
 layers = st.integers(min_value=1, max_value=100_000)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds synchronisation (and spins badly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 # The table, written out term by term so that a slip in the library's exponents shows up.
 def table_encoder_only(n):

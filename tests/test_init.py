@@ -27,14 +27,6 @@ ARCHS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds synchronisation (and spins badly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def build(scheme: str, arch: str, seed: int = 0, **extra):
     torch.manual_seed(seed)

@@ -23,14 +23,6 @@ SCHEME_NAMES = sorted(SCHEMES)
 examples = settings(max_examples=12, deadline=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds synchronisation (and spins badly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @lru_cache(maxsize=None)
 def model(scheme: str, arch: str):

@@ -25,14 +25,6 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-6}
 D, H, F = 64, 4, 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds synchronisation (and spins badly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def padding(batch: int, length: int, lengths: list[int]) -> torch.Tensor:
     pad = torch.zeros(batch, length, dtype=torch.bool)
