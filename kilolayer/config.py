@@ -55,7 +55,7 @@ class ModelConfig(_Section):
     # speed options (the model's numbers do not depend on them beyond dtype rounding)
     checkpoint_activations: bool = False
     attention_fp32_cpu: bool = Field(
-        True, description="on CPU, run bf16/fp16 attention in fp32 (PyTorch's bf16 CPU attention backward is ~2x slower)"
+        True, description="on CPU, attend in fp32 when autocast gives bf16/fp16 (PyTorch's bf16 CPU backward is slower)"
     )
 
     @model_validator(mode="after")
@@ -148,6 +148,7 @@ class TrainConfig(_Section):
     log_every: int = Field(10, ge=1)
     precision: Literal["fp32", "bf16"] = "fp32"
     compile: bool = Field(False, description="torch.compile each layer")
+    fused_optimizer: bool = Field(False, description="AdamW(fused=True) instead of the multi-tensor (foreach) path")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
     diverge_factor: float = Field(

@@ -291,3 +291,14 @@ def test_synthetic_tasks_are_what_they_say():
         assert torch.equal(again["src"], b["src"])
         half = src.train_batch(3, 6, rank=1, world=2)
         assert half["src"].shape[0] == 3
+
+
+def test_fast_path_switches_track_the_reference(tmp_path):
+    """train.fused_optimizer matches foreach AdamW to float rounding; bf16 autocast stays within 2%."""
+    ref = train(TINY_LM, tmp_path / "ref", quiet=True, sets=["train.steps=3"])
+    fused = train(TINY_LM, tmp_path / "fused", quiet=True, sets=["train.steps=3", "train.fused_optimizer=true"])
+    bf16 = train(TINY_LM, tmp_path / "bf16", quiet=True, sets=["train.steps=3", "train.precision=bf16"])
+    assert ref == fused == bf16
+    a, b, c = losses(tmp_path / "ref"), losses(tmp_path / "fused"), losses(tmp_path / "bf16")
+    assert [x for _, x in b] == pytest.approx([x for _, x in a], rel=1e-5)
+    assert [x for _, x in c] == pytest.approx([x for _, x in a], rel=2e-2)

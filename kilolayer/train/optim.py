@@ -18,9 +18,8 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(module: nn.Module, tc) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        param_groups(module, tc.weight_decay), lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, foreach=True
-    )
+    kind = {"fused": True} if tc.fused_optimizer else {"foreach": True}
+    return torch.optim.AdamW(param_groups(module, tc.weight_decay), lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, **kind)
 
 
 def lr_factor(step: int, tc) -> float:
