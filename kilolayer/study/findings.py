@@ -40,8 +40,8 @@ def verdict(diffs: list[float], margin: float, unit: str = "") -> Verdict:
     m = statistics.fmean(diffs)
     se = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else 0.0
     t = max(margin, 2 * se)
-    seeds = f"{n} seed{'s' if n > 1 else ''}"
-    desc = f"mean difference {m:+.3g}{unit} over {seeds}, threshold {t:.3g}{unit} (max of margin {margin:g}, 2 x s.e.)"
+    pairs = f"{n} paired comparison{'s' if n > 1 else ''}"
+    desc = f"mean difference {m:+.3g}{unit} over {pairs}, threshold {t:.3g}{unit} (max of margin {margin:g}, 2 x s.e.)"
     if m > t:
         v = HELD
     elif m < -t:
@@ -50,7 +50,7 @@ def verdict(diffs: list[float], margin: float, unit: str = "") -> Verdict:
         v = INCONCLUSIVE
         desc += "; within noise"
     if n == 1 and v != INCONCLUSIVE:
-        desc += "; one seed only, so the noise across seeds is unknown"
+        desc += "; one comparison only (one seed), so the noise across seeds is unknown"
     return Verdict(v, m, t, n, desc)
 
 
