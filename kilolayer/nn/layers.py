@@ -28,6 +28,7 @@ class Layer(nn.Module):
             return Attention(
                 d, cfg.heads, cross=kind == "cross_attn", causal=causal and kind == "self_attn", bias=cfg.bias,
                 inner_norm=scheme.attn_inner_norm(s), head_scale=scheme.head_scale(s), dropout=cfg.dropout, eps=eps,
+                fp32_on_cpu=cfg.attention_fp32_cpu,
             )
 
         s = site("self_attn")

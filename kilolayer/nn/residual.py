@@ -360,12 +360,11 @@ class Residual(nn.Module):
         if self.shortcut is not None:
             if self._profile is not None:
                 self._admin_profile_step(x, y)
-            s = x * self.shortcut
+            out = x * self.shortcut + y
         elif self.alpha != 1.0:
-            s = x * self.alpha
+            out = torch.add(y, x, alpha=self.alpha)  # alpha * x + y in one pass over memory
         else:
-            s = x
-        out = s + y
+            out = x + y
         return self.post_norm(out) if self.post_norm is not None else out
 
     @torch.no_grad()
