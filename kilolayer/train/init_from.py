@@ -36,7 +36,7 @@ def pretrained_checkpoint(run_dir: "str | Path") -> Path:
     found = complete_checkpoints(run)
     if not found:
         raise InputError(
-            f"{run}: the run has no complete checkpoint (checkpoints/step_XXXXXXXX/COMPLETE) (train.init_from)"
+            f"{run}: the run has no complete checkpoint (checkpoints/step_NNNNNNNN/COMPLETE) (train.init_from)"
         )
     return found[-1] / "model.safetensors"
 
