@@ -49,9 +49,14 @@ def losses(run: Path, split: str = "train") -> list[tuple[int, float]]:
     return out
 
 
+# in-process runs use one thread (tests/conftest.py); subprocesses must too, or float reduction order
+# differs and losses are no longer bit-identical between the two
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def cli(*args: str) -> tuple[int, str, str]:
     p = subprocess.run([sys.executable, "-m", "kilolayer", *args], capture_output=True, text=True, cwd=ROOT,
-                       timeout=600)
+                       timeout=600, env=ONE_THREAD)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -106,7 +111,7 @@ def test_resume_after_sigkill_mid_run(tmp_path):
     cfg_file.write_text(dump_yaml(load_config(cfg)))
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "kilolayer", "train", str(cfg_file), "--out", str(run), "--quiet"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ONE_THREAD)
     deadline = time.time() + 300
     while time.time() < deadline and len(complete_checkpoints(run)) < 2:
         time.sleep(0.05)
