@@ -188,11 +188,7 @@ def run(smoke: bool = False, depths=None, peer_depths=None, cap_gib: float = DEF
     if encdec:
         spec = SMOKE_ENCDEC if smoke else ENCDEC
         result["encoder_decoder_spec"] = spec.to_dict()
-        row = measure("kilolayer", spec, batch_size, threads)
-        if "peak_gib" in row:
-            row["peak_gib_tuned_malloc"] = measure("kilolayer", spec, batch_size, threads, extra_env=TUNED_MALLOC).get(
-                "peak_gib")
-        result["encoder_decoder"] = [row]
+        result["encoder_decoder"] = [measure("kilolayer", spec, batch_size, threads)]
     result["load_after"] = common.load_average()
     result["seconds"] = time.perf_counter() - t0
     return result

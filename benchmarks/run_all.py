@@ -172,9 +172,10 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "x-transformers `pre_norm=False, scale_residual_constant=alpha`). Peers run eager fp32 with the same",
         "per-tensor AdamW as the `kilolayer` row. x-transformers' attention projections have no biases (it offers",
         "none); kilolayer and torchscale have them, and the `kilolayer, bias=False` row drops all of kilolayer's.",
-        "`x faster peer` is the median over rounds of (faster peer's",
-        "step time / this step time). MFU = tokens/s x model FLOPs per token (`kilolayer.training_flops` per",
-        "sample / tokens + 6 d V for the head) / the best large-GEMM rate of the same dtype measured in this run.",
+        "`x faster peer` is the median over rounds of (faster peer's step time / this step time), so it can",
+        "differ from the ratio of the tokens/s medians when rounds vary. MFU = tokens/s x model FLOPs per token",
+        "(`kilolayer.training_flops` per sample / tokens + 6 d V for the head) / the best large-GEMM rate of the",
+        "same dtype measured in this run.",
         "Fast-path rows: `bf16` = CPU autocast to bfloat16 with fp32 weights and optimizer state",
         "(`train.precision: bf16`); `compile` = `torch.compile` on each layer (`train.compile: true`);",
         "`fused AdamW` = `torch.optim.AdamW(fused=True)` (`train.fused_optimizer`). `compile s` is the first",
@@ -184,8 +185,9 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "",
         "## Where the time goes (torch.profiler)",
         "",
-        "kilolayer's own step, profiled in the same run (shares of the profiled wall time; `host overhead` is",
-        "time inside no op: Python, dispatch, autograd bookkeeping).",
+        "Profiled in the same run with one torch thread (shares of the profiled wall time, so they do not depend",
+        "on other load; `host overhead` is time inside no op: Python, dispatch, autograd bookkeeping). The",
+        "faster peer is profiled too, to show where kilolayer's eager step differs from it.",
         "",
         profile_step.format_result(prof),
         "",
@@ -195,7 +197,7 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "",
         "`above imports` subtracts the process's size after importing torch and the library. `weights+grads+AdamW`",
         "is 16 bytes per parameter (fp32 weight, gradient and two moments): the floor any fp32 AdamW step needs.",
-        "The `MALLOC_MMAP_THRESHOLD_=65536` column reruns kilolayer's deepest checkpointed points with glibc's mmap",
+        "The `MALLOC_MMAP_THRESHOLD_=65536` column reruns kilolayer's deepest checkpointed point with glibc's mmap",
         "threshold pinned at 64 KiB: by default glibc raises the threshold after large frees, so later",
         "activation-sized blocks come from the heap, and the holes freed between long-lived checkpoint inputs",
         "stay resident. The difference is allocator fragmentation, not tensors the step keeps.",
@@ -214,13 +216,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="torch threads for the speed runs (default 1: on a shared machine a second OpenMP thread stalls "
         "whenever another process holds a core, which skews ratios; use 2 on an idle 2-core machine)",
     )
-    parser.add_argument("--rounds", type=int, help="timed rounds per speed config (default 4)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per speed config (default 6)")
     args = parser.parse_args(argv)
     common.apply_threads(args.threads)
     t0 = time.perf_counter()
     ts = train_step.run(smoke=args.smoke, rounds=args.rounds)
     print(train_step.format_result(ts), flush=True)
-    prof = profile_step.run(smoke=args.smoke, threads=args.threads)
+    prof = profile_step.run(smoke=args.smoke, threads=1)  # shares that do not depend on the machine's load
     print(profile_step.format_result(prof), flush=True)
     mem = memory.run(smoke=args.smoke)
     print(memory.format_result(mem), flush=True)
@@ -230,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"python -m benchmarks.run_all --out {args.out}{extra}" + (f" --rounds {args.rounds}" if args.rounds else ""),
         "# or one at a time:",
         f"python -m benchmarks.train_step{extra} --out train_step.json",
-        f"python -m benchmarks.profile_step{extra} --out profile.json",
+        f"python -m benchmarks.profile_step{' --smoke' if args.smoke else ''} --threads 1 --out profile.json",
         f"python -m benchmarks.memory{extra} --out memory.json",
     ]
     out = Path(args.out)

@@ -110,6 +110,7 @@ def measure(spec: Spec, batch_size: int, rounds: int, variants: list[Variant], s
             row["step_ms"] = 1000 * common.median(t)
             row["tokens_per_s"] = tokens / common.median(t)
             row["tokens_per_s_range"] = [tokens / max(t), tokens / min(t)]
+            row["step_s_per_round"] = list(t)
             row["model_tflops_per_s"] = row["tokens_per_s"] * flops / 1e12
             steady = common.median(t)
             row["compile_s"] = max(0.0, e["first_step_s"] - steady) if e["options"]["compile"] else None
@@ -172,7 +173,7 @@ def _run(smoke: bool, rounds: Optional[int], loss_steps: Optional[int], configs:
         specs = {k: specs[k] for k in configs}
     batch_size = SMOKE_BATCH if smoke else BATCH
     backend = "aot_eager" if smoke else "inductor"  # smoke runs skip inductor's C++ build
-    rounds = rounds or (1 if smoke else 4)
+    rounds = rounds or (1 if smoke else 6)
     result: dict = {"machine": common.machine(), "load_before": common.load_average(), "scheme": SCHEME,
                     "compile_cache": "warm"}
     t0 = time.perf_counter()
@@ -241,8 +242,8 @@ def format_result(result: dict) -> str:
     la = result["loss_agreement"]
     lines.append("")
     lines.append(
-        f"Loss after {la['steps']} steps of d={la['spec']['width']} x {la['spec']['layers']}L, batch {la['batch_size']}, "
-        f"{la['pool']} fixed batches in turn (same seed, lr {la['lr']}): fp32 {la['final_loss_fp32']:.4f}, "
+        f"Loss after {la['steps']} steps of d={la['spec']['width']} x {la['spec']['layers']}L, "
+        f"batch {la['batch_size']}, {la['pool']} fixed batches in turn (same seed, lr {la['lr']}): fp32 {la['final_loss_fp32']:.4f}, "
         f"fast path {la['final_loss_fast']:.4f} (start {la['first_loss']:.4f}); |diff| {la['final_abs_diff']:.4f} "
         f"= {100 * la['final_rel_diff']:.2f}% (tolerance {100 * la['rtol']:.0f}%): "
         f"{'agree' if la['agree'] else 'DISAGREE'}"
@@ -253,7 +254,7 @@ def format_result(result: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.train_step", description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
-    parser.add_argument("--rounds", type=int, help="timed rounds per config (default 4; smoke 1)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per config (default 6; smoke 1)")
     parser.add_argument("--loss-steps", type=int, help="steps of the fp32-vs-fast-path loss check (default 50)")
     parser.add_argument("--config", action="append", help=f"only this config ({', '.join(CONFIGS)}); repeatable")
     parser.add_argument("--warm-cache", action="store_true",
