@@ -114,6 +114,12 @@ def _fmt(x, nd=3):
 # ---------------------------------------------------------------- DeepNet
 
 
+def _run(rs, scheme: str, depth: int, seed):
+    """The run of ``scheme`` at ``depth`` layers per side with ``seed``, or None."""
+    found = [r for r in rs if _depth(r) == depth and _val(r, "model.scheme") == scheme and _val(r, "train.seed") == seed]
+    return found[0] if found else None
+
+
 def _scheme_depth_table(rs):
     schemes = sorted({_val(r, "model.scheme") for r in rs})
     depths = sorted({_depth(r) for r in rs})
@@ -146,10 +152,9 @@ def _scheme_vs(results, groups, loser: str, winner: str, name: str, title: str, 
     deepest = max(_depth(r) for r in rs)
     diffs = []
     for seed in _seeds(rs):
-        a = [r for r in rs if _depth(r) == deepest and _val(r, "model.scheme") == loser and _val(r, "train.seed") == seed]
-        b = [r for r in rs if _depth(r) == deepest and _val(r, "model.scheme") == winner and _val(r, "train.seed") == seed]
+        a, b = _run(rs, loser, deepest, seed), _run(rs, winner, deepest, seed)
         if a and b:
-            diffs.append(final_loss(a[0]) - final_loss(b[0]))
+            diffs.append(final_loss(a) - final_loss(b))
     v = verdict(diffs, margin, " nats")
     if not diffs:
         v.reason = f"the grid has no {loser} and {winner} runs at the same depth and seed"
@@ -205,10 +210,9 @@ def deepnet_update(results, groups, out):
         rows.append([_val(r, "model.scheme"), _depth(r), _val(r, "train.seed"), _fmt(max(ups) if ups else None),
                      _fmt(ups[0] if ups else None)])
     for seed in _seeds(rs):
-        a = [r for r in rs if _depth(r) == deepest and _val(r, "model.scheme") == "post_ln" and _val(r, "train.seed") == seed]
-        b = [r for r in rs if _depth(r) == deepest and _val(r, "model.scheme") == "deepnorm" and _val(r, "train.seed") == seed]
-        if a and b and a[0].diagnostics and b[0].diagnostics:
-            ua, ub = a[0].diagnostics[0]["update"], b[0].diagnostics[0]["update"]
+        a, b = _run(rs, "post_ln", deepest, seed), _run(rs, "deepnorm", deepest, seed)
+        if a and b:
+            ua, ub = a.diagnostics[0]["update"], b.diagnostics[0]["update"]
             diffs.append(math.log(ua / ub) if ua > 0 and ub > 0 else float("nan"))
     v = verdict(diffs, math.log(1.5))
     rule = ("d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "

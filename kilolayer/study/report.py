@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import html
+import json
 import os
 import platform
 import re
@@ -50,8 +51,6 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
     tokens = 0
     for r in results:
         try:
-            import json
-
             tokens += int(json.loads((r.point.run_dir(out) / "status.json").read_text()).get("tokens", 0))
         except (OSError, ValueError):
             pass
