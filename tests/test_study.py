@@ -166,3 +166,147 @@ def test_study_list():
                        cwd=ROOT)
     assert p.returncode == 0
     assert all(name in p.stdout for name in ("quick", "deepnet", "bamboo"))
+
+
+# ---------------------------------------------------------------- Bamboo findings on constructed results
+
+
+def _fake_results(cosine: dict, accuracy: dict, loss: dict):
+    """Every point of the built-in bamboo study, with made-up outcomes: ``cosine[group]``, ``accuracy[group]``
+    and ``loss[group]`` are functions of (layers, seed)."""
+    from kilolayer.study.runner import Result
+
+    results = []
+    for p in expand(load_spec("bamboo")):
+        layers, seed = p.config.model.layers, p.values["train.seed"]
+        ev = {}
+        if p.group in accuracy:
+            ev["accuracy"] = accuracy[p.group](layers, seed)
+        if p.group in loss:
+            ev["loss"] = loss[p.group](layers, seed)
+        smooth = None
+        if p.group in cosine:
+            c = cosine[p.group](layers, seed)
+            smooth = {"cosine": [0.1, c], "cosine_centred": [0.0, c / 2], "hc_ratio": [1.0, 1 - c]}
+        results.append(Result(point=p, status="completed", eval=ev, smoothness=smooth))
+    return results
+
+
+SEQ = ("supervised", "contrastive", "text_classify")
+TOK = ("mae", "mlm", "next_token")
+
+
+@pytest.mark.parametrize("gap, expected", [(0.3, HELD), (-0.3, NOT_HELD), (0.0, INCONCLUSIVE)])
+def test_bamboo_smoothing_verdict_on_constructed_results(tmp_path, gap, expected):
+    from kilolayer.study.findings import bamboo_smoothing
+
+    noise = {0: 0.01, 1: -0.01, 2: 0.0}
+    cosine = {g: (lambda layers, seed: 0.5 + gap + noise[seed]) for g in SEQ}
+    cosine.update({g: (lambda layers, seed: 0.5) for g in TOK + ("untrained", "text_untrained")})
+    f = bamboo_smoothing(_fake_results(cosine, {}, {}), {}, tmp_path)
+    assert f.verdict.verdict == expected
+    # every pair present: 4 shapes x 3 seeds x (supervised|contrastive vs mae, text_classify vs mlm|next_token)
+    assert f.verdict.n == 4 * 3 * 4 and len(f.rows) == 48
+    assert f.verdict.mean == pytest.approx(gap, abs=1e-9)
+    assert f.plots and Path(f.plots[0][0]).is_file()
+
+
+def test_bamboo_depth_findings_on_constructed_results(tmp_path):
+    from kilolayer.study.findings import bamboo_depth, bamboo_depth_tokens
+
+    # from scratch, accuracy falls with depth; after token-level pre-training it rises
+    acc = {"supervised": lambda l, s: 0.9 - 0.001 * l, "text_classify": lambda l, s: 0.6 - 0.001 * l,
+           "finetune": lambda l, s: 0.85 + 0.001 * l + 0.001 * s, "mlm_finetune": lambda l, s: 0.55 + 0.001 * l,
+           "contrastive": lambda l, s: 0.5, "mlm": lambda l, s: 0.4}
+    # token-level losses fall with depth for next_token, and stay flat for mlm
+    loss = {"next_token": lambda l, s: 2.0 - 0.01 * l, "mlm": lambda l, s: 1.5, "mae": lambda l, s: 0.3}
+    results = _fake_results({}, acc, loss)
+    depth = bamboo_depth(results, {}, tmp_path)
+    assert depth.verdict.verdict == HELD
+    # (0.048 - 0.006) - (-0.042) = 0.084 for MAE and for MLM (48 vs 6 layers), with the seed term cancelling
+    assert depth.verdict.mean == pytest.approx(2 * 0.042, abs=1e-9) and depth.verdict.n == 6
+    assert depth.plots and Path(depth.plots[0][0]).is_file()
+    tokens = bamboo_depth_tokens(results, {}, tmp_path)
+    # next_token: 0.42 nats better at 48 layers; mlm: 0 -> mean 0.21 over 6 comparisons
+    assert tokens.verdict.n == 6 and tokens.verdict.mean == pytest.approx(0.21)
+    assert tokens.verdict.verdict == HELD
+    # a failed deep run is left out, not counted as a loss
+    for r in results:
+        if r.point.group == "next_token" and r.point.config.model.layers == 48:
+            r.status = "failed"
+    assert bamboo_depth_tokens(results, {}, tmp_path).verdict.n == 3
+
+
+def test_bamboo_findings_absent_without_their_groups(tmp_path):
+    from kilolayer.study.findings import bamboo_depth_tokens, bamboo_smoothing
+
+    assert bamboo_smoothing([], {}, tmp_path) is None and bamboo_depth_tokens([], {}, tmp_path) is None
+
+
+def test_bamboo_shapes_match_parameters_and_pair_up():
+    from kilolayer.nn.budget import count_parameters
+
+    points = expand(load_spec("bamboo"))
+    for group in ("supervised", "next_token", "mlm"):
+        counts = [count_parameters(p.config.model) for p in points if p.group == group and p.values["train.seed"] == 0]
+        assert len(counts) == 4 and max(counts) / min(counts) < 1.02, (group, counts)
+    for p in points:
+        if p.group == "mlm_finetune":
+            src = next(q for q in points if q.key == p.init_from_point)
+            assert src.group == "mlm" and src.config.model.layers == p.config.model.layers
+            assert src.values["train.seed"] == p.values["train.seed"]
+
+
+# ---------------------------------------------------------------- run-time estimates
+
+
+def test_estimate_counts_match_a_real_run(tmp_path):
+    """The estimator's counts of evaluations and diagnostics are those the trainer performs."""
+    from kilolayer.study.estimate import _count, diagnostic_steps
+    from kilolayer.train.logging import read_metrics
+
+    spec = load_spec(tiny_spec(tmp_path))
+    out = tmp_path / "study"
+    results = run_study(spec, out, log=lambda *_: None)
+    for r in results:
+        recs = read_metrics(r.point.run_dir(out))
+        cfg = r.point.config
+        assert sum(x["split"] == "eval" for x in recs) == _count(cfg.train.steps, cfg.train.eval_every)
+        assert sum(x["split"] == "diagnostics" for x in recs) == diagnostic_steps(cfg)
+
+
+@pytest.mark.parametrize("steps, every, until, expected", [(200, 5, 50, 11), (200, 5, 0, 41), (4, 1, 0, 4), (0, 5, 0, 0),
+                                                           (10, 0, 0, 0)])
+def test_diagnostic_steps(steps, every, until, expected):
+    from kilolayer.study.estimate import diagnostic_steps
+
+    cfg = BASE
+    cfg = {**cfg, "train": {**cfg["train"], "steps": steps, "diagnostics_every": every, "diagnostics_until": until}}
+    from kilolayer.config import load_config
+
+    assert diagnostic_steps(load_config(cfg)) == expected
+
+
+def test_schedule_replays_the_runner():
+    from kilolayer.study.estimate import schedule
+
+    assert schedule([[3.0, 1.0, 1.0, 1.0]], 1) == 6.0
+    assert schedule([[3.0, 1.0, 1.0, 1.0]], 2) == 3.0  # 3 | 1+1+1
+    assert schedule([[1.0, 1.0], [4.0]], 2) == 5.0  # groups run one after the other
+    assert schedule([[]], 3) == 0.0
+
+
+def test_estimate_tiny_study(tmp_path):
+    from kilolayer.study.estimate import estimate
+
+    spec = load_spec(tiny_spec(tmp_path, grid={"model.scheme": ["post_ln", "deepnorm"]}))
+    est = estimate(spec, jobs=1, probe_steps=2, log=lambda *_: None)
+    assert set(est["points"]) == {p.key for p in expand(spec)}
+    for p in est["points"].values():
+        assert p["step"] > 0 and p["seconds"] > est["startup_seconds"]
+        # 4 steps, 2 evaluations, 1 checkpoint, 4 diagnostics
+        parts = est["startup_seconds"] + p["setup"] + 4 * p["step"] + 2 * p["evaluation"] + p["checkpoint"] \
+            + 4 * p["diagnostics"] + p["analyses"]
+        assert p["seconds"] == pytest.approx(parts)
+    assert est["wall_seconds"] == pytest.approx(est["compute_seconds"])  # one job: one after the other
+    assert not list(tmp_path.glob("study*"))  # probing leaves nothing behind in the project

@@ -1,7 +1,9 @@
 """The built-in studies: ``quick`` (what ``make demo`` runs), ``deepnet`` and ``bamboo``.
 
-Group names carry roles the findings look for: ``deepnet`` (schemes x depths),
-``untrained``, ``supervised``, ``mae`` and ``finetune`` (MAE then fine-tuning).
+Group names carry roles the findings look for (kilolayer/study/findings.py): ``deepnet``
+(schemes x depths); on images ``untrained``, ``supervised``, ``contrastive``, ``mae`` and
+``finetune`` (MAE then fine-tuning); on text ``text_untrained``, ``text_classify``, ``mlm``,
+``mlm_finetune`` and ``next_token``.
 """
 
 from __future__ import annotations
@@ -23,39 +25,105 @@ def _deepnet_base(steps: int, width: int, eval_every: int, diag_until: int) -> d
     }
 
 
-def _digits_model(layers: int, width: int, image_size: int) -> dict:
+def _digits_model(layers: int, width: int, heads: int, image_size: int) -> dict:
     return {"arch": "encoder", "scheme": "pre_ln", "input": "patches", "image_size": image_size, "patch_size": 2,
-            "channels": 1, "cls_token": True, "layers": layers, "width": width, "heads": width // 64,
-            "ffn": 4 * width}
+            "channels": 1, "cls_token": True, "layers": layers, "width": width, "heads": heads, "ffn": 4 * width}
 
 
-def _bamboo_groups(shapes, image_size, seeds, sup_steps, mae_steps, ft_steps, mask_ratio) -> list[dict]:
-    def base(objective: dict, steps: int, lr: float) -> dict:
-        return {
-            "model": _digits_model(shapes[0][0], shapes[0][1], image_size),
-            "objective": objective,
-            "data": {"name": "digits", "options": {}},
-            "train": {"steps": steps, "batch_size": 64, "lr": lr, "warmup": max(1, steps // 20), "schedule": "cosine",
-                      "min_lr_ratio": 0.05, "weight_decay": 0.05, "eval_every": max(1, steps // 4),
-                      "eval_batches": 3, "checkpoint_every": steps, "log_every": 25, "betas": [0.9, 0.95]},
-        }
+def _text_model(arch: str, layers: int, width: int, heads: int) -> dict:
+    return {"arch": arch, "scheme": "pre_ln", "input": "tokens", "vocab_size": 262, "max_len": 128,
+            "layers": layers, "width": width, "heads": heads, "ffn": 4 * width}
 
-    grid = {"model.layers,model.width,model.heads,model.ffn": [[l, w, w // 64, 4 * w] for l, w in shapes]}
+
+def _train(steps: int, lr: float, batch_size: int) -> dict:
+    return {"steps": steps, "batch_size": batch_size, "lr": lr, "warmup": max(1, steps // 20), "schedule": "cosine",
+            "min_lr_ratio": 0.05, "weight_decay": 0.05, "eval_every": max(1, steps // 4), "eval_batches": 3,
+            "checkpoint_every": steps, "log_every": 25, "betas": [0.9, 0.95]}
+
+
+def _shape_grid(shapes) -> dict:
+    """Shapes (layers, width, heads) as one tied grid key, so pre-training and fine-tuning points pair up."""
+    return {"model.layers,model.width,model.heads,model.ffn": [[l, w, h, 4 * w] for l, w, h in shapes]}
+
+
+def _untrained(base: dict) -> dict:
+    base = copy.deepcopy(base)
+    base["train"].update(steps=0, eval_every=0, checkpoint_every=0)
+    return base
+
+
+def _bamboo_image_groups(shapes, image_size, seeds, steps: dict, mask_ratio, contrastive: bool) -> list[dict]:
+    """Digits: supervised ViT (sequence-level), CLIP (sequence-level), MAE then fine-tuning (token-level)."""
+    l0, w0, h0 = shapes[0]
+
+    def base(objective: dict, data: str, n: int, lr: float) -> dict:
+        return {"model": _digits_model(l0, w0, h0, image_size), "objective": objective,
+                "data": {"name": data, "options": {}}, "train": _train(n, lr, 64)}
+
+    grid = _shape_grid(shapes)
     classify = {"name": "classification", "options": {"pool": "cls"}}
-    untrained = base(classify, 0, 1e-3)
-    untrained["train"].update(eval_every=0, checkpoint_every=0)
-    return [
-        {"name": "untrained", "description": "the same encoders before training: the smoothness baseline",
-         "base": untrained, "grid": grid, "seeds": seeds[:1], "analyses": ["smoothness"]},
+    groups = [
+        {"name": "untrained", "description": "the image encoders before training: the smoothness baseline",
+         "base": _untrained(base(classify, "digits", 1, 1e-3)), "grid": grid, "seeds": seeds[:1],
+         "analyses": ["smoothness"]},
         {"name": "supervised", "description": "sequence-level: classification from scratch (ViT)",
-         "base": base(classify, sup_steps, 1e-3), "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
+         "base": base(classify, "digits", steps["supervised"], 1e-3), "grid": grid, "seeds": seeds,
+         "analyses": ["smoothness"]},
+    ]
+    if contrastive:
+        clip = {"name": "contrastive", "options": {
+            "embed_dim": 64, "text_model": {"layers": 2, "width": 64, "heads": 4, "ffn": 256, "max_len": 48}}}
+        groups.append(
+            {"name": "contrastive", "description": "sequence-level: CLIP on digit images and generated captions",
+             "base": base(clip, "digit_captions", steps["contrastive"], 1e-3), "grid": grid, "seeds": seeds,
+             "analyses": ["smoothness"]})
+    groups += [
         {"name": "mae", "description": "token-level: masked autoencoding (MAE)",
          "base": base({"name": "mae", "options": {"mask_ratio": mask_ratio, "decoder_layers": 2,
-                                                  "decoder_width": 64, "decoder_heads": 2}}, mae_steps, 1.5e-3),
+                                                  "decoder_width": 64, "decoder_heads": 2}},
+                      "digits", steps["mae"], 1.5e-3),
          "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
         {"name": "finetune", "description": "the MAE encoders fine-tuned for classification",
          "after": "mae", "init_from": "mae",
-         "base": base(classify, ft_steps, 5e-4), "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
+         "base": base(classify, "digits", steps["finetune"], 5e-4), "grid": grid, "seeds": seeds,
+         "analyses": ["smoothness"]},
+    ]
+    return groups
+
+
+def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
+    """Python standard-library bytes: package classification (sequence-level), MLM then fine-tuning and
+    next-byte prediction (token-level)."""
+    l0, w0, h0 = shapes[0]
+    grid = _shape_grid(shapes)
+
+    def base(arch: str, objective: dict, data: dict, n: int, lr: float) -> dict:
+        return {"model": _text_model(arch, l0, w0, h0), "objective": objective, "data": data,
+                "train": _train(n, lr, 32)}
+
+    classify = {"name": "classification", "options": {"pool": "mean"}}
+    packages = {"name": "stdlib_packages", "options": {"seq_len": 128, "max_per_class": 1000}}
+    text_eval = {"eval_batches": 25}
+    scratch = base("encoder", classify, packages, steps["text_classify"], 1e-3)
+    scratch["train"].update(text_eval)
+    finetune = base("encoder", classify, packages, steps["mlm_finetune"], 5e-4)
+    finetune["train"].update(text_eval)
+    return [
+        {"name": "text_untrained", "description": "the text encoders before training: the smoothness baseline",
+         "base": _untrained(scratch), "grid": grid, "seeds": seeds[:1], "analyses": ["smoothness"]},
+        {"name": "text_classify", "description": "sequence-level: which stdlib package a 128-byte window is from",
+         "base": scratch, "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
+        {"name": "mlm", "description": "token-level: masked-byte prediction (BERT's 80/10/10)",
+         "base": base("encoder", {"name": "mlm", "options": {"mask_prob": 0.15}},
+                      {"name": "stdlib_bytes", "options": {"seq_len": 127}}, steps["mlm"], 1e-3),
+         "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
+        {"name": "mlm_finetune", "description": "the MLM encoders fine-tuned for package classification",
+         "after": "mlm", "init_from": "mlm", "base": finetune, "grid": grid, "seeds": seeds,
+         "analyses": ["smoothness"]},
+        {"name": "next_token", "description": "token-level: next-byte prediction with a causal decoder (GPT)",
+         "base": base("decoder", {"name": "causal_lm"}, {"name": "stdlib_bytes", "options": {"seq_len": 128}},
+                      steps["next_token"], 1e-3),
+         "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
     ]
 
 
@@ -77,8 +145,8 @@ def quick() -> dict:
              "grid": {"model.scheme": ["post_ln", "pre_ln", "deepnorm"],
                       "model.layers,model.decoder_layers": [[2, 2], [6, 6], [18, 18]]},
              "seeds": [0]},
-            *_bamboo_groups([(4, 128), (16, 64)], image_size=8, seeds=[0, 1], sup_steps=300, mae_steps=400,
-                            ft_steps=200, mask_ratio=0.5),
+            *_bamboo_image_groups([(4, 128, 2), (16, 64, 1)], image_size=8, seeds=[0, 1], mask_ratio=0.5,
+                                  steps={"supervised": 300, "mae": 400, "finetune": 200}, contrastive=False),
         ],
         "findings": ["deepnet_postln", "deepnet_preln", "deepnet_update", "bamboo_smoothing", "bamboo_depth"],
     }
@@ -110,19 +178,31 @@ def deepnet() -> dict:
     }
 
 
+BAMBOO_SHAPES = [(6, 256, 8), (12, 180, 6), (24, 128, 4), (48, 90, 3)]  # layers x width^2 within 1.2%
+
+
 def bamboo() -> dict:
+    seeds = [0, 1, 2]
     return {
         "name": "bamboo",
         "description": (
-            "Bamboo's depth-vs-width question on digits upscaled to 16x16 (2x2 patches = 64 tokens, so MAE at "
-            "mask ratio 0.75 still sees 16 patches): supervised ViT vs MAE + fine-tuning at three shapes with "
-            "the same block parameters (4 x 256, 16 x 128, 64 x 64), trained about 10x longer than `quick`, "
-            "3 seeds, with smoothness curves against the untrained baseline."
+            "Bamboo's depth-vs-width question at matched parameters: 6 x 256, 12 x 180, 24 x 128 and 48 x 90 "
+            "Pre-LN encoders (layers x width^2 equal within 1.2%), 3 seeds, trained with every objective the paper "
+            "discusses. Images (digits upscaled to 16x16, 2x2 patches = 64 tokens, so MAE at mask ratio 0.75 "
+            "still sees 16 patches): supervised classification and CLIP (sequence-level) vs MAE + fine-tuning "
+            "(token-level). Text (Python standard-library bytes, 128-byte windows): package classification "
+            "(sequence-level) vs masked-byte MLM + fine-tuning and next-byte prediction (token-level). "
+            "Over-smoothing curves per objective against the untrained baselines, accuracy and loss vs depth."
         ),
         "expected_minutes": None,
-        "groups": _bamboo_groups([(4, 256), (16, 128), (64, 64)], image_size=16, seeds=[0, 1, 2], sup_steps=3000,
-                                 mae_steps=6000, ft_steps=2000, mask_ratio=0.75),
-        "findings": ["bamboo_smoothing", "bamboo_depth"],
+        "groups": [
+            *_bamboo_image_groups(BAMBOO_SHAPES, image_size=16, seeds=seeds, mask_ratio=0.75, contrastive=True,
+                                  steps={"supervised": 3000, "contrastive": 1000, "mae": 6000, "finetune": 2000}),
+            *_bamboo_text_groups(BAMBOO_SHAPES, seeds=seeds,
+                                 steps={"text_classify": 2000, "mlm": 4000, "mlm_finetune": 1000,
+                                        "next_token": 4000}),
+        ],
+        "findings": ["bamboo_smoothing", "bamboo_depth", "bamboo_depth_tokens"],
     }
 
 

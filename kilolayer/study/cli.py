@@ -18,8 +18,10 @@ def cmd_study(args) -> int:
             mins = f"~{spec.expected_minutes:g} min on 2 CPU cores" if spec.expected_minutes else "time not measured"
             print(f"{name:10s} {len(expand(spec)):3d} runs, {mins}: {spec.description.strip().splitlines()[0]}")
         return 0
+    if args.estimate:
+        return _estimate(args)
     if not args.spec or not args.out:
-        raise ConfigError("study: give NAME|SPEC.yaml and --out DIR (or --list)")
+        raise ConfigError("study: give NAME|SPEC.yaml and --out DIR (or --list, or --estimate)")
     from kilolayer.study.report import write_report
     from kilolayer.study.runner import run_study
     from kilolayer.study.spec import load_spec
@@ -35,6 +37,33 @@ def cmd_study(args) -> int:
     return 0
 
 
+def _estimate(args) -> int:
+    import json
+
+    from kilolayer.errors import ConfigError
+    from kilolayer.study.estimate import estimate
+    from kilolayer.study.spec import load_spec
+
+    if not args.spec:
+        raise ConfigError("study --estimate: give NAME|SPEC.yaml")
+    if args.probe_steps < 1:
+        raise ConfigError(f"--probe-steps={args.probe_steps}: expected an integer >= 1")
+    spec = load_spec(args.spec)
+    t0 = time.perf_counter()
+    est = estimate(spec, jobs=args.jobs, probe_steps=args.probe_steps)
+    for name, seconds in est["groups"].items():
+        print(f"{name:16s} {seconds / 60:8.1f} min of compute")
+    print(f"{spec.name}: about {est['wall_seconds'] / 60:.0f} min wall-clock with --jobs {args.jobs} "
+          f"({est['compute_seconds'] / 60:.0f} min of compute, {len(est['points'])} runs, "
+          f"{est['threads_per_point']} thread(s) per run); probing took {(time.perf_counter() - t0) / 60:.1f} min")
+    if args.out:
+        path = Path(args.out) / "estimate.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(est, indent=2) + "\n")
+        print(f"estimate: {path}")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "study",
@@ -47,4 +76,9 @@ def register(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="the study directory")
     p.add_argument("--jobs", type=int, default=1, metavar="K", help="train K points at once (default 1)")
     p.add_argument("--list", action="store_true", help="list the built-in studies with their expected run time")
+    p.add_argument("--estimate", action="store_true",
+                   help="train nothing: time a few steps of each distinct point here and print how long the study "
+                        "would take with --jobs K (writes DIR/estimate.json when --out is given)")
+    p.add_argument("--probe-steps", type=int, default=5, metavar="N",
+                   help="with --estimate: timed steps per point, after 2 warm-up steps (default 5)")
     p.set_defaults(func=cmd_study)

@@ -241,81 +241,143 @@ def _accuracy(r) -> Optional[float]:
     return None
 
 
-def _last_cosine(r) -> Optional[float]:
-    if r is None or not r.smoothness or not r.smoothness.get("cosine"):
-        return None
-    return float(r.smoothness["cosine"][-1])
-
-
 def _pick(rs, layers, seed):
     c = [r for r in rs if _depth(r) == layers and _val(r, "train.seed") == seed]
     return c[0] if c else None
 
 
+# (sequence-level group, token-level group, modality) pairs compared for over-smoothing, and each
+# modality's untrained baseline group
+SMOOTHING_PAIRS = [("supervised", "mae", "images"), ("contrastive", "mae", "images"),
+                   ("text_classify", "mlm", "text"), ("text_classify", "next_token", "text")]
+UNTRAINED = {"images": "untrained", "text": "text_untrained"}
+# (trained from scratch, pre-trained then fine-tuned, what the pre-training was) on the same downstream task
+DEPTH_PAIRS = [("supervised", "finetune", "MAE"), ("text_classify", "mlm_finetune", "MLM")]
+# token-level objectives whose validation loss (nats per byte) is compared across depths
+LOSS_GROUPS = ["next_token", "mlm"]
+
+
+def _last(r, metric: str) -> Optional[float]:
+    if r is None or not r.smoothness or not r.smoothness.get(metric):
+        return None
+    return float(r.smoothness[metric][-1])
+
+
+def _shape(r) -> str:
+    return f"{_depth(r)} x {r.point.config.model.width}"
+
+
 @register_finding("bamboo_smoothing")
 def bamboo_smoothing(results, groups, out):
-    sup = _group(results, groups.get("supervised", "supervised"))
-    tok = _group(results, groups.get("mae", "mae"))
-    if not sup or not tok:
-        return None
-    base = _group(results, groups.get("untrained", "untrained"))
     rows, diffs = [], []
-    for layers in sorted({_depth(r) for r in sup}):
-        for seed in _seeds(sup):
-            a, b = _pick(sup, layers, seed), _pick(tok, layers, seed)
-            u = _pick(base, layers, seed) or _pick(base, layers, 0)
-            ca, cb = _last_cosine(a), _last_cosine(b)
-            rows.append([layers, a.point.config.model.width if a else "-", seed, _fmt(_last_cosine(u)), _fmt(ca),
-                         _fmt(cb), _fmt(_accuracy(a))])
-            if ca is not None and cb is not None:
-                diffs.append(ca - cb)
+    for seq, tok, modality in SMOOTHING_PAIRS:
+        a_rs, b_rs = _group(results, seq), _group(results, tok)
+        if not a_rs or not b_rs:
+            continue
+        base = _group(results, UNTRAINED[modality])
+        for layers in sorted({_depth(r) for r in a_rs}):
+            for seed in _seeds(a_rs):
+                a, b = _pick(a_rs, layers, seed), _pick(b_rs, layers, seed)
+                u = _pick(base, layers, seed) or _pick(base, layers, 0)
+                ca, cb = _last(a, "cosine"), _last(b, "cosine")
+                rows.append([f"{seq} vs {tok}", _shape(a) if a else layers, seed, _fmt(_last(u, "cosine")),
+                             _fmt(ca), _fmt(cb), _fmt(_last(a, "cosine_centred")), _fmt(_last(b, "cosine_centred")),
+                             _fmt(_last(a, "hc_ratio")), _fmt(_last(b, "hc_ratio"))])
+                if ca is not None and cb is not None:
+                    diffs.append(ca - cb)
+    if not rows:
+        return None
     v = verdict(diffs, 0.05)
-    rule = ("d = last-layer mean token cosine similarity of the supervised (classification) encoder minus that of "
-            "the MAE encoder, same shape and seed, on the same validation images; margin 0.05.")
+    pairs = "; ".join(f"{a} vs {b}" for a, b, _ in SMOOTHING_PAIRS)
+    rule = ("d = last-layer mean token cosine similarity of a sequence-level model minus that of a token-level "
+            f"model of the same shape and seed, on the same validation inputs, over every pair present ({pairs}); "
+            "margin 0.05. The table also gives the dataset-centred cosine and the HC ratio (high/low frequency "
+            "energy; lower is smoother) of each.")
     plots = _smoothness_plot(results, groups, out, "bamboo_smoothness.png")
     return Finding(
         "bamboo_smoothing", "Sequence-level training over-smooths tokens; token-level training does not",
         "A sequence-level objective (supervised classification, CLIP) makes token representations converge in "
-        "the top layers (token cosine high); a token-level objective (MAE) keeps them distinct (cosine low).",
+        "the top layers (token cosine high); a token-level objective (MAE, masked tokens, next token) keeps them "
+        "distinct (cosine low).",
         "Xue et al. 2023, A Study on Transformer Configuration and Training Objective (arXiv 2205.10505)",
-        rule, v, ["layers", "width", "seed", "cosine untrained", "cosine supervised", "cosine MAE", "acc supervised"],
+        rule, v, ["sequence vs token level", "layers x width", "seed", "cosine untrained", "cosine seq",
+                  "cosine token", "centred seq", "centred token", "HC seq", "HC token"],
         rows, plots,
-        "Compare at matched convergence (train MAE until its linear-probe accuracy plateaus), with more patches "
-        "(upscale digits) and 3+ seeds; the `bamboo` study does this.",
+        "Compare at matched convergence (train the token-level model until its probe or fine-tuning accuracy "
+        "plateaus), with more tokens per input and 3+ seeds; the `bamboo` study does this for five objectives.",
     )
 
 
 @register_finding("bamboo_depth")
 def bamboo_depth(results, groups, out):
-    sup = _group(results, groups.get("supervised", "supervised"))
-    ft = _group(results, groups.get("finetune", "finetune"))
-    if not sup or not ft:
+    rows, diffs, used = [], [], []
+    for scratch, tuned, pre in DEPTH_PAIRS:
+        sup, ft = _group(results, scratch), _group(results, tuned)
+        if not sup or not ft:
+            continue
+        depths = sorted({_depth(r) for r in sup})
+        if len(depths) < 2:
+            continue
+        shallow, deep = depths[0], depths[-1]
+        s_shape = _shape(_pick(sup, shallow, _seeds(sup)[0]))
+        d_shape = _shape(_pick(sup, deep, _seeds(sup)[0]))
+        used.append(f"{pre}: {d_shape} vs {s_shape}")
+        for seed in _seeds(sup):
+            s0, s1 = _accuracy(_pick(sup, shallow, seed)), _accuracy(_pick(sup, deep, seed))
+            f0, f1 = _accuracy(_pick(ft, shallow, seed)), _accuracy(_pick(ft, deep, seed))
+            rows.append([f"{scratch} vs {pre} + {tuned}", seed, s_shape, d_shape, _fmt(s0), _fmt(s1), _fmt(f0),
+                         _fmt(f1)])
+            if None not in (s0, s1, f0, f1):
+                diffs.append((f1 - f0) - (s1 - s0))
+    if not rows:
         return None
-    depths = sorted({_depth(r) for r in sup})
-    if len(depths) < 2:
-        return None
-    shallow, deep = depths[0], depths[-1]
-    rows, diffs = [], []
-    for seed in _seeds(sup):
-        s0, s1 = _accuracy(_pick(sup, shallow, seed)), _accuracy(_pick(sup, deep, seed))
-        f0, f1 = _accuracy(_pick(ft, shallow, seed)), _accuracy(_pick(ft, deep, seed))
-        rows.append([seed, _fmt(s0), _fmt(s1), _fmt(f0), _fmt(f1)])
-        if None not in (s0, s1, f0, f1):
-            diffs.append((f1 - f0) - (s1 - s0))
     v = verdict(diffs, 0.01)
-    w0 = _pick(sup, shallow, _seeds(sup)[0]).point.config.model.width
-    w1 = _pick(sup, deep, _seeds(sup)[0]).point.config.model.width
-    rule = (f"d = (accuracy gain of deep-narrow {deep}x{w1} over shallow-wide {shallow}x{w0}) after MAE + fine-tuning "
-            "minus the same gain for supervised training from scratch, per seed; margin 0.01.")
+    rule = ("d = (accuracy gain of the deepest-narrowest shape over the shallowest-widest) after token-level "
+            "pre-training + fine-tuning minus the same gain for training the same task from scratch, per seed and "
+            f"per pair ({'; '.join(used)}); margin 0.01. The plot shows every shape.")
     return Finding(
         "bamboo_depth", "Deeper-narrower pays off for token-level pre-training, not for supervised training",
         "At matched parameters, going deeper and narrower helps a model pre-trained with a token-level objective "
-        "(MAE) more than a supervised one, whose tokens over-smooth with depth.",
+        "(MAE, masked tokens) more than one trained on the task from scratch, whose tokens over-smooth with depth.",
         "Xue et al. 2023 (arXiv 2205.10505): Bamboo-B 84.2% vs MAE ViT-B 83.3% ImageNet top-1",
-        rule, v,
-        ["seed", f"supervised {shallow}L", f"supervised {deep}L", f"MAE+FT {shallow}L", f"MAE+FT {deep}L"], rows,
+        rule, v, ["comparison", "seed", "shallow", "deep", "scratch shallow", "scratch deep", "pre-trained shallow",
+                  "pre-trained deep"], rows, _depth_plot(results, out, "bamboo_depth.png"),
         scale_up="Real images at ImageNet scale are where the paper measured +0.9 points; digits (1,797 8x8 images) "
-                 "saturate near 100% accuracy, which hides depth effects. Use a larger image folder.",
+                 "saturate near 100% accuracy, which hides depth effects. Use a larger image folder, and pre-train "
+                 "until the fine-tuned accuracy plateaus.",
+    )
+
+
+@register_finding("bamboo_depth_tokens")
+def bamboo_depth_tokens(results, groups, out):
+    rows, diffs = [], []
+    for name in LOSS_GROUPS:
+        rs = _group(results, name)
+        depths = sorted({_depth(r) for r in rs})
+        if len(depths) < 2:
+            continue
+        for seed in _seeds(rs):
+            runs = [_pick(rs, d, seed) for d in depths]
+            losses = [float(r.eval["loss"]) if r is not None and r.ok and "loss" in r.eval else None for r in runs]
+            rows.append([name, seed] + [f"{_shape(r)}: {_fmt(x)}" if r is not None else "-"
+                                        for r, x in zip(runs, losses)])
+            if losses[0] is not None and losses[-1] is not None:
+                diffs.append(losses[0] - losses[-1])
+    if not rows:
+        return None
+    v = verdict(diffs, 0.02, " nats")
+    rule = ("d = final validation loss (nats per byte) of the shallowest-widest shape minus that of the "
+            f"deepest-narrowest, per seed, for each token-level text objective present ({', '.join(LOSS_GROUPS)}); "
+            "margin 0.02 nats. A failed or diverged run leaves its pair out.")
+    width = max(len(r) for r in rows)
+    return Finding(
+        "bamboo_depth_tokens", "Token-level objectives reach a lower loss deeper and narrower",
+        "Token-level objectives do not over-smooth, so at matched parameters a deeper, narrower Transformer "
+        "reaches a lower loss (Bamboo's argument for next-token and masked-token pre-training).",
+        "Xue et al. 2023 (arXiv 2205.10505)", rule, v,
+        ["objective", "seed"] + [f"shape {i + 1}" for i in range(width - 2)], rows,
+        scale_up="Token-level gains from depth show up with enough data and steps for the deep model to converge; "
+                 "train to a plateau and report tokens seen.",
     )
 
 
@@ -344,9 +406,18 @@ def _update_plot(rs, out, fname):
 def _smoothness_plot(results, groups, out, fname):
     from kilolayer.study.plots import smoothness_curves
 
-    names = {k: groups.get(k, k) for k in ("untrained", "supervised", "mae", "finetune")}
-    rs = [r for r in results if r.point.group in names.values() and r.smoothness]
+    names = {*UNTRAINED.values(), *(g for pair in SMOOTHING_PAIRS for g in pair[:2]), "finetune", "mlm_finetune"}
+    rs = [r for r in results if r.point.group in names and r.smoothness]
     path = out / "report_files" / fname
     if smoothness_curves(rs, path):
         return [(str(path), "token cosine similarity per layer (mean over seeds), by objective and shape")]
+    return []
+
+
+def _depth_plot(results, out, fname):
+    from kilolayer.study.plots import depth_curves
+
+    path = out / "report_files" / fname
+    if depth_curves(results, path):
+        return [(str(path), "task metric and validation loss vs depth at matched parameters (mean over seeds)")]
     return []

@@ -87,3 +87,46 @@ def smoothness_curves(results, path: Path) -> bool:
     axes[0][0].set_ylabel("mean token cosine similarity")
     axes[0][-1].legend(fontsize=7)
     return _save(fig, path)
+
+
+QUALITY = ("accuracy", "label_recall_i2t")  # the first of these a group's evaluation has is its task metric
+LOSS_PANEL = ("mae", "mlm", "next_token")  # token-level pre-training: validation loss vs depth
+
+
+def depth_curves(results, path: Path) -> bool:
+    """Mean +- sd over seeds vs depth: each group's task metric (left) and the token-level losses (right)."""
+    done = [r for r in results if r.ok and r.eval]
+    groups = sorted({r.point.group for r in done})
+    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    drew = False
+    all_depths = sorted({r.point.config.model.layers for r in done})
+    for g in groups:
+        rs = [r for r in done if r.point.group == g]
+        depths = sorted({r.point.config.model.layers for r in rs})
+        if len(depths) < 2:
+            continue
+        metric = next((k for k in QUALITY if k in rs[0].eval), None)
+        panels = ([(acc_ax, metric)] if metric else []) + ([(loss_ax, "loss")] if g in LOSS_PANEL else [])
+        for ax, key in panels:
+            xs, means, sds = [], [], []
+            for d in depths:
+                vals = [float(r.eval[key]) for r in rs if r.point.config.model.layers == d and key in r.eval]
+                if vals:
+                    xs.append(d)
+                    means.append(statistics.fmean(vals))
+                    sds.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
+            ax.errorbar(xs, means, yerr=sds, marker="o", ms=3, capsize=2, label=f"{g} ({key})")
+            drew = True
+    if not drew:
+        plt.close(fig)
+        return False
+    for ax, title in ((acc_ax, "task metric (validation)"), (loss_ax, "token-level validation loss")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_depths, [str(d) for d in all_depths])
+        ax.minorticks_off()
+        ax.set_xlabel("layers (width shrinks to keep parameters matched)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=7)
+    return _save(fig, path)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from kilolayer.study.findings import FINDINGS, HELD, INCONCLUSIVE, NOT_HELD, Finding
 
-BADGE = {HELD: "✅ held", NOT_HELD: "❌ did not hold", INCONCLUSIVE: "❔ inconclusive"}
+# plain words (emoji need a font the reader may not have); the HTML colours them
+BADGE = {HELD: "held", NOT_HELD: "did not hold", INCONCLUSIVE: "inconclusive"}
+VERDICT_CLASS = {HELD: "held", NOT_HELD: "not-held", INCONCLUSIVE: "inconclusive"}
 
 
 def machine() -> str:
@@ -75,7 +77,7 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         "*t* = max(margin, 2·se); **held** if *m* > *t*, **did not hold** if *m* < −*t*, otherwise "
         "**inconclusive**. Nothing here was written in advance.",
         "",
-        _table(["finding", "verdict", "measured"], [[f.title, BADGE[f.verdict.verdict], f.verdict.reason]
+        _table(["finding", "verdict", "measured"], [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason]
                                                     for f in findings]),
     ]
     for f in findings:
@@ -95,28 +97,34 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         lines += [f"**Verdict: {BADGE[f.verdict.verdict]}.** {f.verdict.reason}.", ""]
         if f.scale_up:
             lines += [f"**To test this claim properly:** {f.scale_up}", ""]
-    lines += ["## Runs", "",
-              "Every grid point is an ordinary `kilolayer train` run directory; the command reruns it (or sends it "
-              "to a cluster: one torchrun per line).", ""]
+    lines += ["## Runs", "", "Every grid point is an ordinary `kilolayer train` run directory under `runs/`.", ""]
     rows = []
     for r in results:
         ev = ", ".join(f"{k} {v:.4g}" for k, v in r.eval.items() if k not in ("step", "split") and isinstance(v, float))
         status = r.status + (f" at step {r.step}: {r.reason}" if r.status != "completed" else "")
-        rows.append([r.point.key, status, ev or "-", f"{r.seconds:.0f}", f"`{r.command}`"])
-    lines.append(_table(["point", "status", "last evaluation", "seconds", "command"], rows))
+        rows.append([r.point.key, status, ev or "-", f"{r.seconds:.0f}"])
+    lines.append(_table(["point", "status", "last evaluation", "seconds"], rows))
+    lines += ["## Commands", "",
+              "One line per point, in order (a group with `after` needs its source group finished): each reruns "
+              "or resumes that point by hand, or can be sent to a cluster (write `torchrun --nproc-per-node N -m kilolayer` "
+              "in place of `kilolayer` for N processes per point).", "", "```"]
+    lines += [r.command for r in results]
+    lines += ["```"]
     return "\n".join(lines) + "\n"
 
 
 CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;
 padding:0 1em;line-height:1.45;color:#222}table{border-collapse:collapse;margin:1em 0;font-size:0.9em}
 td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top}th{background:#f3f3f3}img{max-width:100%;
-border:1px solid #eee}code{background:#f6f6f6;padding:1px 3px;font-size:0.85em;word-break:break-all}"""
+border:1px solid #eee}code{background:#f6f6f6;padding:1px 3px;font-size:0.85em}
+pre{background:#f6f6f6;padding:0.6em;overflow-x:auto;font-size:0.8em}.held{color:#176b1d}.not-held{color:#b3261e}
+.inconclusive{color:#8a6d00}"""
 
 
 def render_html(markdown_text: str, out: Path) -> str:
     import markdown
 
-    body = markdown.markdown(markdown_text, extensions=["tables"])
+    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"])
 
     def embed(m):
         src = m.group(1)
@@ -127,6 +135,11 @@ def render_html(markdown_text: str, out: Path) -> str:
         return f'src="data:image/png;base64,{data}"'
 
     body = re.sub(r'src="([^"]+\.png)"', embed, body)
+    for key, word in BADGE.items():
+        # the verdict words in the summary table and after each finding
+        body = body.replace(f"<strong>{word}</strong>", f"<strong class='{VERDICT_CLASS[key]}'>{word}</strong>")
+        body = body.replace(f"<strong>Verdict: {word}.</strong>",
+                            f"<strong class='{VERDICT_CLASS[key]}'>Verdict: {word}.</strong>")
     title = markdown_text.splitlines()[0].lstrip("# ")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{CSS}</style></head><body>{body}</body></html>\n")

@@ -1,0 +1,189 @@
+"""How long a study will take here: time a few steps of each distinct point and extrapolate.
+
+``kilolayer study NAME --estimate [--jobs K]`` builds every distinct grid point (points that differ
+only in their seed cost the same) in a scratch directory, with the thread count a ``--jobs K`` run
+would give it, and measures its pieces on this machine:
+
+* start-up: a fresh ``python -m kilolayer`` process importing the trainer (measured once);
+* set-up: building data, model and optimizer (``Trainer(...)``);
+* one training step: the mean over ``probe_steps`` steps, after two warm-up steps;
+* one evaluation, one checkpoint, one stability-diagnostics probe and each analysis.
+
+A point's estimate is start-up + set-up + steps x step + (evaluations, checkpoints, diagnostics)
+x their cost + analyses. The study's wall-clock estimate replays the runner's schedule: groups in
+order, each group's points handed to K workers as they come free. What it cannot see: a run that
+diverges stops early, and a machine busy with other work is slower.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from kilolayer.config import Config, load_config
+from kilolayer.study.spec import Point, StudySpec, expand
+
+
+@dataclass
+class PointCost:
+    """Measured seconds of one point's pieces, and the extrapolated total."""
+
+    setup: float
+    step: float
+    evaluation: float
+    checkpoint: float
+    diagnostics: float
+    analyses: float
+    total: float = 0.0
+
+
+def _count(steps: int, every: int) -> int:
+    """How many times an every-N action fires in a run of ``steps`` (always once at the end)."""
+    if steps <= 0:
+        return 0
+    return steps // every + (steps % every != 0) if every else 1
+
+
+def diagnostic_steps(cfg: Config) -> int:
+    tc = cfg.train
+    if not tc.diagnostics_every or tc.steps <= 0:
+        return 0
+    last = min(tc.steps, tc.diagnostics_until) if tc.diagnostics_until else tc.steps
+    return 1 + sum(1 for s in range(2, last + 1) if s % tc.diagnostics_every == 0)
+
+
+def extrapolate(cfg: Config, cost: PointCost, startup: float) -> float:
+    """Seconds a full run of ``cfg`` takes, from its measured pieces."""
+    tc = cfg.train
+    if tc.steps == 0:  # an untrained point: build, save once, analyse
+        return startup + cost.setup + cost.checkpoint + cost.analyses
+    return (startup + cost.setup + tc.steps * cost.step + _count(tc.steps, tc.eval_every) * cost.evaluation
+            + _count(tc.steps, tc.checkpoint_every) * cost.checkpoint + diagnostic_steps(cfg) * cost.diagnostics
+            + cost.analyses)
+
+
+def _probe_config(cfg: Config, steps: int) -> Config:
+    data = cfg.model_dump()
+    data["train"].update(steps=steps, eval_every=0, checkpoint_every=0, log_every=1, init_from=None,
+                         freeze_backbone=False, diagnostics_until=1 if cfg.train.diagnostics_every else 0)
+    return load_config(data)
+
+
+def _step_seconds(run_dir: Path, skip: int) -> list[float]:
+    from kilolayer.train.logging import read_metrics
+
+    recs = [r for r in read_metrics(run_dir) if r.get("split") == "train" and "tokens_per_s" in r]
+    out, prev = [], None
+    for r in recs:
+        if prev is not None and r["step"] > skip and r["tokens_per_s"] > 0:
+            out.append((r["tokens"] - prev) / r["tokens_per_s"])
+        prev = r["tokens"]
+    return out
+
+
+def probe(point: Point, probe_steps: int = 5, analyses: Optional[list[str]] = None) -> PointCost:
+    """Measure one point's pieces (see the module docstring) in a scratch directory."""
+    from kilolayer.train.loop import Trainer
+
+    warm = 2  # step 1 pays for lazy initialisation, step 2 for step 1's diagnostics
+    cfg = _probe_config(point.config, warm + probe_steps)
+    with tempfile.TemporaryDirectory(prefix="kilolayer-estimate-") as tmp:
+        run_dir = Path(tmp) / "run"
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, run_dir, quiet=True)
+        setup = time.perf_counter() - t0
+        trainer.run()  # trains, then evaluates and saves once at the end
+        steps = _step_seconds(run_dir, warm)
+        step = statistics.fmean(steps) if steps else math.nan  # the mean: a full run pays its hiccups too
+        t0 = time.perf_counter()
+        trainer.evaluate(cfg.train.steps)
+        evaluation = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trainer.save(cfg.train.steps + 1)
+        checkpoint = time.perf_counter() - t0
+        diagnostics = 0.0
+        if trainer.probe_batch is not None:
+            t0 = time.perf_counter()
+            trainer.diagnostics(cfg.train.steps, [], [])
+            diagnostics = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for name in analyses if analyses is not None else point.analyses:
+            if name == "smoothness":
+                from kilolayer.analysis.smoothness import smoothness_of_run
+
+                smoothness_of_run(run_dir, samples=256)
+        spent = time.perf_counter() - t0
+    return PointCost(setup, step, evaluation, checkpoint, diagnostics, spent)
+
+
+def startup_seconds() -> float:
+    """A fresh interpreter importing the trainer: what every study point pays before set-up."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import kilolayer.train.loop"], check=True)
+    return time.perf_counter() - t0
+
+
+def _signature(p: Point) -> str:
+    """Points equal up to their seed cost the same."""
+    data = p.config.model_dump()
+    data["train"].pop("seed", None)
+    data["train"].pop("init_from", None)
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+def schedule(groups: list[list[float]], jobs: int) -> float:
+    """Wall-clock of the runner's schedule: groups in order; in each, points go to the first free of ``jobs``
+    workers in order."""
+    total = 0.0
+    for costs in groups:
+        free = [0.0] * max(1, jobs)
+        for c in costs:
+            i = free.index(min(free))
+            free[i] += c
+        total += max(free) if costs else 0.0
+    return total
+
+
+def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5,
+             log: Callable[[str], None] = print) -> dict:
+    """Probe every distinct point of ``spec`` and return per-point and total estimates (seconds)."""
+    points = expand(spec)
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else torch.get_num_threads()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        startup = startup_seconds()
+        costs: dict[str, PointCost] = {}
+        for p in points:
+            sig = _signature(p)
+            if sig in costs:
+                continue
+            t0 = time.perf_counter()
+            c = probe(p, probe_steps)
+            c.total = extrapolate(p.config, c, startup)
+            costs[sig] = c
+            log(f"[estimate] {p.key}: {c.step * 1000:.0f} ms/step, {c.total / 60:.1f} min "
+                f"(probed in {time.perf_counter() - t0:.0f}s)")
+    finally:
+        torch.set_num_threads(old)
+    per_point = {p.key: costs[_signature(p)].total for p in points}
+    groups = [[per_point[p.key] for p in points if p.group == g.name] for g in spec.groups]
+    return {
+        "study": spec.name, "jobs": jobs, "threads_per_point": threads, "probe_steps": probe_steps,
+        "startup_seconds": startup,
+        "points": {p.key: {"seconds": per_point[p.key], **asdict(costs[_signature(p)])} for p in points},
+        "groups": {g.name: sum(c) for g, c in zip(spec.groups, groups)},
+        "compute_seconds": sum(per_point.values()),
+        "wall_seconds": schedule(groups, jobs),
+    }
