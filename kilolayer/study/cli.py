@@ -15,8 +15,14 @@ def cmd_study(args) -> int:
 
         for name in BUILTIN:
             spec = load_spec(name)
-            mins = f"~{spec.expected_minutes:g} min on 2 CPU cores" if spec.expected_minutes else "time not measured"
-            print(f"{name:10s} {len(expand(spec)):3d} runs, {mins}: {spec.description.strip().splitlines()[0]}")
+            if spec.expected_minutes:
+                m = spec.expected_minutes
+                mins = f"~{m:.0f} min" if m < 120 else f"~{m / 60:.1f} h"
+                mins += f" on 2 CPU cores ({spec.expected_basis})" if spec.expected_basis else " on 2 CPU cores"
+            else:
+                mins = "time not measured (kilolayer study NAME --estimate)"
+            first = spec.description.strip().split(". ")[0].rstrip(".")
+            print(f"{name:10s} {len(expand(spec)):3d} runs, {mins}\n           {first}.")
         return 0
     if args.estimate:
         return _estimate(args)

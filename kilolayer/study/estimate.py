@@ -18,7 +18,6 @@ diverges stops early, and a machine busy with other work is slower.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -97,7 +96,8 @@ def probe(point: Point, probe_steps: int = 5, analyses: Optional[list[str]] = No
     from kilolayer.train.loop import Trainer
 
     warm = 2  # step 1 pays for lazy initialisation, step 2 for step 1's diagnostics
-    cfg = _probe_config(point.config, warm + probe_steps)
+    untrained = point.config.train.steps == 0  # only built, saved and analysed
+    cfg = _probe_config(point.config, 0 if untrained else warm + probe_steps)
     with tempfile.TemporaryDirectory(prefix="kilolayer-estimate-") as tmp:
         run_dir = Path(tmp) / "run"
         t0 = time.perf_counter()
@@ -105,10 +105,12 @@ def probe(point: Point, probe_steps: int = 5, analyses: Optional[list[str]] = No
         setup = time.perf_counter() - t0
         trainer.run()  # trains, then evaluates and saves once at the end
         steps = _step_seconds(run_dir, warm)
-        step = statistics.fmean(steps) if steps else math.nan  # the mean: a full run pays its hiccups too
-        t0 = time.perf_counter()
-        trainer.evaluate(cfg.train.steps)
-        evaluation = time.perf_counter() - t0
+        step = statistics.fmean(steps) if steps else 0.0  # the mean: a full run pays its hiccups too
+        evaluation = 0.0
+        if not untrained:
+            t0 = time.perf_counter()
+            trainer.evaluate(cfg.train.steps)
+            evaluation = time.perf_counter() - t0
         t0 = time.perf_counter()
         trainer.save(cfg.train.steps + 1)
         checkpoint = time.perf_counter() - t0
@@ -173,7 +175,8 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5,
             c = probe(p, probe_steps)
             c.total = extrapolate(p.config, c, startup)
             costs[sig] = c
-            log(f"[estimate] {p.key}: {c.step * 1000:.0f} ms/step, {c.total / 60:.1f} min "
+            rate = f"{c.step * 1000:.0f} ms/step" if c.step else "no training"
+            log(f"[estimate] {p.key}: {rate}, {c.total / 60:.1f} min "
                 f"(probed in {time.perf_counter() - t0:.0f}s)")
     finally:
         torch.set_num_threads(old)

@@ -263,6 +263,30 @@ def _last(r, metric: str) -> Optional[float]:
     return float(r.smoothness[metric][-1])
 
 
+def still_improving(r, key: str, tol: float, lower_is_better: bool = False, relative: bool = False) -> bool:
+    """Whether a run's evaluation ``key`` moved by more than ``tol`` (a fraction of its earlier value if
+    ``relative``) in its good direction over the last quarter of training: a sign it had not converged, so
+    comparisons at this step count are premature."""
+    evs = [e for e in (r.evals if r is not None else []) if key in e]
+    if len(evs) < 2:
+        return False
+    last = evs[-1]
+    earlier = [e for e in evs if e["step"] <= 0.75 * last["step"]] or evs[:1]
+    before = float(earlier[-1][key])
+    gain = before - float(last[key]) if lower_is_better else float(last[key]) - before
+    return gain > (tol * abs(before) if relative else tol)
+
+
+def _convergence_note(runs: list, key: str, tol: float, lower_is_better: bool = False, relative: bool = False) -> str:
+    runs = list({r.point.key: r for r in runs if r is not None and r.ok}.values())  # a group may be in two pairs
+    moving = [r for r in runs if still_improving(r, key, tol, lower_is_better, relative)]
+    if not moving:
+        return ""
+    by = f"{tol:.0%}" if relative else f"{tol:g}"
+    return (f"; {len(moving)} of {len(runs)} runs were still improving {key} by more than {by} over their last "
+            "quarter of steps, so they had not converged: train longer before trusting this comparison")
+
+
 def _shape(r) -> str:
     return f"{_depth(r)} x {r.point.config.model.width}"
 
@@ -288,6 +312,8 @@ def bamboo_smoothing(results, groups, out):
     if not rows:
         return None
     v = verdict(diffs, 0.05)
+    v.reason += _convergence_note([r for a, b, _ in SMOOTHING_PAIRS for r in _group(results, a) + _group(results, b)],
+                                  "loss", 0.02, lower_is_better=True, relative=True)
     pairs = "; ".join(f"{a} vs {b}" for a, b, _ in SMOOTHING_PAIRS)
     rule = ("d = last-layer mean token cosine similarity of a sequence-level model minus that of a token-level "
             f"model of the same shape and seed, on the same validation inputs, over every pair present ({pairs}); "
@@ -332,6 +358,8 @@ def bamboo_depth(results, groups, out):
     if not rows:
         return None
     v = verdict(diffs, 0.01)
+    v.reason += _convergence_note([r for a, b, _ in DEPTH_PAIRS for r in _group(results, a) + _group(results, b)],
+                                  "accuracy", 0.01)
     rule = ("d = (accuracy gain of the deepest-narrowest shape over the shallowest-widest) after token-level "
             "pre-training + fine-tuning minus the same gain for training the same task from scratch, per seed and "
             f"per pair ({'; '.join(used)}); margin 0.01. The plot shows every shape.")
@@ -366,6 +394,8 @@ def bamboo_depth_tokens(results, groups, out):
     if not rows:
         return None
     v = verdict(diffs, 0.02, " nats")
+    v.reason += _convergence_note([r for g in LOSS_GROUPS for r in _group(results, g)], "loss", 0.02,
+                                  lower_is_better=True)
     rule = ("d = final validation loss (nats per byte) of the shallowest-widest shape minus that of the "
             f"deepest-narrowest, per seed, for each token-level text objective present ({', '.join(LOSS_GROUPS)}); "
             "margin 0.02 nats. A failed or diverged run leaves its pair out.")

@@ -64,28 +64,35 @@ def update_curves(results, path: Path) -> bool:
 
 
 def smoothness_curves(results, path: Path) -> bool:
-    """Token cosine per layer (depth normalised to [0, 1]); one panel per shape, one line per group."""
+    """Token cosine per layer (depth normalised to [0, 1]): one column per shape, one row per input kind
+    (image patches, tokens), one line per group (mean over seeds)."""
     rs = [r for r in results if r.smoothness and r.smoothness.get("cosine")]
     if not rs:
         return False
     shapes = sorted({(r.point.config.model.layers, r.point.config.model.width) for r in rs})
-    groups = sorted({r.point.group for r in rs})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4.6 * len(shapes), 3.6), sharey=True, squeeze=False)
-    for ax, (layers, width) in zip(axes[0], shapes):
-        for g in groups:
-            curves = [r.smoothness["cosine"] for r in rs
-                      if r.point.group == g and (r.point.config.model.layers, r.point.config.model.width) == (layers, width)]
-            if not curves:
-                continue
-            n = min(len(c) for c in curves)
-            mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
-            x = [i / (n - 1) if n > 1 else 0 for i in range(n)]
-            ax.plot(x, mean, marker="o", ms=3, label=f"{g} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
-        ax.set_title(f"{layers} layers x {width}")
-        ax.set_xlabel("layer / depth (0 = embeddings)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("mean token cosine similarity")
-    axes[0][-1].legend(fontsize=7)
+    kinds = sorted({r.point.config.model.input for r in rs})
+    fig, axes = plt.subplots(len(kinds), len(shapes), figsize=(4.6 * len(shapes), 3.6 * len(kinds)), sharey=True,
+                             squeeze=False)
+    for row, kind in zip(axes, kinds):
+        mine = [r for r in rs if r.point.config.model.input == kind]
+        groups = sorted({r.point.group for r in mine})
+        for ax, (layers, width) in zip(row, shapes):
+            for g in groups:
+                curves = [r.smoothness["cosine"] for r in mine
+                          if r.point.group == g and (r.point.config.model.layers, r.point.config.model.width) == (layers, width)]
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
+                x = [i / (n - 1) if n > 1 else 0 for i in range(n)]
+                style = ":" if "untrained" in g else "-"
+                ax.plot(x, mean, style, marker="o", ms=3,
+                        label=f"{g} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+            ax.set_title(f"{'images' if kind == 'patches' else 'text'}: {layers} layers x {width}")
+            ax.set_xlabel("layer / depth (0 = embeddings)")
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel("mean token cosine similarity")
+        row[-1].legend(fontsize=7)
     return _save(fig, path)
 
 
@@ -94,7 +101,8 @@ LOSS_PANEL = ("mae", "mlm", "next_token")  # token-level pre-training: validatio
 
 
 def depth_curves(results, path: Path) -> bool:
-    """Mean +- sd over seeds vs depth: each group's task metric (left) and the token-level losses (right)."""
+    """Mean +- sd over seeds vs depth: each group's task metric (left), and the token-level validation losses
+    relative to the shallowest shape's (right), so objectives with different loss scales share an axis."""
     done = [r for r in results if r.ok and r.eval]
     groups = sorted({r.point.group for r in done})
     fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -109,8 +117,10 @@ def depth_curves(results, path: Path) -> bool:
         panels = ([(acc_ax, metric)] if metric else []) + ([(loss_ax, "loss")] if g in LOSS_PANEL else [])
         for ax, key in panels:
             xs, means, sds = [], [], []
+            base = [float(r.eval[key]) for r in rs if r.point.config.model.layers == depths[0] and key in r.eval]
+            scale = statistics.fmean(base) if key == "loss" and base and statistics.fmean(base) else 1.0
             for d in depths:
-                vals = [float(r.eval[key]) for r in rs if r.point.config.model.layers == d and key in r.eval]
+                vals = [float(r.eval[key]) / scale for r in rs if r.point.config.model.layers == d and key in r.eval]
                 if vals:
                     xs.append(d)
                     means.append(statistics.fmean(vals))
@@ -120,7 +130,9 @@ def depth_curves(results, path: Path) -> bool:
     if not drew:
         plt.close(fig)
         return False
-    for ax, title in ((acc_ax, "task metric (validation)"), (loss_ax, "token-level validation loss")):
+    loss_ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for ax, title in ((acc_ax, "task metric (validation)"),
+                      (loss_ax, "token-level loss relative to the shallowest shape")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(all_depths, [str(d) for d in all_depths])
         ax.minorticks_off()

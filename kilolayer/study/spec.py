@@ -75,7 +75,8 @@ class StudySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     description: str = ""
-    expected_minutes: Optional[float] = Field(None, description="run time on a 2-core CPU machine, measured")
+    expected_minutes: Optional[float] = Field(None, description="wall-clock on a 2-core CPU machine")
+    expected_basis: str = Field("", description="how expected_minutes was obtained: measured, or estimated")
     groups: list[GroupSpec] = Field(..., min_length=1)
     findings: list[str] = Field(default_factory=list)
 
