@@ -358,3 +358,21 @@ def test_bamboo_study_runs_end_to_end_at_toy_size(tmp_path):
     smoothing = findings[0]
     assert smoothing.verdict.n == 2 * 4  # two shapes x four sequence-vs-token pairs, one seed
     assert "text_classify vs next_token" in md.read_text()
+
+
+def test_study_list_says_how_times_were_obtained():
+    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True,
+                       cwd=ROOT)
+    lines = {line.split()[0]: line for line in p.stdout.splitlines() if line and not line.startswith(" ")}
+    assert "measured" in lines["quick"]
+    assert "estimated" in lines["deepnet"] and "estimated" in lines["bamboo"]
+
+
+def test_estimate_cli_bad_input_is_one_line(tmp_path):
+    for args, needle in ((["quick", "--estimate", "--probe-steps", "0"], "--probe-steps=0"),
+                         (["--estimate"], "NAME|SPEC.yaml")):
+        p = subprocess.run([sys.executable, "-m", "kilolayer", "study", *args], capture_output=True, text=True,
+                           cwd=ROOT)
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], lines

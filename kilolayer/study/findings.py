@@ -218,7 +218,7 @@ def deepnet_update(results, groups, out):
     rule = ("d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "
             f"on a fixed probe batch at the deepest setting ({deepest} layers per side); margin ln 1.5 "
             "(post_ln's update at least 1.5x DeepNorm's). The table also shows how it grows with depth.")
-    plots = _update_plot(rs, out, "deepnet_update.png")
+    plots = _update_plot(rs, out, "deepnet_update.png") + _stability_plot(rs, out)
     return Finding(
         "deepnet_update", "Post-LN's early updates are large; DeepNorm's stay bounded",
         "DeepNorm bounds the model update in the first steps by a constant, whereas Post-LN's update grows with "
@@ -431,6 +431,25 @@ def _update_plot(rs, out, fname):
     if update_curves(rs, path):
         return [(str(path), "model update ||F(x, theta_t) - F(x, theta_0)|| vs step")]
     return []
+
+
+def _stability_plot(rs, out):
+    """DeepNet's per-layer diagnostics (gradient norms, LayerNorm inputs, update, loss) of every scheme at
+    18 layers per side (the paper's Figure 3 setting), or the deepest setting below that; first seed."""
+    from kilolayer.analysis.plots import plot_stability
+    from kilolayer.analysis.stability import read_run
+
+    depths = sorted({_depth(r) for r in rs})
+    depth = 18 if 18 in depths else max([d for d in depths if d < 18] or depths)
+    seed = _seeds(rs)[0]
+    chosen = sorted((r for r in rs if _depth(r) == depth and _val(r, "train.seed") == seed),
+                    key=lambda r: _val(r, "model.scheme") or "")
+    if not chosen:
+        return []
+    runs = [read_run(r.point.run_dir(out), name=str(_val(r, "model.scheme"))) for r in chosen]
+    paths = plot_stability(runs, out / "report_files" / "deepnet_stability")
+    return [(str(p), f"{depth}-layer models (seed {seed}): gradient norm per layer and LayerNorm input size at "
+                     "three steps, model update and loss vs step") for p in paths if str(p).endswith(".png")]
 
 
 def _smoothness_plot(results, groups, out, fname):

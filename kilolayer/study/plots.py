@@ -10,7 +10,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SCHEME_COLORS = {"post_ln": "tab:red", "pre_ln": "tab:blue", "deepnorm": "tab:green"}
+SCHEME_COLORS = {"post_ln": "tab:red", "pre_ln": "tab:blue", "deepnorm": "tab:green", "ds_init": "tab:orange",
+                 "admin": "tab:purple", "rezero": "tab:brown", "sub_ln": "tab:pink", "sandwich_ln": "tab:gray",
+                 "normformer": "tab:olive", "layerscale": "tab:cyan", "t_fixup": "black"}
 
 
 def _save(fig, path: Path) -> bool:
@@ -45,7 +47,11 @@ def loss_curves(results, path: Path) -> bool:
 
 
 def update_curves(results, path: Path) -> bool:
-    rs = [r for r in results if r.diagnostics]
+    """Model update vs step, one line per (scheme, depth): the first seed of each."""
+    first = {}
+    for r in sorted((r for r in results if r.diagnostics), key=lambda r: r.point.config.train.seed):
+        first.setdefault((r.point.config.model.scheme, r.point.config.model.layers), r)
+    rs = list(first.values())
     if not rs:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.8))
