@@ -376,3 +376,11 @@ def test_estimate_cli_bad_input_is_one_line(tmp_path):
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_shipped_study_specs_load():
+    specs = sorted((ROOT / "configs").glob("study_*.yaml"))
+    assert specs
+    for path in specs:
+        points = expand(load_spec(path))
+        assert points, path
