@@ -217,6 +217,14 @@ def write_json(path: "str | Path", data: dict) -> None:
     p.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def finish(result: dict, text: str, out: "str | None") -> int:
+    """A benchmark's end: print its table, write the raw results to ``out`` if given; exit code 0."""
+    print(text)
+    if out:
+        write_json(out, result)
+    return 0
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and 1-2 repetitions (finishes in seconds)")

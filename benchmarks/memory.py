@@ -262,10 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     result = run(args.smoke, ints(args.depths), ints(args.peer_depths), args.cap_gib, not args.no_encdec,
                  args.threads)
-    print(format_result(result))
-    if args.out:
-        common.write_json(args.out, result)
-    return 0
+    return common.finish(result, format_result(result), args.out)
 
 
 if __name__ == "__main__":

@@ -127,10 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "multi-threaded ops whenever another process holds a core)")
     args = parser.parse_args(argv)
     result = run(args.smoke, threads=args.threads)
-    print(format_result(result))
-    if args.out:
-        common.write_json(args.out, result)
-    return 0
+    return common.finish(result, format_result(result), args.out)
 
 
 if __name__ == "__main__":

@@ -262,10 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     common.apply_threads(args.threads)
     result = run(args.smoke, args.rounds, args.loss_steps, args.config, args.warm_cache)
-    print(format_result(result))
-    if args.out:
-        common.write_json(args.out, result)
-    return 0
+    return common.finish(result, format_result(result), args.out)
 
 
 if __name__ == "__main__":

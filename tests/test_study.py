@@ -204,7 +204,7 @@ def test_bamboo_smoothing_verdict_on_constructed_results(tmp_path, gap, expected
     noise = {0: 0.01, 1: -0.01, 2: 0.0}
     cosine = {g: (lambda layers, seed: 0.5 + gap + noise[seed]) for g in SEQ}
     cosine.update({g: (lambda layers, seed: 0.5) for g in TOK + ("untrained", "text_untrained")})
-    f = bamboo_smoothing(_fake_results(cosine, {}, {}), {}, tmp_path)
+    f = bamboo_smoothing(_fake_results(cosine, {}, {}), tmp_path)
     assert f.verdict.verdict == expected
     # every pair present: 4 shapes x 3 seeds x (supervised|contrastive vs mae, text_classify vs mlm|next_token)
     assert f.verdict.n == 4 * 3 * 4 and len(f.rows) == 48
@@ -222,12 +222,12 @@ def test_bamboo_depth_findings_on_constructed_results(tmp_path):
     # token-level losses fall with depth for next_token, and stay flat for mlm
     loss = {"next_token": lambda l, s: 2.0 - 0.01 * l, "mlm": lambda l, s: 1.5, "mae": lambda l, s: 0.3}
     results = _fake_results({}, acc, loss)
-    depth = bamboo_depth(results, {}, tmp_path)
+    depth = bamboo_depth(results, tmp_path)
     assert depth.verdict.verdict == HELD
     # (0.048 - 0.006) - (-0.042) = 0.084 for MAE and for MLM (48 vs 6 layers), with the seed term cancelling
     assert depth.verdict.mean == pytest.approx(2 * 0.042, abs=1e-9) and depth.verdict.n == 6
     assert depth.plots and Path(depth.plots[0][0]).is_file()
-    tokens = bamboo_depth_tokens(results, {}, tmp_path)
+    tokens = bamboo_depth_tokens(results, tmp_path)
     # next_token: 0.42 nats better at 48 layers; mlm: 0 -> mean 0.21 over 6 comparisons
     assert tokens.verdict.n == 6 and tokens.verdict.mean == pytest.approx(0.21)
     assert tokens.verdict.verdict == HELD
@@ -235,13 +235,13 @@ def test_bamboo_depth_findings_on_constructed_results(tmp_path):
     for r in results:
         if r.point.group == "next_token" and r.point.config.model.layers == 48:
             r.status = "failed"
-    assert bamboo_depth_tokens(results, {}, tmp_path).verdict.n == 3
+    assert bamboo_depth_tokens(results, tmp_path).verdict.n == 3
 
 
 def test_bamboo_findings_absent_without_their_groups(tmp_path):
     from kilolayer.study.findings import bamboo_depth_tokens, bamboo_smoothing
 
-    assert bamboo_smoothing([], {}, tmp_path) is None and bamboo_depth_tokens([], {}, tmp_path) is None
+    assert bamboo_smoothing([], tmp_path) is None and bamboo_depth_tokens([], tmp_path) is None
 
 
 def test_bamboo_shapes_match_parameters_and_pair_up():
@@ -297,9 +297,12 @@ def test_schedule_replays_the_runner():
     assert schedule([[]], 3) == 0.0
 
 
-def test_estimate_tiny_study(tmp_path):
+def test_estimate_tiny_study(tmp_path, monkeypatch):
     from kilolayer.study.estimate import estimate
 
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where probing builds its runs
     spec = load_spec(tiny_spec(tmp_path, grid={"model.scheme": ["post_ln", "deepnorm"]}))
     est = estimate(spec, jobs=1, probe_steps=2, log=lambda *_: None)
     assert set(est["points"]) == {p.key for p in expand(spec)}
@@ -311,6 +314,7 @@ def test_estimate_tiny_study(tmp_path):
         assert p["seconds"] == pytest.approx(parts)
     assert est["wall_seconds"] == pytest.approx(est["compute_seconds"])  # one job: one after the other
     assert not list(tmp_path.glob("study*"))  # probing leaves nothing behind in the project
+    assert not list(scratch.glob("kilolayer-estimate-*"))  # nor in the temporary directory it probed in
 
 
 def test_still_improving_flags_unconverged_runs():
@@ -370,7 +374,8 @@ def test_study_list_says_how_times_were_obtained():
 
 def test_estimate_cli_bad_input_is_one_line(tmp_path):
     for args, needle in ((["quick", "--estimate", "--probe-steps", "0"], "--probe-steps=0"),
-                         (["--estimate"], "NAME|SPEC.yaml")):
+                         (["--estimate"], "NAME|SPEC.yaml"),
+                         (["quick", "--out", str(tmp_path), "--jobs", "0"], "--jobs=0")):
         p = subprocess.run([sys.executable, "-m", "kilolayer", "study", *args], capture_output=True, text=True,
                            cwd=ROOT)
         assert p.returncode == 2, p.stderr
@@ -384,3 +389,9 @@ def test_shipped_study_specs_load():
     for path in specs:
         points = expand(load_spec(path))
         assert points, path
+
+
+def test_readme_study_example_is_the_shipped_spec():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("`configs/study_depth_sweep.yaml`:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block) == yaml.safe_load((ROOT / "configs" / "study_depth_sweep.yaml").read_text())

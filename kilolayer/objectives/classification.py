@@ -60,9 +60,7 @@ class Classification(Objective):
     def __init__(self, config, backbone: nn.Module):
         super().__init__(config, backbone)
         opts = parse_options(ClassificationOptions, config.objective.options, "objective.options")
-        m = backbone.config
-        if m.arch != "encoder":
-            raise ConfigError(f"model.arch={m.arch!r}: classification needs an encoder")
+        m = backbone.config  # model.arch is checked against ``archs`` by build_objective
         self.patches = m.input == "patches"
         self.seq_len = m.seq_len
         self.cls_token = self.patches and m.cls_token

@@ -24,6 +24,8 @@ def cmd_study(args) -> int:
             first = spec.description.strip().split(". ")[0].rstrip(".")
             print(f"{name:10s} {len(expand(spec)):3d} runs, {mins}\n           {first}.")
         return 0
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs={args.jobs}: expected an integer >= 1")
     if args.estimate:
         return _estimate(args)
     if not args.spec or not args.out:

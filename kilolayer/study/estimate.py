@@ -18,7 +18,6 @@ diverges stops early, and a machine busy with other work is slower.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,11 +25,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 from kilolayer.config import Config, load_config
+from kilolayer.study.runner import run_analysis, threads_per_job
 from kilolayer.study.spec import Point, StudySpec, expand
 
 
@@ -91,7 +91,7 @@ def _step_seconds(run_dir: Path, skip: int) -> list[float]:
     return out
 
 
-def probe(point: Point, probe_steps: int = 5, analyses: Optional[list[str]] = None) -> PointCost:
+def probe(point: Point, probe_steps: int = 5) -> PointCost:
     """Measure one point's pieces (see the module docstring) in a scratch directory."""
     from kilolayer.train.loop import Trainer
 
@@ -120,11 +120,8 @@ def probe(point: Point, probe_steps: int = 5, analyses: Optional[list[str]] = No
             trainer.diagnostics(cfg.train.steps, [], [])
             diagnostics = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for name in analyses if analyses is not None else point.analyses:
-            if name == "smoothness":
-                from kilolayer.analysis.smoothness import smoothness_of_run
-
-                smoothness_of_run(run_dir, samples=256)
+        for name in point.analyses:
+            run_analysis(name, run_dir)
         spent = time.perf_counter() - t0
     return PointCost(setup, step, evaluation, checkpoint, diagnostics, spent)
 
@@ -161,7 +158,7 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5,
              log: Callable[[str], None] = print) -> dict:
     """Probe every distinct point of ``spec`` and return per-point and total estimates (seconds)."""
     points = expand(spec)
-    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else torch.get_num_threads()
+    threads = threads_per_job(jobs) or torch.get_num_threads()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

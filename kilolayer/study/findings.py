@@ -72,6 +72,9 @@ FINDINGS: dict[str, Callable] = {}
 
 
 def register_finding(name: str):
+    """Register ``fn(results, out) -> Finding | None`` under ``name`` (None: the study lacks its groups).
+    Findings find their runs by group name (see kilolayer/study/builtin.py)."""
+
     def deco(fn):
         FINDINGS[name] = fn
         return fn
@@ -144,8 +147,8 @@ def _scheme_depth_table(rs):
     return headers, rows
 
 
-def _scheme_vs(results, groups, loser: str, winner: str, name: str, title: str, claim: str, margin: float):
-    rs = _group(results, groups.get("deepnet", "deepnet"))
+def _scheme_vs(results, loser: str, winner: str, name: str, title: str, claim: str, margin: float):
+    rs = _group(results, "deepnet")
     if not rs:
         return None
     headers, rows = _scheme_depth_table(rs)
@@ -165,9 +168,9 @@ def _scheme_vs(results, groups, loser: str, winner: str, name: str, title: str, 
 
 
 @register_finding("deepnet_postln")
-def deepnet_postln(results, groups, out):
+def deepnet_postln(results, out):
     f = _scheme_vs(
-        results, groups, "post_ln", "deepnorm", "deepnet_postln",
+        results, "post_ln", "deepnorm", "deepnet_postln",
         "DeepNorm trains where Post-LN fails at depth",
         "At the same learning rate and warm-up, Post-LN's training degrades or diverges as depth grows, while "
         "DeepNorm (x <- LN(alpha x + G(x)) with its beta-scaled init) trains stably to a lower loss.",
@@ -177,14 +180,14 @@ def deepnet_postln(results, groups, out):
         return None
     f.scale_up = ("More depth (50L-50L, 100L-100L: the `deepnet` study), a real translation task, and 3+ seeds. "
                   "The paper's effect grows with depth; at 18L-18L on a toy task it can be small.")
-    f.plots = _curves(results, groups.get("deepnet", "deepnet"), out, "deepnet_loss.png")
+    f.plots = _curves(results, "deepnet", out, "deepnet_loss.png")
     return f
 
 
 @register_finding("deepnet_preln")
-def deepnet_preln(results, groups, out):
+def deepnet_preln(results, out):
     f = _scheme_vs(
-        results, groups, "pre_ln", "deepnorm", "deepnet_preln",
+        results, "pre_ln", "deepnorm", "deepnet_preln",
         "DeepNorm matches or beats Pre-LN at depth",
         "DeepNorm keeps Post-LN's better quality: at depth it reaches a lower loss than Pre-LN "
         "(paper: BLEU 28.9 vs about 27.4 at 100L-100L on WMT-17 En-De, secondary source).",
@@ -199,8 +202,8 @@ def deepnet_preln(results, groups, out):
 
 
 @register_finding("deepnet_update")
-def deepnet_update(results, groups, out):
-    rs = [r for r in _group(results, groups.get("deepnet", "deepnet")) if r.diagnostics]
+def deepnet_update(results, out):
+    rs = [r for r in _group(results, "deepnet") if r.diagnostics]
     if not rs:
         return None
     deepest = max(_depth(r) for r in rs)
@@ -292,7 +295,7 @@ def _shape(r) -> str:
 
 
 @register_finding("bamboo_smoothing")
-def bamboo_smoothing(results, groups, out):
+def bamboo_smoothing(results, out):
     rows, diffs = [], []
     for seq, tok, modality in SMOOTHING_PAIRS:
         a_rs, b_rs = _group(results, seq), _group(results, tok)
@@ -319,7 +322,7 @@ def bamboo_smoothing(results, groups, out):
             f"model of the same shape and seed, on the same validation inputs, over every pair present ({pairs}); "
             "margin 0.05. The table also gives the dataset-centred cosine and the HC ratio (high/low frequency "
             "energy; lower is smoother) of each.")
-    plots = _smoothness_plot(results, groups, out, "bamboo_smoothness.png")
+    plots = _smoothness_plot(results, out, "bamboo_smoothness.png")
     return Finding(
         "bamboo_smoothing", "Sequence-level training over-smooths tokens; token-level training does not",
         "A sequence-level objective (supervised classification, CLIP) makes token representations converge in "
@@ -335,7 +338,7 @@ def bamboo_smoothing(results, groups, out):
 
 
 @register_finding("bamboo_depth")
-def bamboo_depth(results, groups, out):
+def bamboo_depth(results, out):
     rows, diffs, used = [], [], []
     for scratch, tuned, pre in DEPTH_PAIRS:
         sup, ft = _group(results, scratch), _group(results, tuned)
@@ -377,7 +380,7 @@ def bamboo_depth(results, groups, out):
 
 
 @register_finding("bamboo_depth_tokens")
-def bamboo_depth_tokens(results, groups, out):
+def bamboo_depth_tokens(results, out):
     rows, diffs = [], []
     for name in LOSS_GROUPS:
         rs = _group(results, name)
@@ -452,7 +455,7 @@ def _stability_plot(rs, out):
                      "three steps, model update and loss vs step") for p in paths if str(p).endswith(".png")]
 
 
-def _smoothness_plot(results, groups, out, fname):
+def _smoothness_plot(results, out, fname):
     from kilolayer.study.plots import smoothness_curves
 
     names = {*UNTRAINED.values(), *(g for pair in SMOOTHING_PAIRS for g in pair[:2]), "finetune", "mlm_finetune"}

@@ -148,7 +148,7 @@ def render_html(markdown_text: str, out: Path) -> str:
 def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, Path, list[Finding]]:
     out = Path(out)
     (out / "report_files").mkdir(parents=True, exist_ok=True)
-    findings = [f for f in (FINDINGS[name](results, {}, out) for name in spec.findings) if f is not None]
+    findings = [f for f in (FINDINGS[name](results, out) for name in spec.findings) if f is not None]
     md = render_markdown(spec, results, findings, out, wall_seconds)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)

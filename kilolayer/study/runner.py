@@ -113,25 +113,32 @@ def run_point(point: Point, out: Path, log=print, threads: Optional[int] = None)
     return status, seconds, True
 
 
+def run_analysis(name: str, run_dir: Path) -> Path:
+    """Run analysis ``name`` (one of spec.ANALYSES) on a finished run; results go to run_dir/analysis/name."""
+    target = Path(run_dir) / "analysis" / name
+    if name == "smoothness":
+        from kilolayer.analysis.cli import save_smoothness
+        from kilolayer.analysis.smoothness import smoothness_of_run
+
+        # the run's own validation data, through the stack's observer (as `kilolayer analyze --run`)
+        save_smoothness(smoothness_of_run(run_dir, samples=256), target)
+    return target
+
+
 def run_analyses(point: Point, out: Path, log=print) -> None:
     run_dir = point.run_dir(out)
     if _status(run_dir).get("status") != "completed":
         return
-    for name in point.analyses:
-        target = run_dir / "analysis" / name
-        if (target / f"{name}.json").exists():
-            continue
-        if name == "smoothness":
-            from kilolayer.analysis.cli import save_smoothness
-            from kilolayer.analysis.smoothness import smoothness_of_run
-            from kilolayer.errors import KilolayerError
+    from kilolayer.errors import KilolayerError
 
-            # the run's own validation data, through the stack's observer (as `kilolayer analyze --run`)
-            try:
-                save_smoothness(smoothness_of_run(run_dir, samples=256), target)
-                log(f"[study] smoothness of {point.key}")
-            except KilolayerError as err:
-                log(f"[study] smoothness of {point.key} failed: {err}")
+    for name in point.analyses:
+        if (run_dir / "analysis" / name / f"{name}.json").exists():
+            continue
+        try:
+            run_analysis(name, run_dir)
+            log(f"[study] {name} of {point.key}")
+        except KilolayerError as err:
+            log(f"[study] {name} of {point.key} failed: {err}")
 
 
 def collect(point: Point, out: Path) -> Result:
@@ -152,6 +159,12 @@ def collect(point: Point, out: Path) -> Result:
     )
 
 
+def threads_per_job(jobs: int) -> Optional[int]:
+    """Torch threads for each of ``jobs`` concurrent points (they share the cores); None for one job
+    (torch's default)."""
+    return max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+
+
 def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Result]:
     """Train every point (groups in order, ``jobs`` at a time), run analyses, return the results."""
     out = Path(out)
@@ -162,7 +175,7 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Resu
         mine = [p for p in points if p.group == group.name]
 
         def one(p: Point):
-            status, _, trained = run_point(p, out, log, threads=max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None)
+            status, _, trained = run_point(p, out, log, threads=threads_per_job(jobs))
             if trained:
                 ran.add(p.key)
             run_analyses(p, out, log)
