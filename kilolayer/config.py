@@ -161,6 +161,7 @@ class TrainConfig(_Section):
     diagnostics_until: int = Field(0, ge=0, description="stop diagnostics after this step (0 = never)")
     init_from: Optional[str] = Field(None, description="a run directory whose backbone weights to start from")
     freeze_backbone: bool = Field(False, description="with init_from: train only the objective's head (linear probe)")
+    memory_check: bool = Field(True, description="refuse a config whose estimated memory exceeds what the device has")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
