@@ -22,6 +22,10 @@ import torch  # noqa: E402
 
 from kilolayer.errors import InputError  # noqa: E402
 
+# Every Auto*.from_pretrained call: files on disk only, and never the model directory's own Python code
+# (on a terminal, transformers would otherwise offer to run it).
+LOAD_OPTIONS = {"local_files_only": True, "trust_remote_code": False}
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
 
@@ -70,13 +74,13 @@ def load_hf(model_dir: "str | Path", kind: str, device: str = "cpu") -> HFSubjec
     if not (path / "config.json").is_file():
         raise InputError(f"--hf {path}: not a Hugging Face model directory (no config.json)")
     try:
-        config = t.AutoConfig.from_pretrained(path, local_files_only=True)
+        config = t.AutoConfig.from_pretrained(path, **LOAD_OPTIONS)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad config
         raise InputError(f"--hf {path}: cannot read config.json ({_first_line(err)})") from None
     if getattr(config, "model_type", "") == "vit_mae":
         config.mask_ratio = 0.0  # MAE masks 75% of patches by default; analyse the whole image
     try:
-        model = t.AutoModel.from_pretrained(path, config=config, local_files_only=True)
+        model = t.AutoModel.from_pretrained(path, config=config, **LOAD_OPTIONS)
     except Exception as err:
         raise InputError(f"--hf {path}: cannot load the model ({_first_line(err)})") from None
 
@@ -91,7 +95,7 @@ def load_hf(model_dir: "str | Path", kind: str, device: str = "cpu") -> HFSubjec
 
     if kind == "images":
         try:
-            preprocess = t.AutoImageProcessor.from_pretrained(path, local_files_only=True)
+            preprocess = t.AutoImageProcessor.from_pretrained(path, **LOAD_OPTIONS)
         except Exception as err:
             raise InputError(f"--hf {path}: no usable image processor ({_first_line(err)})") from None
         patch = getattr(tower_config, "patch_size", None)
@@ -99,7 +103,7 @@ def load_hf(model_dir: "str | Path", kind: str, device: str = "cpu") -> HFSubjec
         return HFSubject(path, model.to(device).eval(), config.model_type, kind, preprocess, patch_size=patch)
 
     try:
-        tokenizer = t.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = t.AutoTokenizer.from_pretrained(path, **LOAD_OPTIONS)
     except Exception as err:
         raise InputError(f"--hf {path}: no usable tokenizer ({_first_line(err)})") from None
     if tokenizer.pad_token is None:  # GPT-2, OPT-style tokenizers: padding is masked anyway
