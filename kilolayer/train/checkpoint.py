@@ -8,15 +8,17 @@ Layout of one checkpoint, ``RUN/checkpoints/step_00000100/``:
 * ``rng.pt``: torch CPU/CUDA generator states;
 * ``state.json``: step, Python/NumPy RNG states and the trainer's own counters;
 * ``extra.safetensors``: trainer tensors such as the diagnostics' reference output;
+* ``manifest.json``: the size and SHA-256 of each file above (checked on resume and load);
 * ``COMPLETE``: written last. A directory is built under a temporary name and
   renamed into place, so a crash mid-save leaves the previous checkpoint intact.
+
+Where checkpoints live and which are complete or intact is :mod:`kilolayer.rundir`'s business.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -25,13 +27,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from kilolayer import rundir
 from kilolayer.errors import InputError
 
-STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+# the listing moved to kilolayer.rundir; these names stay importable from here
+from kilolayer.rundir import (  # noqa: F401
+    STEP_DIR,
+    checkpoint_dir,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_run,
+    remove_partial,
+)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,6 +59,19 @@ def _write_json(path: Path, data: dict) -> None:
         os.fsync(f.fileno())
 
 
+def _write_error(path: Path, err: BaseException) -> rundir.RunDirError:
+    """One line for a failed write: the file and the operating system's reason (safetensors and torch.save
+    wrap it in their own exception types)."""
+    if isinstance(err, OSError):
+        return rundir.os_error(err, path)
+    text = str(err)
+    for marker in ('message: "', "message: '"):
+        if marker in text:  # safetensors: ... IoError(Os { code: 28, kind: StorageFull, message: "No space ..." })
+            text = text.split(marker, 1)[1].split(marker[-1], 1)[0]
+            break
+    return rundir.RunDirError(f"{path}: cannot write ({' '.join(text.split())[:160]})")
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -62,55 +82,50 @@ def save_checkpoint(
     extra: Optional[dict[str, torch.Tensor]] = None,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` complete ones."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+    """Write checkpoint ``step`` atomically (with its manifest of checksums) and keep only the newest
+    ``keep`` complete ones. A failed write (e.g. a full disk) removes the partial directory and raises
+    a one-line :class:`~kilolayer.rundir.RunDirError`; the previous checkpoints are untouched."""
+    root = Path(run_dir) / rundir.CHECKPOINTS
     final = checkpoint_dir(run_dir, step)
     tmp = root / f".step_{step:08d}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in model.items()}, str(tmp / "model.safetensors"))
-    torch.save(optimizer, tmp / "optimizer.pt")
-    torch.save(rng, tmp / "rng.pt")
-    if extra:
-        save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / "extra.safetensors"))
-    _write_json(tmp / "state.json", state)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    (tmp / "COMPLETE").write_text(str(step))
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    target = tmp
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        target = tmp / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in model.items()}, str(target))
+        target = tmp / "optimizer.pt"
+        torch.save(optimizer, target)
+        target = tmp / "rng.pt"
+        torch.save(rng, target)
+        if extra:
+            target = tmp / "extra.safetensors"
+            save_file({k: v.contiguous() for k, v in extra.items()}, str(target))
+        target = tmp / "state.json"
+        _write_json(target, state)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        target = tmp / rundir.MANIFEST
+        rundir.write_manifest(tmp)
+        target = tmp / rundir.COMPLETE
+        (tmp / rundir.COMPLETE).write_text(str(step))
+        _fsync_dir(tmp)
+        target = final
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except (OSError, SafetensorError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, RuntimeError) and not isinstance(err, OSError) and "write" not in str(err).lower():
+            raise  # not a failed write: a bug, keep its traceback
+        raise _write_error(target, err) from None
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint directories, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
-
-
-def remove_partial(run_dir: Path) -> None:
-    """Delete leftovers of an interrupted save."""
-    root = Path(run_dir) / "checkpoints"
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(".step_") or (STEP_DIR.match(p.name) and not (p / "COMPLETE").exists()):
-                shutil.rmtree(p, ignore_errors=True)
-
-
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -159,22 +174,3 @@ def load_checkpoint(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise InputError(f"{path / 'state.json'}: unreadable ({err.__class__.__name__})") from None
     return out
-
-
-def load_run(run_dir: "str | Path", device: str = "cpu"):
-    """(config, task) of a finished or running kilolayer run, with its newest weights, in eval mode."""
-    from kilolayer.config import load_config
-    from kilolayer.objectives import build_task
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
-    config = load_config(run_dir / "config.yaml")
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
-    task = build_task(config)
-    weights = read_weights(ckpt / "model.safetensors")
-    check_fits(ckpt / "model.safetensors", weights, task.state_dict())
-    task.load_state_dict(weights)
-    return config, task.to(device).eval()

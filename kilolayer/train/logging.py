@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
+from kilolayer import rundir
 
-def _clean(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/inf; keep them readable
-    return v
+# metrics and status files belong to kilolayer.rundir; these names stay importable from here
+from kilolayer.rundir import read_metrics, truncate_metrics, write_status  # noqa: F401
 
 
 class MetricsLog:
     """Appends records to ``metrics.jsonl`` (flushed per line) and mirrors scalars to TensorBoard."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.file = open(self.path, "a")
+        self.file = rundir.MetricsFile(run_dir)
+        self.path = self.file.path
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -30,8 +26,7 @@ class MetricsLog:
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self.file.flush()
+        self.file.append(record)
         if self.tb is not None:
             split = record.get("split", "train")
             for k, v in record.items():
@@ -41,46 +36,10 @@ class MetricsLog:
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
-            self.tb.close()
-
-
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """On resume: drop records logged after the checkpoint we resume from (they will be logged again)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if rec.get("step", 0) <= last_step:
-            kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def write_status(run_dir: Path, status: str, step: int, reason: str = "", **extra) -> None:
-    data = {"status": status, "step": step, "reason": reason, **extra}
-    path = Path(run_dir) / "status.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+            try:
+                self.tb.close()
+            except OSError:
+                pass  # a full disk: reported where training failed
 
 
 class Progress:

@@ -2,9 +2,14 @@
 
 ``train(config, out_dir, resume=False)`` writes into ``out_dir``: the resolved
 ``config.yaml``, ``metrics.jsonl``, ``status.json``, ``checkpoints/`` and
-``tensorboard/``. It returns the final status; a diverged run raises
-:class:`~kilolayer.errors.DivergedError` (exit code 3 from the CLI) after
-recording ``status: diverged`` with its step and reason.
+``tensorboard/`` (the layout and status lifecycle are :mod:`kilolayer.rundir`'s).
+It holds the run directory's lock while it trains, and returns the final status.
+A diverged run raises :class:`~kilolayer.errors.DivergedError` (exit code 3 from
+the CLI) after recording ``status: diverged`` with its step and reason; SIGINT and
+SIGTERM stop at the next step boundary with a checkpoint and raise
+:class:`Interrupted` (exit 130 / 143) after recording ``interrupted``; any other
+error records ``failed`` with its reason. Nothing in the directory changes until
+training has started: a run refused during set-up keeps its status.
 """
 
 from __future__ import annotations
@@ -12,20 +17,24 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kilolayer import rundir
 from kilolayer.config import Config, dump_yaml, load_config
 from kilolayer.data import load_source
-from kilolayer.errors import ConfigError, DivergedError, InputError
+from kilolayer.errors import ConfigError, DivergedError, InputError, KilolayerError
 from kilolayer.objectives import build_task
 from kilolayer.train import checkpoint as ckpt
 from kilolayer.train import diagnostics as diag
 from kilolayer.train import distributed as D
-from kilolayer.train.logging import MetricsLog, Progress, truncate_metrics, write_status
+from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.optim import build_optimizer, build_scheduler
 
 
@@ -88,9 +97,45 @@ def _full_params(module, env: D.Dist, mode: str):
         yield
 
 
+class Interrupted(KilolayerError):
+    """SIGINT or SIGTERM stopped training; the exit code is 128 + the signal number (130, 143)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while training: the first asks the loop to stop at the next step boundary (with a
+    checkpoint); a second one stops at once. Installed only in the main thread (where Python allows it)."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous: dict = {}
+
+    def install(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:
+            raise Interrupted(f"stopped at once by a second {signal.Signals(signum).name}; the newest complete "
+                              f"checkpoint is kept", signum)
+        self.signum = signum
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
 class Trainer:
-    def __init__(self, config: Config, out_dir: Path, resume: bool = False, quiet: bool = False):
+    def __init__(self, config: Config, out_dir: Path, resume: bool = False, quiet: bool = False,
+                 overwrite: bool = False, signals: "StopSignals | None" = None):
         self.config, self.out, self.resume, self.quiet = config, Path(out_dir), resume, quiet
+        self.signals = signals
         tc = config.train
         self.env = D.setup(tc.device)
         if tc.batch_size % (self.env.world * tc.accumulate):
@@ -98,16 +143,33 @@ class Trainer:
                 f"train.batch_size={tc.batch_size}: must be divisible by processes x train.accumulate "
                 f"({self.env.world} x {tc.accumulate})"
             )
+        self.lock: "rundir.RunLock | None" = None
+        self.life: "rundir.Lifecycle | None" = None  # rank 0's status.json
+        self.started = False  # status.json says running: from here on every exit is recorded
+        self.created = False
+        self._claim(overwrite)
+        try:
+            self._setup()
+        except BaseException as err:
+            out = self._ended(err)
+            self._abandon()
+            if out is err:
+                raise
+            raise out from None
+
+    def _setup(self) -> None:
+        config, tc, resume = self.config, self.config.train, self.resume
         self.source = load_source(config)
         seed_everything(tc.seed)
         self.task = build_task(config)
         obj = self.task.objective
         if hasattr(obj, "attach_data"):
             obj.attach_data(self.source)
-        self.start_step = 0
+        self.start_step = self.step = 0
         # ema: the smoothed training loss (bias-corrected, weight 0.9); running_min: its minimum
         self.state = {"running_min": math.inf, "ema": 0.0, "ema_weight": 0.0, "tokens": 0}
-        latest = ckpt.latest_checkpoint(self.out) if resume else None
+        latest = rundir.intact_checkpoint(self.out, on_damaged=rundir.warn if self.env.main else _quiet) \
+            if resume else None
         if latest is None:
             self._fresh_start()
         self.task.to(self.env.device)
@@ -129,17 +191,60 @@ class Trainer:
         elif self.probe_batch is not None:
             with _full_params(self.model, self.env, tc.parallel):
                 self.reference = diag.probe(obj, self.task.backbone, self.probe_batch)[0]
+        self._begin(latest)
 
     # -------------------------------------------------------------- set-up
 
+    def _claim(self, overwrite: bool) -> None:
+        """Rank 0 takes the run directory's lock and checks, under it, that this run may write there; the
+        other ranks learn the outcome, so a refusal ends every process instead of leaving some waiting."""
+        error = None
+        if self.env.main:
+            try:
+                rundir.check_out(self.out)
+                self.created = not self.out.exists()
+                self.out.mkdir(parents=True, exist_ok=True)
+                self.lock = rundir.RunLock(self.out).acquire()
+                if not self.resume and rundir.is_run_dir(self.out):
+                    if not overwrite:
+                        st = rundir.read_status(self.out)
+                        what = f" ({st['status']} at step {st.get('step', 0)})" if st.get("status") else ""
+                        raise ConfigError(f"{self.out}: already holds a run{what}; add --resume to continue it, "
+                                          f"--overwrite to replace it, or choose another --out")
+                    rundir.clear_run(self.out)
+            except KilolayerError as err:
+                error = err
+            except OSError as err:
+                error = rundir.os_error(err, self.out)
+        if self.env.active:
+            failed = torch.tensor([error is not None], dtype=torch.int64)
+            if _all_sum(failed, self.env).item():
+                error = error or rundir.RunDirError(f"{self.out}: refused by rank 0 (see its message)")
+        if error is not None:
+            self._abandon()
+            raise error
+
+    def _abandon(self) -> None:
+        """Set-up failed before training started: release the lock, and leave a directory this process
+        created as it was (gone)."""
+        if self.lock is None:
+            return
+        self.lock.release()
+        self.lock = None
+        if not self.started and rundir.is_empty(self.out):
+            (self.out / rundir.LOCK).unlink(missing_ok=True)
+            if self.created:
+                with contextlib.suppress(OSError):
+                    self.out.rmdir()
+
+    def close(self) -> None:
+        """Release the run directory (the lock also dies with the process)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
     def _fresh_start(self) -> None:
         tc = self.config.train
-        if self.env.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(dump_yaml(self.config))
-            for stale in ("metrics.jsonl", "status.json"):
-                (self.out / stale).unlink(missing_ok=True)
-        D.barrier(self.env)
         if tc.init_from:
             from kilolayer.train.init_from import load_pretrained
 
@@ -154,24 +259,79 @@ class Trainer:
         tc = self.config.train
         data = ckpt.load_checkpoint(path)
         ckpt.check_fits(path / "model.safetensors", data["model"], self.task.state_dict())
+        st = data["state"]
+        if tc.steps < int(st["step"]):
+            raise ConfigError(f"train.steps={tc.steps}: the run is already at step {st['step']} ({path}); "
+                              f"give train.steps >= {st['step']}")
         D.load_model_state(self.model, data["model"])
         if tc.freeze_backbone:
             for p in self.task.backbone.parameters():
                 p.requires_grad_(False)
+        # the optimizer's hyperparameters come from the config (a --resume may change train.lr, betas, ...);
+        # only its state (moments, step counts) and the scheduler's position come from the checkpoint
+        planned = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         try:
             D.load_optimizer_state(self.model, self.optimizer, data["optimizer"]["optimizer"])
             self.scheduler.load_state_dict(data["optimizer"]["scheduler"])
         except (KeyError, ValueError, RuntimeError) as err:
             raise InputError(f"{path / 'optimizer.pt'}: does not fit this run ({str(err).splitlines()[0][:100]})") from None
-        st = data["state"]
-        self.start_step = int(st["step"])
+        for group, plan in zip(self.optimizer.param_groups, planned):
+            group.update(plan)
+        sched = self.scheduler
+        sched.base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
+        # LambdaLR's own formula, with the lambdas reading the current config: schedule re-planned from here
+        lrs = [base * f(sched.last_epoch) for f, base in zip(sched.lr_lambdas, sched.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs
+        self.start_step = self.step = int(st["step"])
         self.state.update(st["trainer"])
         set_rng_state(data["rng"], st["rng"])
         if "reference" in data["extra"]:
             self.reference = data["extra"]["reference"].to(self.env.device)
+
+    def _begin(self, latest: "Path | None") -> None:
+        """Set-up succeeded: from here on the run directory changes. status.json says running, config.yaml
+        holds the config trained with now, and a resume is recorded in resume.json."""
         if self.env.main:
-            truncate_metrics(self.out, self.start_step)
-            ckpt.remove_partial(self.out)
+            self.life = rundir.Lifecycle(self.out)
+            previous = self._saved_config() if self.resume else None
+            if latest is None:
+                (self.out / rundir.METRICS).unlink(missing_ok=True)  # a restart from step 0 logs anew
+                self.life.running(0)
+            else:
+                rundir.truncate_metrics(self.out, self.start_step)
+                ckpt.remove_partial(self.out)
+                for later in rundir.complete_checkpoints(self.out):
+                    if rundir.checkpoint_step(later) > self.start_step:
+                        shutil.rmtree(later, ignore_errors=True)  # damaged (reported): this run replays them
+                self.life.running(self.start_step, resumed_from=latest.name)
+            self.started = True
+            rundir.write_atomic(self.out / rundir.CONFIG, dump_yaml(self.config))
+            if self.resume:
+                rundir.record_resume(self.out, self.start_step, _changes(previous, self.config))
+        self.started = True
+        D.barrier(self.env)
+
+    def _saved_config(self) -> "Config | None":
+        try:
+            return load_config(self.out / rundir.CONFIG)
+        except KilolayerError:
+            return None
+
+    def _ended(self, err: BaseException) -> BaseException:
+        """Record how the run ended (once training has started); returns the exception to raise, with an
+        operating-system error turned into one line."""
+        if isinstance(err, OSError):
+            err = rundir.os_error(err)
+        if self.life is not None and self.started and self.life.final is None:
+            if isinstance(err, (Interrupted, KeyboardInterrupt)):
+                status = "interrupted"
+            else:
+                status = "failed"
+            reason = str(err) if isinstance(err, KilolayerError) else f"{err.__class__.__name__}: {err}"
+            self.life.finish(status, self.step, reason)
+        return err
 
     # -------------------------------------------------------------- pieces
 
@@ -234,16 +394,43 @@ class Trainer:
     # -------------------------------------------------------------- the loop
 
     def run(self) -> dict:
+        """Train from the start step to ``train.steps``; every way out is recorded in status.json."""
+        try:
+            return self._loop()
+        except BaseException as err:
+            out = self._ended(err)
+            if out is err:
+                raise
+            raise out from None
+        finally:
+            self.close()
+
+    def _stop_signal(self) -> int:
+        """The signal that asked training to stop (0 if none), agreed by every process."""
+        signum = self.signals.signum if self.signals is not None else 0
+        if self.env.active:
+            signum = _all_max(signum, self.env)
+        return signum
+
+    def _interrupt(self, signum: int, step: int, saved: bool) -> Interrupted:
+        name = signal.Signals(signum).name
+        kept = f"checkpoint step {step} saved" if saved else "no step since the last checkpoint"
+        return Interrupted(f"interrupted by {name} at step {step} ({kept}); continue with: "
+                           f"kilolayer train --resume --out {self.out}", signum)
+
+    def _loop(self) -> dict:
         tc, env = self.config.train, self.env
-        log = MetricsLog(self.out, tensorboard=env.main) if env.main else None
+        log = None
         progress = Progress(tc.steps, self.start_step, enabled=env.main and not self.quiet)
         model = self.model
         model.train()
         diag_on = tc.diagnostics_every > 0
         reduce = (lambda t: _all_sum(t, env)) if env.active else None
-        last_good = self.start_step
         t_last, tokens_last = time.perf_counter(), self.state["tokens"]
         try:
+            log = MetricsLog(self.out, tensorboard=env.main) if env.main else None
+            if self._stop_signal():
+                raise self._interrupt(self._stop_signal(), self.start_step, saved=False)
             for step in range(self.start_step + 1, tc.steps + 1):
                 batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
                 loss_sum, tokens = 0.0, 0
@@ -272,7 +459,7 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     if log:
                         log.write({"step": step, "split": "train", "loss": loss_value})
-                        write_status(self.out, "diverged", step, reason, last_checkpoint=last_good)
+                        self.life.finish("diverged", step, reason)
                     raise DivergedError(reason)
                 self.optimizer.step()
                 self.scheduler.step()
@@ -295,18 +482,55 @@ class Trainer:
                     metrics = self.evaluate(step)
                     if log:
                         log.write({"step": step, "split": "eval", **metrics})
-                if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps:
+                saved = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
+                if saved:
                     self.save(step)
-                    last_good = step
+                self.step = step
+                signum = self._stop_signal() if step < tc.steps else 0
+                if signum:
+                    # the step is done: finish it with a checkpoint, so a resume replays nothing
+                    if not saved:
+                        self.save(step)
+                    raise self._interrupt(signum, step, saved=True)
             if tc.steps == 0 and self.start_step == 0:
                 self.save(0)  # an untrained run is still a run: analysis can load it
             if env.main:
-                write_status(self.out, "completed", tc.steps, "", tokens=self.state["tokens"])
+                self.life.finish("completed", tc.steps, "", tokens=self.state["tokens"])
             return {"status": "completed", "step": tc.steps}
         finally:
             progress.close()
             if log:
                 log.close()
+
+
+def _quiet(message: str) -> None:
+    """Ranks other than 0 do not repeat rank 0's warnings."""
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _changes(old: "Config | None", new: Config) -> dict:
+    """``{"train.lr": [old, new], ...}`` for every key whose value differs."""
+    if old is None:
+        return {}
+    a, b = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def _all_max(value: int, env: D.Dist) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([int(value)], dtype=torch.int64, device=env.device if env.device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _all_sum(t: torch.Tensor, env: D.Dist) -> torch.Tensor:
@@ -321,7 +545,7 @@ def resolve_config(config, out_dir: Path, resume: bool, sets: "list[str] | None"
     """The config a run uses. Resuming a run that has a config.yaml: that file, plus ``sets``; a config
     given as well must agree with it on model, objective and data (the train section may change,
     e.g. more steps)."""
-    saved = Path(out_dir) / "config.yaml"
+    saved = Path(out_dir) / rundir.CONFIG
     if resume and saved.is_file():
         original = load_config(saved)
 
@@ -350,17 +574,26 @@ def resolve_config(config, out_dir: Path, resume: bool, sets: "list[str] | None"
 
 
 def train(config: "Config | dict | str | Path | None", out_dir: "str | Path", resume: bool = False,
-          sets: "list[str] | None" = None, quiet: bool = False) -> dict:
-    """Train a config into ``out_dir`` (see module docstring).
+          sets: "list[str] | None" = None, quiet: bool = False, overwrite: bool = False) -> dict:
+    """Train a config into ``out_dir`` (see module docstring), holding the directory's lock meanwhile.
 
-    ``resume=True`` continues from the newest complete checkpoint (or starts, if there is none).
-    Without it, a directory that already holds a run is refused, so nothing is overwritten.
+    ``resume=True`` continues from the newest intact checkpoint (or starts, if there is none), with any
+    ``train.*`` values given now. Without it, a directory that already holds a run is refused unless
+    ``overwrite=True`` (which removes only what a run writes); a non-empty directory that is not a run
+    is always refused. SIGINT and SIGTERM stop at the next step boundary with a checkpoint.
     """
     out = Path(out_dir)
-    if not resume and ((out / "status.json").exists() or ckpt.latest_checkpoint(out) is not None):
-        raise ConfigError(f"{out}: already holds a run; add --resume to continue it, or choose another --out")
-    trainer = Trainer(resolve_config(config, out, resume, sets), out, resume=resume, quiet=quiet)
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite: give one (continue the run, or replace it)")
+    rundir.check_out(out)
+    config = resolve_config(config, out, resume, sets)
+    signals = StopSignals().install()
+    trainer = None
     try:
+        trainer = Trainer(config, out, resume=resume, quiet=quiet, overwrite=overwrite, signals=signals)
         return trainer.run()
     finally:
+        signals.restore()
+        if trainer is not None:
+            trainer.close()
         D.teardown()

@@ -1,0 +1,476 @@
+"""The run directory: its layout, status, metrics, checkpoints, lock and loading.
+
+Everything that reads or writes a run directory goes through this module, so the
+layout is defined once::
+
+    RUN/
+      train.lock            the training process's lock (fcntl.flock; its PID and host inside)
+      status.json           status: running | completed | diverged | failed | interrupted, step, reason, ...
+      config.yaml           the resolved config the run trains with now
+      resume.json           one entry per --resume: step, time, changed train.* keys (old -> new)
+      metrics.jsonl         one JSON object per line: step, split (train | eval | diagnostics), loss, ...
+      checkpoints/step_NNNNNNNN/
+                            one checkpoint (see kilolayer.train.checkpoint); manifest.json holds the
+                            SHA-256 of each file, COMPLETE is written last
+      tensorboard/, samples/, analysis/
+
+Readers (analysis, study reports) never take the lock; only one training process
+writes a run directory at a time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+from kilolayer.errors import InputError, KilolayerError
+
+CONFIG = "config.yaml"
+STATUS = "status.json"
+METRICS = "metrics.jsonl"
+RESUME = "resume.json"
+LOCK = "train.lock"
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+COMPLETE = "COMPLETE"
+# what a run writes; --overwrite removes exactly these, never anything else in the directory
+OWN_ENTRIES = (STATUS, CONFIG, METRICS, RESUME, CHECKPOINTS, "tensorboard", "samples", "analysis")
+
+STATUSES = ("running", "completed", "diverged", "failed", "interrupted")
+FINISHED = ("completed", "diverged")  # results; failed and interrupted runs are resumed
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class RunDirError(KilolayerError):
+    """The run directory cannot be used: not a directory, not ours, locked, or an operating-system error."""
+
+
+class RunLocked(RunDirError):
+    """Another training process holds the run directory."""
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def os_error(err: BaseException, path: "str | Path | None" = None) -> RunDirError:
+    """One line for an operating-system error: the path and what went wrong (e.g. 'No space left on device')."""
+    where = getattr(err, "filename", None) or path
+    what = getattr(err, "strerror", None)
+    if not what:
+        text = str(err).strip()
+        what = text.splitlines()[0] if text else err.__class__.__name__
+    return RunDirError(f"{where}: {what}" if where else what)
+
+
+# ---------------------------------------------------------------- what a directory is
+
+
+def is_run_dir(path: "str | Path") -> bool:
+    """Whether ``path`` holds a kilolayer run: a status.json of ours (written first, when training starts),
+    or config.yaml beside metrics.jsonl or checkpoints/ (runs from before status.json was written at start)."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    if read_status(path).get("status") in STATUSES:
+        return True
+    return (path / CONFIG).is_file() and ((path / METRICS).is_file() or (path / CHECKPOINTS).is_dir())
+
+
+def is_empty(path: "str | Path") -> bool:
+    """No entries, or only a lock file left by a run that stopped before writing anything."""
+    path = Path(path)
+    return not path.exists() or all(p.name == LOCK for p in path.iterdir())
+
+
+def check_out(path: "str | Path") -> None:
+    """Refuse an --out that is a file, lies under a file, or is a non-empty directory that is not a run.
+    Reads only; nothing is created."""
+    path = Path(path)
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.is_dir():
+            where = "is a file" if parent == path else f"lies under the file {parent}"
+            raise RunDirError(f"--out {path}: {where}, not a directory")
+        if parent.exists():
+            break
+    if path.is_dir() and not is_empty(path) and not is_run_dir(path):
+        raise RunDirError(
+            f"--out {path}: not empty and not a kilolayer run directory (no status.json or config.yaml of a run); "
+            f"choose an empty or new directory"
+        )
+
+
+def clear_run(path: "str | Path") -> None:
+    """Remove what a run wrote (``OWN_ENTRIES``), leaving any other file in place (--overwrite)."""
+    for name in OWN_ENTRIES:
+        p = Path(path) / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+# ---------------------------------------------------------------- atomic files
+
+
+def write_atomic(path: "str | Path", text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: "str | Path", default=None):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return default
+
+
+# ---------------------------------------------------------------- status
+
+
+def read_status(run_dir: "str | Path") -> dict:
+    """status.json as a dict; {} if there is none or it is unreadable."""
+    data = read_json(Path(run_dir) / STATUS, {})
+    return data if isinstance(data, dict) else {}
+
+
+def write_status(run_dir: "str | Path", status: str, step: int, reason: str = "", **extra) -> dict:
+    """Replace status.json atomically with ``status`` at ``step`` and ``reason`` (plus ``extra`` fields)."""
+    if status not in STATUSES:
+        raise ValueError(f"status {status!r}: expected one of {', '.join(STATUSES)}")
+    data = {"status": status, "step": int(step), "reason": " ".join(str(reason).split()), **extra}
+    write_atomic(Path(run_dir) / STATUS, json.dumps(data, indent=2) + "\n")
+    return data
+
+
+def update_status(run_dir: "str | Path", **fields) -> dict:
+    """Add or change fields of the current status.json (e.g. the study runner's ``seconds``)."""
+    data = {**read_status(run_dir), **fields}
+    write_atomic(Path(run_dir) / STATUS, json.dumps(data, indent=2) + "\n")
+    return data
+
+
+class Lifecycle:
+    """The status of one training process: ``running`` (PID, host, start time), then exactly one of
+    ``completed | diverged | failed | interrupted`` with a reason. Only rank 0 holds one."""
+
+    def __init__(self, run_dir: "str | Path"):
+        self.run_dir = Path(run_dir)
+        self.who = {"pid": os.getpid(), "host": socket.gethostname(), "started": now()}
+        self.final: Optional[str] = None
+
+    def running(self, step: int, **extra) -> None:
+        write_status(self.run_dir, "running", step, "", **self.who, **extra)
+
+    def finish(self, status: str, step: int, reason: str = "", **extra) -> bool:
+        """Record the final status; False if status.json could not be written (e.g. a full disk)."""
+        last = latest_checkpoint(self.run_dir)
+        if last is not None:
+            extra = {"last_checkpoint": checkpoint_step(last), **extra}
+        self.final = status
+        try:
+            write_status(self.run_dir, status, step, reason, **self.who, finished=now(), **extra)
+            return True
+        except OSError:
+            return False
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf; keep them readable
+    return v
+
+
+def metrics_line(record: dict) -> str:
+    return json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+
+
+def read_metrics(path: "str | Path") -> list[dict]:
+    """The records of a run's ``metrics.jsonl`` (``path`` is the run directory or the file). A missing file
+    is no records; a cut-off last line (a run killed mid-write, or one still writing) is ignored; any other
+    bad line is an error naming its line number."""
+    path = Path(path)
+    if path.is_dir() or not path.name.endswith(".jsonl"):
+        path = path / METRICS
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: cannot read ({err.__class__.__name__})") from None
+    records = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == last:
+                break
+            raise InputError(f"{path}:{i + 1}: not a JSON object") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise InputError(f"{path}:{i + 1}: expected a JSON object with a 'step'")
+        records.append(record)
+    return records
+
+
+def truncate_metrics(run_dir: "str | Path", last_step: int) -> None:
+    """On resume: drop records logged after the checkpoint we resume from (they will be logged again),
+    and any line cut by a crash."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= last_step:
+            kept.append(line)
+    write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+class MetricsFile:
+    """Appends records to ``metrics.jsonl``, flushed per line."""
+
+    def __init__(self, run_dir: "str | Path"):
+        self.path = Path(run_dir) / METRICS
+        self.file = open(self.path, "a")
+
+    def append(self, record: dict) -> None:
+        self.file.write(metrics_line(record))
+        self.file.flush()
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError:
+            pass  # a full disk: the error was reported where the write failed
+
+
+# ---------------------------------------------------------------- resume history
+
+
+def read_resume_history(run_dir: "str | Path") -> list[dict]:
+    data = read_json(Path(run_dir) / RESUME, [])
+    return data if isinstance(data, list) else []
+
+
+def record_resume(run_dir: "str | Path", step: int, changed: dict) -> None:
+    """Append ``{"step", "time", "changed": {"train.key": [old, new]}}`` to resume.json."""
+    history = read_resume_history(run_dir) + [{"step": int(step), "time": now(), "changed": changed}]
+    write_atomic(Path(run_dir) / RESUME, json.dumps(history, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dir(run_dir: "str | Path", step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
+
+
+def checkpoint_step(path: "str | Path") -> int:
+    return int(STEP_DIR.match(Path(path).name).group(1))
+
+
+def complete_checkpoints(run_dir: "str | Path") -> list[Path]:
+    """Complete checkpoint directories (COMPLETE written), oldest first. Not verified: see intact_checkpoint."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(run_dir: "str | Path") -> Optional[Path]:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def remove_partial(run_dir: "str | Path") -> None:
+    """Delete leftovers of an interrupted save."""
+    root = Path(run_dir) / CHECKPOINTS
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".step_") or (STEP_DIR.match(p.name) and not (p / COMPLETE).exists()):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def sha256(path: "str | Path") -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(ckpt: "str | Path") -> None:
+    """manifest.json: the size and SHA-256 of every file of a checkpoint being written."""
+    ckpt = Path(ckpt)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
+             for p in sorted(ckpt.iterdir()) if p.is_file() and p.name not in (MANIFEST, COMPLETE)}
+    with open(ckpt / MANIFEST, "w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_checkpoint(ckpt: "str | Path") -> Optional[str]:
+    """None if every file matches manifest.json, else one line naming the first damaged file.
+    A checkpoint without a manifest (written before checksums existed) is accepted unchecked."""
+    ckpt = Path(ckpt)
+    manifest = ckpt / MANIFEST
+    if not manifest.exists():
+        return None
+    data = read_json(manifest)
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        return f"{manifest}: unreadable"
+    for name, want in data["files"].items():
+        f = ckpt / name
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            return f"{f}: missing"
+        if size != want.get("bytes"):
+            return f"{f}: {size} bytes, the manifest says {want.get('bytes')} (truncated or overwritten)"
+        if sha256(f) != want.get("sha256"):
+            return f"{f}: SHA-256 does not match the manifest (the file is damaged)"
+    return None
+
+
+def warn(message: str) -> None:
+    print(f"kilolayer: warning: {' '.join(message.split())}", file=sys.stderr, flush=True)
+
+
+def intact_checkpoint(run_dir: "str | Path", on_damaged=warn) -> Optional[Path]:
+    """The newest complete checkpoint whose files match their checksums, or None if there is no complete
+    one. Each damaged newer one is reported in one line through ``on_damaged``; if every one is damaged,
+    an InputError names the newest's problem."""
+    found = complete_checkpoints(run_dir)
+    problems = []
+    for ckpt in reversed(found):
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            for p in problems:
+                on_damaged(f"{p}; using the previous checkpoint {ckpt.name}")
+            return ckpt
+        problems.append(problem)
+    if problems:
+        more = f" (and {len(problems) - 1} older checkpoints are damaged too)" if len(problems) > 1 else ""
+        raise InputError(f"{problems[0]}; no intact checkpoint to fall back to{more}")
+    return None
+
+
+# ---------------------------------------------------------------- the lock
+
+
+class RunLock:
+    """An exclusive ``fcntl.flock`` on RUN/train.lock, held by the training process until :meth:`release`
+    or its exit. The kernel drops it with the process, so a ``kill -9`` never leaves a stale lock; the
+    file stays behind and only says who held it last."""
+
+    def __init__(self, run_dir: "str | Path"):
+        self.path = Path(run_dir) / LOCK
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunLocked(
+                    f"{self.path.parent}: another kilolayer train ({holder(self.path.parent)}) is writing this run "
+                    f"directory; wait for it to finish or stop it, or choose another --out"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def holder(run_dir: "str | Path") -> str:
+    """'PID 1234 on host' of the process that holds (or last held) the lock."""
+    try:
+        pid, _, host = (Path(run_dir) / LOCK).read_text().strip().partition(" ")
+        return f"PID {int(pid)} on {host}" if host else f"PID {int(pid)}"
+    except (OSError, ValueError):
+        return "PID unknown"
+
+
+def is_locked(run_dir: "str | Path") -> bool:
+    """Whether a training process holds the run directory now (a test that takes and drops the lock)."""
+    if not (Path(run_dir) / LOCK).exists():
+        return False
+    try:
+        with RunLock(run_dir):
+            return False
+    except RunLocked:
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- loading a run
+
+
+def load_run(run_dir: "str | Path", device: str = "cpu"):
+    """(config, task) of a finished or running kilolayer run, with the weights of its newest intact
+    checkpoint, in eval mode. A damaged newer checkpoint is reported in one line on stderr."""
+    from kilolayer.config import load_config
+    from kilolayer.objectives import build_task
+    from kilolayer.train.checkpoint import check_fits, read_weights
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG).is_file():
+        raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
+    config = load_config(run_dir / CONFIG)
+    ckpt = intact_checkpoint(run_dir)
+    if ckpt is None:
+        raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
+    task = build_task(config)
+    weights = read_weights(ckpt / "model.safetensors")
+    check_fits(ckpt / "model.safetensors", weights, task.state_dict())
+    task.load_state_dict(weights)
+    return config, task.to(device).eval()
