@@ -132,7 +132,7 @@ class TrainConfig(_Section):
     steps: int = Field(100, ge=0)
     batch_size: int = Field(16, ge=1, description="global batch (all processes, all accumulation steps)")
     accumulate: int = Field(1, ge=1, description="gradient accumulation: micro-batches per step")
-    lr: float = Field(5e-4, gt=0)
+    lr: float = Field(5e-4, gt=0, allow_inf_nan=False)
     warmup: int = Field(0, ge=0)
     schedule: Literal["constant", "inverse_sqrt", "cosine"] = "inverse_sqrt"
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine: final lr as a fraction of lr")
