@@ -1,4 +1,13 @@
-"""The study report: report.md and a self-contained report.html (PNGs embedded)."""
+"""The study report: report.md and a self-contained report.html (PNGs embedded).
+
+Spec names, descriptions, grid and config values, run reasons and finding text
+are the user's, so neither file lets them become markup: in report.md every
+``<`` of such text is written ``&lt;`` (shown as ``<`` by any Markdown viewer),
+and report.html is rendered with raw HTML disabled, links only to http(s) or
+mailto, and images only as PNG files inside the study's own directory, embedded
+as data URIs (any other image becomes a note). A Content-Security-Policy that
+allows no script and no remote fetch backs this up.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,8 @@ import os
 import platform
 import re
 from pathlib import Path
+from typing import Optional
+from urllib.parse import urlsplit
 
 from kilolayer.study.findings import FINDINGS, HELD, INCONCLUSIVE, NOT_HELD, Finding
 
@@ -38,13 +49,29 @@ def versions() -> str:
     return f"kilolayer {kilolayer.__version__}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
+def _text(value) -> str:
+    """Text for report.md that no Markdown renderer turns into HTML: ``<`` becomes the entity ``&lt;``."""
+    return str(value).replace("<", "&lt;")
+
+
+def _cell(value) -> str:
+    return " ".join(_text(value).replace("|", "/").splitlines())
+
+
 def _table(headers, rows) -> str:
     if not rows:
         return "_no rows_\n"
-    out = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    out = ["| " + " | ".join(_cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
-        out.append("| " + " | ".join(str(c).replace("|", "/") for c in r) + " |")
+        out.append("| " + " | ".join(_cell(c) for c in r) + " |")
     return "\n".join(out) + "\n"
+
+
+def _fenced(lines: list[str]) -> list[str]:
+    """A code block whose fence is longer than any run of backticks inside it, so no line can close it."""
+    longest = max((len(run) for line in lines for run in re.findall(r"`+", line)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence, *lines, fence]
 
 
 def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seconds: float) -> str:
@@ -58,9 +85,9 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
             pass
     seeds = sorted({r.point.config.train.seed for r in results})
     lines = [
-        f"# kilolayer study: {spec.name}",
+        f"# kilolayer study: {_text(spec.name)}",
         "",
-        spec.description.strip(),
+        _text(spec.description.strip()),
         "",
         f"- **date**: {now}",
         f"- **machine**: {machine()}",
@@ -82,21 +109,23 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
     ]
     for f in findings:
         lines += [
-            f"## {f.title}",
+            f"## {_text(f.title)}",
             "",
-            f"**Claim.** {f.claim}  ",
-            f"**Reference.** {f.reference}",
+            f"**Claim.** {_text(f.claim)}  ",
+            f"**Reference.** {_text(f.reference)}",
             "",
-            f"**Rule.** {f.rule}",
+            f"**Rule.** {_text(f.rule)}",
             "",
+            *[f"- {_text(note)}" for note in getattr(f, "notes", ())],
+            *([""] if getattr(f, "notes", ()) else []),
             _table(f.headers, f.rows),
         ]
         for path, caption in f.plots:
             rel = os.path.relpath(path, out)
-            lines += [f"![{caption}]({rel})", "", f"*{caption}*", ""]
-        lines += [f"**Verdict: {BADGE[f.verdict.verdict]}.** {f.verdict.reason}.", ""]
+            lines += [f"![{_text(caption)}]({rel})", "", f"*{_text(caption)}*", ""]
+        lines += [f"**Verdict: {BADGE[f.verdict.verdict]}.** {_text(f.verdict.reason)}.", ""]
         if f.scale_up:
-            lines += [f"**To test this claim properly:** {f.scale_up}", ""]
+            lines += [f"**To test this claim properly:** {_text(f.scale_up)}", ""]
     lines += ["## Runs", "", "Every grid point is an ordinary `kilolayer train` run directory under `runs/`.", ""]
     rows = []
     for r in results:
@@ -107,9 +136,8 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
     lines += ["## Commands", "",
               "One line per point, in order (a group with `after` needs its source group finished): each reruns "
               "or resumes that point by hand, or can be sent to a cluster (write `torchrun --nproc-per-node N -m kilolayer` "
-              "in place of `kilolayer` for N processes per point).", "", "```"]
-    lines += [r.command for r in results]
-    lines += ["```"]
+              "in place of `kilolayer` for N processes per point).", ""]
+    lines += _fenced([r.command for r in results])
     return "\n".join(lines) + "\n"
 
 
@@ -118,30 +146,89 @@ padding:0 1em;line-height:1.45;color:#222}table{border-collapse:collapse;margin:
 td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top}th{background:#f3f3f3}img{max-width:100%;
 border:1px solid #eee}code{background:#f6f6f6;padding:1px 3px;font-size:0.85em}
 pre{background:#f6f6f6;padding:0.6em;overflow-x:auto;font-size:0.8em}.held{color:#176b1d}.not-held{color:#b3261e}
-.inconclusive{color:#8a6d00}"""
+.inconclusive{color:#8a6d00}.skipped{color:#666}"""
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+LINK_SCHEMES = ("http", "https", "mailto")
+# no script at all, nothing fetched: images are data URIs, styles the inline sheet
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+
+
+def embeddable_image(src: str, out: Path) -> Optional[Path]:
+    """The PNG file that ``src`` names if it lies inside the study directory ``out``, else None.
+
+    ``src`` must be a relative path (no scheme, not absolute) that still lies inside ``out`` once resolved
+    (``..`` and symbolic links followed), and the file must be a PNG.
+    """
+    if not src or ":" in src or src.startswith(("/", "\\")) or Path(src).is_absolute():
+        return None
+    root = Path(out).resolve()
+    path = (root / src).resolve()
+    if not path.is_relative_to(root) or not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return path if fh.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE else None
+    except OSError:
+        return None
+
+
+def _safe_link(href: str) -> bool:
+    # browsers ignore control characters and spaces inside a scheme ("java\tscript:")
+    cleaned = "".join(ch for ch in href if ord(ch) > 32)
+    return urlsplit(cleaned).scheme.lower() in LINK_SCHEMES + ("",)
+
+
+def _tree_processor(out: Path):
+    """A Markdown tree processor that embeds the study's own PNGs, neutralises every other image and any
+    link outside http(s)/mailto, and colours the verdict words."""
+    from xml.etree import ElementTree
+
+    from markdown.treeprocessors import Treeprocessor
+
+    verdict_words = {}
+    for key, word in BADGE.items():
+        verdict_words[word] = verdict_words[f"Verdict: {word}."] = VERDICT_CLASS[key]
+
+    class SafeReport(Treeprocessor):
+        def run(self, root):
+            for parent in list(root.iter()):
+                for index, el in enumerate(list(parent)):
+                    if el.tag == "img":
+                        src = el.get("src", "")
+                        path = embeddable_image(src, out)
+                        if path is not None:
+                            data = base64.b64encode(path.read_bytes()).decode()
+                            el.attrib = {"src": f"data:image/png;base64,{data}", "alt": el.get("alt", "")}
+                        else:
+                            note = ElementTree.Element("em", {"class": "skipped"})
+                            note.text = f"[image not embedded: {src!r} is not a PNG inside the study directory]"
+                            note.tail = el.tail
+                            parent.remove(el)
+                            parent.insert(index, note)
+                    elif el.tag == "a" and not _safe_link(el.get("href", "")):
+                        el.attrib.pop("href", None)
+                    elif el.tag == "strong" and el.text in verdict_words and not len(el):
+                        el.set("class", verdict_words[el.text])
+
+    return SafeReport
 
 
 def render_html(markdown_text: str, out: Path) -> str:
+    """report.html from report.md's text: see the module docstring for what is escaped or refused."""
     import markdown
 
-    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"])
-
-    def embed(m):
-        src = m.group(1)
-        p = (out / html.unescape(src)).resolve()
-        if not p.is_file():
-            return m.group(0)
-        data = base64.b64encode(p.read_bytes()).decode()
-        return f'src="data:image/png;base64,{data}"'
-
-    body = re.sub(r'src="([^"]+\.png)"', embed, body)
-    for key, word in BADGE.items():
-        # the verdict words in the summary table and after each finding
-        body = body.replace(f"<strong>{word}</strong>", f"<strong class='{VERDICT_CLASS[key]}'>{word}</strong>")
-        body = body.replace(f"<strong>Verdict: {word}.</strong>",
-                            f"<strong class='{VERDICT_CLASS[key]}'>Verdict: {word}.</strong>")
-    title = markdown_text.splitlines()[0].lstrip("# ")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+    md = markdown.Markdown(extensions=["tables", "fenced_code"])
+    # raw HTML in the Markdown is text, not markup
+    md.preprocessors.deregister("html_block")
+    md.inlinePatterns.deregister("html")
+    # after the inline patterns (priority 20) have made the links and images, before serialisation
+    md.treeprocessors.register(_tree_processor(Path(out))(md), "kilolayer_safe_report", 5)
+    body = md.convert(markdown_text)
+    title = html.escape(html.unescape(markdown_text.splitlines()[0].lstrip("# ")))
+    return (f"<!doctype html><html><head><meta charset='utf-8'>"
+            f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\"><title>{title}</title>"
             f"<style>{CSS}</style></head><body>{body}</body></html>\n")
 
 
