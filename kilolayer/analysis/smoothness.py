@@ -307,7 +307,7 @@ def smoothness_of_run(run_dir: "str | Path", *, data: Optional[str] = None, samp
 
     Adds metadata: ``source``, ``path``, ``name``, ``input``, ``depth``, ``grid``."""
     from kilolayer.data import load_source
-    from kilolayer.train.checkpoint import load_run
+    from kilolayer.rundir import load_run
 
     run_dir = Path(run_dir)
     config, task = load_run(run_dir, device=device)

@@ -11,13 +11,13 @@ This module turns those lines into per-run series for :mod:`kilolayer.analysis.p
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from kilolayer.errors import InputError
+from kilolayer.rundir import METRICS, read_metrics
 
 
 @dataclass
@@ -54,33 +54,6 @@ def _number(value) -> float:
         return math.nan
 
 
-def read_metrics(path: "str | Path") -> list[dict]:
-    """The JSON objects of a ``metrics.jsonl``. A cut-off last line (a run killed mid-write) is ignored;
-    any other bad line is an error naming its line number."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(f"{path}: cannot read ({err.__class__.__name__})") from None
-    records = []
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if i == last:
-                break
-            raise InputError(f"{path}:{i + 1}: not a JSON object") from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise InputError(f"{path}:{i + 1}: expected a JSON object with a 'step'")
-        records.append(record)
-    return records
-
-
 def _diagnostics(record: dict, where: str) -> Diagnostics:
     d = Diagnostics(step=int(record["step"]), update=_number(record.get("update")))
     for names_key, values_key in (("layers", "grad_norm"), ("ln_names", "ln_input")):
@@ -96,7 +69,7 @@ def read_run(run: "str | Path", name: Optional[str] = None) -> StabilityRun:
     """A run directory (or its ``metrics.jsonl``) as a :class:`StabilityRun`; the name defaults to the
     directory's name."""
     run = Path(run)
-    path = run if run.is_file() else run / "metrics.jsonl"
+    path = run if run.is_file() else run / METRICS
     if not run.exists():
         raise InputError(f"--run {run}: no such run directory")
     if not path.is_file():
