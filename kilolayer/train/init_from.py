@@ -15,9 +15,10 @@ from pathlib import Path
 
 from torch import nn
 
+from kilolayer import rundir
 from kilolayer.config import read_yaml
 from kilolayer.errors import InputError
-from kilolayer.train.checkpoint import STEP_DIR, complete_checkpoints, read_weights
+from kilolayer.train.checkpoint import read_weights
 
 _SHAPE_KEYS = ("arch", "scheme", "layers", "width", "heads", "ffn", "input", "image_size", "patch_size", "channels")
 
@@ -27,18 +28,19 @@ def _describe(model: dict) -> str:
 
 
 def pretrained_checkpoint(run_dir: "str | Path") -> Path:
-    """``model.safetensors`` of the newest complete checkpoint of the run at ``run_dir``."""
+    """``model.safetensors`` of the newest intact checkpoint of the run at ``run_dir`` (a damaged newer one
+    is reported in one line on stderr)."""
     run = Path(run_dir)
     if not run.is_dir():
         raise InputError(f"{run}: no such run directory (train.init_from)")
-    if not (run / "config.yaml").is_file():
+    if not (run / rundir.CONFIG).is_file():
         raise InputError(f"{run}: not a kilolayer run directory (no config.yaml) (train.init_from)")
-    found = complete_checkpoints(run)
-    if not found:
+    found = rundir.intact_checkpoint(run)
+    if found is None:
         raise InputError(
             f"{run}: the run has no complete checkpoint (checkpoints/step_NNNNNNNN/COMPLETE) (train.init_from)"
         )
-    return found[-1] / "model.safetensors"
+    return found / "model.safetensors"
 
 
 def load_pretrained(task: nn.Module, run_dir: "str | Path", freeze: bool = False) -> dict:
@@ -54,7 +56,7 @@ def load_pretrained(task: nn.Module, run_dir: "str | Path", freeze: bool = False
     if not pretrained:
         raise InputError(f"{path}: holds no backbone.* tensors (train.init_from)")
     own = task.backbone.state_dict()
-    run_model = read_yaml(run / "config.yaml").get("model") or {}
+    run_model = read_yaml(run / rundir.CONFIG).get("model") or {}
     here = task.backbone.config.model_dump() if hasattr(task.backbone, "config") else {}
     models = f"(run model: {_describe(run_model)}; this model: {_describe(here)})"
     for key, value in own.items():
@@ -71,5 +73,5 @@ def load_pretrained(task: nn.Module, run_dir: "str | Path", freeze: bool = False
     task.backbone.load_state_dict(pretrained, strict=True)
     if freeze:
         task.backbone.requires_grad_(False)
-    step = int(STEP_DIR.match(path.parent.name).group(1))
+    step = rundir.checkpoint_step(path.parent)
     return {"run": str(run), "checkpoint": str(path), "step": step, "tensors": len(pretrained), "frozen": freeze}
