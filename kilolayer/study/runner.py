@@ -1,7 +1,10 @@
 """Run a study: every point is a ``kilolayer train`` subprocess, K at a time.
 
 Finished points (completed or diverged: both are results) are skipped on a
-re-run; failed or interrupted ones are resumed from their last checkpoint.
+re-run; failed, interrupted or unfinished ones are resumed (``--resume``) from
+their newest intact checkpoint. The training process records its own status;
+the runner writes one only when the process could not (killed, or stopped
+before it started training).
 """
 
 from __future__ import annotations
@@ -17,11 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
+from kilolayer.rundir import FINISHED, read_metrics, read_status
 from kilolayer.study.spec import Point, StudySpec, expand
-from kilolayer.train.logging import read_metrics
-
-FINISHED = ("completed", "diverged")
 
 
 @dataclass
@@ -58,13 +60,6 @@ def shell_command(point: Point, out: Path) -> str:
     return shlex.join(["kilolayer", *cmd[3:]])
 
 
-def _status(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _materialise(point: Point, out: Path) -> None:
     cfg = point.config
     if point.init_from_point:
@@ -79,10 +74,38 @@ def _materialise(point: Point, out: Path) -> None:
         path.write_text(text)
 
 
+def _wait(proc: subprocess.Popen) -> int:
+    """The child's exit code. On Ctrl-C the child (same process group) got SIGINT too: give it time to save
+    a checkpoint and record ``interrupted`` before giving up on it."""
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def _record_crash(run_dir: Path, returncode: int, logfile: Path) -> None:
+    """The child ended without a final status of its own (killed, or refused before training started):
+    record ``failed`` with its exit code and last log line, unless another training process holds the run."""
+    reason = (logfile.read_text().strip().splitlines() or ["no output"])[-1][:300]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with rundir.RunLock(run_dir):
+            st = read_status(run_dir)
+            if st.get("status") not in FINISHED:
+                rundir.write_status(run_dir, "failed", int(st.get("step", 0)), f"exit code {returncode}: {reason}")
+    except rundir.RunLocked:
+        pass  # someone else is training it: its status is its own
+
+
 def run_point(point: Point, out: Path, log=print, threads: Optional[int] = None) -> tuple[str, float, bool]:
     """Train one point unless it already finished. Returns (status, seconds, trained now)."""
     run_dir = point.run_dir(out)
-    st = _status(run_dir)
+    st = read_status(run_dir)
     if st.get("status") in FINISHED:
         return st["status"], float(st.get("seconds", 0.0)), False
     _materialise(point, out)
@@ -95,20 +118,17 @@ def run_point(point: Point, out: Path, log=print, threads: Optional[int] = None)
         # K concurrent points share the cores instead of each taking them all
         env["OMP_NUM_THREADS"] = str(threads)
     with open(logfile, "a") as fh:
-        proc = subprocess.run(train_command(point, out), stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(train_command(point, out), stdout=fh, stderr=subprocess.STDOUT, env=env)
+        returncode = _wait(proc)
     seconds = time.perf_counter() - t0
-    st = _status(run_dir)
-    status = st.get("status") if st.get("status") in FINISHED else "failed"
-    if status == "failed":
-        # a crash (not a divergence): record it so the report says so; a re-run retries it
-        reason = (logfile.read_text().strip().splitlines() or ["no output"])[-1][:300]
-        from kilolayer.train.logging import write_status
-
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_status(run_dir, "failed", int(st.get("step", 0)), f"exit code {proc.returncode}: {reason}")
-    else:
-        data = {**st, "seconds": seconds}
-        (run_dir / "status.json").write_text(json.dumps(data, indent=2) + "\n")
+    st = read_status(run_dir)
+    # the child's own final status names its PID; anything else (none, an older one, "running") is stale
+    if returncode != 0 and (st.get("pid") != proc.pid or st.get("status") == "running"):
+        _record_crash(run_dir, returncode, logfile)
+        st = read_status(run_dir)
+    status = st.get("status", "failed")
+    if status in FINISHED:
+        rundir.update_status(run_dir, seconds=seconds)
     log(f"[study] {point.key}: {status} ({seconds:.0f}s)")
     return status, seconds, True
 
@@ -127,7 +147,7 @@ def run_analysis(name: str, run_dir: Path) -> Path:
 
 def run_analyses(point: Point, out: Path, log=print) -> None:
     run_dir = point.run_dir(out)
-    if _status(run_dir).get("status") != "completed":
+    if read_status(run_dir).get("status") != "completed":
         return
     from kilolayer.errors import KilolayerError
 
@@ -143,7 +163,7 @@ def run_analyses(point: Point, out: Path, log=print) -> None:
 
 def collect(point: Point, out: Path) -> Result:
     run_dir = point.run_dir(out)
-    st = _status(run_dir)
+    st = read_status(run_dir)
     records = read_metrics(run_dir)
     evals = [r for r in records if r.get("split") == "eval"]
     smooth = None
