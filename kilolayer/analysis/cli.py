@@ -73,7 +73,8 @@ def cmd_smoothness(args) -> int:
             raise InputError("--run analyses a kilolayer data source: use --data NAME (default: the run's own "
                              "data); --text/--images work with --hf")
         result = smoothness_of_run(args.run, data=args.data, samples=args.samples, batch_size=args.batch_size,
-                                   exclude_first=args.exclude_cls, device=args.device)
+                                   exclude_first=args.exclude_cls, exclude_special=not args.include_special,
+                                   after_final_norm=args.after_final_norm, device=args.device)
     if args.name:
         result["name"] = args.name
     result["exclude_cls"] = args.exclude_cls
@@ -132,6 +133,11 @@ def register(subparsers) -> None:
     s.add_argument("--samples", type=int, default=128, help="samples to analyse (default 128)")
     s.add_argument("--batch-size", type=int, default=32, help="samples per forward pass (default 32)")
     s.add_argument("--exclude-cls", action="store_true", help="leave token 0 (CLS) out of the token metrics")
+    s.add_argument("--include-special", action="store_true",
+                   help="with --run: keep the CLS token and special-token ids in the metrics (default: left out)")
+    s.add_argument("--after-final-norm", action="store_true",
+                   help="with --run: take the last layer after the stack's final LayerNorm (default: the last "
+                        "block's output before it)")
     s.add_argument("--depth", choices=["auto", "layer", "relative"], default="auto",
                    help="x axis: layer index, or depth / L (auto: relative when depths differ)")
     s.add_argument("--name", help="the name in legends and smoothness.json (default: the directory's name)")

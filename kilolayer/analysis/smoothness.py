@@ -199,9 +199,11 @@ class SmoothnessObserver:
     length), across all batches.
     """
 
-    def __init__(self, grid: Optional[int] = None, exclude_first: bool = False):
+    def __init__(self, grid: Optional[int] = None, exclude_first: bool = False, before_final_norm: bool = False):
         self.grid = grid
         self.exclude = (0,) if exclude_first else ()
+        # read by kilolayer stacks: observe the last layer before their final norm
+        self.before_final_norm = before_final_norm
         self.padding_mask: Optional[torch.Tensor] = None
         self.samples = 0
         self._sums: dict[str, list[float]] = {}
@@ -264,7 +266,7 @@ def _split_batch(batch, kilolayer_model: bool) -> tuple[dict, Optional[torch.Ten
 
 
 def smoothness(model: torch.nn.Module, batches: Iterable, *, grid: Optional[int] = None,
-               exclude_first: bool = False) -> dict:
+               exclude_first: bool = False, before_final_norm: bool = False) -> dict:
     """Over-smoothing metrics per layer of ``model`` over ``batches``.
 
     ``model`` is a kilolayer backbone (run with ``observe=``; memory stays at one
@@ -276,12 +278,13 @@ def smoothness(model: torch.nn.Module, batches: Iterable, *, grid: Optional[int]
     ``exclude_first`` leaves token 0 (CLS) out of the token metrics.
 
     Returns ``{"layers": [0..L], "samples": n, "cosine": [...], ...}``: index 0 is
-    the embedding output, index L the last layer's output after any final norm.
+    the embedding output, index L the last layer's output after any final norm, or,
+    with ``before_final_norm`` (kilolayer backbones), the last block's output before it.
     """
     from kilolayer.nn.transformer import Backbone
 
     ours = isinstance(model, Backbone)
-    observer = SmoothnessObserver(grid=grid, exclude_first=exclude_first)
+    observer = SmoothnessObserver(grid=grid, exclude_first=exclude_first, before_final_norm=before_final_norm)
     was_training = model.training
     model.eval()
     try:
@@ -301,11 +304,35 @@ def smoothness(model: torch.nn.Module, batches: Iterable, *, grid: Optional[int]
     return observer.result()
 
 
+def special_token_ids(config, source) -> list[int]:
+    """Ids of special tokens (padding, BOS/EOS, MASK, CLS, SEP) in ``config``'s token inputs: the source's
+    ``special_ids`` if it has them, else its tokenizer's; none for image patches."""
+    if config.model.input != "tokens":
+        return []
+    ids = getattr(source, "special_ids", None)
+    if ids is None:
+        from kilolayer.data.text import tokenizer_for
+
+        try:
+            ids = tokenizer_for(config).special_ids
+        except Exception:  # noqa: BLE001 - a source without a tokenizer has no special ids to drop
+            ids = ()
+    return sorted({int(i) for i in ids})
+
+
 def smoothness_of_run(run_dir: "str | Path", *, data: Optional[str] = None, samples: int = 128,
-                      batch_size: int = 32, exclude_first: bool = False, device: str = "cpu") -> dict:
+                      batch_size: int = 32, exclude_first: bool = False, exclude_special: bool = True,
+                      after_final_norm: bool = False, device: str = "cpu") -> dict:
     """:func:`smoothness` of a kilolayer run's newest checkpoint on its evaluation data (or source ``data``).
 
-    Adds metadata: ``source``, ``path``, ``name``, ``input``, ``depth``, ``grid``."""
+    Measurement choices (Bamboo's over-smoothing is about the content tokens of the last block):
+    ``exclude_special`` (default) leaves the CLS token of a patch model and special-token ids of token inputs
+    out of every metric (``exclude_first`` drops token 0 whatever it is); the last entry is the last block's
+    output before the stack's final LayerNorm, whose shared bias raises raw cosine, unless
+    ``after_final_norm``.
+
+    Adds metadata: ``source``, ``path``, ``name``, ``input``, ``depth``, ``grid``, ``exclude_special``,
+    ``after_final_norm``."""
     from kilolayer.data import load_source
     from kilolayer.rundir import load_run
 
@@ -317,13 +344,25 @@ def smoothness_of_run(run_dir: "str | Path", *, data: Optional[str] = None, samp
     m = config.model
     grid = m.image_size // m.patch_size if m.input == "patches" else None
 
+    special = torch.tensor(special_token_ids(config, source) if exclude_special else [], dtype=torch.long,
+                           device=device)
+    exclude_first = exclude_first or (exclude_special and m.input == "patches" and m.cls_token)
+
     def batches():
         for batch in source.eval_batches(batch_size, limit=samples):
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            yield task.objective.analysis_inputs(batch)
+            kwargs, mask = task.objective.analysis_inputs(batch)
+            ids = next((kwargs[k] for k in ("tokens", "inputs", "src") if k in kwargs), None)
+            if len(special) and ids is not None and not ids.is_floating_point():
+                # only the metrics skip them; the model still attends to them
+                is_special = torch.isin(ids, special)
+                mask = is_special if mask is None else (mask | is_special)
+            yield kwargs, mask
 
-    result = smoothness(task.backbone, batches(), grid=grid, exclude_first=exclude_first)
+    result = smoothness(task.backbone, batches(), grid=grid, exclude_first=exclude_first,
+                        before_final_norm=not after_final_norm)
     result.update(source="run", path=str(run_dir.resolve()), name=run_dir.resolve().name,
                   input=f"data:{config.data.name}", depth=len(result["layers"]) - 1, grid=grid,
-                  model=f"{m.arch} {m.scheme} {config.objective.name}")
+                  model=f"{m.arch} {m.scheme} {config.objective.name}", exclude_special=exclude_special,
+                  after_final_norm=after_final_norm)
     return result

@@ -187,6 +187,9 @@ class Stack(nn.Module):
             else:
                 x = layer(x, mask, memory, memory_mask)
             if i == last and self.final_norm is not None:
+                if observe is not None and getattr(observe, "before_final_norm", False):
+                    observe(i, x)  # the last block's own output, before the norm's shared bias and scale
+                    observe = None
                 x = self.final_norm(x)
             if observe is not None:
                 observe(i, x)

@@ -30,6 +30,10 @@ class Objective(nn.Module):
     * ``represent(backbone, batch) -> Tensor``: the network output F(x, theta)
       on a probe batch, for DeepNet's model-update diagnostic.
     * ``tokens(batch) -> int``: tokens the backbone processes, for tokens/s.
+    * ``chance(backbone, batches) -> dict``: the evaluation ``loss`` (and ``accuracy``, where the
+      objective reports one) of the best predictor that ignores the input, on the same evaluation
+      targets: the level a model that learned nothing sits at. Objectives with categorical targets
+      implement ``eval_targets`` and inherit it.
     """
 
     name = ""
@@ -69,6 +73,37 @@ class Objective(nn.Module):
     @abstractmethod
     def tokens(self, batch: dict) -> int:
         """Tokens the backbone processes in ``batch``."""
+
+    def eval_targets(self, batch: dict, index: int) -> "torch.Tensor | None":
+        """The class ids evaluation batch ``index`` is scored on (1-D, long), or None if the targets are
+        not categorical. ``index`` fixes any random masking exactly as ``evaluate`` does."""
+        return None
+
+    @torch.no_grad()
+    def chance(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
+        """Loss and accuracy of the best input-independent predictor on the evaluation targets: predicting
+        their empirical distribution p gives cross-entropy H(p) (the entropy, in nats) and accuracy
+        max(p)."""
+        counts = None
+        for i, batch in enumerate(batches):
+            y = self.eval_targets(batch, i)
+            if y is None:
+                raise NotImplementedError(f"{type(self).__name__}: no categorical evaluation targets")
+            c = torch.bincount(y.reshape(-1).cpu().long())
+            counts = c if counts is None else _add_counts(counts, c)
+        if counts is None or int(counts.sum()) == 0:
+            return {"loss": float("nan"), "accuracy": float("nan")}
+        p = counts.double() / counts.sum()
+        p = p[p > 0]
+        return {"loss": float(-(p * p.log()).sum()), "accuracy": float(p.max())}
+
+
+def _add_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if len(a) < len(b):
+        a, b = b, a
+    a = a.clone()
+    a[: len(b)] += b
+    return a
 
 
 class Task(nn.Module):

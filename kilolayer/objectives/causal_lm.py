@@ -57,6 +57,10 @@ class CausalLM(Objective):
         x, _, in_pad, _ = self._split(batch)
         return {"tokens": x, "padding_mask": in_pad}, in_pad
 
+    def eval_targets(self, batch, index):
+        _, y, _, valid = self._split(batch)
+        return y[valid] if valid is not None else y.reshape(-1)
+
     def tokens(self, batch):
         _, _, _, valid = self._split(batch)
         x = batch["tokens"]

@@ -114,6 +114,9 @@ class Classification(Objective):
         x, mask = self._inputs(batch)
         return {"inputs": x, "padding_mask": mask}, mask
 
+    def eval_targets(self, batch: dict, index: int) -> torch.Tensor:
+        return batch["labels"]
+
     def tokens(self, batch: dict) -> int:
         x, mask = self._inputs(batch)
         if self.patches:

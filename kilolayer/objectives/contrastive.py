@@ -6,7 +6,8 @@ The text tower is a second kilolayer encoder built here from
 scheme, ...; unspecified keys take the defaults below). Each tower's pooled
 output goes through a linear projection to ``embed_dim`` and is L2-normalised;
 the logits are ``exp(logit_scale) * img @ txt.T`` with ``logit_scale`` learned,
-starting at log(1/0.07) and clamped so the scale never exceeds 100 (CLIP).
+starting at log(1/0.07); like CLIP, the parameter itself is clamped to ln 100 before
+each training step, so it can always move back down.
 Loss: the mean of image->text and text->image cross-entropy with the diagonal
 as targets.
 
@@ -120,8 +121,14 @@ class Contrastive(Objective):
         self.max_logit_scale = opts.max_logit_scale
 
     def scale(self) -> torch.Tensor:
-        """exp(logit_scale), clamped at ``max_logit_scale`` (no gradient pushes it past the clamp)."""
+        """exp(logit_scale), at most ``max_logit_scale``."""
         return self.logit_scale.exp().clamp(max=self.max_logit_scale)
+
+    def clamp_logit_scale(self) -> None:
+        """Clamp the parameter itself to ln(max_logit_scale), as CLIP does after each step: clamping only
+        the output would leave a parameter past the cap with zero gradient for the rest of training."""
+        with torch.no_grad():
+            self.logit_scale.clamp_(max=math.log(self.max_logit_scale))
 
     def embed_images(self, backbone: nn.Module, images: torch.Tensor) -> torch.Tensor:
         h = pool(backbone(images), None, self.image_pool, skip_first=self.image_cls)
@@ -134,7 +141,9 @@ class Contrastive(Objective):
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
         img = self.embed_images(backbone, batch["images"])
         txt = self.embed_text(batch["tokens"], batch.get("padding_mask"))
-        scale = self.scale()
+        if self.training:
+            self.clamp_logit_scale()  # the previous optimizer step may have pushed it past the cap
+        scale = self.logit_scale.exp()
         loss = info_nce(img, txt, scale)
         with torch.no_grad():
             sim = img @ txt.t()
@@ -172,6 +181,16 @@ class Contrastive(Objective):
             out["label_recall_i2t"] = float((y[i2t] == y).float().mean())
             out["label_recall_t2i"] = float((y[t2i] == y).float().mean())
         return out
+
+    @torch.no_grad()
+    def chance(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
+        """Scores that ignore the input are uniform over a batch of B pairs: InfoNCE ln B (the mean over
+        batches, weighted by B as in ``evaluate``) and retrieval recall 1/N over the N evaluation pairs."""
+        sizes = [len(batch["images"]) for batch in batches]
+        n = sum(sizes)
+        if not n:
+            return {"loss": float("nan"), "accuracy": float("nan")}
+        return {"loss": sum(b * math.log(b) for b in sizes) / n, "accuracy": 1.0 / n}
 
     def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
         return backbone(batch["images"])

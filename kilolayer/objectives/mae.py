@@ -45,6 +45,10 @@ class MAEOptions(BaseModel):
     decoder_heads: int = Field(4, ge=1)
     decoder_ffn: Optional[int] = Field(None, ge=1, description="default: 4 x decoder_width")
     decoder_scheme: str = "pre_ln"
+    max_constant_patches: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="with norm_pix_loss, refuse data whose first training batch has a larger share of constant "
+                    "patches (their normalised target is 0: nothing to learn)")
 
 
 def unpatchify(patches: torch.Tensor, channels: int, patch: int) -> torch.Tensor:
@@ -53,6 +57,17 @@ def unpatchify(patches: torch.Tensor, channels: int, patch: int) -> torch.Tensor
     g = math.isqrt(L)
     x = patches.reshape(B, g, g, patch, patch, channels).permute(0, 5, 1, 3, 2, 4)
     return x.reshape(B, channels, g * patch, g * patch)
+
+
+def constant_patch_fraction(images: torch.Tensor, patch: int) -> float:
+    """The share of ``patch`` x ``patch`` patches of ``images`` (B, C, H, W) whose pixels are all equal (to
+    1e-6 of the batch's pixel range): with ``norm_pix_loss`` their target is exactly 0."""
+    B, C, H, W = images.shape
+    x = images.float().unfold(2, patch, patch).unfold(3, patch, patch)  # (B, C, H/p, W/p, p, p)
+    x = x.permute(0, 2, 3, 1, 4, 5).reshape(B, (H // patch) * (W // patch), -1)
+    spread = x.amax(-1) - x.amin(-1)
+    tol = 1e-6 * max(float(images.amax() - images.amin()), 1e-30)
+    return float((spread <= tol).float().mean())
 
 
 def random_masking(batch: int, length: int, keep: int, generator: torch.Generator, device) -> tuple:
@@ -77,6 +92,7 @@ class MAE(Objective):
         if m.input != "patches":
             raise ConfigError(f"model.input={m.input!r}: mae reconstructs image patches; set model.input: patches")
         self.mask_ratio, self.norm_pix_loss = opts.mask_ratio, opts.norm_pix_loss
+        self.max_constant_patches = opts.max_constant_patches
         self.num_patches, self.cls = m.num_patches, int(m.cls_token)
         self.keep = max(1, int(self.num_patches * (1 - opts.mask_ratio)))
         self.channels, self.patch_size = m.channels, m.patch_size
@@ -113,6 +129,23 @@ class MAE(Objective):
             for lin in (self.decoder_embed, self.predict):
                 nn.init.xavier_uniform_(lin.weight)
                 lin.bias.zero_()
+
+    def attach_data(self, source) -> None:
+        """Refuse, before training, data on which the normalised-pixel target is mostly 0: e.g. images
+        upscaled by pixel repetition and cut into patches no larger than the repetition."""
+        if not self.norm_pix_loss:
+            return
+        batch = source.train_batch(0, min(64, self.config.train.batch_size))
+        images = batch_inputs(batch, "inputs", "images")
+        share = constant_patch_fraction(images, self.patch_size)
+        if share > self.max_constant_patches:
+            raise ConfigError(
+                f"objective.options.norm_pix_loss: {share:.0%} of the {self.patch_size}x{self.patch_size} patches "
+                f"in the first training batch are constant, so their normalised target is 0 and MAE has "
+                f"nothing to learn there (limit objective.options.max_constant_patches="
+                f"{self.max_constant_patches:g}); use a larger model.patch_size, data without pixel-repetition "
+                f"upscaling (data.options.upscale), or norm_pix_loss: false"
+            )
 
     # -- pieces (public so that tests and analyses can call them one by one)
     def targets(self, backbone: nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -164,6 +197,25 @@ class MAE(Objective):
             total += float(self._loss(backbone, batch, eval_generator(i))) * n
             count += n
         return {"loss": total / max(count, 1)}
+
+    @torch.no_grad()
+    def chance(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
+        """The loss of predicting one constant patch, the mean target, for every hidden patch (the best
+        input-independent predictor under squared error): the mean per-pixel variance of the targets over the
+        hidden patches of ``evaluate``'s fixed masks."""
+        total = total_sq = None
+        count = 0.0
+        for i, batch in enumerate(batches):
+            images = batch_inputs(batch, "inputs", "images")
+            _, _, mask = random_masking(images.shape[0], self.num_patches, self.keep, eval_generator(i), images.device)
+            t = self.targets(backbone, images).double()[mask.bool()]
+            s, sq = t.sum(0), (t * t).sum(0)
+            total, total_sq = (s, sq) if total is None else (total + s, total_sq + sq)
+            count += t.shape[0]
+        if not count:
+            return {"loss": float("nan")}
+        mean = total / count
+        return {"loss": float((total_sq / count - mean * mean).clamp_min(0).mean())}
 
     def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
         return backbone(batch_inputs(batch, "inputs", "images"))

@@ -151,5 +151,10 @@ class MLM(Objective):
         mask = batch.get("padding_mask")
         return {"inputs": batch_inputs(batch, "tokens", "inputs"), "padding_mask": mask}, mask
 
+    def eval_targets(self, batch: dict, index: int) -> torch.Tensor:
+        _, targets = self.corrupt(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"),
+                                  eval_generator(index))
+        return targets[targets != IGNORE]
+
     def tokens(self, batch: dict) -> int:
         return token_count(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"))

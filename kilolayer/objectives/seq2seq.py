@@ -99,3 +99,6 @@ class Seq2Seq(Objective):
 
     def tokens(self, batch):
         return int((~batch["src_padding_mask"]).sum() + (~batch["tgt_padding_mask"]).sum())
+
+    def eval_targets(self, batch, index):
+        return batch["tgt_out"][~batch["tgt_padding_mask"]]

@@ -1,13 +1,27 @@
-"""Findings: what a paper claims, what the runs measured, and a verdict from a stated rule.
+"""Findings: what a paper claims, what the runs measured, and a verdict from one stated rule.
 
-The verdict rule (:func:`verdict`) is the same for every finding: the claim is
-turned into per-seed paired differences ``d`` that are positive when the
-claim holds. With ``m`` their mean and ``se`` their standard error (0 for one
-seed), the threshold is ``t = max(margin, 2 se)``:
+**The rule** (:func:`decide`, the same for every finding). The seed is the unit of
+replication. A finding turns its runs into one number *d* per seed, positive when
+the claim holds: where a finding covers several shapes or pairs, they are averaged
+(or fitted, for a trend) within the seed first, because runs of one seed are not
+independent replicates. With *n* seeds, mean *m* and standard deviation *sd*, the
+one-sided 95% Student-t bounds are ``m -/+ t(0.95, n-1) sd / sqrt(n)``:
 
-* ``held`` if ``m > t``; ``did not hold`` if ``m < -t``;
-* ``inconclusive`` otherwise (the difference is within noise or margin), or
-  when a needed run is missing or failed.
+* **held** if the lower bound exceeds the margin;
+* **did not hold** if the upper bound is below minus the margin;
+* **inconclusive** otherwise, and always with fewer than 2 seeds (the direction
+  and size are shown, but seed noise is unknown).
+
+Evidence:
+
+* a **failed**, interrupted or **missing** run is never evidence: the verdict is
+  inconclusive and names it;
+* a **diverged** run is a result and counts against whatever diverged: its loss
+  (accuracy) is the chance level of its data, the best that a model which learned
+  nothing can score (see :mod:`kilolayer.analysis.chance`);
+* a run **learned nothing** when its final evaluation loss is above
+  ``LEARNED`` x its chance loss; a claim that needs a model to learn cannot be
+  held when that model did not.
 
 Nothing is decided in advance: the verdicts come from the numbers.
 """
@@ -16,42 +30,90 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
+LEVEL = 0.95  # one-sided confidence of each bound
+LEARNED = 0.9  # a run learned something if its final loss is at most this fraction of its chance loss
+
+RULE = (
+    "The seed is the unit of replication: each finding reduces its runs to one difference *d* per seed, positive "
+    "when the claim holds (shapes and pairs averaged, or a trend fitted, within the seed). With *n* seeds, mean *m* "
+    "and standard deviation *sd*, the one-sided 95% Student-t bounds are *m* ∓ t(0.95, n−1)·*sd*/√n: **held** if "
+    "the lower bound exceeds the margin, **did not hold** if the upper bound is below minus the margin, otherwise "
+    "**inconclusive** — always with fewer than 2 seeds. A failed or missing run is never evidence (inconclusive, "
+    "named); a diverged run scores the chance level of its data (the loss of the best predictor that ignores the "
+    f"input), so it counts against what diverged; a run whose loss stays above {LEARNED:g} x chance learned nothing, "
+    "and a claim that needs it to learn is not held."
+)
+
+
+def t_quantile(df: int, level: float = LEVEL) -> float:
+    """Student-t quantile ``t(level, df)`` (one-sided)."""
+    from scipy.stats import t
+
+    return float(t.ppf(level, df))
 
 
 @dataclass
 class Verdict:
     verdict: str
     mean: float = float("nan")
-    threshold: float = float("nan")
-    n: int = 0
+    lower: float = float("nan")  # one-sided LEVEL bounds on the mean per-seed difference
+    upper: float = float("nan")
+    n: int = 0  # seeds
+    margin: float = float("nan")
     reason: str = ""
 
 
-def verdict(diffs: list[float], margin: float, unit: str = "") -> Verdict:
-    """Decide a claim from per-seed differences that are positive when it holds (see module docstring)."""
-    diffs = [d for d in diffs if d is not None and not math.isnan(d)]
-    if not diffs:
-        return Verdict(INCONCLUSIVE, reason="no usable runs")
-    n = len(diffs)
-    m = statistics.fmean(diffs)
-    se = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else 0.0
-    t = max(margin, 2 * se)
-    pairs = f"{n} paired comparison{'s' if n > 1 else ''}"
-    desc = f"mean difference {m:+.3g}{unit} over {pairs}, threshold {t:.3g}{unit} (max of margin {margin:g}, 2 x s.e.)"
-    if m > t:
-        v = HELD
-    elif m < -t:
-        v = NOT_HELD
+def _num(x: float, unit: str = "") -> str:
+    return f"{x:+.3g}{unit}"
+
+
+def decide(per_seed: "dict | list", margin: float, unit: str = "", *, not_evidence: tuple = (),
+           unlearned: tuple = (), level: float = LEVEL) -> Verdict:
+    """The verdict of the module docstring from one difference per seed (a dict seed -> d, or a list).
+
+    ``not_evidence``: runs that failed or are missing (named in the reason; the verdict is inconclusive).
+    ``unlearned``: runs the claim needs to have learned that did not (a held verdict becomes inconclusive)."""
+    values = list(per_seed.values()) if isinstance(per_seed, dict) else list(per_seed)
+    values = [float(d) for d in values if d is not None and not math.isnan(d)]
+    n = len(values)
+    m = statistics.fmean(values) if values else float("nan")
+    v = Verdict(INCONCLUSIVE, m, n=n, margin=margin)
+    if n >= 2:
+        half = t_quantile(n - 1, level) * statistics.stdev(values) / math.sqrt(n)
+        v.lower, v.upper = m - half, m + half
+        desc = (f"mean d {_num(m, unit)} over {n} seeds, one-sided {level:.0%} bounds [{v.lower:+.3g}, {v.upper:+.3g}]"
+                f"{unit}, margin {margin:g}{unit}")
+        if v.lower > margin:
+            v.verdict = HELD
+        elif v.upper < -margin:
+            v.verdict = NOT_HELD
+        else:
+            desc += "; the bounds straddle the margin"
+    elif n == 1:
+        direction = "in the claim's direction" if m > 0 else "against the claim" if m < 0 else "no difference"
+        desc = f"one seed: d {_num(m, unit)} ({direction}); seed noise is unknown, so one seed cannot decide"
     else:
-        v = INCONCLUSIVE
-        desc += "; within noise"
-    if n == 1 and v != INCONCLUSIVE:
-        desc += "; one comparison only (one seed), so the noise across seeds is unknown"
-    return Verdict(v, m, t, n, desc)
+        desc = "no seed with every run the comparison needs"
+    if not_evidence:
+        shown = ", ".join(not_evidence[:4]) + (f" and {len(not_evidence) - 4} more" if len(not_evidence) > 4 else "")
+        v.verdict = INCONCLUSIVE
+        desc = f"not evidence: {shown}" + (f"; the other runs give {desc}" if n else "")
+    if unlearned and v.verdict == HELD:
+        v.verdict = INCONCLUSIVE
+        shown = ", ".join(unlearned[:4]) + (f" and {len(unlearned) - 4} more" if len(unlearned) > 4 else "")
+        desc += f"; but {shown} learned nothing (loss above {LEARNED:g} x chance), and the claim needs it to"
+    v.reason = desc
+    return v
+
+
+def verdict(diffs: list[float], margin: float, unit: str = "") -> Verdict:
+    """:func:`decide` on a list of per-seed differences, with no runs excluded."""
+    return decide(list(diffs), margin, unit)
 
 
 @dataclass
@@ -66,14 +128,16 @@ class Finding:
     rows: list[list] = field(default_factory=list)
     plots: list[tuple[str, str]] = field(default_factory=list)  # (path, caption)
     scale_up: str = ""
+    notes: list[str] = field(default_factory=list)  # measurement choices and chance levels, stated in the report
 
 
 FINDINGS: dict[str, Callable] = {}
 
 
 def register_finding(name: str):
-    """Register ``fn(results, out) -> Finding | None`` under ``name`` (None: the study lacks its groups).
-    Findings find their runs by group name (see kilolayer/study/builtin.py)."""
+    """Register ``fn(results, out) -> Finding | list[Finding] | None`` under ``name`` (None: the study lacks its
+    groups; a list: one verdict per modality or pair, never pooled). Findings find their runs by group name
+    (see kilolayer/study/builtin.py)."""
 
     def deco(fn):
         FINDINGS[name] = fn
@@ -82,7 +146,16 @@ def register_finding(name: str):
     return deco
 
 
-# ---------------------------------------------------------------- helpers
+def evaluate_findings(names, results, out) -> list[Finding]:
+    """Every finding of ``names`` that the results support, lists flattened, in order."""
+    found = []
+    for name in names:
+        f = FINDINGS[name](results, out)
+        found += f if isinstance(f, list) else [f] if f is not None else []
+    return found
+
+
+# ---------------------------------------------------------------- evidence
 
 
 def _group(results, name):
@@ -97,15 +170,12 @@ def _depth(r) -> int:
     return int(r.point.config.model.layers)
 
 
-def final_loss(r) -> float:
-    """The last evaluation loss; a diverged or failed run counts as chance level (log vocabulary)."""
-    if r.status == "completed" and "loss" in r.eval:
-        return float(r.eval["loss"])
-    return math.log(r.point.config.model.vocab_size)
+def _seed(r):
+    return r.point.config.train.seed
 
 
 def _seeds(rs):
-    return sorted({_val(r, "train.seed") for r in rs})
+    return sorted({_seed(r) for r in rs})
 
 
 def _fmt(x, nd=3):
@@ -114,63 +184,180 @@ def _fmt(x, nd=3):
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def not_evidence(r, what: str) -> Optional[str]:
+    """Why run ``r`` (the ``what`` of a comparison) cannot be evidence, or None if it can: completed with an
+    evaluation, or diverged (a result)."""
+    if r is None:
+        return f"{what} (missing)"
+    if r.status == "diverged":
+        return None
+    if r.status != "completed":
+        why = f": {r.reason[:80]}" if r.reason else ""
+        return f"{r.point.key} ({r.status}{why})"
+    if "loss" not in r.eval:
+        return f"{r.point.key} (completed without an evaluation)"
+    return None
+
+
+def chance(r, out) -> dict:
+    """The chance level of run ``r``'s evaluation data (cached on the result and in its run directory)."""
+    c = getattr(r, "chance", None)
+    if c is None:
+        from kilolayer.analysis.chance import chance_of_run
+
+        c = chance_of_run(r.point.run_dir(out), r.point.config)
+        r.chance = c
+    return c
+
+
+def loss_of(r, out) -> float:
+    """Final validation loss; a diverged run scores its data's chance loss."""
+    if r.status == "diverged":
+        return float(chance(r, out)["loss"])
+    return float(r.eval["loss"])
+
+
+def accuracy_of(r, out) -> Optional[float]:
+    """Final validation accuracy; a diverged run scores its data's chance accuracy (the majority class)."""
+    if r.status == "diverged":
+        return chance(r, out).get("accuracy")
+    for k in ("accuracy", "test_accuracy"):
+        if k in r.eval:
+            return float(r.eval[k])
+    return None
+
+
+def learned(r, out) -> bool:
+    """Whether a completed run's final loss is clearly below its chance loss (at most LEARNED x chance)."""
+    if r.status != "completed":
+        return False
+    c = chance(r, out).get("loss")
+    return c is None or math.isnan(c) or float(r.eval["loss"]) <= LEARNED * c
+
+
+def _status_cell(r, value: str) -> str:
+    if r is None:
+        return "missing"
+    if r.status == "diverged":
+        return f"diverged@{r.step}"
+    if r.status != "completed":
+        return r.status
+    return value
+
+
+class Evidence:
+    """Per-seed parts of a comparison, the runs that are not evidence, and the runs that learned nothing."""
+
+    def __init__(self):
+        self.parts: dict = defaultdict(list)
+        self.excluded: list[str] = []
+        self.unlearned: list[str] = []
+
+    def check(self, runs: dict, out, must_learn=()) -> bool:
+        """Record why any of ``runs`` (what -> run) is not evidence; True if all are. Runs named in
+        ``must_learn`` are checked for having learned something."""
+        bad = [why for what, r in runs.items() if (why := not_evidence(r, what))]
+        self.excluded += [b for b in bad if b not in self.excluded]
+        if bad:
+            return False
+        for what in must_learn:
+            r = runs[what]
+            if not learned(r, out) and r.point.key not in self.unlearned:
+                self.unlearned.append(r.point.key)
+        return True
+
+    def add(self, seed, value: float) -> None:
+        self.parts[seed].append(value)
+
+    def per_seed(self) -> dict:
+        # a seed missing any part is not a complete replicate
+        return {s: statistics.fmean(v) for s, v in self.parts.items() if v}
+
+    def decide(self, margin: float, unit: str = "") -> Verdict:
+        return decide(self.per_seed(), margin, unit, not_evidence=tuple(self.excluded),
+                      unlearned=tuple(self.unlearned))
+
+
+def slope(depths: list[int], values: list[float]) -> float:
+    """Least-squares slope of ``values`` against log2(depth): change per doubling of depth."""
+    x = [math.log2(d) for d in depths]
+    mx, my = statistics.fmean(x), statistics.fmean(values)
+    sxx = sum((a - mx) ** 2 for a in x)
+    return sum((a - mx) * (b - my) for a, b in zip(x, values)) / sxx if sxx else float("nan")
+
+
 # ---------------------------------------------------------------- DeepNet
 
 
 def _run(rs, scheme: str, depth: int, seed):
     """The run of ``scheme`` at ``depth`` layers per side with ``seed``, or None."""
-    found = [r for r in rs if _depth(r) == depth and _val(r, "model.scheme") == scheme and _val(r, "train.seed") == seed]
+    found = [r for r in rs if _depth(r) == depth and _val(r, "model.scheme") == scheme and _seed(r) == seed]
     return found[0] if found else None
 
 
-def _scheme_depth_table(rs):
+def _depth_label(r, d: int) -> str:
+    return f"{d}L-{d}L" if r.point.config.model.arch == "encoder_decoder" else f"{d}L"
+
+
+def _scheme_depth_table(rs, out):
     schemes = sorted({_val(r, "model.scheme") for r in rs})
     depths = sorted({_depth(r) for r in rs})
     rows = []
     for s in schemes:
         row = [s]
         for d in depths:
-            cell = [r for r in rs if _val(r, "model.scheme") == s and _depth(r) == d]
             parts = []
-            for r in cell:
-                if r.status == "diverged":
-                    parts.append(f"diverged@{r.step}")
-                elif r.status != "completed":
-                    parts.append(r.status)
-                else:
-                    em = r.eval.get("exact_match")
-                    parts.append(f"{final_loss(r):.3f}" + (f" (EM {em:.2f})" if em is not None else ""))
+            for r in sorted((r for r in rs if _val(r, "model.scheme") == s and _depth(r) == d), key=_seed):
+                em = r.eval.get("exact_match")
+                value = (f"{r.eval['loss']:.3f}" + (f" (EM {em:.2f})" if em is not None else "")
+                         if "loss" in r.eval else "-")
+                parts.append(_status_cell(r, value))
             row.append(", ".join(parts) or "-")
         rows.append(row)
-    headers = ["scheme"] + [f"{d}L-{d}L" if rs[0].point.config.model.arch == "encoder_decoder" else f"{d}L"
-                            for d in depths]
-    return headers, rows
+    return ["scheme"] + [_depth_label(rs[0], d) for d in depths], rows
 
 
-def _scheme_vs(results, loser: str, winner: str, name: str, title: str, claim: str, margin: float):
+def _chance_note(runs, out, unit=" nats") -> list[str]:
+    """The chance levels of ``runs``' data, once per distinct value."""
+    levels = []
+    for r in runs:
+        if r is not None and r.status in ("completed", "diverged"):
+            c = chance(r, out)
+            text = f"loss {c['loss']:.3f}{unit}" + (f", accuracy {c['accuracy']:.3f}" if c.get("accuracy") is not None
+                                                   else "")
+            if text not in levels:
+                levels.append(text)
+    if not levels:
+        return []
+    return [f"Chance level (the best predictor that ignores the input, on these evaluation targets): "
+            f"{'; '.join(levels)}."]
+
+
+def _scheme_vs(results, out, loser: str, winner: str, name: str, title: str, claim: str, margin: float):
     rs = _group(results, "deepnet")
     if not rs:
         return None
-    headers, rows = _scheme_depth_table(rs)
+    headers, rows = _scheme_depth_table(rs, out)
     deepest = max(_depth(r) for r in rs)
-    diffs = []
+    ev = Evidence()
     for seed in _seeds(rs):
         a, b = _run(rs, loser, deepest, seed), _run(rs, winner, deepest, seed)
-        if a and b:
-            diffs.append(final_loss(a) - final_loss(b))
-    v = verdict(diffs, margin, " nats")
-    if not diffs:
-        v.reason = f"the grid has no {loser} and {winner} runs at the same depth and seed"
-    rule = (f"d = final validation loss of {loser} minus that of {winner} at the deepest setting ({deepest} layers "
-            f"per side), per seed; a diverged or failed run counts as chance level (ln vocabulary). "
+        if ev.check({f"{loser} seed {seed}": a, f"{winner} seed {seed}": b}, out, must_learn=[f"{winner} seed {seed}"]):
+            ev.add(seed, loss_of(a, out) - loss_of(b, out))
+    v = ev.decide(margin, " nats")
+    at = _depth_label(rs[0], deepest)
+    rule = (f"d = final validation loss of {loser} minus that of {winner} at the deepest setting ({at}), per seed; "
+            f"a diverged run scores the chance loss; {winner} must have learned (loss ≤ {LEARNED:g} x chance). "
             f"Margin {margin} nats.")
-    return Finding(name, title, claim, "Wang et al. 2022, DeepNet (arXiv 2203.00555)", rule, v, headers, rows)
+    deep = [r for r in rs if _depth(r) == deepest]
+    return Finding(name, title, claim, "Wang et al. 2022, DeepNet (arXiv 2203.00555)", rule, v, headers, rows,
+                   notes=_chance_note(deep, out))
 
 
 @register_finding("deepnet_postln")
 def deepnet_postln(results, out):
     f = _scheme_vs(
-        results, "post_ln", "deepnorm", "deepnet_postln",
+        results, out, "post_ln", "deepnorm", "deepnet_postln",
         "DeepNorm trains where Post-LN fails at depth",
         "At the same learning rate and warm-up, Post-LN's training degrades or diverges as depth grows, while "
         "DeepNorm (x <- LN(alpha x + G(x)) with its beta-scaled init) trains stably to a lower loss.",
@@ -187,7 +374,7 @@ def deepnet_postln(results, out):
 @register_finding("deepnet_preln")
 def deepnet_preln(results, out):
     f = _scheme_vs(
-        results, "pre_ln", "deepnorm", "deepnet_preln",
+        results, out, "pre_ln", "deepnorm", "deepnet_preln",
         "DeepNorm matches or beats Pre-LN at depth",
         "DeepNorm keeps Post-LN's better quality: at depth it reaches a lower loss than Pre-LN "
         "(paper: BLEU 28.9 vs about 27.4 at 100L-100L on WMT-17 En-De, secondary source).",
@@ -201,25 +388,39 @@ def deepnet_preln(results, out):
     return f
 
 
+def _first_update(r) -> Optional[float]:
+    ups = [d.get("update") for d in r.diagnostics if d.get("step") == 1] or [d.get("update") for d in r.diagnostics[:1]]
+    return float(ups[0]) if ups and ups[0] is not None else None
+
+
 @register_finding("deepnet_update")
 def deepnet_update(results, out):
     rs = [r for r in _group(results, "deepnet") if r.diagnostics]
     if not rs:
         return None
-    deepest = max(_depth(r) for r in rs)
-    rows, diffs = [], []
-    for r in sorted(rs, key=lambda r: (_val(r, "model.scheme"), _depth(r))):
+    everything = _group(results, "deepnet")
+    deepest = max(_depth(r) for r in everything)
+    rows = []
+    for r in sorted(rs, key=lambda r: (_val(r, "model.scheme"), _depth(r), _seed(r))):
         ups = [d["update"] for d in r.diagnostics]
-        rows.append([_val(r, "model.scheme"), _depth(r), _val(r, "train.seed"), _fmt(max(ups) if ups else None),
-                     _fmt(ups[0] if ups else None)])
-    for seed in _seeds(rs):
-        a, b = _run(rs, "post_ln", deepest, seed), _run(rs, "deepnorm", deepest, seed)
-        if a and b:
-            ua, ub = a.diagnostics[0]["update"], b.diagnostics[0]["update"]
-            diffs.append(math.log(ua / ub) if ua > 0 and ub > 0 else float("nan"))
-    v = verdict(diffs, math.log(1.5))
+        rows.append([_val(r, "model.scheme"), _depth(r), _seed(r), _fmt(max(ups) if ups else None),
+                     _fmt(_first_update(r))])
+    ev = Evidence()
+    for seed in _seeds(everything):
+        a, b = _run(everything, "post_ln", deepest, seed), _run(everything, "deepnorm", deepest, seed)
+        # the first update is measured at step 1, before any divergence: a diverged run still has it
+        runs = {f"post_ln seed {seed}": a, f"deepnorm seed {seed}": b}
+        missing = [f"{what} (no diagnostics)" for what, r in runs.items()
+                   if r is not None and r.status in ("completed", "diverged") and _first_update(r) is None]
+        if missing:
+            ev.excluded += missing
+            continue
+        if ev.check(runs, out):
+            ua, ub = _first_update(a), _first_update(b)
+            ev.add(seed, math.log(ua / ub) if ua > 0 and ub > 0 else float("nan"))
+    v = ev.decide(math.log(1.5))
     rule = ("d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "
-            f"on a fixed probe batch at the deepest setting ({deepest} layers per side); margin ln 1.5 "
+            f"on a fixed probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 "
             "(post_ln's update at least 1.5x DeepNorm's). The table also shows how it grows with depth.")
     plots = _update_plot(rs, out, "deepnet_update.png") + _stability_plot(rs, out)
     return Finding(
@@ -235,17 +436,8 @@ def deepnet_update(results, out):
 # ---------------------------------------------------------------- Bamboo
 
 
-def _accuracy(r) -> Optional[float]:
-    if r is None or r.status != "completed":
-        return None
-    for k in ("accuracy", "test_accuracy"):
-        if k in r.eval:
-            return float(r.eval[k])
-    return None
-
-
 def _pick(rs, layers, seed):
-    c = [r for r in rs if _depth(r) == layers and _val(r, "train.seed") == seed]
+    c = [r for r in rs if _depth(r) == layers and _seed(r) == seed]
     return c[0] if c else None
 
 
@@ -254,10 +446,11 @@ def _pick(rs, layers, seed):
 SMOOTHING_PAIRS = [("supervised", "mae", "images"), ("contrastive", "mae", "images"),
                    ("text_classify", "mlm", "text"), ("text_classify", "next_token", "text")]
 UNTRAINED = {"images": "untrained", "text": "text_untrained"}
-# (trained from scratch, pre-trained then fine-tuned, what the pre-training was) on the same downstream task
-DEPTH_PAIRS = [("supervised", "finetune", "MAE"), ("text_classify", "mlm_finetune", "MLM")]
-# token-level objectives whose validation loss (nats per byte) is compared across depths
+# (trained from scratch, pre-trained then fine-tuned, what the pre-training was, modality) on one downstream task
+DEPTH_PAIRS = [("supervised", "finetune", "MAE", "images"), ("text_classify", "mlm_finetune", "MLM", "text")]
+# token-level objectives whose validation loss is compared across depths
 LOSS_GROUPS = ["next_token", "mlm"]
+PAPER = "Xue et al. 2023, A Study on Transformer Configuration and Training Objective (arXiv 2205.10505)"
 
 
 def _last(r, metric: str) -> Optional[float]:
@@ -281,7 +474,7 @@ def still_improving(r, key: str, tol: float, lower_is_better: bool = False, rela
 
 
 def _convergence_note(runs: list, key: str, tol: float, lower_is_better: bool = False, relative: bool = False) -> str:
-    runs = list({r.point.key: r for r in runs if r is not None and r.ok}.values())  # a group may be in two pairs
+    runs = list({r.point.key: r for r in runs if r is not None and r.ok}.values())
     moving = [r for r in runs if still_improving(r, key, tol, lower_is_better, relative)]
     if not moving:
         return ""
@@ -294,124 +487,207 @@ def _shape(r) -> str:
     return f"{_depth(r)} x {r.point.config.model.width}"
 
 
-@register_finding("bamboo_smoothing")
-def bamboo_smoothing(results, out):
-    rows, diffs = [], []
-    for seq, tok, modality in SMOOTHING_PAIRS:
-        a_rs, b_rs = _group(results, seq), _group(results, tok)
-        if not a_rs or not b_rs:
-            continue
-        base = _group(results, UNTRAINED[modality])
-        for layers in sorted({_depth(r) for r in a_rs}):
-            for seed in _seeds(a_rs):
-                a, b = _pick(a_rs, layers, seed), _pick(b_rs, layers, seed)
-                u = _pick(base, layers, seed) or _pick(base, layers, 0)
-                ca, cb = _last(a, "cosine"), _last(b, "cosine")
-                rows.append([f"{seq} vs {tok}", _shape(a) if a else layers, seed, _fmt(_last(u, "cosine")),
-                             _fmt(ca), _fmt(cb), _fmt(_last(a, "cosine_centred")), _fmt(_last(b, "cosine_centred")),
-                             _fmt(_last(a, "hc_ratio")), _fmt(_last(b, "hc_ratio"))])
-                if ca is not None and cb is not None:
-                    diffs.append(ca - cb)
-    if not rows:
-        return None
-    v = verdict(diffs, 0.05)
-    v.reason += _convergence_note([r for a, b, _ in SMOOTHING_PAIRS for r in _group(results, a) + _group(results, b)],
-                                  "loss", 0.02, lower_is_better=True, relative=True)
-    pairs = "; ".join(f"{a} vs {b}" for a, b, _ in SMOOTHING_PAIRS)
-    rule = ("d = last-layer mean token cosine similarity of a sequence-level model minus that of a token-level "
-            f"model of the same shape and seed, on the same validation inputs, over every pair present ({pairs}); "
-            "margin 0.05. The table also gives the dataset-centred cosine and the HC ratio (high/low frequency "
-            "energy; lower is smoother) of each.")
-    plots = _smoothness_plot(results, out, "bamboo_smoothness.png")
-    return Finding(
-        "bamboo_smoothing", "Sequence-level training over-smooths tokens; token-level training does not",
+def _shapes(rs) -> list[int]:
+    return sorted({_depth(r) for r in rs})
+
+
+def _measurement_note(runs) -> list[str]:
+    """How token similarity was measured, read from the smoothness results themselves."""
+    choices = set()
+    for r in runs:
+        s = r.smoothness if r is not None else None
+        if s:
+            choices.add((s.get("exclude_special"), s.get("after_final_norm")))
+    notes = []
+    for special, after in sorted(choices, key=str):
+        tokens = ("CLS and special tokens excluded" if special else
+                  "all tokens, CLS and special tokens included" if special is False else "token set not recorded")
+        state = ("the last layer's state after the final LayerNorm" if after else
+                 "the last block's output before the final LayerNorm" if after is False else
+                 "last-layer state not recorded")
+        notes.append(f"Token similarity: {tokens}; 'last layer' is {state} "
+                     "(`kilolayer analyze smoothness --include-special / --after-final-norm` switch these).")
+    return notes
+
+
+def _smoothing_pair(results, out, seq: str, tok: str, modality: str) -> list[Finding]:
+    a_rs, b_rs = _group(results, seq), _group(results, tok)
+    base = _group(results, UNTRAINED[modality])
+    depths = sorted(set(_shapes(a_rs)) | set(_shapes(b_rs)))
+    level, trend = Evidence(), Evidence()
+    rows = []
+    for seed in sorted(set(_seeds(a_rs)) | set(_seeds(b_rs))):
+        gaps = {}
+        for layers in depths:
+            a, b = _pick(a_rs, layers, seed), _pick(b_rs, layers, seed)
+            u = _pick(base, layers, seed) or next((r for r in base if _depth(r) == layers), None)
+            ca, cb, cu = _last(a, "cosine"), _last(b, "cosine"), _last(u, "cosine")
+            rows.append([_shape(a or b), seed, _fmt(cu), _status_cell(a, _fmt(ca)), _status_cell(b, _fmt(cb)),
+                         _fmt(ca - cu if None not in (ca, cu) else None), _fmt(cb - cu if None not in (cb, cu) else None),
+                         _fmt(_last(a, "cosine_centred")), _fmt(_last(b, "cosine_centred"))])
+            runs = {f"{seq} {layers} layers seed {seed}": a, f"{tok} {layers} layers seed {seed}": b}
+            ok = level.check(runs, out, must_learn=list(runs))
+            trend.check(runs, out, must_learn=list(runs))
+            for what, r in runs.items():
+                if ok and r.status == "diverged":
+                    level.excluded.append(f"{r.point.key} (diverged: no final representation to measure)")
+                    ok = False
+                elif ok and _last(r, "cosine") is None:
+                    level.excluded.append(f"{r.point.key} (no smoothness analysis)")
+                    ok = False
+            if ok:
+                level.add(seed, ca - cb)
+                gaps[layers] = ca - cb
+        if len(gaps) == len(depths) and len(depths) >= 2:
+            trend.add(seed, slope(list(gaps), list(gaps.values())))
+    trend.excluded += [x for x in level.excluded if x not in trend.excluded]
+    note = _convergence_note(a_rs + b_rs, "loss", 0.02, lower_is_better=True, relative=True)
+    v_level, v_trend = level.decide(0.05), trend.decide(0.02)
+    v_level.reason += note
+    v_trend.reason += note
+    if len(depths) < 2:
+        v_trend = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
+    label = f"{modality}: {seq} vs {tok}"
+    headers = ["layers x width", "seed", "cosine untrained", f"cosine {seq}", f"cosine {tok}",
+               f"{seq} - untrained", f"{tok} - untrained", f"centred {seq}", f"centred {tok}"]
+    notes = _measurement_note(a_rs + b_rs + base) + _chance_note([r for r in a_rs + b_rs if r.ok][:1] +
+                                                                  [r for r in b_rs if r.ok][:1], out, "")
+    shapes = ", ".join(_shape(r) for r in sorted({_depth(r): r for r in a_rs + b_rs}.values(), key=_depth))
+    level_f = Finding(
+        f"bamboo_smoothing:{seq}:{tok}", f"Sequence-level training over-smooths tokens more than token-level ({label})",
         "A sequence-level objective (supervised classification, CLIP) makes token representations converge in "
         "the top layers (token cosine high); a token-level objective (MAE, masked tokens, next token) keeps them "
-        "distinct (cosine low).",
-        "Xue et al. 2023, A Study on Transformer Configuration and Training Objective (arXiv 2205.10505)",
-        rule, v, ["sequence vs token level", "layers x width", "seed", "cosine untrained", "cosine seq",
-                  "cosine token", "centred seq", "centred token", "HC seq", "HC token"],
-        rows, plots,
-        "Compare at matched convergence (train the token-level model until its probe or fine-tuning accuracy "
-        "plateaus), with more tokens per input and 3+ seeds; the `bamboo` study does this for five objectives.",
-    )
+        "distinct (cosine low).", PAPER,
+        f"d = last-layer mean token cosine of {seq} minus that of {tok}, same shape, seed and validation inputs, "
+        f"averaged over the shapes ({shapes}) within each seed; both models must have learned. Margin 0.05.",
+        v_level, headers, rows, notes=notes,
+        scale_up="Compare at matched convergence (train the token-level model until its fine-tuning accuracy "
+                 "plateaus), with more tokens per input and 3+ seeds.")
+    trend_f = Finding(
+        f"bamboo_smoothing_trend:{seq}:{tok}", f"... and increasingly with depth ({label})",
+        "Over-smoothing is what makes depth stop paying off for sequence-level objectives: the gap in last-layer "
+        "token similarity between a sequence-level and a token-level model grows as the same parameters are spread "
+        "over more, narrower layers.", PAPER,
+        f"d = least-squares slope, per doubling of depth, of (cosine {seq} - cosine untrained) - (cosine {tok} - "
+        f"cosine untrained) over every shape ({shapes}), per seed (the untrained model of each shape is the "
+        "reference; it cancels in the difference and is shown in the table). Margin 0.02 per doubling.",
+        v_trend, notes=[])
+    return [level_f, trend_f]
+
+
+@register_finding("bamboo_smoothing")
+def bamboo_smoothing(results, out):
+    found = []
+    for seq, tok, modality in SMOOTHING_PAIRS:
+        if _group(results, seq) and _group(results, tok):
+            found += _smoothing_pair(results, out, seq, tok, modality)
+    if not found:
+        return None
+    found[0].plots = _smoothness_plot(results, out, "bamboo_smoothness.png")
+    return found
+
+
+def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str) -> list[Finding]:
+    sup, ft = _group(results, scratch), _group(results, tuned)
+    depths = sorted(set(_shapes(sup)) | set(_shapes(ft)))
+    absolute, relative = Evidence(), Evidence()
+    rows = []
+    for seed in sorted(set(_seeds(sup)) | set(_seeds(ft))):
+        acc_s, acc_f, row = [], [], [seed]
+        for layers in depths:
+            s, f = _pick(sup, layers, seed), _pick(ft, layers, seed)
+            deepest = layers == depths[-1]
+            rel_ok = relative.check({f"{scratch} {layers} layers seed {seed}": s, f"{tuned} {layers} layers seed {seed}": f},
+                                    out, must_learn=[f"{tuned} {layers} layers seed {seed}"] if deepest else [])
+            abs_ok = absolute.check({f"{tuned} {layers} layers seed {seed}": f}, out,
+                                    must_learn=[f"{tuned} {layers} layers seed {seed}"] if deepest else [])
+            a_s = accuracy_of(s, out) if rel_ok else None
+            a_f = accuracy_of(f, out) if abs_ok else None
+            acc_s.append(a_s)
+            acc_f.append(a_f)
+            row.append(f"{_status_cell(s, _fmt(a_s))} / {_status_cell(f, _fmt(a_f))}")
+        rows.append(row)
+        if len(depths) >= 2 and None not in acc_f:
+            absolute.add(seed, slope(depths, acc_f))
+            if None not in acc_s:
+                relative.add(seed, slope(depths, acc_f) - slope(depths, acc_s))
+    note = _convergence_note(sup + ft, "accuracy", 0.01)
+    v_abs, v_rel = absolute.decide(0.005), relative.decide(0.005)
+    v_abs.reason += note
+    v_rel.reason += note
+    if len(depths) < 2:
+        v_abs = v_rel = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
+    shape_of = {_depth(r): _shape(r) for r in sup + ft}
+    headers = ["seed"] + [f"{shape_of[d]}: scratch / {pre} + FT" for d in depths]
+    label = f"{modality}: {pre} + fine-tuning vs {scratch}"
+    shapes = ", ".join(shape_of[d] for d in depths)
+    common = (f"Accuracy on the same downstream task; a diverged run scores the chance accuracy (majority class); "
+              f"the deepest fine-tuned model must have learned. Slopes are least-squares fits against log2(depth) "
+              f"over every shape ({shapes}), per seed. Margin 0.005 accuracy per doubling.")
+    scale = ("Real images at ImageNet scale are where the paper measured +0.9 points; small data saturates and hides "
+             "depth effects. Use a larger data set, and pre-train until the fine-tuned accuracy plateaus.")
+    notes = _chance_note([r for r in ft if r.ok][:1], out, "")
+    return [
+        Finding(f"bamboo_depth:{tuned}", f"Deeper-narrower pays off after token-level pre-training ({label})",
+                f"At matched parameters, a deeper, narrower model pre-trained with {pre} and fine-tuned beats a "
+                "shallower, wider one (Bamboo-B 84.2% vs MAE ViT-B 83.3% ImageNet top-1).", PAPER,
+                f"d = slope of the {pre} + fine-tuned accuracy per doubling of depth. " + common,
+                v_abs, headers, rows, notes=notes, scale_up=scale),
+        Finding(f"bamboo_depth_relative:{tuned}", f"... and gains more from depth than training from scratch ({label})",
+                f"Going deeper and narrower helps the {pre}-pre-trained model more than the same model trained on the "
+                "task from scratch, whose tokens over-smooth with depth.", PAPER,
+                f"d = (slope of the {pre} + fine-tuned accuracy) minus (slope of the from-scratch accuracy), per "
+                "doubling of depth. " + common, v_rel, scale_up=scale),
+    ]
 
 
 @register_finding("bamboo_depth")
 def bamboo_depth(results, out):
-    rows, diffs, used = [], [], []
-    for scratch, tuned, pre in DEPTH_PAIRS:
-        sup, ft = _group(results, scratch), _group(results, tuned)
-        if not sup or not ft:
-            continue
-        depths = sorted({_depth(r) for r in sup})
-        if len(depths) < 2:
-            continue
-        shallow, deep = depths[0], depths[-1]
-        s_shape = _shape(_pick(sup, shallow, _seeds(sup)[0]))
-        d_shape = _shape(_pick(sup, deep, _seeds(sup)[0]))
-        used.append(f"{pre}: {d_shape} vs {s_shape}")
-        for seed in _seeds(sup):
-            s0, s1 = _accuracy(_pick(sup, shallow, seed)), _accuracy(_pick(sup, deep, seed))
-            f0, f1 = _accuracy(_pick(ft, shallow, seed)), _accuracy(_pick(ft, deep, seed))
-            rows.append([f"{scratch} vs {pre} + {tuned}", seed, s_shape, d_shape, _fmt(s0), _fmt(s1), _fmt(f0),
-                         _fmt(f1)])
-            if None not in (s0, s1, f0, f1):
-                diffs.append((f1 - f0) - (s1 - s0))
-    if not rows:
+    found = []
+    for scratch, tuned, pre, modality in DEPTH_PAIRS:
+        if _group(results, scratch) and _group(results, tuned):
+            found += _depth_pair(results, out, scratch, tuned, pre, modality)
+    if not found:
         return None
-    v = verdict(diffs, 0.01)
-    v.reason += _convergence_note([r for a, b, _ in DEPTH_PAIRS for r in _group(results, a) + _group(results, b)],
-                                  "accuracy", 0.01)
-    rule = ("d = (accuracy gain of the deepest-narrowest shape over the shallowest-widest) after token-level "
-            "pre-training + fine-tuning minus the same gain for training the same task from scratch, per seed and "
-            f"per pair ({'; '.join(used)}); margin 0.01. The plot shows every shape.")
-    return Finding(
-        "bamboo_depth", "Deeper-narrower pays off for token-level pre-training, not for supervised training",
-        "At matched parameters, going deeper and narrower helps a model pre-trained with a token-level objective "
-        "(MAE, masked tokens) more than one trained on the task from scratch, whose tokens over-smooth with depth.",
-        "Xue et al. 2023 (arXiv 2205.10505): Bamboo-B 84.2% vs MAE ViT-B 83.3% ImageNet top-1",
-        rule, v, ["comparison", "seed", "shallow", "deep", "scratch shallow", "scratch deep", "pre-trained shallow",
-                  "pre-trained deep"], rows, _depth_plot(results, out, "bamboo_depth.png"),
-        scale_up="Real images at ImageNet scale are where the paper measured +0.9 points; digits (1,797 8x8 images) "
-                 "saturate near 100% accuracy, which hides depth effects. Use a larger image folder, and pre-train "
-                 "until the fine-tuned accuracy plateaus.",
-    )
+    found[0].plots = _depth_plot(results, out, "bamboo_depth.png")
+    return found
 
 
 @register_finding("bamboo_depth_tokens")
 def bamboo_depth_tokens(results, out):
-    rows, diffs = [], []
+    found = []
     for name in LOSS_GROUPS:
         rs = _group(results, name)
-        depths = sorted({_depth(r) for r in rs})
+        depths = _shapes(rs)
         if len(depths) < 2:
             continue
+        ev, rows = Evidence(), []
         for seed in _seeds(rs):
-            runs = [_pick(rs, d, seed) for d in depths]
-            losses = [float(r.eval["loss"]) if r is not None and r.ok and "loss" in r.eval else None for r in runs]
-            rows.append([name, seed] + [f"{_shape(r)}: {_fmt(x)}" if r is not None else "-"
-                                        for r, x in zip(runs, losses)])
-            if losses[0] is not None and losses[-1] is not None:
-                diffs.append(losses[0] - losses[-1])
-    if not rows:
-        return None
-    v = verdict(diffs, 0.02, " nats")
-    v.reason += _convergence_note([r for g in LOSS_GROUPS for r in _group(results, g)], "loss", 0.02,
-                                  lower_is_better=True)
-    rule = ("d = final validation loss (nats per byte) of the shallowest-widest shape minus that of the "
-            f"deepest-narrowest, per seed, for each token-level text objective present ({', '.join(LOSS_GROUPS)}); "
-            "margin 0.02 nats. A failed or diverged run leaves its pair out.")
-    width = max(len(r) for r in rows)
-    return Finding(
-        "bamboo_depth_tokens", "Token-level objectives reach a lower loss deeper and narrower",
-        "Token-level objectives do not over-smooth, so at matched parameters a deeper, narrower Transformer "
-        "reaches a lower loss (Bamboo's argument for next-token and masked-token pre-training).",
-        "Xue et al. 2023 (arXiv 2205.10505)", rule, v,
-        ["objective", "seed"] + [f"shape {i + 1}" for i in range(width - 2)], rows,
-        scale_up="Token-level gains from depth show up with enough data and steps for the deep model to converge; "
-                 "train to a plateau and report tokens seen.",
-    )
+            losses, row = [], [seed]
+            for layers in depths:
+                r = _pick(rs, layers, seed)
+                what = f"{name} {layers} layers seed {seed}"
+                ok = ev.check({what: r}, out, must_learn=[what] if layers == depths[-1] else [])
+                x = loss_of(r, out) if ok else None
+                losses.append(x)
+                row.append(_status_cell(r, _fmt(x)))
+            rows.append(row)
+            if None not in losses:
+                ev.add(seed, -slope(depths, losses))
+        v = ev.decide(0.01, " nats")
+        v.reason += _convergence_note(rs, "loss", 0.02, lower_is_better=True, relative=True)
+        shape_of = {_depth(r): _shape(r) for r in rs}
+        found.append(Finding(
+            f"bamboo_depth_tokens:{name}", f"Token-level objectives reach a lower loss deeper and narrower ({name})",
+            "Token-level objectives do not over-smooth, so at matched parameters a deeper, narrower Transformer "
+            "reaches a lower loss (Bamboo's argument for next-token and masked-token pre-training).", PAPER,
+            "d = minus the least-squares slope of the final validation loss per doubling of depth, over every shape "
+            f"({', '.join(shape_of[d] for d in depths)}), per seed; a diverged run scores the chance loss; the deepest "
+            "model must have learned. Margin 0.01 nats per doubling.",
+            v, ["seed"] + [shape_of[d] for d in depths], rows, notes=_chance_note([r for r in rs if r.ok][:1], out),
+            scale_up="Token-level gains from depth show up with enough data and steps for the deep model to "
+                     "converge; train to a plateau and report tokens seen."))
+    return found or None
 
 
 # ---------------------------------------------------------------- plots
@@ -445,7 +721,8 @@ def _stability_plot(rs, out):
     depths = sorted({_depth(r) for r in rs})
     depth = 18 if 18 in depths else max([d for d in depths if d < 18] or depths)
     seed = _seeds(rs)[0]
-    chosen = sorted((r for r in rs if _depth(r) == depth and _val(r, "train.seed") == seed),
+    chosen = sorted((r for r in rs if _depth(r) == depth and _val(r, "train.seed") == seed
+                     and (r.point.run_dir(out) / "metrics.jsonl").is_file()),
                     key=lambda r: _val(r, "model.scheme") or "")
     if not chosen:
         return []

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
 
-from kilolayer.study.findings import FINDINGS, HELD, INCONCLUSIVE, NOT_HELD, Finding
+from kilolayer.study.findings import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding, evaluate_findings
 
 # plain words (emoji need a font the reader may not have); the HTML colours them
 BADGE = {HELD: "held", NOT_HELD: "did not hold", INCONCLUSIVE: "inconclusive"}
@@ -99,10 +99,9 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         "",
         "## Verdicts",
         "",
-        "Each verdict comes from the measured numbers by one rule: the claim becomes per-seed differences *d* "
-        "that are positive when it holds; with *m* their mean and *se* their standard error, "
-        "*t* = max(margin, 2·se); **held** if *m* > *t*, **did not hold** if *m* < −*t*, otherwise "
-        "**inconclusive**. Nothing here was written in advance.",
+        "Each verdict comes from the measured numbers by one rule, the same for every claim. " + RULE
+        + " A claim measured on several modalities or pairs gets one verdict each; they are never pooled. "
+        "Nothing here was written in advance.",
         "",
         _table(["finding", "verdict", "measured"], [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason]
                                                     for f in findings]),
@@ -235,7 +234,7 @@ def render_html(markdown_text: str, out: Path) -> str:
 def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, Path, list[Finding]]:
     out = Path(out)
     (out / "report_files").mkdir(parents=True, exist_ok=True)
-    findings = [f for f in (FINDINGS[name](results, out) for name in spec.findings) if f is not None]
+    findings = evaluate_findings(spec.findings, results, out)
     md = render_markdown(spec, results, findings, out, wall_seconds)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)

@@ -8,12 +8,22 @@ import torch
 from torch import nn
 
 
+# learned tokens and positions, exempt from weight decay as in ViT/MAE (timm's ``no_weight_decay``)
+NO_DECAY_NAMES = frozenset({"cls", "mask_token", "positions", "decoder_positions"})
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Whether AdamW decays parameter ``name``: weight matrices and token embeddings do; norms, biases,
+    scalar/vector gains, the CLS and mask tokens and learned position embeddings do not."""
+    return p.dim() >= 2 and name.rsplit(".", 1)[-1] not in NO_DECAY_NAMES
+
+
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay weight matrices and embeddings; never norms, biases or scalar/vector gains."""
+    """Two AdamW groups: :func:`decays` parameters with ``weight_decay``, the rest with none."""
     decay, no_decay = [], []
-    for p in module.parameters():
+    for name, p in module.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

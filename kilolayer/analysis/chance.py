@@ -1,0 +1,51 @@
+"""Chance level: what a model that learned nothing scores, measured on a run's own evaluation data.
+
+A fixed number such as ln(vocabulary) is the wrong yardstick: a seq2seq model on
+the reverse task that learned only the token frequencies (10 digits and an end
+token) sits at about 2.39 nats, well below ln 13 = 2.56. The chance level here is
+the evaluation loss (and accuracy) of the best predictor that ignores the input,
+on exactly the targets ``kilolayer train`` evaluates: their empirical entropy for
+categorical targets, the target variance for MAE, ln B for a contrastive batch of
+B pairs (see each objective's ``chance``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kilolayer.config import Config
+
+
+def chance_level(config: Config) -> dict:
+    """``{"loss": ..., "accuracy": ... (where the objective has one)}`` of the best input-independent
+    predictor on ``config``'s evaluation batches (the batches ``Trainer.evaluate`` scores)."""
+    from kilolayer.data import load_source
+    from kilolayer.objectives import build_task
+
+    tc = config.train
+    source = load_source(config)
+    torch.manual_seed(tc.seed)
+    task = build_task(config)
+    batches = source.eval_batches(tc.batch_size, tc.eval_batches * tc.batch_size)
+    return {k: float(v) for k, v in task.objective.chance(task.backbone, batches).items()}
+
+
+def chance_of_run(run_dir: "str | Path", config: Config) -> dict:
+    """:func:`chance_level` of a run's config, cached in ``RUN/analysis/chance/chance.json``."""
+    path = Path(run_dir) / "analysis" / "chance" / "chance.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    result = chance_level(config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only study directory: compute again next time
+    return result

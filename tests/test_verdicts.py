@@ -1,0 +1,323 @@
+"""The verdict rule as a measuring instrument: constructed evidence in, exactly the verdict the stated rule says out.
+
+Every case builds Results for the built-in studies' grid points with made-up outcomes; chance levels are set
+on the results, so no data is loaded and nothing trains.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kilolayer.study.findings import (
+    HELD,
+    INCONCLUSIVE,
+    LEARNED,
+    NOT_HELD,
+    bamboo_depth,
+    bamboo_depth_tokens,
+    bamboo_smoothing,
+    decide,
+    deepnet_postln,
+    deepnet_preln,
+    deepnet_update,
+    slope,
+    t_quantile,
+)
+from kilolayer.study.runner import Result
+from kilolayer.study.spec import expand, load_spec
+
+CHANCE = {"loss": 2.4, "accuracy": 0.1}
+
+
+# ---------------------------------------------------------------- the rule itself
+
+
+def test_t_quantiles_match_the_table():
+    # one-sided 95% Student-t quantiles (REFERENCE: t(1) = 6.314, t(2) = 2.920, t(3) = 2.353, t(9) = 1.833)
+    for df, t in [(1, 6.314), (2, 2.920), (3, 2.353), (4, 2.132), (5, 2.015), (9, 1.833)]:
+        assert t_quantile(df) == pytest.approx(t, abs=1e-3)
+
+
+def test_decide_bounds_are_student_t():
+    d = [0.30, 0.50, 0.40]
+    v = decide(d, margin=0.1)
+    half = 2.920 * statistics.stdev(d) / math.sqrt(3)
+    assert v.mean == pytest.approx(0.4) and v.lower == pytest.approx(0.4 - half, abs=1e-3)
+    assert v.upper == pytest.approx(0.4 + half, abs=1e-3) and v.n == 3
+    assert v.verdict == HELD  # lower bound 0.232 > 0.1
+    # the same mean with more spread: the lower bound falls below the margin
+    assert decide([0.0, 0.8, 0.4], margin=0.1).verdict == INCONCLUSIVE
+    assert decide([-0.3, -0.5, -0.4], margin=0.1).verdict == NOT_HELD
+
+
+def test_one_seed_is_never_decided_but_shows_direction_and_size():
+    v = decide([0.9], margin=0.01)
+    assert v.verdict == INCONCLUSIVE and "one seed" in v.reason and "+0.9" in v.reason
+    assert "in the claim's direction" in v.reason
+    v = decide([-0.9], margin=0.01)
+    assert v.verdict == INCONCLUSIVE and "against the claim" in v.reason
+
+
+def test_two_seeds_with_opposite_signs_are_inconclusive():
+    v = decide([1.0, -0.8], margin=0.05)
+    assert v.verdict == INCONCLUSIVE and v.lower < 0 < v.upper
+
+
+def test_two_agreeing_seeds_can_decide():
+    # t(1) = 6.314 is harsh, but identical seeds have no spread
+    assert decide([0.5, 0.52], margin=0.05).verdict == HELD
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-5, 5, allow_nan=False), min_size=0, max_size=8), st.floats(0, 1))
+def test_decide_is_antisymmetric(diffs, margin):
+    a, b = decide(diffs, margin), decide([-d for d in diffs], margin)
+    flip = {HELD: NOT_HELD, NOT_HELD: HELD, INCONCLUSIVE: INCONCLUSIVE}
+    assert b.verdict == flip[a.verdict]
+    if len(diffs) < 2:
+        assert a.verdict == INCONCLUSIVE
+
+
+def test_excluded_runs_make_any_verdict_inconclusive_and_are_named():
+    v = decide([0.5, 0.5, 0.5], margin=0.1, not_evidence=("deepnet/post_ln_18 (failed: out of memory)",))
+    assert v.verdict == INCONCLUSIVE and "post_ln_18 (failed: out of memory)" in v.reason
+
+
+def test_slope_is_per_doubling_of_depth():
+    assert slope([6, 12, 24, 48], [0.1, 0.2, 0.3, 0.4]) == pytest.approx(0.1)
+    assert slope([6, 12, 24, 48], [0.8, 0.9, 0.9, 0.8]) == pytest.approx(0.0, abs=1e-12)
+
+
+# ---------------------------------------------------------------- DeepNet findings
+
+
+def _deepnet(loss: dict, status: dict | None = None, update: dict | None = None, seeds=(0, 1)):
+    """The quick study's deepnet points (schemes x 2/6/18 layers per side), restricted to ``seeds``.
+    ``loss[scheme]`` / ``status[scheme]`` / ``update[scheme]`` are functions of (layers, seed)."""
+    status = status or {}
+    update = update or {}
+    results = []
+    for p in expand(load_spec("quick")):
+        if p.group != "deepnet" or p.values["train.seed"] not in seeds:
+            continue
+        scheme, layers, seed = p.values["model.scheme"], p.config.model.layers, p.values["train.seed"]
+        st_ = status.get(scheme, lambda *_: "completed")(layers, seed)
+        ev = {"loss": loss[scheme](layers, seed)} if st_ == "completed" else {}
+        diag = [{"step": 1, "update": update.get(scheme, lambda *_: 1.0)(layers, seed)}]
+        r = Result(point=p, status=st_, eval=ev, diagnostics=diag, step=30 if st_ == "diverged" else 200,
+                   reason="" if st_ == "completed" else "boom")
+        r.chance = dict(CHANCE)
+        results.append(r)
+    return results
+
+
+GOOD = {"post_ln": lambda l, s: 1.9 + 0.01 * s, "pre_ln": lambda l, s: 1.4, "deepnorm": lambda l, s: 0.05 + 0.01 * s}
+
+
+def test_deepnet_held_with_two_seeds(tmp_path):
+    f = deepnet_postln(_deepnet(GOOD), tmp_path)
+    assert f.verdict.verdict == HELD and f.verdict.n == 2 and f.verdict.mean == pytest.approx(1.85)
+    assert any("Chance level" in n and "2.400" in n for n in f.notes)
+
+
+def test_deepnet_one_seed_is_inconclusive(tmp_path):
+    f = deepnet_postln(_deepnet(GOOD, seeds=(0,)), tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "one seed" in f.verdict.reason and "+1.85" in f.verdict.reason
+
+
+@pytest.mark.parametrize("side", ["post_ln", "deepnorm"])
+def test_deepnet_failed_run_on_either_side_is_not_evidence(tmp_path, side):
+    status = {side: lambda l, s: "failed" if (l == 18 and s == 1) else "completed"}
+    f = deepnet_postln(_deepnet(GOOD, status), tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE
+    assert f"scheme={side}_layers=18_decoder_layers=18_seed=1 (failed: boom)" in f.verdict.reason
+    assert f.verdict.reason.startswith("not evidence")
+
+
+def test_deepnet_missing_run_is_not_evidence(tmp_path):
+    results = [r for r in _deepnet(GOOD) if not (r.point.values["model.scheme"] == "post_ln"
+                                                 and r.point.config.model.layers == 18 and r.point.values["train.seed"] == 1)]
+    f = deepnet_postln(results, tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "post_ln seed 1 (missing)" in f.verdict.reason
+
+
+def test_deepnet_diverged_post_ln_counts_as_chance(tmp_path):
+    status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
+    f = deepnet_postln(_deepnet(GOOD, status), tmp_path)
+    # d = chance 2.4 - DeepNorm's loss, per seed
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(2.4 - 0.055)
+
+
+def test_deepnet_diverged_deepnorm_is_evidence_against(tmp_path):
+    status = {"deepnorm": lambda l, s: "diverged" if l == 18 else "completed"}
+    f = deepnet_postln(_deepnet(GOOD, status), tmp_path)
+    # d = Post-LN's loss - chance: about -0.495 in both seeds
+    assert f.verdict.verdict == NOT_HELD and f.verdict.mean == pytest.approx(1.905 - 2.4)
+
+
+def test_deepnet_winner_that_learned_nothing_cannot_hold(tmp_path):
+    # Post-LN diverged (chance 2.4); DeepNorm completed at 2.3, above 0.9 x chance: it learned nothing
+    status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
+    loss = {**GOOD, "deepnorm": lambda l, s: 2.3}
+    assert 2.3 > LEARNED * CHANCE["loss"]
+    f = deepnet_postln(_deepnet(loss, status), tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "learned nothing" in f.verdict.reason
+    assert f.verdict.mean == pytest.approx(0.1)  # the difference alone would have been held
+
+
+def test_deepnet_preln_not_held_when_pre_ln_wins(tmp_path):
+    loss = {**GOOD, "pre_ln": lambda l, s: 0.01, "deepnorm": lambda l, s: 0.5 + 0.01 * s}
+    assert deepnet_preln(_deepnet(loss), tmp_path).verdict.verdict == NOT_HELD
+
+
+def test_deepnet_update_uses_step_one_and_keeps_diverged_runs(tmp_path):
+    status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
+    update = {"post_ln": lambda l, s: 3.0 * (1 + 0.01 * s), "deepnorm": lambda l, s: 0.1}
+    f = deepnet_update(_deepnet(GOOD, status, update), tmp_path)
+    assert f.verdict.verdict == HELD and f.verdict.n == 2
+    assert f.verdict.mean == pytest.approx(statistics.fmean([math.log(30), math.log(30.3)]))
+
+
+# ---------------------------------------------------------------- Bamboo findings
+
+
+def _bamboo(cosine=None, accuracy=None, loss=None, status=None):
+    """Every point of the built-in bamboo study; ``cosine[group]``, ``accuracy[group]``, ``loss[group]`` and
+    ``status[group]`` are functions of (layers, seed). Losses default to 0.5 (learned: chance 2.4)."""
+    cosine, accuracy, loss, status = cosine or {}, accuracy or {}, loss or {}, status or {}
+    results = []
+    for p in expand(load_spec("bamboo")):
+        layers, seed = p.config.model.layers, p.values["train.seed"]
+        st_ = status.get(p.group, lambda *_: "completed")(layers, seed)
+        ev = {}
+        if st_ == "completed":
+            ev["loss"] = loss.get(p.group, lambda *_: 0.5)(layers, seed)
+            if p.group in accuracy:
+                ev["accuracy"] = accuracy[p.group](layers, seed)
+        smooth = None
+        if p.group in cosine and st_ == "completed":
+            c = cosine[p.group](layers, seed)
+            smooth = {"cosine": [0.1, c], "cosine_centred": [0.0, c / 2], "hc_ratio": [1.0, 1 - c],
+                      "exclude_special": True, "after_final_norm": False}
+        r = Result(point=p, status=st_, eval=ev, smoothness=smooth, reason="" if st_ == "completed" else "boom")
+        r.chance = dict(CHANCE)
+        results.append(r)
+    return results
+
+
+def _by_title(findings, needle):
+    found = [f for f in findings if needle in f.title]
+    assert len(found) == 1, [f.title for f in findings]
+    return found[0]
+
+
+SEQ = ("supervised", "contrastive", "text_classify")
+TOK = ("mae", "mlm", "next_token")
+NOISE = {0: 0.01, 1: -0.01, 2: 0.0}
+
+
+def test_smoothing_gives_one_verdict_per_modality_and_pair(tmp_path):
+    cos = {g: (lambda l, s: 0.8 + NOISE[s]) for g in SEQ}
+    cos.update({g: (lambda l, s: 0.4) for g in TOK + ("untrained", "text_untrained")})
+    found = bamboo_smoothing(_bamboo(cos), tmp_path)
+    # 4 pairs x (level, trend), never pooled
+    assert len(found) == 8
+    level = _by_title(found, "more than token-level (images: supervised vs mae)")
+    assert level.verdict.verdict == HELD and level.verdict.n == 3 and level.verdict.mean == pytest.approx(0.4)
+    assert len(level.rows) == 4 * 3  # shapes x seeds
+    trend = _by_title(found, "increasingly with depth (images: supervised vs mae)")
+    assert trend.verdict.verdict == INCONCLUSIVE and trend.verdict.mean == pytest.approx(0.0, abs=1e-12)
+    assert any("CLS and special tokens excluded" in n and "before the final LayerNorm" in n for n in level.notes)
+
+
+def test_smoothing_images_and_text_disagreeing_are_reported_separately(tmp_path):
+    cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "contrastive": lambda l, s: 0.8 + NOISE[s],
+           "text_classify": lambda l, s: 0.2 + NOISE[s]}
+    cos.update({g: (lambda l, s: 0.5) for g in TOK + ("untrained", "text_untrained")})
+    found = bamboo_smoothing(_bamboo(cos), tmp_path)
+    assert _by_title(found, "more than token-level (images: supervised vs mae)").verdict.verdict == HELD
+    assert _by_title(found, "more than token-level (text: text_classify vs mlm)").verdict.verdict == NOT_HELD
+    assert _by_title(found, "more than token-level (text: text_classify vs next_token)").verdict.verdict == NOT_HELD
+
+
+def test_smoothing_trend_over_every_shape(tmp_path):
+    # the supervised - MAE gap grows by 0.05 per doubling of depth (measured from the untrained model's level)
+    cos = {"supervised": lambda l, s: 0.5 + 0.05 * math.log2(l) + NOISE[s] / 10, "mae": lambda l, s: 0.3,
+           "untrained": lambda l, s: 0.6}
+    found = bamboo_smoothing(_bamboo(cos), tmp_path)
+    trend = _by_title(found, "increasingly with depth (images: supervised vs mae)")
+    assert trend.verdict.verdict == HELD and trend.verdict.mean == pytest.approx(0.05, abs=1e-9)
+
+
+def test_smoothing_diverged_or_unlearned_models_cannot_hold(tmp_path):
+    cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.3}
+    status = {"mae": lambda l, s: "diverged" if l == 43 else "completed"}
+    level = _by_title(bamboo_smoothing(_bamboo(cos, status=status), tmp_path),
+                      "more than token-level (images: supervised vs mae)")
+    assert level.verdict.verdict == INCONCLUSIVE and "diverged" in level.verdict.reason
+    # the supervised models stayed at chance loss: their token similarity says nothing about training
+    level = _by_title(bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
+                      "more than token-level (images: supervised vs mae)")
+    assert level.verdict.verdict == INCONCLUSIVE and "learned nothing" in level.verdict.reason
+
+
+def _acc(scratch, tuned):
+    return {"supervised": scratch, "text_classify": scratch, "finetune": tuned, "mlm_finetune": tuned}
+
+
+def test_depth_absolute_and_relative_are_separate_verdicts(tmp_path):
+    # depth hurts both models, but hurts the fine-tuned one less: relative held, absolute did not hold
+    acc = _acc(lambda l, s: 0.9 - 0.05 * math.log2(l) + NOISE[s] / 10, lambda l, s: 0.9 - 0.02 * math.log2(l))
+    found = bamboo_depth(_bamboo(accuracy=acc), tmp_path)
+    assert len(found) == 4  # (images, text) x (absolute, relative)
+    absolute = _by_title(found, "pays off after token-level pre-training (images")
+    relative = _by_title(found, "gains more from depth than training from scratch (images")
+    assert absolute.verdict.verdict == NOT_HELD and absolute.verdict.mean == pytest.approx(-0.02)
+    assert relative.verdict.verdict == HELD and relative.verdict.mean == pytest.approx(0.03, abs=1e-9)
+
+
+def test_depth_trend_in_the_middle_shapes_only(tmp_path):
+    # the fine-tuned accuracy steps up between the middle shapes (11 -> 24 layers) and is flat at either end
+    step = {6: 0.80, 11: 0.80, 24: 0.90, 43: 0.90}
+    acc = _acc(lambda l, s: 0.8, lambda l, s: step[l] + NOISE[s] / 10)
+    found = bamboo_depth(_bamboo(accuracy=acc), tmp_path)
+    absolute = _by_title(found, "pays off after token-level pre-training (images")
+    expected = slope([6, 11, 24, 43], [0.8, 0.8, 0.9, 0.9])
+    assert absolute.verdict.mean == pytest.approx(expected, abs=1e-9)
+    assert absolute.verdict.verdict == HELD  # a rise over the shapes is a rise, wherever it happens
+
+
+def test_depth_diverged_deep_shapes_count_against_depth(tmp_path):
+    # two seeds of three diverge at the deepest shape; the third is slightly better: not held
+    tuned = lambda l, s: 0.90 + (0.01 if l == 43 else 0.0)  # noqa: E731
+    status = {"finetune": lambda l, s: "diverged" if (l == 43 and s < 2) else "completed"}
+    found = bamboo_depth(_bamboo(accuracy=_acc(lambda l, s: 0.9, tuned), status=status), tmp_path)
+    absolute = _by_title(found, "pays off after token-level pre-training (images")
+    assert absolute.verdict.verdict != HELD and absolute.verdict.mean < 0
+    # the old rule dropped diverged runs and kept the survivor: +0.01 held
+
+
+def test_depth_failed_run_is_inconclusive_and_named(tmp_path):
+    status = {"finetune": lambda l, s: "failed" if (l == 24 and s == 1) else "completed"}
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l))
+    absolute = _by_title(bamboo_depth(_bamboo(accuracy=acc, status=status), tmp_path), "pays off after token-level pre-training (images")
+    assert absolute.verdict.verdict == INCONCLUSIVE and "failed: boom" in absolute.verdict.reason
+
+
+def test_depth_tokens_per_objective(tmp_path):
+    loss = {"next_token": lambda l, s: 1.5 - 0.05 * math.log2(l) + NOISE[s] / 10, "mlm": lambda l, s: 1.5}
+    found = bamboo_depth_tokens(_bamboo(loss=loss), tmp_path)
+    nt = _by_title(found, "(next_token)")
+    mlm = _by_title(found, "(mlm)")
+    assert nt.verdict.verdict == HELD and nt.verdict.mean == pytest.approx(0.05, abs=1e-9)
+    assert mlm.verdict.verdict == INCONCLUSIVE and mlm.verdict.mean == pytest.approx(0.0, abs=1e-12)
+
+
+def test_bamboo_findings_absent_without_their_groups(tmp_path):
+    assert bamboo_smoothing([], tmp_path) is None and bamboo_depth([], tmp_path) is None
+    assert bamboo_depth_tokens([], tmp_path) is None
