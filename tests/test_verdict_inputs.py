@@ -1,0 +1,223 @@
+"""What the verdicts are computed from: chance levels, the MAE guard, the smoothness measurement choices, and
+the confounds the verdicts issue removed (CLIP's clamp, weight decay on learned tokens)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kilolayer.analysis.chance import chance_level
+from kilolayer.analysis.smoothness import SmoothnessObserver, smoothness, token_cosine
+from kilolayer.config import load_config
+from kilolayer.data import load_source
+from kilolayer.errors import ConfigError
+from kilolayer.nn.transformer import build_model
+from kilolayer.objectives import build_task
+from kilolayer.objectives.mae import constant_patch_fraction
+from kilolayer.study.spec import expand, load_spec
+from kilolayer.train.optim import param_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- chance levels
+
+
+def test_reverse_task_chance_is_the_target_entropy_not_ln_vocab():
+    cfg = load_config(ROOT / "configs/reverse_deepnorm.yaml")
+    c = chance_level(cfg)
+    # 10 digits and an end token: a model that learned only their frequencies sits near ln 11, well below ln 13
+    assert c["loss"] < math.log(11) + 1e-9 and c["loss"] > math.log(11) - 0.05
+    assert c["loss"] < math.log(cfg.model.vocab_size) - 0.15
+
+
+def test_classification_chance_is_the_label_entropy_and_majority_class():
+    cfg = load_config(ROOT / "configs/digits_vit.yaml")
+    src = load_source(cfg)
+    labels = torch.cat([b["labels"] for b in src.eval_batches(cfg.train.batch_size,
+                                                               cfg.train.eval_batches * cfg.train.batch_size)])
+    p = torch.bincount(labels).double() / len(labels)
+    p = p[p > 0]
+    c = chance_level(cfg)
+    assert c["loss"] == pytest.approx(float(-(p * p.log()).sum()), rel=1e-9)
+    assert c["accuracy"] == pytest.approx(float(p.max()), rel=1e-9)
+
+
+def test_a_constant_predictor_scores_exactly_the_chance_loss():
+    """The mean-target predictor reaches the MAE chance loss; the empirical distribution reaches the LM one."""
+    cfg = load_config(ROOT / "configs/digits_mae.yaml")
+    task = build_task(cfg)
+    mae = task.objective
+    batches = list(load_source(cfg).eval_batches(cfg.train.batch_size, cfg.train.eval_batches * cfg.train.batch_size))
+    c = mae.chance(task.backbone, batches)["loss"]
+    from kilolayer.objectives.common import eval_generator
+    from kilolayer.objectives.mae import random_masking
+
+    targets, masks = [], []
+    for i, b in enumerate(batches):
+        _, _, m = random_masking(b["inputs"].shape[0], mae.num_patches, mae.keep, eval_generator(i), "cpu")
+        targets.append(mae.targets(task.backbone, b["inputs"]).double())
+        masks.append(m.bool())
+    hidden = torch.cat([t[m] for t, m in zip(targets, masks)])
+    mean = hidden.mean(0)
+    assert c == pytest.approx(float(((hidden - mean) ** 2).mean()), rel=1e-9)
+    # any other constant does worse
+    assert float(((hidden - mean - 0.1) ** 2).mean()) > c
+
+
+def test_contrastive_chance_is_ln_batch():
+    cfg = load_config(ROOT / "configs/digits_clip.yaml")
+    c = chance_level(cfg)
+    assert c["loss"] == pytest.approx(math.log(cfg.train.batch_size), rel=0.02)
+
+
+# ---------------------------------------------------------------- the MAE guard
+
+
+def test_constant_patch_fraction():
+    img = torch.zeros(2, 1, 8, 8)
+    assert constant_patch_fraction(img, 2) == 1.0
+    img = torch.rand(2, 1, 8, 8)
+    assert constant_patch_fraction(img, 2) == 0.0
+    up = torch.rand(2, 1, 4, 4).repeat_interleave(2, 2).repeat_interleave(2, 3)  # pixel repetition
+    assert constant_patch_fraction(up, 2) == 1.0 and constant_patch_fraction(up, 4) == 0.0
+
+
+def test_mae_guard_refuses_upscaled_digits_in_one_line():
+    p = subprocess.run([sys.executable, "-m", "kilolayer", "train", "configs/digits_mae.yaml", "--set",
+                        "data.options.upscale=2", "--set", "model.image_size=16", "--out", "/nonexistent/never"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "100% of the 2x2 patches" in lines[0] and "norm_pix_loss" in lines[0]
+    assert "model.patch_size" in lines[0] and "upscale" in lines[0]
+
+
+def test_mae_guard_needs_norm_pix_loss_to_trip():
+    cfg = load_config(ROOT / "configs/digits_mae.yaml", ["data.options.upscale=2", "model.image_size=16",
+                                                        "objective.options.norm_pix_loss=false"])
+    build_task(cfg).objective.attach_data(load_source(cfg))  # raw pixels: a constant patch still has a target
+
+
+def _mae_configs():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        if path.name.startswith("study_"):
+            continue
+        cfg = load_config(path)
+        if cfg.objective.name == "mae":
+            yield path.name, cfg
+    for name in ("quick", "bamboo"):
+        for p in expand(load_spec(name)):
+            if p.config.objective.name == "mae" and p.values.get("train.seed", 0) == 0:
+                yield p.key, p.config
+
+
+def test_every_shipped_mae_config_and_study_passes_the_guard():
+    seen = 0
+    for name, cfg in _mae_configs():
+        try:
+            source = load_source(cfg)
+        except ConfigError as err:  # a dataset package not installed here
+            pytest.skip(f"{name}: {err}")
+        build_task(cfg).objective.attach_data(source)
+        seen += 1
+    assert seen >= 3
+
+
+# ---------------------------------------------------------------- smoothness measurement choices
+
+
+def _vit(final_norm_scheme="pre_ln"):
+    torch.manual_seed(0)
+    return build_model({"arch": "encoder", "scheme": final_norm_scheme, "input": "patches", "image_size": 8,
+                        "patch_size": 2, "channels": 1, "cls_token": True, "layers": 2, "width": 32, "heads": 2,
+                        "ffn": 64})
+
+
+def test_before_final_norm_observes_the_last_block_output():
+    model = _vit().eval()
+    x = torch.randn(3, 1, 8, 8)
+    seen = {}
+    obs = SmoothnessObserver()
+    obs.before_final_norm = True
+    model(x, observe=lambda i, h: seen.__setitem__(i, h.clone()) if i == 2 else None)
+    after = seen[2]
+
+    class Before:
+        before_final_norm = True
+
+        def __call__(self, i, h):
+            if i == 2:
+                seen["before"] = h.clone()
+
+    out = model(x, observe=Before())
+    assert torch.allclose(model.encoder.final_norm(seen["before"]), after)  # one LayerNorm apart
+    assert torch.allclose(out, after)  # the model's output is unchanged by where it is observed
+    r_before = smoothness(model, [{"inputs": x}], before_final_norm=True)
+    r_after = smoothness(model, [{"inputs": x}])
+    assert r_before["cosine"][-1] == pytest.approx(float(token_cosine(seen["before"]).mean()), rel=1e-6)
+    assert r_after["cosine"][-1] == pytest.approx(float(token_cosine(after).mean()), rel=1e-6)
+    assert r_before["cosine"][:-1] == pytest.approx(r_after["cosine"][:-1])
+
+
+def test_run_smoothness_excludes_cls_and_special_tokens_by_default(tmp_path):
+    from kilolayer.analysis.smoothness import smoothness_of_run
+    from kilolayer.train.loop import train
+
+    cfg = load_config(ROOT / "configs/digits_vit.yaml", ["train.steps=2", "train.eval_every=0",
+                                                        "model.layers=1", "model.width=32", "model.heads=2",
+                                                        "model.ffn=64"])
+    train(cfg, tmp_path / "run", quiet=True)
+    default = smoothness_of_run(tmp_path / "run", samples=16)
+    assert default["exclude_special"] is True and default["after_final_norm"] is False
+    with_cls = smoothness_of_run(tmp_path / "run", samples=16, exclude_special=False)
+    assert default["cosine"] != with_cls["cosine"]
+    explicit = smoothness_of_run(tmp_path / "run", samples=16, exclude_special=False, exclude_first=True)
+    assert default["cosine"] == pytest.approx(explicit["cosine"])  # CLS is token 0 of a patch model
+
+
+def test_text_special_tokens_are_left_out_of_the_metrics():
+    from kilolayer.analysis.smoothness import special_token_ids
+    from kilolayer.data import vocab
+
+    cfg = load_config(ROOT / "configs/stdlib_mlm.yaml")
+    ids = special_token_ids(cfg, load_source(cfg))
+    assert {vocab.PAD, vocab.BOS, vocab.EOS, vocab.MASK, vocab.CLS, vocab.SEP} <= set(ids)
+    assert all(i >= 256 for i in ids)  # no byte value is special
+
+
+# ---------------------------------------------------------------- confounds
+
+
+def test_clip_clamps_the_parameter_so_it_can_come_back():
+    cfg = load_config(ROOT / "configs/digits_clip.yaml")
+    task = build_task(cfg)
+    obj = task.objective
+    with torch.no_grad():
+        obj.logit_scale.fill_(math.log(500.0))
+    batch = load_source(cfg).train_batch(0, 8)
+    task.train()
+    loss, stats = task(batch)
+    assert obj.logit_scale.item() == pytest.approx(math.log(obj.max_logit_scale))
+    assert stats["logit_scale"] == pytest.approx(obj.max_logit_scale)
+    loss.backward()
+    assert obj.logit_scale.grad is not None and obj.logit_scale.grad.abs().item() > 0  # not frozen at the cap
+
+
+def test_no_weight_decay_on_cls_mask_token_and_positions():
+    cfg = load_config(ROOT / "configs/digits_mae.yaml")
+    task = build_task(cfg)
+    decay, no_decay = param_groups(task, 0.05)
+    names = {id(p): n for n, p in task.named_parameters()}
+    exempt = {names[id(p)] for p in no_decay["params"]}
+    decayed = {names[id(p)] for p in decay["params"]}
+    for name in ("backbone.embed.cls", "backbone.embed.positions", "objective.mask_token",
+                 "objective.decoder_positions"):
+        assert name in exempt, name
+    assert "backbone.embed.proj.weight" in decayed or any(n.endswith("weight") for n in decayed)
+    assert all(not n.endswith(("bias", "cls", "positions", "mask_token")) for n in decayed)
