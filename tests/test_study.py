@@ -59,6 +59,17 @@ def test_tiny_study_end_to_end_and_rerun(tmp_path):
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page
     assert {f.name for f in findings} == {"deepnet_postln", "deepnet_update"}
     assert all(f.verdict.verdict in (HELD, NOT_HELD, INCONCLUSIVE) for f in findings)
+    # report.md and report.html say the same verdicts, in the summary and after each finding
+    import re
+
+    words = [f.verdict.verdict for f in findings]
+    assert re.findall(r"\*\*Verdict: ([a-z ]+)\.\*\*", text) == words
+    assert re.findall(r"<strong[^>]*>Verdict: ([a-z ]+)\.</strong>", page) == words
+    summary_md = text.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+    summary_html = page.split("Verdicts</h2>", 1)[1].split("<h2", 1)[0]
+    assert re.findall(r"\| \*\*([a-z ]+)\*\* \|", summary_md) == words
+    assert re.findall(r"<td><strong[^>]*>([a-z ]+)</strong></td>", summary_html) == words
+    assert "Student-t" in summary_md and "Student-t" in summary_html and "Chance level" in text
     # re-running trains nothing
     again = run_study(spec, out, log=lambda *_: None)
     assert not any(r.ran for r in again)
