@@ -33,14 +33,30 @@ def chance_level(config: Config) -> dict:
     return {k: float(v) for k, v in task.objective.chance(task.backbone, batches).items()}
 
 
+# what the chance level does not depend on: the backbone's shape and scheme, and how training runs
+SHAPE_KEYS = ("layers", "decoder_layers", "width", "heads", "ffn", "scheme", "checkpoint_activations")
+_MEMO: dict[str, dict] = {}
+
+
+def _data_key(config: Config) -> str:
+    d = config.model_dump(mode="json")
+    d["model"] = {k: v for k, v in d["model"].items() if k not in SHAPE_KEYS}
+    d["train"] = {k: d["train"][k] for k in ("batch_size", "eval_batches", "seed")}
+    return json.dumps(d, sort_keys=True)
+
+
 def chance_of_run(run_dir: "str | Path", config: Config) -> dict:
-    """:func:`chance_level` of a run's config, cached in ``RUN/analysis/chance/chance.json``."""
+    """:func:`chance_level` of a run's config, cached in ``RUN/analysis/chance/chance.json`` (and in memory
+    for configs that differ only in the backbone's shape, which the targets do not depend on)."""
     path = Path(run_dir) / "analysis" / "chance" / "chance.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    result = chance_level(config)
+    key = _data_key(config)
+    if key not in _MEMO:
+        _MEMO[key] = chance_level(config)
+    result = dict(_MEMO[key])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.tmp")
