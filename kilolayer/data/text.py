@@ -84,9 +84,17 @@ def make_tokenizer(path: Optional[str] = None) -> "ByteTokenizer | HFTokenizer":
     return ByteTokenizer() if not path else _hf_tokenizer(str(path))
 
 
-def tokenizer_for(config: Config) -> "ByteTokenizer | HFTokenizer":
-    """The tokenizer that ``config``'s data source uses (``data.options.tokenizer``, else bytes)."""
-    return make_tokenizer(config.data.options.get("tokenizer"))
+def tokenizer_for(config: Config):
+    """The tokenizer that ``config``'s data source uses: the source's own (e.g. PTB's words, given by a
+    ``tokenizer(config)`` attribute of its registered function), else ``data.options.tokenizer``, else bytes."""
+    import importlib
+
+    from kilolayer.data import MODULES, SOURCES
+
+    for m in MODULES:
+        importlib.import_module(m)
+    own = getattr(SOURCES.get(config.data.name), "tokenizer", None)
+    return own(config) if own is not None else make_tokenizer(config.data.options.get("tokenizer"))
 
 
 def check_vocab(size: int, tok, field: str = "model.vocab_size") -> None:

