@@ -230,7 +230,7 @@ def test_smoothing_gives_one_verdict_per_modality_and_pair(tmp_path):
     level = _by_title(found, "more than token-level (images: supervised vs mae)")
     assert level.verdict.verdict == HELD and level.verdict.n == 3 and level.verdict.mean == pytest.approx(0.4)
     assert len(level.rows) == 4 * 3  # shapes x seeds
-    trend = _by_title(found, "increasingly with depth (images: supervised vs mae)")
+    trend = _by_title(found, "grows with depth, token-level does not (images: supervised vs mae)")
     assert trend.verdict.verdict == INCONCLUSIVE and trend.verdict.mean == pytest.approx(0.0, abs=1e-12)
     assert any("CLS and special tokens excluded" in n and "before the final LayerNorm" in n for n in level.notes)
 
@@ -250,7 +250,7 @@ def test_smoothing_trend_over_every_shape(tmp_path):
     cos = {"supervised": lambda l, s: 0.5 + 0.05 * math.log2(l) + NOISE[s] / 10, "mae": lambda l, s: 0.3,
            "untrained": lambda l, s: 0.6}
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
-    trend = _by_title(found, "increasingly with depth (images: supervised vs mae)")
+    trend = _by_title(found, "grows with depth, token-level does not (images: supervised vs mae)")
     assert trend.verdict.verdict == HELD and trend.verdict.mean == pytest.approx(0.05, abs=1e-9)
 
 
@@ -276,7 +276,7 @@ def test_depth_absolute_and_relative_are_separate_verdicts(tmp_path):
     found = bamboo_depth(_bamboo(accuracy=acc), tmp_path)
     assert len(found) == 4  # (images, text) x (absolute, relative)
     absolute = _by_title(found, "pays off after token-level pre-training (images")
-    relative = _by_title(found, "gains more from depth than training from scratch (images")
+    relative = _by_title(found, "more than training from scratch (images")
     assert absolute.verdict.verdict == NOT_HELD and absolute.verdict.mean == pytest.approx(-0.02)
     assert relative.verdict.verdict == HELD and relative.verdict.mean == pytest.approx(0.03, abs=1e-9)
 

@@ -145,7 +145,7 @@ def quick() -> dict:
         "description": (
             "Both papers at laptop scale: DeepNet's schemes x depths on a synthetic task, Bamboo's supervised vs MAE "
             "on digits. DeepNet: Post-LN, Pre-LN and DeepNorm encoder-decoders (2L-2L, 6L-6L, "
-            "18L-18L, width 64) learn to reverse digit strings with the same learning rate and warm-up. "
+            "18L-18L, width 64, 2 seeds) learn to reverse digit strings with the same learning rate and warm-up. "
             "Bamboo: on scikit-learn's digits (8x8, 2x2 patches = 16 tokens), supervised ViT vs MAE + fine-tuning "
             "at a shallow-wide (4 x 128) and a parameter-matched deep-narrow (16 x 64) shape, 2 seeds, with "
             "token-similarity curves. Small on purpose: the report says which settings to scale up."

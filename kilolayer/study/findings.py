@@ -564,7 +564,7 @@ def _smoothing_pair(results, out, seq: str, tok: str, modality: str) -> list[Fin
         scale_up="Compare at matched convergence (train the token-level model until its fine-tuning accuracy "
                  "plateaus), with more tokens per input and 3+ seeds.")
     trend_f = Finding(
-        f"bamboo_smoothing_trend:{seq}:{tok}", f"... and increasingly with depth ({label})",
+        f"bamboo_smoothing_trend:{seq}:{tok}", f"Sequence-level over-smoothing grows with depth, token-level does not ({label})",
         "Over-smoothing is what makes depth stop paying off for sequence-level objectives: the gap in last-layer "
         "token similarity between a sequence-level and a token-level model grows as the same parameters are spread "
         "over more, narrower layers.", PAPER,
@@ -633,7 +633,7 @@ def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str)
                 "shallower, wider one (Bamboo-B 84.2% vs MAE ViT-B 83.3% ImageNet top-1).", PAPER,
                 f"d = slope of the {pre} + fine-tuned accuracy per doubling of depth. " + common,
                 v_abs, headers, rows, notes=notes, scale_up=scale),
-        Finding(f"bamboo_depth_relative:{tuned}", f"... and gains more from depth than training from scratch ({label})",
+        Finding(f"bamboo_depth_relative:{tuned}", f"Depth helps token-level pre-training more than training from scratch ({label})",
                 f"Going deeper and narrower helps the {pre}-pre-trained model more than the same model trained on the "
                 "task from scratch, whose tokens over-smooth with depth.", PAPER,
                 f"d = (slope of the {pre} + fine-tuned accuracy) minus (slope of the from-scratch accuracy), per "
