@@ -17,8 +17,10 @@ Where checkpoints live and which are complete or intact is :mod:`kilolayer.rundi
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -60,16 +62,34 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _write_error(path: Path, err: BaseException) -> rundir.RunDirError:
-    """One line for a failed write: the file and the operating system's reason (safetensors and torch.save
-    wrap it in their own exception types)."""
-    if isinstance(err, OSError):
+    """One line for a failed write: the file and the operating system's reason. safetensors and torch.save
+    wrap it in their own exceptions (torch's says only 'unexpected pos ...' on a full disk, hence the check
+    of the free space)."""
+    if isinstance(err, OSError) and err.errno:
         return rundir.os_error(err, path)
-    text = str(err)
-    for marker in ('message: "', "message: '"):
-        if marker in text:  # safetensors: ... IoError(Os { code: 28, kind: StorageFull, message: "No space ..." })
-            text = text.split(marker, 1)[1].split(marker[-1], 1)[0]
-            break
-    return rundir.RunDirError(f"{path}: cannot write ({' '.join(text.split())[:160]})")
+    text = " ".join(str(err).split())
+    code = re.search(r"(?:os error|code:) (\d+)", text)
+    if code:
+        reason = os.strerror(int(code.group(1)))
+    elif _nearly_full(path):
+        reason = os.strerror(errno.ENOSPC)
+    else:
+        reason = text[:160] or err.__class__.__name__
+    return rundir.RunDirError(f"{path}: cannot write: {reason}")
+
+
+def _nearly_full(path: Path) -> bool:
+    for p in (path, *path.parents):
+        if p.exists():
+            return shutil.disk_usage(p).free < (1 << 20)
+    return False
+
+
+def _torch_save(obj, path: Path) -> None:
+    # our own file object, closed even when torch fails mid-write (torch's own would stay open until
+    # garbage collection and keep a full disk full)
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def save_checkpoint(
@@ -97,9 +117,9 @@ def save_checkpoint(
         target = tmp / "model.safetensors"
         save_file({k: v.contiguous() for k, v in model.items()}, str(target))
         target = tmp / "optimizer.pt"
-        torch.save(optimizer, target)
+        _torch_save(optimizer, target)
         target = tmp / "rng.pt"
-        torch.save(rng, target)
+        _torch_save(rng, target)
         if extra:
             target = tmp / "extra.safetensors"
             save_file({k: v.contiguous() for k, v in extra.items()}, str(target))
@@ -119,10 +139,10 @@ def save_checkpoint(
         os.replace(tmp, final)
         _fsync_dir(root)
     except (OSError, SafetensorError, RuntimeError) as err:
+        # name the file where it would have been, and free the space of the partial copy
+        error = _write_error(final / target.name if target.parent == tmp else target, err)
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, RuntimeError) and not isinstance(err, OSError) and "write" not in str(err).lower():
-            raise  # not a failed write: a bug, keep its traceback
-        raise _write_error(target, err) from None
+        raise error from None
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -465,6 +465,7 @@ class Trainer:
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.state["tokens"] += tokens * env.world
+                self.step = step  # its update is applied: a failure from here on is at this step
                 if log and (step % tc.log_every == 0 or step == tc.steps):
                     now = time.perf_counter()
                     rate = (self.state["tokens"] - tokens_last) / max(now - t_last, 1e-9)
@@ -485,7 +486,6 @@ class Trainer:
                 saved = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
                 if saved:
                     self.save(step)
-                self.step = step
                 signum = self._stop_signal() if step < tc.steps else 0
                 if signum:
                     # the step is done: finish it with a checkpoint, so a resume replays nothing

@@ -1,0 +1,170 @@
+"""kilolayer.rundir: what a run directory is, its status file, metrics, checksums and lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kilolayer import rundir
+from kilolayer.errors import ConfigError, InputError
+from kilolayer.rundir import RunDirError, RunLock, RunLocked
+
+
+def test_status_round_trip_and_lifecycle(tmp_path):
+    assert rundir.read_status(tmp_path) == {}
+    (tmp_path / rundir.STATUS).write_text("{not json")
+    assert rundir.read_status(tmp_path) == {}  # a torn or foreign file reads as no status
+    life = rundir.Lifecycle(tmp_path)
+    life.running(0)
+    st = rundir.read_status(tmp_path)
+    assert st["status"] == "running" and st["pid"] == os.getpid() and st["host"] and st["started"]
+    assert life.finish("failed", 3, "disk\nfull")
+    st = rundir.read_status(tmp_path)
+    assert st["status"] == "failed" and st["step"] == 3 and st["reason"] == "disk full"
+    assert "last_checkpoint" not in st  # there is none
+    rundir.checkpoint_dir(tmp_path, 2).mkdir(parents=True)
+    (rundir.checkpoint_dir(tmp_path, 2) / rundir.COMPLETE).write_text("2")
+    life.finish("interrupted", 3, "SIGTERM")
+    assert rundir.read_status(tmp_path)["last_checkpoint"] == 2
+    assert rundir.update_status(tmp_path, seconds=1.5)["status"] == "interrupted"
+    assert not list(tmp_path.glob(".status.json.tmp*"))
+    with pytest.raises(ValueError, match="expected one of"):
+        rundir.write_status(tmp_path, "done", 1)
+
+
+def test_what_counts_as_a_run_directory(tmp_path):
+    assert not rundir.is_run_dir(tmp_path / "missing") and rundir.is_empty(tmp_path / "missing")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "status.json").write_text('{"mine": true}')
+    (user / "metrics.jsonl").write_text("my data\n")
+    assert not rundir.is_run_dir(user)
+    with pytest.raises(RunDirError, match="not empty and not a kilolayer run directory"):
+        rundir.check_out(user)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / rundir.LOCK).write_text("1 host\n")
+    assert rundir.is_empty(run)  # only a lock file left by a process that stopped before writing
+    rundir.check_out(run)
+    rundir.write_status(run, "running", 0)
+    assert rundir.is_run_dir(run)
+    old = tmp_path / "old"  # a run from before status.json was written at the start
+    old.mkdir()
+    (old / "config.yaml").write_text("model: {}\n")
+    (old / "metrics.jsonl").write_text("")
+    assert rundir.is_run_dir(old)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(RunDirError, match="is a file, not a directory"):
+        rundir.check_out(a_file)
+    with pytest.raises(RunDirError, match="lies under the file"):
+        rundir.check_out(a_file / "run" / "deeper")
+
+
+def test_clear_run_removes_only_what_a_run_writes(tmp_path):
+    for name in ("config.yaml", "status.json", "metrics.jsonl", "resume.json", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    rundir.clear_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_metrics_reader_skips_a_cut_last_line_and_names_a_bad_one(tmp_path):
+    assert rundir.read_metrics(tmp_path) == []
+    m = rundir.MetricsFile(tmp_path)
+    m.append({"step": 1, "split": "train", "loss": float("nan")})
+    m.append({"step": 2, "split": "train", "loss": 2.0})
+    m.close()
+    with open(tmp_path / rundir.METRICS, "a") as f:
+        f.write('{"step": 3, "spl')  # killed mid-write
+    recs = rundir.read_metrics(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2] and recs[0]["loss"] == "nan"
+    rundir.truncate_metrics(tmp_path, 1)
+    assert (tmp_path / rundir.METRICS).read_text() == '{"step": 1, "split": "train", "loss": "nan"}\n'
+    (tmp_path / rundir.METRICS).write_text('{"step": 1}\ngarbage\n{"step": 2}\n')
+    with pytest.raises(InputError, match=r"metrics.jsonl:2: not a JSON object"):
+        rundir.read_metrics(tmp_path / rundir.METRICS)
+
+
+def _checkpoint(run, step: int, payload: bytes):
+    d = rundir.checkpoint_dir(run, step)
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(payload)
+    rundir.write_manifest(d)
+    (d / rundir.COMPLETE).write_text(str(step))
+    return d
+
+
+def test_manifest_detects_a_flipped_byte_and_falls_back(tmp_path):
+    first = _checkpoint(tmp_path, 4, b"a" * 1000)
+    second = _checkpoint(tmp_path, 8, b"b" * 1000)
+    manifest = json.loads((second / rundir.MANIFEST).read_text())
+    assert manifest["files"]["model.safetensors"]["bytes"] == 1000
+    assert rundir.verify_checkpoint(second) is None
+    data = bytearray((second / "model.safetensors").read_bytes())
+    data[500] ^= 0x01
+    (second / "model.safetensors").write_bytes(bytes(data))
+    problem = rundir.verify_checkpoint(second)
+    assert "step_00000008/model.safetensors" in problem and "SHA-256" in problem
+    warnings = []
+    assert rundir.intact_checkpoint(tmp_path, on_damaged=warnings.append) == first
+    assert len(warnings) == 1 and "step_00000008/model.safetensors" in warnings[0] and "step_00000004" in warnings[0]
+    (first / "model.safetensors").write_bytes(b"a" * 10)
+    with pytest.raises(InputError, match=r"step_00000008/model.safetensors.*no intact checkpoint"):
+        rundir.intact_checkpoint(tmp_path)
+    assert "truncated" in rundir.verify_checkpoint(first)
+
+
+def test_a_checkpoint_without_manifest_is_accepted(tmp_path):
+    d = _checkpoint(tmp_path, 1, b"x")
+    (d / rundir.MANIFEST).unlink()
+    assert rundir.verify_checkpoint(d) is None and rundir.intact_checkpoint(tmp_path) == d
+
+
+def test_lock_is_exclusive_and_names_its_holder(tmp_path):
+    with RunLock(tmp_path):
+        assert rundir.is_locked(tmp_path)
+        with pytest.raises(RunLocked, match=rf"another kilolayer train \(PID {os.getpid()} on "):
+            RunLock(tmp_path).acquire()
+    assert not rundir.is_locked(tmp_path)
+    RunLock(tmp_path).acquire().release()
+
+
+def test_lock_dies_with_a_killed_process(tmp_path):
+    code = ("import sys, time; from kilolayer.rundir import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "print('held', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(RunLocked, match=f"PID {proc.pid}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + 10
+    while rundir.is_locked(tmp_path) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not rundir.is_locked(tmp_path)  # no stale lock, although the file is still there
+    assert (tmp_path / rundir.LOCK).exists()
+
+
+def test_resume_history(tmp_path):
+    rundir.record_resume(tmp_path, 6, {"train.lr": [0.001, 0.01]})
+    rundir.record_resume(tmp_path, 9, {})
+    hist = rundir.read_resume_history(tmp_path)
+    assert [h["step"] for h in hist] == [6, 9] and hist[0]["changed"] == {"train.lr": [0.001, 0.01]}
+    assert hist[0]["time"]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-1e-3"])
+def test_lr_must_be_finite_and_positive(value):
+    from kilolayer.config import load_config
+
+    with pytest.raises(ConfigError, match=r"^train\.lr="):
+        load_config({}, [f"train.lr={value}"])
