@@ -65,7 +65,7 @@ class Budget:
 
 def count_parameters(cfg: "ModelConfig | dict") -> int:
     """Exact number of parameters of ``build_model(cfg)``."""
-    return budget(cfg).parameters
+    return _counts(model_config(cfg))[0]
 
 
 def _scheme(cfg: ModelConfig):
@@ -112,6 +112,18 @@ def budget(cfg: "ModelConfig | dict", seq_len: Optional[int] = None) -> Budget:
     "per token" counts both.
     """
     cfg = model_config(cfg)
+    total, matmul, embed = _counts(cfg)
+    if cfg.input == "patches":
+        T = cfg.seq_len
+    else:
+        T = min(seq_len or cfg.max_len, cfg.max_len)
+    tokens = 2 * T if cfg.arch == "encoder_decoder" else T
+    flops = training_flops(cfg, T, T)
+    return Budget(total, matmul, embed, flops / tokens, T, tokens)
+
+
+def _counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(all parameters, matmul weights incl. the patch projection, embedding parameters)."""
     scheme = _scheme(cfg)
     d = cfg.width
     total = matmul = embed = 0
@@ -129,13 +141,7 @@ def budget(cfg: "ModelConfig | dict", seq_len: Optional[int] = None) -> Budget:
         t, m, _ = _side_params(cfg, scheme, "decoder", cfg.n_decoder_layers, cfg.arch == "encoder_decoder")
         e = _token_embedding_params(cfg)
         total, matmul, embed = total + t + e, matmul + m, embed + e
-    if cfg.input == "patches":
-        T = cfg.seq_len
-    else:
-        T = min(seq_len or cfg.max_len, cfg.max_len)
-    tokens = 2 * T if cfg.arch == "encoder_decoder" else T
-    flops = training_flops(cfg, T, T)
-    return Budget(total, matmul, embed, flops / tokens, T, tokens)
+    return total, matmul, embed
 
 
 # ---------------------------------------------------------------- configurator
