@@ -417,6 +417,11 @@ def test_a_run_without_a_checkpoint_is_replaced_only_with_overwrite(tmp_path, ca
     assert load_config(run / "config.yaml").model.width == 32
     assert main(["train", wide, "--out", str(run), "--quiet", "--resume", "--overwrite"]) == 2
     one_line_error(capsys.readouterr().err, "--resume and --overwrite")
+    # --overwrite replaces the run only once the new one has set up: a refused one leaves it as it was
+    assert main(["train", wide, "--out", str(run), "--quiet", "--overwrite", "--set", "data.name=text_bytes",
+                 "--set", f"data.path={tmp_path / 'nope.txt'}"]) == 2
+    one_line_error(capsys.readouterr().err, "nope.txt")
+    assert load_config(run / "config.yaml").model.width == 32
     assert main(["train", wide, "--out", str(run), "--quiet", "--overwrite", "--set", "train.steps=2"]) == 0
     assert load_config(run / "config.yaml").model.width == 64
     assert rundir.read_status(run)["status"] == "completed" and (run / "notes.txt").read_text() == "mine"

@@ -147,6 +147,7 @@ class Trainer:
         self.life: "rundir.Lifecycle | None" = None  # rank 0's status.json
         self.started = False  # status.json says running: from here on every exit is recorded
         self.created = False
+        self.replace = False
         self._claim(overwrite)
         try:
             self._setup()
@@ -211,7 +212,7 @@ class Trainer:
                         what = f" ({st['status']} at step {st.get('step', 0)})" if st.get("status") else ""
                         raise ConfigError(f"{self.out}: already holds a run{what}; add --resume to continue it, "
                                           f"--overwrite to replace it, or choose another --out")
-                    rundir.clear_run(self.out)
+                    self.replace = True  # cleared once set-up has succeeded
             except KilolayerError as err:
                 error = err
             except OSError as err:
@@ -296,12 +297,14 @@ class Trainer:
         if self.env.main:
             self.life = rundir.Lifecycle(self.out)
             previous = self._saved_config() if self.resume else None
+            if self.replace:
+                rundir.clear_run(self.out)
+            ckpt.remove_partial(self.out)
             if latest is None:
                 (self.out / rundir.METRICS).unlink(missing_ok=True)  # a restart from step 0 logs anew
                 self.life.running(0)
             else:
                 rundir.truncate_metrics(self.out, self.start_step)
-                ckpt.remove_partial(self.out)
                 for later in rundir.complete_checkpoints(self.out):
                     if rundir.checkpoint_step(later) > self.start_step:
                         shutil.rmtree(later, ignore_errors=True)  # damaged (reported): this run replays them
