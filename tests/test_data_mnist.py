@@ -106,6 +106,8 @@ def test_train_size_is_an_exact_stratified_subset_and_splits_follow_split_seed()
     assert torch.all((counts - 1000 * share).abs() < 1)
     assert source(seed=5).splits == full.splits  # train.seed shuffles batches, never the split
     assert source(options={"split_seed": 1}).splits["validation"] != full.splits["validation"]
+    with pytest.raises(ConfigError, match=r"^data.options.train_size=60000: the training split has 54001 images$"):
+        source(options={"train_size": 60_000})
     a, b = source(seed=3).train_batch(7, 32), source(seed=3).train_batch(7, 32)
     assert torch.equal(a["inputs"], b["inputs"]) and torch.equal(a["labels"], b["labels"])
 
@@ -258,3 +260,24 @@ def test_cli_names_what_to_install(tmp_path, capsys):
 def final_eval(run: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["split"] == "eval"][-1]
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_vit_learns_mnist_and_mae_pretraining_lowers_the_fine_tuning_loss(tmp_path):
+    """The shipped configs, shortened: MAE pre-training, then the ViT fine-tuned from it and from scratch
+    for the same steps. Two threads: CI has two cores and runs the tests one at a time."""
+    from kilolayer.cli import main
+
+    torch.set_num_threads(2)  # the autouse fixture restores the previous count
+    cfg = ROOT / "configs"
+    mae, ft, scratch = tmp_path / "mae", tmp_path / "ft", tmp_path / "scratch"
+    short = ["--quiet", "--set", "train.steps=600", "--set", "train.eval_every=600", "--set", "train.checkpoint_every=600"]
+    assert main(["train", str(cfg / "mnist_mae.yaml"), "--out", str(mae), *short]) == 0
+    vit = [*short, "--set", "train.eval_batches=32"]  # 2,048 validation images
+    assert main(["train", str(cfg / "mnist_vit.yaml"), "--out", str(ft), *vit, "--set", f"train.init_from={mae}"]) == 0
+    assert main(["train", str(cfg / "mnist_vit.yaml"), "--out", str(scratch), *vit]) == 0
+    tuned, fresh = final_eval(ft), final_eval(scratch)
+    assert tuned["step"] == fresh["step"] == 600
+    assert tuned["accuracy"] >= 0.95, tuned
+    assert tuned["loss"] < 0.85 * fresh["loss"], (tuned, fresh)

@@ -112,6 +112,9 @@ def fashion_caption(label: int, template: int) -> str:
     return t.format(thing=FASHION_THINGS[label], name=FASHION_CLASSES[label])
 
 
+CAPTIONS = {"mnist": (mnist_caption, len(MNIST_TEMPLATES)), "fashion_mnist": (fashion_caption, len(FASHION_TEMPLATES))}
+
+
 class IdxOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -228,15 +231,15 @@ def load_fashion(path: Optional[str]) -> dict[str, torch.Tensor]:
     return load_idx_folder(folder)
 
 
-LOADERS = {"mnist": load_mnist, "fashion_mnist": load_fashion, "idx": None}
-
-
 def load_arrays(config: Config, kind: str) -> dict[str, torch.Tensor]:
-    if kind == "idx":
-        if config.data.path is None:
-            raise ConfigError("data.path: data.name='idx' needs a folder of the four IDX files (train-images-idx3-ubyte, ...)")
-        return load_idx_folder(Path(config.data.path))
-    return LOADERS[kind](config.data.path)
+    """The four arrays of ``kind`` (mnist | fashion_mnist | idx)."""
+    if kind == "mnist":
+        return load_mnist(config.data.path)
+    if kind == "fashion_mnist":
+        return load_fashion(config.data.path)
+    if config.data.path is None:
+        raise ConfigError("data.path: data.name='idx' needs a folder of the four IDX files (train-images-idx3-ubyte, ...)")
+    return load_idx_folder(Path(config.data.path))
 
 
 # ------------------------------------------------------------------ splits and the source
@@ -265,6 +268,8 @@ def make_splits(labels: torch.Tensor, n_train: int, opts: IdxOptions) -> dict[st
     cut = split_indices(n_train, opts.split_seed, opts.val_fraction, 0.0, labels[:n_train])
     train = cut["train"]
     if opts.train_size is not None:
+        if opts.train_size > len(train):
+            raise ConfigError(f"data.options.train_size={opts.train_size}: the training split has {len(train)} images")
         train = stratified_subset(train, labels, opts.train_size, opts.split_seed + 1)
     return {"train": train, "validation": cut["validation"], "test": torch.arange(n_train, len(labels))}
 
@@ -306,8 +311,8 @@ def _check_model(config: Config, size: int) -> None:
         )
 
 
-def build_source(config: Config, kind: str, captions=None) -> ImageSource:
-    """The source for ``kind`` (mnist | fashion_mnist | idx); ``captions(label, template) -> str`` adds captions."""
+def build_source(config: Config, kind: str, captions: bool = False) -> ImageSource:
+    """The source for ``kind`` (mnist | fashion_mnist | idx), with captions made from the labels if asked."""
     opts = parse_options(IdxOptions, config.data.options, "data.options")
     if kind != "idx":
         _check_model(config, MNIST_SIZE)
@@ -323,12 +328,11 @@ def build_source(config: Config, kind: str, captions=None) -> ImageSource:
     columns: dict = {"images" if captions else "inputs": images, "labels": labels}
     if captions:
         # one fixed template per image, drawn with the split seed
+        make, count = CAPTIONS[kind]
         g = torch.Generator().manual_seed(opts.split_seed + 1)
-        templates = torch.randint(len(MNIST_TEMPLATES), (len(labels),), generator=g).tolist()
-        cache: dict = {}
-        columns["tokens"] = [
-            cache.setdefault((y, t), encode(captions(y, t))) for y, t in zip(labels.tolist(), templates)
-        ]
+        templates = torch.randint(count, (len(labels),), generator=g).tolist()
+        made: dict = {}  # 100 distinct captions, encoded once each
+        columns["tokens"] = [made.setdefault((y, t), encode(make(y, t))) for y, t in zip(labels.tolist(), templates)]
     source = ImageSource(
         config.train.seed,
         columns,
@@ -365,12 +369,12 @@ def idx(config: Config) -> ImageSource:
 
 @register_source("mnist_captions")
 def mnist_captions(config: Config) -> ImageSource:
-    return build_source(config, "mnist", mnist_caption)
+    return build_source(config, "mnist", captions=True)
 
 
 @register_source("fashion_mnist_captions")
 def fashion_mnist_captions(config: Config) -> ImageSource:
-    return build_source(config, "fashion_mnist", fashion_caption)
+    return build_source(config, "fashion_mnist", captions=True)
 
 
 # the number of classes without building the source (classification's default num_classes)
