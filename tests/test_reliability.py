@@ -153,6 +153,17 @@ def test_signal_stops_at_a_step_boundary_and_resume_is_bit_identical(tmp_path, r
     assert [(h["step"], h["changed"]) for h in rundir.read_resume_history(run)] == [(6, {})]
 
 
+def test_a_signal_during_set_up_stops_at_once_and_leaves_nothing(tmp_path):
+    run, gate = tmp_path / "run", tmp_path / "gate"
+    proc = start_paused(gate, -1, "train", str(write_config(tmp_path, LM)), "--out", str(run), "--quiet")
+    assert (run / "train.lock").exists()  # it holds the lock while it sets up
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)  # no need to open the gate: it stops while waiting
+    assert proc.returncode == 143, err
+    one_line_error(err, "interrupted by SIGTERM before training started")
+    assert not run.exists()
+
+
 # ---------------------------------------------------------------- resume semantics
 
 

@@ -2,8 +2,9 @@
 
     python tests/train_harness.py GATE_DIR AT kilolayer-arguments...
 
-Just before computing step AT + 1 it writes GATE_DIR/waiting (holding its PID) and waits until
-GATE_DIR/go exists, then trains on exactly as ``kilolayer`` would (the batches are the same).
+Just before computing step AT + 1 (with AT = -1: while loading its data, during set-up) it writes
+GATE_DIR/waiting (holding its PID) and waits until GATE_DIR/go exists, then trains on exactly as
+``kilolayer`` would (the batches are the same).
 """
 
 from __future__ import annotations
@@ -20,15 +21,20 @@ def main() -> int:
 
     load_source = loop.load_source
 
+    def pause() -> None:
+        (gate / "waiting").write_text(str(os.getpid()))
+        while not (gate / "go").exists():
+            time.sleep(0.01)
+
     def paused_source(config):
+        if at < 0:
+            pause()
         source = load_source(config)
         train_batch = source.train_batch
 
         def batch(index, *rest, **kw):
             if index == at:
-                (gate / "waiting").write_text(str(os.getpid()))
-                while not (gate / "go").exists():
-                    time.sleep(0.01)
+                pause()
             return train_batch(index, *rest, **kw)
 
         source.train_batch = batch

@@ -106,11 +106,13 @@ class Interrupted(KilolayerError):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM while training: the first asks the loop to stop at the next step boundary (with a
-    checkpoint); a second one stops at once. Installed only in the main thread (where Python allows it)."""
+    """SIGINT and SIGTERM: during set-up they stop at once; once the loop runs (``armed``), the first asks
+    it to stop at the next step boundary (with a checkpoint) and a second one stops at once. Installed only
+    in the main thread (where Python allows it)."""
 
     def __init__(self):
         self.signum = 0
+        self.armed = False
         self._previous: dict = {}
 
     def install(self) -> "StopSignals":
@@ -120,9 +122,11 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self.armed:
+            raise Interrupted(f"interrupted by {name} before training started", signum)
         if self.signum:
-            raise Interrupted(f"stopped at once by a second {signal.Signals(signum).name}; the newest complete "
-                              f"checkpoint is kept", signum)
+            raise Interrupted(f"stopped at once by a second {name}; the newest complete checkpoint is kept", signum)
         self.signum = signum
 
     def restore(self) -> None:
@@ -415,11 +419,9 @@ class Trainer:
             signum = _all_max(signum, self.env)
         return signum
 
-    def _interrupt(self, signum: int, step: int, saved: bool) -> Interrupted:
-        name = signal.Signals(signum).name
-        kept = f"checkpoint step {step} saved" if saved else "no step since the last checkpoint"
-        return Interrupted(f"interrupted by {name} at step {step} ({kept}); continue with: "
-                           f"kilolayer train --resume --out {self.out}", signum)
+    def _interrupt(self, signum: int, step: int) -> Interrupted:
+        return Interrupted(f"interrupted by {signal.Signals(signum).name} at step {step} (checkpoint step {step} "
+                           f"saved); continue with: kilolayer train --resume --out {self.out}", signum)
 
     def _loop(self) -> dict:
         tc, env = self.config.train, self.env
@@ -432,8 +434,8 @@ class Trainer:
         t_last, tokens_last = time.perf_counter(), self.state["tokens"]
         try:
             log = MetricsLog(self.out, tensorboard=env.main) if env.main else None
-            if self._stop_signal():
-                raise self._interrupt(self._stop_signal(), self.start_step, saved=False)
+            if self.signals is not None:
+                self.signals.armed = True  # from here a signal waits for the step boundary
             for step in range(self.start_step + 1, tc.steps + 1):
                 batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
                 loss_sum, tokens = 0.0, 0
@@ -494,7 +496,7 @@ class Trainer:
                     # the step is done: finish it with a checkpoint, so a resume replays nothing
                     if not saved:
                         self.save(step)
-                    raise self._interrupt(signum, step, saved=True)
+                    raise self._interrupt(signum, step)
             if tc.steps == 0 and self.start_step == 0:
                 self.save(0)  # an untrained run is still a run: analysis can load it
             if env.main:
