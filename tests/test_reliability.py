@@ -453,8 +453,9 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
     from kilolayer.study.spec import expand, load_spec
 
     spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text(json.dumps({"name": "tiny", "groups": [{
-        "name": "g", "base": cfg_with(steps=8, checkpoint_every=2, keep_checkpoints=4), "grid": {"model.scheme": ["pre_ln"]}}]}))
+    base = cfg_with(steps=8, checkpoint_every=2, keep_checkpoints=4)
+    spec_file.write_text(json.dumps({"name": "tiny", "groups": [
+        {"name": "g", "base": base, "grid": {"model.scheme": ["pre_ln"]}}]}))
     (point,) = expand(load_spec(spec_file))
     out = tmp_path / "study"
     run = point.run_dir(out)

@@ -1,4 +1,4 @@
-"""Run outputs: metrics.jsonl (one JSON object per line), TensorBoard events, status.json, progress."""
+"""Run outputs: metrics.jsonl (through kilolayer.rundir), TensorBoard events, progress."""
 
 from __future__ import annotations
 
