@@ -1,0 +1,499 @@
+"""``diagnose(run_dir)``: why a run stalled, blew up or trained, each line with its evidence and a fix.
+
+What is read or measured (and where it comes from):
+
+* status.json (status, step, reason) and metrics.jsonl (losses; the ``diagnostics`` lines
+  ``train.diagnostics_every`` logs);
+* step 1 is replayed in memory from the seeds (``kilolayer.doctor.measure.replay``: the run's own
+  initialisation and first batch), which gives the first update, gradients and LayerNorm inputs for a
+  run trained without diagnostics, and F(x, theta_0) for the measurements below;
+* the same step of a DeepNorm model of the same shape, seed and learning rate: the empirical reference
+  for the first update;
+* the newest intact checkpoint: the total update ||F(x, theta_T) - F(x, theta_0)||, LayerNorm inputs and
+  per-layer gradients at the end, and (if RUN/analysis/smoothness/smoothness.json is absent) token
+  similarity per layer through the stack's observer (one layer's activations at a time);
+* the chance level of the run's evaluation data (``kilolayer.analysis.chance``).
+
+Nothing is written into the run directory.
+
+The rules (each a threshold on one measurement; every number is printed with the line):
+
+* vanishing bottom gradients: per side, the first layer's gradient norm below ``GRAD_RATIO`` x the
+  last layer's, at any measured step;
+* large first update: the step-1 update at least ``UPDATE_RATIO`` x the DeepNorm reference's;
+* LayerNorm inputs growing with layer: the last layer's mean LayerNorm input (residual-path norms only)
+  at least ``LN_GROWTH`` x the first layer's, on a side;
+* over-smoothing: last-layer token cosine similarity at least ``COSINE``;
+* never below chance: the best evaluation loss at or above the chance level; otherwise, a final
+  evaluation loss above 0.9 x chance is "learned nothing" (the study report's rule);
+* barely moved: the total update at the last checkpoint below ``BARELY_MOVED`` x the output's size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from kilolayer.config import Config, load_config
+from kilolayer.errors import InputError, KilolayerError
+from kilolayer.rundir import CONFIG, read_json, read_metrics, read_status
+
+GRAD_RATIO = 0.1
+UPDATE_RATIO = 10.0
+LN_GROWTH = 3.0
+COSINE = 0.9
+BARELY_MOVED = 0.05
+
+POST_LN_FORM = ("post_ln", "ds_init", "admin")  # x <- LN(x + F(x)) with a shortcut that does not scale up
+LAYER_NORM = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\..*(pre_norm|post_norm)$")
+
+
+@dataclass
+class Finding:
+    """One line of a diagnosis: ``code`` (stable name), ``text`` (with its evidence number), the
+    ``suggestion`` tied to that number, and the numbers themselves."""
+
+    code: str
+    text: str
+    suggestion: str = ""
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass
+class Diagnosis:
+    """A run's diagnosis: its outcome, the problems found (``findings``), the checks that passed
+    (``fine``), every measurement with its source, and what could not be measured (``notes``)."""
+
+    run: str
+    summary: str
+    status: dict
+    outcome: Optional[dict]
+    findings: list[Finding]
+    fine: list[str]
+    measurements: dict
+    notes: list[str]
+
+    @property
+    def lines(self) -> list[str]:
+        """The diagnosis as printed by ``kilolayer doctor RUN_DIR``."""
+        out = [self.summary]
+        if self.outcome is not None:
+            label = self.outcome["label"] or self.outcome["status"]
+            out.append(f"outcome: {label} ({self.outcome['why']})")
+        for f in self.findings:
+            out.append(f"- {f.text}")
+            if f.suggestion:
+                out.append(f"  -> {f.suggestion}")
+        if not self.findings:
+            out.append("- no problem found by the rules below")
+        if self.fine:
+            out.append("fine: " + "; ".join(self.fine))
+        out += [f"note: {n}" for n in self.notes]
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["lines"] = self.lines
+        return _json_safe(d)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _e(x: float) -> str:
+    """A number for a diagnosis line: 3 significant digits, scientific when tiny or huge."""
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:.1e}" if x != 0 and (abs(x) < 1e-2 or abs(x) >= 1e4) else f"{x:.3g}"
+
+
+# ---------------------------------------------------------------- measurements -> numbers
+
+
+def side_ratios(layers: list[str], norms: list[float]) -> dict[str, float]:
+    """Per side: gradient norm of its first layer / its last layer's."""
+    out = {}
+    for side in ("encoder", "decoder"):
+        idx = [i for i, n in enumerate(layers) if n.startswith(side + ".")]
+        if len(idx) >= 2:
+            bottom, top = norms[idx[0]], norms[idx[-1]]
+            out[side] = bottom / top if top > 0 else math.nan
+    return out
+
+
+def ln_per_layer(names: list[str], values: list[float]) -> dict[str, list[float]]:
+    """Per side: the mean input magnitude of each layer's residual-path LayerNorms (pre_norm/post_norm), by
+    layer; inner and output norms and the final norm are left out."""
+    sums: dict[str, dict[int, list[float]]] = {}
+    for name, v in zip(names, values):
+        m = LAYER_NORM.match(name)
+        if m and math.isfinite(v):
+            sums.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(v)
+    return {side: [sum(v) / len(v) for _, v in sorted(layers.items())] for side, layers in sums.items()}
+
+
+def ln_growth(names: list[str], values: list[float]) -> dict[str, float]:
+    """Per side: last layer's mean LayerNorm input / first layer's (sides with at least two layers)."""
+    out = {}
+    for side, per in ln_per_layer(names, values).items():
+        if len(per) >= 2 and per[0] > 0:
+            out[side] = per[-1] / per[0]
+    return out
+
+
+def _diagnostics(records: list[dict]) -> list[dict]:
+    out = []
+    for r in records:
+        if r.get("split") != "diagnostics":
+            continue
+        layers, grads = r.get("layers") or [], r.get("grad_norm") or []
+        ln_names, ln_input = r.get("ln_names") or [], r.get("ln_input") or []
+        if len(layers) != len(grads) or len(ln_names) != len(ln_input):
+            raise InputError(f"metrics.jsonl (diagnostics at step {r.get('step')}): names and values differ in length")
+        out.append({"step": int(r["step"]), "layers": [str(x) for x in layers],
+                    "grad_norm": [_number(x) for x in grads], "update": _number(r.get("update")),
+                    "ln_names": [str(x) for x in ln_names], "ln_input": [_number(x) for x in ln_input]})
+    return sorted(out, key=lambda d: d["step"])
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def _shape(config: Config) -> str:
+    m = config.model
+    if m.arch == "encoder_decoder":
+        return f"{m.encoder_layers}L-{m.n_decoder_layers}L"
+    return f"{m.encoder_layers or m.n_decoder_layers}L"
+
+
+def _alpha_text(config: Config) -> str:
+    from kilolayer.nn.deepnorm import deepnorm_constants
+
+    m = config.model
+    consts = deepnorm_constants(m.arch, m.encoder_layers, m.n_decoder_layers)
+    return ", ".join(f"{side} alpha {a:.2f}, beta {b:.2f}" for side, (a, b) in consts.items())
+
+
+def gradient_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
+    """Vanishing bottom gradients, from ``m["grad_ratio"]``: side -> [{step, ratio, source}]."""
+    findings, fine = [], []
+    scheme = config.model.scheme
+    for side, points in m.get("grad_ratio", {}).items():
+        finite = [p for p in points if math.isfinite(p["ratio"])]
+        if not finite:
+            continue
+        worst = min(finite, key=lambda p: p["ratio"])
+        steps = ", ".join(f"{_e(p['ratio'])} at step {p['step']}" for p in finite)
+        if worst["ratio"] < GRAD_RATIO:
+            pattern = " (Post-LN's vanishing pattern)" if scheme in POST_LN_FORM else ""
+            if scheme in POST_LN_FORM:
+                fix = (f"set model.scheme=deepnorm ({_alpha_text(config)}): DeepNet up-weights the shortcut so "
+                       f"the gradient reaches the bottom layers; or model.scheme=pre_ln")
+            else:
+                fix = "fewer layers, or a scheme whose shortcut carries the gradient (deepnorm, pre_ln)"
+            findings.append(Finding(
+                "vanishing_gradients",
+                f"gradients at the bottom of the {side} are {_e(worst['ratio'])} of the top's at step "
+                f"{worst['step']}{pattern}; bottom/top per measured step: {steps} (flagged below {GRAD_RATIO:g})",
+                fix + f": the bottom {side} layers barely learn while the ratio is {_e(worst['ratio'])}",
+                {"side": side, "points": finite}))
+        else:
+            fine.append(f"{side} bottom/top gradient {steps}")
+    return findings, fine
+
+
+def update_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
+    """A large first update, from ``m["first_update"]``, ``m["deepnorm_first_update"]`` and the bound."""
+    first, ref = m.get("first_update"), m.get("deepnorm_first_update")
+    if not first or not math.isfinite(first["value"]):
+        return [], []
+    bound = m.get("bound")
+    bound_text = ""
+    if bound and bound.get("ratio") is not None and config.model.scheme != "deepnorm":
+        bound_text = (f"; DeepNet's bound for this scheme at {_shape(config)} is {bound['ratio']:.0f}x DeepNorm's "
+                      f"({bound['coefficient']:.4g} vs {bound['deepnorm_coefficient']:.3g} x lr: a bound, "
+                      f"not a prediction)")
+    if config.model.scheme == "deepnorm" or not ref or not ref.get("value"):
+        if config.model.scheme == "deepnorm" and bound:
+            return [], [f"first update {_e(first['value'])} at lr {_e(first['lr'])} (DeepNorm: its bound is "
+                        f"{bound['deepnorm_coefficient']:.3g} x lr at any depth)"]
+        return [], [f"first update {_e(first['value'])} at lr {_e(first['lr'])}"]
+    ratio = first["value"] / ref["value"]
+    text = (f"the first update ||F(x,θ1) - F(x,θ0)|| is {_e(first['value'])}, {ratio:.3g}x that of a DeepNorm model "
+            f"of this shape at the same lr {_e(first['lr'])} ({_e(ref['value'])}, measured: an empirical "
+            f"reference){bound_text}")
+    evidence = {"update": first["value"], "deepnorm": ref["value"], "ratio": ratio, "lr": first["lr"]}
+    if ratio >= UPDATE_RATIO:
+        fix = (f"set model.scheme=deepnorm (bounded update at any depth), or divide train.lr by about "
+               f"{ratio:.0f} / lengthen train.warmup (now {config.train.warmup}) so early updates stay near "
+               f"DeepNorm's size")
+        return [Finding("large_update", text + f" (flagged at {UPDATE_RATIO:g}x)", fix, evidence)], []
+    return [], [f"first update {_e(first['value'])} = {ratio:.2g}x DeepNorm's at this shape and lr"]
+
+
+def ln_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
+    """LayerNorm inputs growing with layer, from ``m["ln_growth"]``: side -> [{step, growth, per_layer}]."""
+    findings, fine = [], []
+    for side, points in m.get("ln_growth", {}).items():
+        if not points:
+            continue
+        worst = max(points, key=lambda p: p["growth"])
+        per = ", ".join(_e(v) for v in worst["per_layer"])
+        if worst["growth"] >= LN_GROWTH:
+            if config.model.scheme in ("pre_ln", "sub_ln", "sandwich_ln", "normformer", "layerscale"):
+                why = ("the residual stream outgrows what each layer adds, so the top layers change it little "
+                       "(Pre-LN's weakness at depth)")
+                fix = ("model.scheme=deepnorm keeps every LayerNorm input at the alpha-scaled level; or fewer, "
+                       "wider layers")
+            else:
+                why = "the branch outputs grow relative to the shortcut"
+                fix = f"lower train.lr or lengthen train.warmup (now {config.train.warmup})"
+            findings.append(Finding(
+                "ln_growth",
+                f"LayerNorm inputs grow layer by layer in the {side}: {worst['growth']:.3g}x from the first layer to "
+                f"the last at step {worst['step']} (per layer: {per}; flagged at {LN_GROWTH:g}x): {why}",
+                fix, {"side": side, **worst}))
+        else:
+            fine.append(f"{side} LayerNorm inputs {worst['growth']:.2g}x first to last layer")
+    return findings, fine
+
+
+def smoothing_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
+    s = m.get("smoothness")
+    if not s or not math.isfinite(s.get("last", math.nan)):
+        return [], []
+    if s["last"] >= COSINE:
+        seq_level = config.objective.name in ("classification", "contrastive")
+        why = " (a sequence-level objective: Bamboo's over-smoothing)" if seq_level else ""
+        fix = ("a token-level objective (MAE / MLM pre-training, then fine-tune) or fewer, wider layers: "
+               "extra depth adds little while the last layers' tokens are this alike") if seq_level else \
+              "fewer, wider layers: the last layers' tokens are nearly identical, so extra depth adds little"
+        return [Finding(
+            "oversmoothing",
+            f"last-layer tokens are {s['last']:.3g} similar (mean token cosine; {s['first']:.2g} after the "
+            f"embedding; flagged at {COSINE:g}): over-smoothing{why}",
+            fix, dict(s))], []
+    return [], [f"last-layer token cosine {s['last']:.2g} (embedding {s['first']:.2g})"]
+
+
+def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[list[Finding], list[str]]:
+    c = m.get("losses")
+    if not c or not math.isfinite(c.get("chance", math.nan)):
+        return [], []
+    best, final, level = c["best_eval"], c["final_eval"], c["chance"]
+    if not math.isfinite(best):
+        return [], []
+    codes = {f.code for f in others}
+    moved = m.get("final_update") or {}
+    if "vanishing_gradients" in codes:
+        fix = "the vanishing gradients above are the likely cause: fix those first"
+    elif moved.get("relative") is not None and moved["relative"] < BARELY_MOVED:
+        fix = (f"the weights barely moved (output changed by {moved['relative']:.2g} of its size by step "
+               f"{moved['step']}, flagged below {BARELY_MOVED:g}): raise train.lr (now {_e(config.train.lr)}) "
+               f"or train longer")
+    elif "large_update" in codes or (moved.get("relative") or 0) > 1.0:
+        fix = ("the model moved far but to no use: updates this large throw it back to chance; lower "
+               f"train.lr (now {_e(config.train.lr)}) or lengthen train.warmup")
+    else:
+        fix = "train longer, or check that the targets depend on the inputs"
+    if best >= level:
+        return [Finding("never_below_chance",
+                        f"loss never went below the data's chance level: best eval loss {best:.4g} >= chance "
+                        f"{level:.4g} (the best input-independent predictor on these evaluation targets)",
+                        fix, dict(c))], []
+    if final > 0.9 * level:
+        return [Finding("learned_nothing",
+                        f"final eval loss {final:.4g} is {final / level:.2f} x the chance level {level:.4g}: learned "
+                        f"almost nothing (the study report's rule: above 0.9 x chance)", fix, dict(c))], []
+    return [], [f"final eval loss {final:.4g} = {final / level:.2f} x chance {level:.4g}"]
+
+
+def status_findings(config: Config, status: dict, m: dict) -> list[Finding]:
+    st = status.get("status")
+    if st == "diverged":
+        lr = m.get("lr_at_end")
+        warm = config.train.warmup
+        where = f" (lr {_e(lr)}, {'after' if status.get('step', 0) > warm else 'during'} the {warm}-step warm-up)" \
+            if lr is not None else ""
+        first = m.get("first_update") or {}
+        ref = (m.get("deepnorm_first_update") or {}).get("value")
+        tie = f"; its first update was {first['value'] / ref:.3g}x DeepNorm's" if first and ref else ""
+        return [Finding("diverged", f"diverged at step {status.get('step')}{where}: {status.get('reason', '')}",
+                        f"lower train.lr (peak {_e(config.train.lr)}) or lengthen train.warmup{tie}; "
+                        f"the last good checkpoint is kept (kilolayer train --resume --set train.lr=...)",
+                        {"step": status.get("step"), "reason": status.get("reason", "")})]
+    if st == "failed":
+        return [Finding("failed", f"failed at step {status.get('step')}: {status.get('reason', '')}",
+                        "not a training outcome: fix the cause above and continue with kilolayer train --resume",
+                        {"step": status.get("step"), "reason": status.get("reason", "")})]
+    return []
+
+
+# ---------------------------------------------------------------- measuring a run
+
+
+def _config_of(run: Path) -> Config:
+    if not run.exists():
+        raise InputError(f"{run}: no such run directory")
+    if not run.is_dir():
+        raise InputError(f"{run}: not a directory (give a kilolayer run directory)")
+    if not (run / CONFIG).is_file():
+        raise InputError(f"{run}: not a kilolayer run directory (no config.yaml)")
+    return load_config(run / CONFIG)
+
+
+def measure(run: Path, config: Config, records: list[dict], status: dict, *, replay_steps: int = 1,
+            smoothness_samples: int = 128, device: str = "cpu") -> tuple[dict, list[str]]:
+    """Every measurement the rules read, with its source, and notes on what could not be measured."""
+    from kilolayer.doctor.measure import at_checkpoint, deepnorm_first_update, replay
+    from kilolayer.doctor.outcome import chance
+    from kilolayer.doctor.theory import update_coefficient
+
+    m: dict = {}
+    notes: list[str] = []
+    logged = _diagnostics(records)
+    start = replay(config, replay_steps, device) if replay_steps > 0 else None
+    m["output_norm"] = start.output_norm if start else None
+
+    # gradients and LayerNorm inputs: every logged step, or the replayed first step(s)
+    points = [dict(d, source="logged") for d in logged]
+    if not points and start is not None:
+        points = [{"step": s.step, "layers": s.layers, "grad_norm": s.grad_norm, "update": s.update,
+                   "ln_names": s.ln_names, "ln_input": s.ln_input, "source": "replayed"} for s in start.steps]
+        notes.append(f"no diagnostics in metrics.jsonl (train.diagnostics_every=0): step 1 replayed from the seed")
+    ckpt = None
+    if start is not None:
+        try:
+            ckpt = at_checkpoint(run, config, start, device)
+        except KilolayerError as err:
+            notes.append(f"checkpoint not measured: {err}")
+        if ckpt is None and not any("checkpoint not measured" in n for n in notes):
+            notes.append("no complete checkpoint: nothing measured at the end of training")
+    if ckpt is not None:
+        points.append({"step": ckpt.step, "layers": ckpt.layers, "grad_norm": ckpt.grad_norm, "update": ckpt.update,
+                       "ln_names": ckpt.ln_names, "ln_input": ckpt.ln_input, "source": "checkpoint"})
+        rel = ckpt.update / start.output_norm if start.output_norm else None
+        m["final_update"] = {"value": ckpt.update, "step": ckpt.step, "relative": rel}
+    early = [p for p in points if p["source"] != "checkpoint"]
+    chosen = ([early[0], early[-1]] if len(early) > 1 else early) + [p for p in points if p["source"] == "checkpoint"]
+    m["grad_ratio"] = {}
+    m["ln_growth"] = {}
+    for p in chosen:
+        for side, r in side_ratios(p["layers"], p["grad_norm"]).items():
+            m["grad_ratio"].setdefault(side, []).append({"step": p["step"], "ratio": r, "source": p["source"]})
+        per = ln_per_layer(p["ln_names"], p["ln_input"])
+        for side, g in ln_growth(p["ln_names"], p["ln_input"]).items():
+            m["ln_growth"].setdefault(side, []).append(
+                {"step": p["step"], "growth": g, "per_layer": per[side], "source": p["source"]})
+
+    # the first update, against DeepNorm's at the same shape and lr (empirical) and DeepNet's bound (theory)
+    first = next((p for p in points if p["step"] == 1 and math.isfinite(p["update"])), None)
+    if first is not None:
+        lr1 = start.steps[0].lr if start and start.steps else config.train.lr
+        m["first_update"] = {"value": first["update"], "step": 1, "lr": lr1, "source": first["source"]}
+    if logged:
+        top = max(logged, key=lambda d: d["update"] if math.isfinite(d["update"]) else -1)
+        m["max_logged_update"] = {"value": top["update"], "step": top["step"]}
+    if first is not None and config.model.scheme != "deepnorm" and replay_steps > 0:
+        ref = deepnorm_first_update(config, device)
+        if ref is not None:
+            m["deepnorm_first_update"] = {"value": ref, "source": "replayed (model.scheme=deepnorm, same seed)"}
+    own, dn = update_coefficient(config.model), update_coefficient(config.model, "deepnorm")
+    if dn is not None:
+        m["bound"] = {"coefficient": own, "deepnorm_coefficient": dn,
+                      "ratio": own / dn if own is not None else None}
+
+    # tokens: the study's cached analysis, or measured through the observer
+    m["smoothness"] = _smoothness(run, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
+
+    # losses against the chance level
+    evals = [_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
+    trains = [(int(r["step"]), _number(r.get("loss")), _number(r.get("lr"))) for r in records
+              if r.get("split") == "train" and "loss" in r]
+    if trains:
+        m["lr_at_end"] = next((lr for _, _, lr in reversed(trains) if math.isfinite(lr)), None)
+    try:
+        level = chance(config, run)["loss"]
+    except (KilolayerError, NotImplementedError) as err:
+        level = math.nan
+        notes.append(f"chance level not computed: {err}")
+    finite_evals = [e for e in evals if math.isfinite(e)]
+    if finite_evals:
+        m["losses"] = {"chance": level, "best_eval": min(finite_evals), "final_eval": evals[-1],
+                       "evaluations": len(evals)}
+    elif math.isfinite(level):
+        notes.append("no evaluation loss logged: the chance check needs one")
+    return m, notes
+
+
+def _smoothness(run: Path, samples: int, device: str, notes: list[str], has_checkpoint: bool) -> Optional[dict]:
+    cached = read_json(run / "analysis" / "smoothness" / "smoothness.json")
+    if isinstance(cached, dict) and cached.get("cosine"):
+        result, source = cached, "RUN/analysis/smoothness/smoothness.json"
+    elif samples > 0 and has_checkpoint:
+        from kilolayer.analysis.smoothness import smoothness_of_run
+
+        try:
+            result, source = smoothness_of_run(run, samples=samples, device=device), "measured at the checkpoint"
+        except KilolayerError as err:
+            notes.append(f"token similarity not measured: {err}")
+            return None
+    else:
+        return None
+    cos = [_number(v) for v in result["cosine"]]
+    return {"last": cos[-1], "first": cos[0], "per_layer": cos, "source": source}
+
+
+def diagnose(run_dir: "str | Path", *, replay_steps: int = 1, smoothness_samples: int = 128,
+             device: str = "cpu") -> Diagnosis:
+    """Diagnose the run in ``run_dir`` (see the module docstring for what is measured and the rules).
+
+    ``replay_steps=0`` and ``smoothness_samples=0`` skip the measurements that build the model (then only
+    what metrics.jsonl and the caches hold is used). Raises :class:`~kilolayer.errors.InputError` (one
+    line) for a directory that is not a run."""
+    from kilolayer.doctor.outcome import outcome
+
+    run = Path(run_dir)
+    config = _config_of(run)
+    records = read_metrics(run)
+    status = read_status(run)
+    m, notes = measure(run, config, records, status, replay_steps=replay_steps,
+                       smoothness_samples=smoothness_samples, device=device)
+    found, fine = [], []
+    for rule in (gradient_findings, update_findings, ln_findings, smoothing_findings):
+        f, ok = rule(config, m)
+        found += f
+        fine += ok
+    f, ok = chance_findings(config, m, found)
+    found += f
+    fine += ok
+    found = status_findings(config, status, m) + found
+    out = None
+    try:
+        out = outcome(run, config, records).to_dict()
+    except (KilolayerError, NotImplementedError) as err:
+        notes.append(f"outcome not decided: {err}")
+    mc = config.model
+    st = status.get("status", "no status.json")
+    summary = (f"{run}: {mc.scheme} {mc.arch} {_shape(config)} x {mc.width}, {config.objective.name} on "
+               f"{config.data.name}; {st} at step {status.get('step', '?')} of {config.train.steps} "
+               f"(lr {_e(config.train.lr)}, warm-up {config.train.warmup}, {config.train.schedule})")
+    return Diagnosis(str(run), summary, {k: status.get(k) for k in ("status", "step", "reason") if k in status},
+                     out, found, fine, m, notes)

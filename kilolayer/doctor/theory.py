@@ -1,0 +1,90 @@
+"""DeepNet's bound on the model update (arXiv 2203.00555, section 4), evaluated for a model's constants.
+
+For sublayers ``x <- LN(alpha x + G(x))`` whose value/output (attention) or W1/W2 (FFN) weights start
+with Xavier gains ``v`` and ``w``, the paper bounds the change of the output after one update by the
+per-sublayer parameter changes ``||theta*_i - theta_i||`` (each O(eta) with Adam):
+
+* one stack of sublayers i (encoder-only, or decoder-only)::
+
+      ||dF|| <= sum_i (v_i^2 + w_i^2) / alpha^2 * ||theta*_i - theta_i||
+
+* an encoder-decoder: the decoder's own sum over its 3M sublayers, plus the encoder's sum carried
+  through the M cross-attention sublayers::
+
+      ||dF|| <= sum_dec (v^2 + w^2) / alpha_d^2 * |d theta|
+                + (sum_cross v w / alpha_d) * sum_enc (v^2 + w^2) / alpha_e^2 * |d theta|
+
+With |d theta| = eta the bound is ``coefficient x eta``. DeepNorm's constants (Table 1) are the ones
+that make every sum 1, whatever the depth: ``2N * 2 beta^2 / alpha^2 = 1`` with alpha = (2N)^(1/4),
+beta = (8N)^(-1/4); the decoder side of an encoder-decoder gives 3M * 2 beta^2 / alpha^2 = 1, and its
+cross term (M beta_d^2 / alpha_d) * (2N * 2 beta_e^2 / alpha_e^2) = 1.01 with the paper's 0.81 and
+0.87 (tests/test_doctor.py checks these). Post-LN (alpha = v = w = 1) gets 4N for one stack and
+6M + 4NM for an encoder-decoder: its bound grows with depth, DeepNorm's does not.
+
+This is our reading of the paper's theorems, checked by that consistency with Table 1 (the PDF is not
+in this repository). It is a *bound*: it says how the worst case scales with depth, not how large a
+measured update is. ``kilolayer doctor`` therefore states it next to an empirical reference (the
+measured first update of a DeepNorm model of the same shape), never in place of one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kilolayer.config import ModelConfig
+
+# schemes of the form x <- LN(alpha x + G(x)) with no other norm, which the theorem covers
+POST_LN_FORM = ("post_ln", "deepnorm", "ds_init", "admin")
+
+
+def _side_sum(scheme, side: str, depth) -> float:
+    from kilolayer.nn.residual import Site
+
+    total = 0.0
+    kinds = ("self_attn", "cross_attn", "ffn") if side == "decoder" and depth.arch == "encoder_decoder" \
+        else ("self_attn", "ffn")
+    for layer in range(depth.layers(side)):
+        for kind in kinds:
+            site = Site(side, layer, kind)
+            alpha = scheme.shortcut_init(site) if scheme.learned_shortcut else scheme.alpha(site)
+            v, w = (scheme.gain(site, "w1"), scheme.gain(site, "w2")) if kind == "ffn" else \
+                (scheme.gain(site, "v"), scheme.gain(site, "o"))
+            total += (v * v + w * w) / alpha**2
+    return total
+
+
+def _cross_factor(scheme, depth) -> float:
+    from kilolayer.nn.residual import Site
+
+    total = 0.0
+    for layer in range(depth.M):
+        site = Site("decoder", layer, "cross_attn")
+        alpha = scheme.shortcut_init(site) if scheme.learned_shortcut else scheme.alpha(site)
+        total += scheme.gain(site, "v") * scheme.gain(site, "o") / alpha
+    return total
+
+
+def update_coefficient(model: ModelConfig, scheme_name: Optional[str] = None) -> Optional[float]:
+    """The bound's coefficient C in ``||dF|| <= C eta`` for ``model`` (or the same shape with
+    ``scheme_name``); None for schemes the theorem does not cover (Pre-LN and other pre-norm schemes,
+    ReZero, T-Fixup)."""
+    from kilolayer.nn.residual import Depth, make_scheme
+
+    name = scheme_name or model.scheme
+    if name not in POST_LN_FORM:
+        return None
+    depth = Depth(model.arch, model.encoder_layers, model.n_decoder_layers)
+    scheme = make_scheme(name, depth, layerscale_init=model.layerscale_init,
+                         ds_init_variant=model.ds_init_variant)
+    if model.arch == "encoder":
+        return _side_sum(scheme, "encoder", depth)
+    if model.arch == "decoder":
+        return _side_sum(scheme, "decoder", depth)
+    return _side_sum(scheme, "decoder", depth) + _cross_factor(scheme, depth) * _side_sum(scheme, "encoder", depth)
+
+
+def bound_ratio(model: ModelConfig) -> Optional[float]:
+    """How many times DeepNorm's bound at this depth the model's own bound is (None if not covered)."""
+    own = update_coefficient(model)
+    ref = update_coefficient(model, "deepnorm")
+    return None if own is None or ref is None else own / ref

@@ -1,0 +1,185 @@
+"""`kilolayer doctor`: diagnosis lines on constructed run directories and on real small runs, the forecast,
+DeepNet's update bound, and one-line errors."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from kilolayer import rundir
+from kilolayer.cli import main
+from kilolayer.config import dump_yaml, load_config
+from kilolayer.doctor import diagnose
+from kilolayer.doctor.measure import deepnorm_first_update, replay
+from kilolayer.doctor.theory import update_coefficient
+
+# a tiny encoder-decoder on the reverse task: replaying its first step takes well under a second
+TINY = {
+    "model": {"arch": "encoder_decoder", "scheme": "post_ln", "layers": 3, "decoder_layers": 3, "width": 16,
+              "heads": 2, "ffn": 32, "vocab_size": 13, "max_len": 16},
+    "objective": {"name": "seq2seq", "options": {"decode_samples": 0}},
+    "data": {"name": "synthetic", "task": "reverse",
+             "options": {"vocab": 10, "min_len": 4, "max_len": 8, "eval_size": 32}},
+    "train": {"steps": 20, "batch_size": 8, "lr": 1e-3, "warmup": 10, "eval_batches": 2, "eval_every": 10,
+              "diagnostics_every": 5},
+}
+ENC = [f"encoder.{i}" for i in range(3)]
+DEC = [f"decoder.{i}" for i in range(3)]
+LN = [f"{side}.layers.{i}.{sub}.post_norm" for side, subs in (("encoder", ("self_attn", "ffn")),
+                                                              ("decoder", ("self_attn", "cross_attn", "ffn")))
+      for i in range(3) for sub in subs]
+
+
+def tiny(**changes) -> "Config":  # noqa: F821
+    data = json.loads(json.dumps(TINY))
+    for key, value in changes.items():
+        section, name = key.split("__")
+        if value is None:
+            data[section].pop(name, None)
+        else:
+            data[section][name] = value
+    return load_config(data)
+
+
+def fake_run(path, config, *, grads=None, updates=(0.01, 0.02), ln=None, evals=(2.0, 1.5), status="completed",
+             reason="", smoothness=None):
+    """A run directory written through kilolayer.rundir, with hand-made diagnostics and losses."""
+    path.mkdir(parents=True)
+    rundir.write_atomic(path / rundir.CONFIG, dump_yaml(config))
+    grads = grads or [1.0] * 6
+    ln = ln or [1.0] * len(LN)
+    lines = []
+    for i, (step, update) in enumerate(zip((1, 5), updates)):
+        lines.append({"step": step, "split": "train", "loss": 2.5 - 0.1 * i, "lr": 1e-4 * step})
+        lines.append({"step": step, "split": "diagnostics", "layers": ENC + DEC, "grad_norm": grads,
+                      "update": update, "ln_names": LN, "ln_input": ln})
+    for i, loss in enumerate(evals):
+        lines.append({"step": 10 * (i + 1), "split": "eval", "loss": loss})
+    rundir.write_atomic(path / rundir.METRICS, "".join(rundir.metrics_line(r) for r in lines))
+    rundir.write_status(path, status, 20 if status == "completed" else 7, reason)
+    if smoothness is not None:
+        (path / "analysis" / "smoothness").mkdir(parents=True)
+        (path / "analysis" / "smoothness" / "smoothness.json").write_text(json.dumps(
+            {"layers": list(range(len(smoothness))), "cosine": smoothness}))
+    return path
+
+
+def codes(d):
+    return [f.code for f in d.findings]
+
+
+def finding(d, code):
+    return next(f for f in d.findings if f.code == code)
+
+
+# ---------------------------------------------------------------- DeepNet's bound
+
+
+def test_deepnorm_constants_make_the_bound_one():
+    """The bound as we read DeepNet's theorems: Table 1's constants make every sum 1 at any depth."""
+    for n in (1, 6, 100, 500):
+        enc = load_config({"model": {"arch": "encoder", "layers": n, "scheme": "deepnorm"}}).model
+        dec = load_config({"model": {"arch": "decoder", "layers": n, "scheme": "deepnorm"}}).model
+        assert update_coefficient(enc) == pytest.approx(1.0)
+        assert update_coefficient(dec) == pytest.approx(1.0)
+        for m in (1, 6, 100):
+            ed = load_config({"model": {"arch": "encoder_decoder", "layers": n, "decoder_layers": m,
+                                        "scheme": "deepnorm"}}).model
+            # decoder sum 1, plus the encoder's carried through cross-attention: (0.87/0.81)^2 * 4 / (12^.5 3^.25)
+            assert update_coefficient(ed) == pytest.approx(1 + (0.87 / 0.81) ** 2 * 4 / (12**0.5 * 3**0.25))
+    post = load_config({"model": {"arch": "encoder_decoder", "layers": 18, "decoder_layers": 18}}).model
+    assert update_coefficient(post, "post_ln") == pytest.approx(6 * 18 + 4 * 18 * 18)  # 6M + 4NM
+    enc = load_config({"model": {"arch": "encoder", "layers": 12}}).model
+    assert update_coefficient(enc, "post_ln") == pytest.approx(4 * 12)  # 4N
+    assert update_coefficient(enc, "pre_ln") is None  # not of the theorem's form
+
+
+# ---------------------------------------------------------------- constructed runs
+
+
+def test_vanishing_bottom_gradients(tmp_path):
+    grads = [1.0, 1.0, 1.0, 1e-4, 1e-2, 1.0]  # decoder: bottom 1e-4 of the top
+    d = diagnose(fake_run(tmp_path / "run", tiny(), grads=grads), smoothness_samples=0)
+    assert "vanishing_gradients" in codes(d)
+    f = finding(d, "vanishing_gradients")
+    assert f.evidence["side"] == "decoder"
+    assert "gradients at the bottom of the decoder are 1.0e-04 of the top's at step 1 (Post-LN's vanishing" in f.text
+    assert "model.scheme=deepnorm" in f.suggestion and "1.0e-04" in f.suggestion
+    assert not any("bottom of the encoder" in x.text for x in d.findings)
+    assert any(line.startswith("fine: encoder bottom/top gradient 1 at step 1") for line in d.lines)
+
+
+def test_exploding_first_update(tmp_path):
+    config = tiny()
+    d = diagnose(fake_run(tmp_path / "run", config, updates=(50.0, 60.0)), smoothness_samples=0)
+    f = finding(d, "large_update")
+    reference = deepnorm_first_update(config)
+    assert f.evidence["deepnorm"] == pytest.approx(reference)
+    assert f.evidence["ratio"] == pytest.approx(50.0 / reference)
+    assert f"{50.0 / reference:.3g}x that of a DeepNorm model of this shape" in f.text
+    # DeepNet's bound at 3L-3L: Post-LN 6M + 4NM = 54 vs DeepNorm's 2.01
+    assert "27x DeepNorm's (54 vs 2.01 x lr: a bound, not a prediction)" in f.text
+    assert "train.lr" in f.suggestion and "model.scheme=deepnorm" in f.suggestion
+
+
+def test_growing_layernorm_inputs(tmp_path):
+    config = tiny(model__scheme="pre_ln")
+    names = [n.replace("post_norm", "pre_norm") for n in LN]
+    ln = [2.0 ** int(n.split(".")[2]) for n in names]  # 1, 2, 4 by layer on both sides
+    run = fake_run(tmp_path / "run", config, ln=ln)
+    records = rundir.read_metrics(run)
+    for r in records:
+        if r["split"] == "diagnostics":
+            r["ln_names"] = names
+    rundir.write_atomic(run / rundir.METRICS, "".join(rundir.metrics_line(r) for r in records))
+    d = diagnose(run, smoothness_samples=0)
+    growth = [f for f in d.findings if f.code == "ln_growth"]
+    assert {f.evidence["side"] for f in growth} == {"encoder", "decoder"}
+    assert all(f.evidence["growth"] == pytest.approx(4.0) for f in growth)
+    assert "LayerNorm inputs grow layer by layer in the encoder: 4x from the first layer to the last" in growth[0].text
+    assert "Pre-LN" in growth[0].text and "deepnorm" in growth[0].suggestion
+
+
+def test_over_smoothed_tokens(tmp_path):
+    config = tiny(model__arch="encoder", model__decoder_layers=0, objective__name="classification",
+                  objective__options={"pool": "cls"}, data__name="digits", data__task=None, data__options={},
+                  model__input="patches", model__image_size=8, model__patch_size=2, model__channels=1)
+    run = fake_run(tmp_path / "run", config, smoothness=[0.1, 0.5, 0.8, 0.96])
+    d = diagnose(run, replay_steps=0)
+    f = finding(d, "oversmoothing")
+    assert f.evidence["last"] == pytest.approx(0.96)
+    assert "last-layer tokens are 0.96 similar" in f.text and "sequence-level objective" in f.text
+    assert "token-level objective" in f.suggestion
+
+
+def test_never_below_chance(tmp_path):
+    from kilolayer.analysis.chance import chance_level
+
+    config = tiny()
+    level = chance_level(config)["loss"]
+    d = diagnose(fake_run(tmp_path / "run", config, evals=(level + 0.3, level + 0.01)), smoothness_samples=0)
+    f = finding(d, "never_below_chance")
+    assert f.evidence["chance"] == pytest.approx(level) and f.evidence["best_eval"] == pytest.approx(level + 0.01)
+    assert f"best eval loss {level + 0.01:.4g} >= chance {level:.4g}" in f.text
+    assert d.outcome["label"] == "stalls"
+    # just below chance but above 0.9 x chance: learned nothing, by the study report's rule
+    d = diagnose(fake_run(tmp_path / "run2", config, evals=(level, 0.95 * level)), smoothness_samples=0)
+    assert "learned_nothing" in codes(d) and "0.95 x the chance level" in finding(d, "learned_nothing").text
+
+
+def test_healthy_run_has_no_findings(tmp_path):
+    d = diagnose(fake_run(tmp_path / "run", tiny(), evals=(1.0, 0.5)), smoothness_samples=0)
+    assert d.findings == [] and d.outcome["label"] == "trains"
+    assert "- no problem found by the rules below" in d.lines
+    data = d.to_dict()
+    assert data["lines"] == d.lines and json.dumps(data)  # JSON-safe
+
+
+def test_diverged_status(tmp_path):
+    run = fake_run(tmp_path / "run", tiny(), status="diverged", reason="non-finite loss (nan) at step 7")
+    d = diagnose(run, smoothness_samples=0)
+    assert d.findings[0].code == "diverged" and d.outcome["label"] == "diverges"
+    assert "diverged at step 7" in d.findings[0].text and "non-finite loss" in d.findings[0].text
+    assert "train.lr" in d.findings[0].suggestion
