@@ -162,6 +162,17 @@ class TrainConfig(_Section):
     init_from: Optional[str] = Field(None, description="a run directory whose backbone weights to start from")
     freeze_backbone: bool = Field(False, description="with init_from: train only the objective's head (linear probe)")
     memory_check: bool = Field(True, description="refuse a config whose estimated memory exceeds what the device has")
+    peak_flops: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="the device's peak FLOP/s for MFU (default: the vendor figure of a known GPU, else measured)",
+    )
+    patience: int = Field(0, ge=0, description="early stopping: evaluations without improvement before stopping (0 = off)")
+    min_delta: float = Field(0.0, ge=0, allow_inf_nan=False, description="early stopping: the smallest improvement")
+    early_stop_metric: str = Field("loss", min_length=1, description="early stopping: an evaluation metric")
+    early_stop_mode: Literal["auto", "min", "max"] = Field(
+        "auto", description="early stopping: lower (min) or higher (max) is better; auto: max for accuracy, "
+                            "exact_match and bleu, else min"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
