@@ -64,7 +64,7 @@ def hostile_report(tmp_path, monkeypatch):
             reference=f"ref {SVG} [tab](java\tscript:alert(1))", rule=f"rule\n\n{BLOCK}\n\n",
             verdict=Verdict(HELD, reason=f"reason {IFRAME}"), headers=["h", f"head {IMG}"],
             rows=[[f"cell {SCRIPT}", f"multi\n\n{DETAILS}"]],
-            scale_up=f"scale {SVG} ![remote](http://example.com/t.png)",
+            scale_up=f"scale {SVG} ![remote](http://example.com/t.png)", notes=[f"note {IMG}", f"note {SCRIPT}"],
             plots=[(str(inside), f"inside {IMG}"), (str(outside), "absolute, outside"),
                    (str(out_dir / "report_files" / ".." / ".." / "outside.png"), "dot-dot, outside"),
                    (str(out_dir / "report_files" / "link.png"), "symlink to outside"),
@@ -120,6 +120,7 @@ def test_hostile_strings_are_text_in_report_html(hostile_report):
     # the payloads are shown as text, escaped (the parser above never saw them as tags)
     assert "study &lt;script&gt;document.title='PWNED-script'&lt;/script&gt;" in text
     assert "desc &lt;img src=x onerror=" in text and "&lt;details open ontoggle=" in text
+    assert "<li>note &lt;img src=x onerror=" in text
     assert "<title>kilolayer study: study &lt;script&gt;" in text
     # the javascript: links keep their text and lose their target
     assert "<a>click</a>" in text and "<a>tab</a>" in text

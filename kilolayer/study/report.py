@@ -115,8 +115,8 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
             "",
             f"**Rule.** {_text(f.rule)}",
             "",
-            *[f"- {_text(note)}" for note in getattr(f, "notes", ())],
-            *([""] if getattr(f, "notes", ()) else []),
+            *[f"- {_text(note)}" for note in f.notes],
+            *([""] if f.notes else []),
             _table(f.headers, f.rows),
         ]
         for path, caption in f.plots:
