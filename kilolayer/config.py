@@ -166,7 +166,7 @@ class TrainConfig(_Section):
         None, gt=0, allow_inf_nan=False,
         description="the device's peak FLOP/s for MFU (default: the vendor figure of a known GPU, else measured)",
     )
-    patience: int = Field(0, ge=0, description="early stopping: evaluations without improvement before stopping (0 = off)")
+    patience: int = Field(0, ge=0, description="early stopping: evaluations without improvement, then stop (0 = off)")
     min_delta: float = Field(0.0, ge=0, allow_inf_nan=False, description="early stopping: the smallest improvement")
     early_stop_metric: str = Field("loss", min_length=1, description="early stopping: an evaluation metric")
     early_stop_mode: Literal["auto", "min", "max"] = Field(
