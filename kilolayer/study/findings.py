@@ -87,7 +87,7 @@ def decide(per_seed: "dict | list", margin: float, unit: str = "", *, not_eviden
         half = t_quantile(n - 1, level) * statistics.stdev(values) / math.sqrt(n)
         v.lower, v.upper = m - half, m + half
         desc = (f"mean d {_num(m, unit)} over {n} seeds, one-sided {level:.0%} bounds [{v.lower:+.3g}, {v.upper:+.3g}]"
-                f"{unit}, margin {margin:g}{unit}")
+                f"{unit}, margin {margin:.3g}{unit}")
         if v.lower > margin:
             v.verdict = HELD
         elif v.upper < -margin:
@@ -319,18 +319,22 @@ def _scheme_depth_table(rs, out):
 
 def _chance_note(runs, out, unit=" nats") -> list[str]:
     """The chance levels of ``runs``' data, once per distinct value."""
-    levels = []
+    levels: dict[str, list] = {}
     for r in runs:
         if r is not None and r.status in ("completed", "diverged"):
             c = chance(r, out)
             text = f"loss {c['loss']:.3f}{unit}" + (f", accuracy {c['accuracy']:.3f}" if c.get("accuracy") is not None
                                                    else "")
-            if text not in levels:
-                levels.append(text)
+            seeds = levels.setdefault(text, [])
+            if _seed(r) not in seeds:
+                seeds.append(_seed(r))
     if not levels:
         return []
-    return [f"Chance level (the best predictor that ignores the input, on these evaluation targets): "
-            f"{'; '.join(levels)}."]
+    if len(levels) == 1:
+        shown = next(iter(levels))
+    else:  # the evaluation data differ by seed (e.g. a synthetic task)
+        shown = "; ".join(f"{text} (seed {', '.join(map(str, sorted(seeds)))})" for text, seeds in levels.items())
+    return [f"Chance level (the best predictor that ignores the input, on these evaluation targets): {shown}."]
 
 
 def _scheme_vs(results, out, loser: str, winner: str, name: str, title: str, claim: str, margin: float):
