@@ -153,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SUBCOMMAND_MODULES: list[str] = ["kilolayer.train.cli", "kilolayer.study.cli", "kilolayer.analysis.cli"]
+SUBCOMMAND_MODULES: list[str] = [
+    "kilolayer.train.cli", "kilolayer.study.cli", "kilolayer.analysis.cli", "kilolayer.doctor.cli",
+]
 
 
 def cmd_presets(args) -> int:

@@ -37,12 +37,13 @@ class Step:
     ln_names: list[str] = field(default_factory=list)
     ln_input: list[float] = field(default_factory=list)
     change: float = math.nan  # ||F(x, theta_t) - F(x, theta_{t-1})||: this step's own update
-    probe_loss: float = math.nan  # the objective's loss on the fixed probe batch after the step
+    eval_loss: float = math.nan  # the loss on the fixed evaluation batch after the step (every eval_every)
 
 
 @dataclass
 class Replay:
-    """The steps replayed; ``stopped`` says why fewer than asked were run (a non-finite loss or gradient)."""
+    """The steps replayed; ``stopped`` says why fewer than asked were run (the trainer's divergence rule, or a
+    non-finite output)."""
 
     steps: list[Step]
     output_norm: float  # mean per-token ||F(x, theta_0)|| on the probe batch: the scale of the output
@@ -52,7 +53,8 @@ class Replay:
     stopped: str = ""
     reference: Optional[torch.Tensor] = None  # F(x, theta_0) on the probe batch
     probe_batch: Optional[dict] = None
-    probe_loss0: float = math.nan  # the loss on the probe batch at initialisation
+    eval_loss0: float = math.nan  # the loss on the fixed evaluation batch at initialisation
+    ungated: Optional[int] = None  # first step the divergence ratio test held during warm-up (not applied there)
 
     def losses(self) -> list[float]:
         return [s.loss for s in self.steps]
@@ -64,13 +66,9 @@ def _autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def _finite(values) -> bool:
-    return all(math.isfinite(v) for v in values)
-
-
 @torch.no_grad()
-def _probe_loss(task, batch: dict) -> float:
-    """The loss on the fixed probe batch in eval mode, with a fixed seed (MAE's masking is random)."""
+def _eval_loss(task, batch: dict) -> float:
+    """The loss on a fixed evaluation batch in eval mode, with a fixed seed (MAE's masking is random)."""
     was = task.training
     task.eval()
     try:
@@ -81,8 +79,39 @@ def _probe_loss(task, batch: dict) -> float:
     return float(loss)
 
 
-def replay(config: Config, steps: int, device: str = "cpu") -> Replay:
-    """Train ``config`` for ``steps`` steps in memory, measuring after every step (see module docstring).
+class DivergenceRule:
+    """The trainer's divergence rule (``Trainer._diverged``): a non-finite loss, or after warm-up a smoothed
+    loss (EMA 0.9, bias-corrected) above ``diverge_factor`` x its running minimum and above that minimum by
+    ``diverge_increase``. ``ungated`` also records the first step where the ratio test held during warm-up,
+    when the trainer does not yet apply it."""
+
+    def __init__(self, tc):
+        self.tc = tc
+        self.ema = self.weight = 0.0
+        self.best = math.inf
+        self.ungated: Optional[int] = None
+
+    def __call__(self, step: int, loss: float) -> str:
+        tc = self.tc
+        if not math.isfinite(loss):
+            return f"non-finite loss ({loss}) at step {step}"
+        self.ema = 0.9 * self.ema + 0.1 * loss
+        self.weight = 0.9 * self.weight + 0.1
+        smooth = self.ema / self.weight
+        if smooth > tc.diverge_factor * self.best and smooth > self.best + tc.diverge_increase:
+            if step > tc.warmup:
+                return (f"smoothed loss {smooth:.4g} at step {step} exceeds {tc.diverge_factor:g} x its running "
+                        f"minimum {self.best:.4g}")
+            if self.ungated is None:
+                self.ungated = step
+        self.best = min(self.best, smooth)
+        return ""
+
+
+def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0) -> Replay:
+    """Train ``config`` for ``steps`` steps in memory, measuring after every step (see module docstring);
+    with ``eval_every``, also the loss on a fixed evaluation batch (up to 64 samples) before training and
+    every ``eval_every`` steps. Stops where the trainer would stop a diverged run.
 
     Writes nothing and leaves the global random state as it found it."""
     from kilolayer.data import load_source
@@ -120,9 +149,13 @@ def replay(config: Config, steps: int, device: str = "cpu") -> Replay:
             reference, ln_names, ln_input = diag.probe(objective, task.backbone, probe_batch)
         output_norm = float(reference.norm(dim=-1).mean())
         previous = reference
-        with torch.random.fork_rng(devices=[]):
-            probe_loss0 = _probe_loss(task, probe_batch)
+        eval_batch = eval_loss0 = None
+        if eval_every:
+            with torch.random.fork_rng(devices=[]):
+                eval_batch = to_device(next(source.eval_batches(64, 64)), dev)
+                eval_loss0 = _eval_loss(task, eval_batch)
         params = [p for p in task.parameters() if p.requires_grad]
+        diverged = DivergenceRule(tc)
         out: list[Step] = []
         stopped = ""
         task.train()
@@ -139,17 +172,18 @@ def replay(config: Config, steps: int, device: str = "cpu") -> Replay:
             lr = scheduler.get_last_lr()[0]
             record = Step(step, lr, loss_sum, names, norms)
             out.append(record)
-            if not math.isfinite(loss_sum) or not _finite(norms):
-                stopped = f"non-finite {'loss' if not math.isfinite(loss_sum) else 'gradient'} at step {step}"
-                break
             torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
                                            tc.clip if tc.clip > 0 else float("inf"))
+            stopped = diverged(step, loss_sum)
+            if stopped:
+                break
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             with torch.random.fork_rng(devices=[]):
                 current, record.ln_names, record.ln_input = diag.probe(objective, task.backbone, probe_batch)
-                record.probe_loss = _probe_loss(task, probe_batch)
+                if eval_batch is not None and (step % eval_every == 0 or step == steps):
+                    record.eval_loss = _eval_loss(task, eval_batch)
             record.update = diag.update_size(current, reference)
             record.change = diag.update_size(current, previous)
             previous = current
@@ -157,7 +191,7 @@ def replay(config: Config, steps: int, device: str = "cpu") -> Replay:
                 stopped = f"non-finite output after step {step}"
                 break
     return Replay(out, output_norm, ln_names, ln_input, time.perf_counter() - t0, stopped, reference, probe_batch,
-                  probe_loss0)
+                  eval_loss0 if eval_loss0 is not None else math.nan, diverged.ungated)
 
 
 def with_scheme(config: Config, scheme: str) -> Config:

@@ -1,0 +1,210 @@
+"""``forecast(config)``: will this config train, stall or diverge? Decided before any run exists.
+
+The forecast replays the config's first steps in memory (:func:`kilolayer.doctor.measure.replay`: the
+run's own seed, initialisation, batches, AdamW and learning-rate schedule), measures what ``kilolayer
+doctor`` reads from a finished run, and applies :func:`decide`, a rule of a few stated thresholds.
+Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kilolayer.config import Config
+
+VERSION = 1  # of the measurements: calibration caches are re-measured when it changes
+MAX_AUTO_STEPS = 200
+
+
+def auto_steps(config: Config) -> int:
+    """Steps replayed by default: through the warm-up and 10 steps at the peak learning rate (at least 40,
+    at most 200 and at most train.steps)."""
+    tc = config.train
+    return max(1, min(tc.steps, MAX_AUTO_STEPS, max(40, tc.warmup + 10)))
+
+
+def lr_sum(config: Config, first: int, last: int) -> float:
+    """Sum of the scheduled learning rate over steps first..last (1-based, inclusive)."""
+    from kilolayer.train.optim import lr_factor
+
+    tc = config.train
+    return sum(tc.lr * lr_factor(s - 1, tc) for s in range(first, last + 1))
+
+
+def measure(config: Config, steps: Optional[int] = None, device: str = "cpu") -> dict:
+    """Replay ``steps`` steps (default :func:`auto_steps`) and return every measurement :func:`decide`
+    reads, as plain JSON-able data."""
+    from kilolayer.doctor.diagnose import ln_growth, side_ratios
+    from kilolayer.doctor.measure import deepnorm_first_update, replay
+    from kilolayer.doctor.outcome import chance
+    from kilolayer.doctor.theory import update_coefficient
+
+    t0 = time.perf_counter()
+    k = steps or auto_steps(config)
+    every = max(1, k // 20)
+    r = replay(config, k, device, eval_every=every)
+    tc = config.train
+    ran = len(r.steps)
+    ok = [s for s in r.steps if math.isfinite(s.update)]
+    m = {
+        "version": VERSION, "steps_requested": k, "steps_run": ran, "stopped": r.stopped, "ungated": r.ungated,
+        "schedule": {"lr": tc.lr, "warmup": tc.warmup, "steps": tc.steps, "schedule": tc.schedule,
+                     "lr_seen_max": max((s.lr for s in r.steps), default=0.0),
+                     "lr_sum_seen": lr_sum(config, 1, ran), "lr_sum_total": lr_sum(config, 1, tc.steps)},
+        "output_norm": r.output_norm, "eval_loss0": r.eval_loss0,
+        "per_step": {
+            "step": [s.step for s in r.steps], "lr": [s.lr for s in r.steps], "loss": [s.loss for s in r.steps],
+            "update": [s.update for s in r.steps], "change": [s.change for s in r.steps],
+            "eval_loss": [s.eval_loss for s in r.steps],
+            "grad_ratio": [side_ratios(s.layers, s.grad_norm) for s in r.steps],
+            "ln_growth": [ln_growth(s.ln_names, s.ln_input) if s.ln_names else {} for s in r.steps],
+        },
+        "update1": ok[0].update if ok and ok[0].step == 1 else None,
+        "deepnorm_update1": None,
+        "bound": {"coefficient": update_coefficient(config.model),
+                  "deepnorm_coefficient": update_coefficient(config.model, "deepnorm")},
+    }
+    if config.model.scheme == "deepnorm":
+        m["deepnorm_update1"] = m["update1"]
+    else:
+        m["deepnorm_update1"] = deepnorm_first_update(config, device)
+    try:
+        level = chance(config)
+    except NotImplementedError:
+        level = {}
+    m["chance"] = level.get("loss", math.nan)
+    m["seconds"] = time.perf_counter() - t0
+    return m
+
+
+# ---------------------------------------------------------------- the rule
+
+# thresholds of the rule (docs/doctor.md says how each was chosen)
+LEARNED_NOTHING = 0.9  # the outcome rule: a final loss above 0.9 x chance learned nothing
+THROWN_BACK = 0.1  # eval loss risen this far (in units of chance) above its minimum: thrown back
+RULE = [
+    "diverges: the replay met the trainer's divergence rule (a non-finite loss, or the smoothed loss above "
+    "train.diverge_factor x its running minimum after warm-up), or met its ratio test during warm-up "
+    "(where the trainer does not apply it yet)",
+    f"stalls (thrown back): the evaluation loss rose by more than {THROWN_BACK:g} x chance above its lowest "
+    f"value during the replay and ends above {LEARNED_NOTHING:g} x chance",
+    f"stalls (too slow): the evaluation loss, extrapolated linearly in the summed learning rate from the second "
+    f"half of the replay to train.steps, stays above {LEARNED_NOTHING:g} x chance",
+    "trains: otherwise",
+]
+
+
+def _finite(xs):
+    return [x for x in xs if x is not None and math.isfinite(x)]
+
+
+def decide(m: dict) -> tuple[str, str, dict]:
+    """(verdict, reason, the numbers the rule used) for measurements ``m`` of :func:`measure`."""
+    level = m["chance"]
+    ps = m["per_step"]
+    sched = m["schedule"]
+    if m["stopped"]:
+        return "diverges", f"the replay diverged: {m['stopped']}", {}
+    if m["ungated"] is not None:
+        return "diverges", (f"the smoothed loss passed train.diverge_factor x its running minimum at step "
+                            f"{m['ungated']}, during warm-up: the trainer will stop it when warm-up ends"), {}
+    evals = [(s, e) for s, e in zip(ps["step"], ps["eval_loss"]) if e is not None and math.isfinite(e)]
+    e0 = m["eval_loss0"]
+    if not evals or not math.isfinite(level):
+        return "trains", "no evaluation loss or chance level to judge by", {}
+    lowest = min([e for _, e in evals] + [e0])
+    last_step, last = evals[-1]
+    numbers = {"chance": level, "eval_loss0": e0, "eval_loss_lowest": lowest, "eval_loss_last": last,
+               "step_last": last_step}
+    if last - lowest > THROWN_BACK * level and last > LEARNED_NOTHING * level:
+        return "stalls", (f"the evaluation loss fell to {lowest / level:.2f} x chance and was thrown back to "
+                          f"{last / level:.2f} x chance by step {last_step} (lr {ps['lr'][-1]:.2g})"), numbers
+    half = [(s, e) for s, e in evals if s >= last_step / 2]
+    s1, e1 = half[0]
+    spent = sum(lr for s, lr in zip(ps["step"], ps["lr"]) if s1 < s <= last_step)
+    rate = max(0.0, (e1 - last) / spent) if spent > 0 and s1 < last_step else 0.0
+    remaining = max(0.0, sched["lr_sum_total"] - sched["lr_sum_seen"])
+    projected = last - rate * remaining
+    numbers.update(rate=rate, remaining_lr=remaining, projected=projected)
+    if projected > LEARNED_NOTHING * level:
+        return "stalls", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and, at its "
+                          f"recent pace, would reach only {projected / level:.2f} x chance by step "
+                          f"{sched['steps']}"), numbers
+    return "trains", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading for "
+                      f"{max(projected, 0) / level:.2f} x chance by step {sched['steps']}"), numbers
+
+
+@dataclass
+class Forecast:
+    """The verdict, its reason, the rule, and every measurement behind them."""
+
+    config: str
+    verdict: str
+    reason: str
+    numbers: dict
+    measurements: dict
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def lines(self) -> list[str]:
+        m = self.measurements
+        out = [f"{self.config}", f"forecast: {self.verdict} — {self.reason}"]
+        out += [f"evidence: {line}" for line in evidence_lines(m)]
+        out.append(f"replayed {m['steps_run']} of {m['schedule']['steps']} steps in memory in {m['seconds']:.0f} s "
+                   f"(lr up to {m['schedule']['lr_seen_max']:.2g} of peak {m['schedule']['lr']:.2g}); nothing "
+                   f"written")
+        out.append("rule (first that holds): " + "; ".join(RULE))
+        out += [f"note: {n}" for n in self.notes]
+        return out
+
+    def to_dict(self) -> dict:
+        from kilolayer.doctor.diagnose import _json_safe
+
+        return _json_safe({"config": self.config, "verdict": self.verdict, "reason": self.reason,
+                           "rule": RULE, "numbers": self.numbers, "measurements": self.measurements,
+                           "notes": self.notes, "lines": self.lines})
+
+
+def evidence_lines(m: dict) -> list[str]:
+    """DeepNet's measurements of the replay, one line each, for the forecast's printout."""
+    out = []
+    u1, dn = m.get("update1"), m.get("deepnorm_update1")
+    if u1 is not None:
+        text = f"first update {u1:.3g}"
+        if dn:
+            text += f" = {u1 / dn:.3g}x a DeepNorm model's of this shape at the same lr ({dn:.3g}; measured)"
+        b = m.get("bound") or {}
+        if b.get("coefficient") is not None and b.get("deepnorm_coefficient"):
+            text += (f"; DeepNet's bound {b['coefficient']:.4g} x lr vs DeepNorm's {b['deepnorm_coefficient']:.3g} "
+                     f"x lr (a bound, not a prediction)")
+        out.append(text)
+    ratios = m["per_step"]["grad_ratio"]
+    if ratios:
+        first = ratios[0]
+        out.append("bottom/top gradient at step 1: " + ", ".join(f"{side} {v:.2g}" for side, v in first.items()))
+    growth = [g for g in m["per_step"]["ln_growth"] if g]
+    if growth:
+        out.append("LayerNorm input growth first to last layer at the last step: "
+                   + ", ".join(f"{side} {v:.2g}x" for side, v in growth[-1].items()))
+    return out
+
+
+def forecast(config: Config, steps: Optional[int] = None, device: str = "cpu", name: str = "") -> Forecast:
+    """Forecast ``config`` (see module docstring): replay ``steps`` steps (default :func:`auto_steps`)
+    and decide trains / stalls / diverges by :func:`decide`."""
+    m = measure(config, steps, device)
+    verdict, reason, numbers = decide(m)
+    mc = config.model
+    shape = (f"{mc.encoder_layers}L-{mc.n_decoder_layers}L" if mc.arch == "encoder_decoder"
+             else f"{mc.encoder_layers or mc.n_decoder_layers}L")
+    title = (f"{name + ': ' if name else ''}{mc.scheme} {mc.arch} {shape} x {mc.width}, {config.objective.name} on "
+             f"{config.data.name}, lr {config.train.lr:.2g}, warm-up {config.train.warmup}, "
+             f"{config.train.schedule}, {config.train.steps} steps")
+    notes = []
+    if m["steps_run"] < m["schedule"]["steps"] and m["schedule"]["lr_seen_max"] < 0.999 * m["schedule"]["lr"]:
+        notes.append(f"the replay ended before the peak learning rate ({m['schedule']['lr_seen_max']:.2g} of "
+                     f"{m['schedule']['lr']:.2g}): give --steps {config.train.warmup + 10} to see it")
+    return Forecast(title, verdict, reason, numbers, m, notes)
