@@ -11,7 +11,7 @@ import torch
 from kilolayer import rundir
 from kilolayer.cli import main
 from kilolayer.config import dump_yaml, load_config
-from kilolayer.doctor import diagnose
+from kilolayer.doctor import diagnose, forecast
 from kilolayer.doctor.measure import deepnorm_first_update, replay
 from kilolayer.doctor.theory import update_coefficient
 
@@ -183,3 +183,78 @@ def test_diverged_status(tmp_path):
     assert d.findings[0].code == "diverged" and d.outcome["label"] == "diverges"
     assert "diverged at step 7" in d.findings[0].text and "non-finite loss" in d.findings[0].text
     assert "train.lr" in d.findings[0].suggestion
+
+
+# ---------------------------------------------------------------- the replay and the forecast
+
+
+def test_replay_matches_the_runs_logged_step(tmp_path):
+    """Step 1 replayed in memory is step 1 of the real run: same gradients, update and LayerNorm inputs."""
+    config = tiny(train__steps=5, train__diagnostics_every=1)
+    from kilolayer.train.loop import train
+
+    train(config, tmp_path / "run", quiet=True)
+    logged = [r for r in rundir.read_metrics(tmp_path / "run") if r["split"] == "diagnostics"]
+    r = replay(config, 3)
+    for step, rec in zip(r.steps, logged[:3]):
+        assert step.step == rec["step"]
+        assert step.grad_norm == pytest.approx(rec["grad_norm"], rel=1e-6)
+        assert step.update == pytest.approx(rec["update"], rel=1e-6)
+        assert step.ln_input == pytest.approx(rec["ln_input"], rel=1e-6)
+    assert torch.get_rng_state().equal(torch.get_rng_state())  # replay restores the global RNG (smoke)
+
+
+def _snapshot(*dirs):
+    return {d: sorted(str(p.relative_to(d)) for p in d.rglob("*")) for d in dirs}
+
+
+def test_forecast_leaves_no_files_behind(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    cfg = cwd / "tiny.yaml"
+    cfg.write_text(dump_yaml(tiny()))
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    before = _snapshot(cwd, tmp)
+    assert main(["doctor", str(cfg), "--forecast", "--steps", "12", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] in ("trains", "stalls", "diverges") and data["measurements"]["steps_run"] == 12
+    assert _snapshot(cwd, tmp) == before
+
+
+def test_forecast_sees_a_learning_rate_that_diverges():
+    # trained for real, this config diverges at step 3 (smoothed loss 350 > 10 x its minimum 3.1)
+    f = forecast(tiny(train__lr=10.0, train__warmup=2, train__steps=40, train__clip=0.0), steps=30)
+    assert f.verdict == "diverges"
+    assert "the replay diverged: smoothed loss" in f.reason and f.measurements["steps_run"] == 3
+
+
+def _error(args, capsys):
+    rc = main(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kilolayer: error: ") and "\n" not in err, err
+    return err
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(dump_yaml(tiny()))
+    assert "no such run directory" in _error(["doctor", str(tmp_path / "missing")], capsys)
+    assert "not a kilolayer run directory" in _error(["doctor", str(tmp_path)], capsys)
+    assert "add --forecast" in _error(["doctor", str(cfg)], capsys)
+    assert "no such config file" in _error(["doctor", str(tmp_path / "missing.yaml"), "--forecast"], capsys)
+    assert "model.width=7" in _error(["doctor", str(cfg), "--forecast", "--set", "model.width=7"], capsys)
+    assert "--steps 0" in _error(["doctor", str(cfg), "--forecast", "--steps", "0"], capsys)
+    assert "--set" in _error(["doctor", str(tmp_path), "--set", "train.lr=1"], capsys)
+    assert "train.lr" in _error(["doctor", str(cfg), "--forecast", "--set", "train.lr=-1"], capsys)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("model: {width: [1, 2]}\n")
+    assert "model.width" in _error(["doctor", str(tmp_path / "run")], capsys)
+    with pytest.raises(SystemExit) as exit_:
+        main(["doctor", str(cfg), "--forecast", "--bogus"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in err and "\n" not in err

@@ -7,14 +7,7 @@
 """
 
 from kilolayer.doctor.diagnose import Diagnosis, Finding, diagnose
+from kilolayer.doctor.forecast import Forecast, forecast
 from kilolayer.doctor.outcome import Outcome, outcome
 
-__all__ = ["Diagnosis", "Finding", "diagnose", "Outcome", "outcome", "forecast", "Forecast"]
-
-
-def __getattr__(name):
-    if name in ("forecast", "Forecast"):
-        from kilolayer.doctor import forecast as module
-
-        return getattr(module, name)
-    raise AttributeError(name)
+__all__ = ["Diagnosis", "Finding", "diagnose", "Forecast", "forecast", "Outcome", "outcome"]
