@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.peers import LM, Spec, batch, versions
+from kilolayer.train import metrics
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -104,35 +105,16 @@ def fixed_batch(spec: Spec, batch_size: int, seed: int = 0):
 
 
 def gemm_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: int = 3) -> float:
-    """Best large-GEMM rate (FLOP/s) of ``dtype`` on this CPU: max over ``rounds`` of the mean over ~``seconds``."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    torch.mm(a, b, out=out)  # warm up (and let oneDNN pick its kernel)
-    best = 0.0
-    for _ in range(rounds):
-        reps, t0 = 0, time.perf_counter()
-        while True:
-            torch.mm(a, b, out=out)
-            reps += 1
-            dt = time.perf_counter() - t0
-            if dt >= seconds:
-                break
-        best = max(best, 2 * n**3 * reps / dt)
-    return best
+    """Best large-GEMM rate (FLOP/s) of ``dtype`` on this CPU: max over ``rounds`` of the mean over ~``seconds``
+    (the efficiency component's measurement, :func:`kilolayer.train.metrics.gemm_rate`, at benchmark sizes)."""
+    return metrics.gemm_rate(dtype, n=n, seconds=seconds, rounds=rounds)
 
 
 # ---------------------------------------------------------------- machine and provenance
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return metrics.cpu_model()
 
 
 def cpu_flags() -> list[str]:

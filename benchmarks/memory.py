@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -62,16 +61,10 @@ def _rss_now() -> int:
 
 
 def _peak_rss() -> int:
-    """This process's peak resident set size.
+    """This process's peak resident set size (VmHWM; see :func:`kilolayer.train.metrics.peak_rss`)."""
+    from kilolayer.train.metrics import peak_rss
 
-    VmHWM belongs to the address space this process got at exec. ``ru_maxrss`` would not do: Linux
-    carries the forking parent's peak over into the child's, so every point would report at least the
-    size of the process that launched it.
-    """
-    hwm = _status("VmHWM")
-    if hwm is not None:
-        return hwm
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return peak_rss()
 
 
 def run_point(peer: str, spec: Spec, batch_size: int, steps: int = 2) -> dict:

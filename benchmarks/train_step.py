@@ -28,6 +28,7 @@ import torch
 from benchmarks import common
 from benchmarks.common import EAGER, FAST, StepOptions, TrainStep
 from benchmarks.peers import NotSupported, Spec, build, model_flops_per_token
+from kilolayer.train import metrics
 
 CONFIGS = {
     "d256x12": Spec(width=256, layers=12, heads=4, ffn=1024, seq_len=128, vocab=256),
@@ -188,7 +189,7 @@ def _run(smoke: bool, rounds: Optional[int], loss_steps: Optional[int], configs:
         for row in res["variants"]:
             if "tokens_per_s" in row:
                 peak = result["peak_flops"][row["options"]["precision"]]
-                row["mfu"] = row["tokens_per_s"] * res["model_flops_per_token"] / peak
+                row["mfu"] = metrics.mfu(row["tokens_per_s"], res["model_flops_per_token"], peak)
         result["configs"][key] = res
     # re-measure the peaks after the models: the better of the two is the peak
     for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):

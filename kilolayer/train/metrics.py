@@ -1,0 +1,365 @@
+"""Training efficiency as a component of its own: tokens/s, model FLOP/s, MFU and peak memory.
+
+Anything that times training steps can use it (the training loop, ``benchmarks/``)::
+
+    peak = device_peak(device, "fp32")                     # FLOP/s, with where the figure came from
+    meter = Efficiency(flops_per_token, peak, device)
+    meter.add(tokens)                                     # after each step
+    with meter.paused():                                  # evaluation, checkpoints: not training time
+        ...
+    meter.report()  # {"tokens_per_s", "flops_per_s", "mfu", "peak_mem_gib"} since the previous report
+
+* **Model FLOPs** are REFERENCE.md section 4's: per token, 6 x matmul weights +
+  12 x layers x heads x head size x sequence length (:func:`kilolayer.nn.budget.training_flops`),
+  plus 6 x the objective's own matmul weights (its heads) per token. Non-matmul
+  work is not counted. With a frozen backbone (a linear probe) the backbone
+  only runs forward: a third of its training FLOPs.
+* **MFU** = tokens/s x model FLOPs per token / (peak FLOP/s x processes).
+* **Peak FLOP/s**: ``train.peak_flops`` when given; on CUDA the vendor's dense
+  figure for the GPUs in :data:`VENDOR_PEAKS` (bf16; fp32 counts as TF32 where
+  PyTorch lets matmuls use TF32, else as plain FP32), any other GPU measured;
+  on a CPU the best large-GEMM rate of the run's dtype, measured once per
+  machine (about 1-2 s, sized so one product never takes long even where a dtype
+  is emulated) and cached in ``peak_flops.json`` of the cache folder
+  (``$KILOLAYER_CACHE``, else ``~/.cache/kilolayer``), keyed by CPU model, torch
+  threads, dtype and torch version. Delete that file to measure again. The
+  measurement uses its own random generator: training's RNG streams are untouched.
+* **Peak memory**: on CPU the process's peak resident set (VmHWM, else
+  ``ru_maxrss``); on CUDA ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+GIB = 2**30
+CACHE_FILE = "peak_flops.json"
+
+# dense (no sparsity) tensor-core figures from the vendors' data sheets, FLOP/s: (bf16, tf32, fp32).
+# Matched against torch.cuda.get_device_name, most specific name first.
+VENDOR_PEAKS: list[tuple[str, tuple[float, float, float]]] = [
+    ("H200", (989e12, 494.5e12, 67e12)),
+    ("H100 NVL", (835e12, 417.5e12, 60e12)),
+    ("H100 PCIe", (756e12, 378e12, 51e12)),
+    ("H100", (989e12, 494.5e12, 67e12)),  # SXM
+    ("A100", (312e12, 156e12, 19.5e12)),
+    ("L40S", (362.05e12, 183e12, 91.6e12)),
+    ("L4", (121e12, 60e12, 30.3e12)),
+    ("A10", (125e12, 62.5e12, 31.2e12)),
+]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- model FLOPs
+
+
+def head_weights(objective: nn.Module) -> int:
+    """Matmul weights the objective owns (its heads; a decoder or tower of its own counts the same way)."""
+    return sum(m.weight.numel() for m in objective.modules() if isinstance(m, nn.Linear))
+
+
+def model_flops_per_token(model, tokens_per_sample: Optional[float] = None, head: int = 0,
+                          frozen_backbone: bool = False) -> float:
+    """Training FLOPs per token: the backbone's (``training_flops`` for one sample of ``tokens_per_sample``
+    tokens, split evenly between source and target for an encoder-decoder; default the model's full length)
+    plus ``6 x head`` for the objective's ``head`` matmul weights."""
+    from kilolayer.nn.budget import budget, training_flops
+
+    if tokens_per_sample is None:
+        per_token = budget(model).flops_per_token
+    else:
+        arch = model["arch"] if isinstance(model, dict) else model.arch
+        n = max(1.0, float(tokens_per_sample))
+        length = max(1, round(n / 2 if arch == "encoder_decoder" else n))
+        per_token = training_flops(model, length, length) / n
+    if frozen_backbone:
+        per_token /= 3  # forward only: no gradients for the backbone's weights or inputs
+    return per_token + 6.0 * head
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, processes: int = 1) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of ``processes`` devices."""
+    return tokens_per_s * flops_per_token / (peak_flops * processes)
+
+
+# ---------------------------------------------------------------- peak FLOP/s
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # FLOP/s of one device
+    source: str  # "train.peak_flops", "vendor: NVIDIA H200 bf16", "measured: ...", "cached: ..."
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_rate(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: int = 3,
+              device: "str | torch.device" = "cpu") -> float:
+    """Best large-GEMM rate (FLOP/s) of ``dtype`` at size ``n``: max over ``rounds`` of the mean over ~``seconds``.
+    The operands come from a private generator, so the global RNG streams do not move."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype, device=device)
+    torch.mm(a, b, out=out)  # warm up (and let oneDNN / cuBLAS pick its kernel)
+    _sync(device)
+    best = 0.0
+    for _ in range(rounds):
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b, out=out)
+            reps += 1
+            _sync(device)
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                break
+        best = max(best, 2 * n**3 * reps / dt)
+    return best
+
+
+def quick_gemm_rate(dtype: torch.dtype, budget_s: float = 1.5, n_max: int = 2048,
+                    device: "str | torch.device" = "cpu") -> tuple[float, int]:
+    """(FLOP/s, n): :func:`gemm_rate` at the largest ``n`` (a power of two up to ``n_max``) whose single product
+    takes at most an eighth of ``budget_s``, measured in 3 rounds of a quarter of it. Bounded in time even
+    where a dtype is emulated (bf16 without AVX512-BF16 or AMX runs a hundred times slower than fp32)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    n = 256
+    while n < n_max:
+        a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+        torch.mm(a, a)
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        _sync(device)
+        if 8 * (time.perf_counter() - t0) > budget_s / 8:  # twice the size costs 8x
+            break
+        n *= 2
+    return gemm_rate(dtype, n, seconds=budget_s / 4, rounds=3, device=device), n
+
+
+def vendor_peak(name: str, precision: str, tf32: bool) -> Optional[float]:
+    """The vendor's dense figure for a GPU called ``name`` in ``precision`` (fp32 as TF32 if ``tf32``)."""
+    for key, (bf16, tf32_peak, fp32) in VENDOR_PEAKS:
+        if key.lower() in name.lower():
+            return bf16 if precision == "bf16" else tf32_peak if tf32 else fp32
+    return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_path() -> Path:
+    from kilolayer.data.cache import cache_dir
+
+    return cache_dir() / CACHE_FILE
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+@contextlib.contextmanager
+def _cache_lock(path: Path):
+    """Serialise measurements between processes (two runs starting together must not time each other)."""
+    import fcntl
+
+    fd = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        fd = None  # a read-only cache folder: measure without the lock
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _write_cache(path: Path, key: str, entry: dict) -> None:
+    data = {**_read_cache(path), key: entry}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a read-only or full cache folder: measured again next time
+
+
+def measured_peak(device: torch.device, precision: str,
+                  measure: Optional[Callable[[], tuple[float, int]]] = None) -> Peak:
+    """The GEMM peak of ``precision`` on ``device`` (CPU, or a GPU without a vendor figure) from the cache,
+    measured and cached on the first call for this machine, thread count, dtype and torch version."""
+    dtype = DTYPES[precision]
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+        n_max = 8192
+    else:
+        threads = torch.get_num_threads()
+        where = f"{cpu_model()}, {threads} thread{'s' if threads != 1 else ''}"
+        n_max = 2048
+    key = f"{device.type}|{where}|{precision}|torch {torch.__version__}"
+    path = _cache_path()
+    entry = _read_cache(path).get(key)
+    if not isinstance(entry, dict) or not _positive(entry.get("flops")):
+        with _cache_lock(path):
+            entry = _read_cache(path).get(key)  # another process may have measured meanwhile
+            if not isinstance(entry, dict) or not _positive(entry.get("flops")):
+                flops, n = (measure or (lambda: quick_gemm_rate(dtype, n_max=n_max, device=device)))()
+                entry = {"flops": flops, "n": n, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                _write_cache(path, key, entry)
+                return Peak(flops, f"measured: {precision} GEMM {n}x{n} on {where}")
+    return Peak(float(entry["flops"]), f"cached: {precision} GEMM on {where} ({path})")
+
+
+def _tf32_allowed() -> bool:
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+
+
+def device_peak(device: "str | torch.device", precision: str, given: Optional[float] = None) -> Peak:
+    """Peak FLOP/s of one ``device`` for training in ``precision`` (fp32 | bf16): ``given`` (train.peak_flops)
+    if set, else the vendor figure of a known GPU, else the measured (cached) GEMM peak."""
+    if given:
+        return Peak(float(given), "train.peak_flops")
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tf32 = precision == "fp32" and _tf32_allowed()
+        figure = vendor_peak(name, precision, tf32)
+        if figure is not None:
+            kind = "tf32" if tf32 else precision
+            return Peak(figure, f"vendor: {name} {kind} dense")
+    return measured_peak(device, precision)
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+# ---------------------------------------------------------------- peak memory
+
+
+def _proc_status(field: str) -> Optional[int]:
+    """A size field of /proc/self/status in bytes (None where there is no /proc)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes: VmHWM (it belongs to the address space the process got
+    at exec; ``ru_maxrss``, the fallback, carries a forking parent's peak over into the child)."""
+    hwm = _proc_status("VmHWM")
+    if hwm is not None:
+        return hwm
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
+def peak_memory(device: "str | torch.device") -> int:
+    """Peak memory in bytes: ``max_memory_allocated`` on CUDA, the process's peak RSS on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss()
+
+
+# ---------------------------------------------------------------- the meter
+
+
+class Efficiency:
+    """Tokens/s, model FLOP/s, MFU and peak memory over windows of training time.
+
+    ``flops_per_token`` may be None until the first step shows the tokens per sample (see
+    :meth:`set_flops_per_token`); ``processes`` devices share the counted tokens. ``clock`` is for tests.
+    """
+
+    def __init__(self, flops_per_token: Optional[float], peak: Peak, device: "str | torch.device" = "cpu",
+                 processes: int = 1, clock: Callable[[], float] = time.perf_counter):
+        self.flops_per_token, self.peak, self.device = flops_per_token, peak, torch.device(device)
+        self.processes, self.clock = processes, clock
+        self.tokens = 0
+        self.paused_s = 0.0
+        self.t0 = clock()
+
+    def set_flops_per_token(self, value: float) -> None:
+        self.flops_per_token = value
+
+    def add(self, tokens: int) -> None:
+        self.tokens += int(tokens)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside is not training time (evaluation, diagnostics, checkpoints)."""
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.paused_s += self.clock() - t0
+
+    def report(self) -> dict:
+        """Rates over the training time since the previous report (or the start), then a new window."""
+        now = self.clock()
+        seconds = max(now - self.t0 - self.paused_s, 1e-9)
+        rate = self.tokens / seconds
+        out = {"tokens_per_s": rate}
+        if self.flops_per_token is not None:
+            out["flops_per_s"] = rate * self.flops_per_token  # all processes together
+            out["mfu"] = mfu(rate, self.flops_per_token, self.peak.flops, self.processes)
+        out["peak_mem_gib"] = peak_memory(self.device) / GIB
+        self.tokens, self.paused_s, self.t0 = 0, 0.0, now
+        return out
+
+
+def summarize(records: Iterable[dict]) -> dict:
+    """A run's efficiency from its train records: mean ``tokens_per_s`` and ``mfu`` over the records that carry
+    them, and the largest ``peak_mem_gib``. Keys without any value are left out."""
+    cols: dict[str, list[float]] = {"tokens_per_s": [], "mfu": [], "peak_mem_gib": []}
+    for r in records:
+        if r.get("split", "train") != "train":
+            continue
+        for k, xs in cols.items():
+            if _positive(r.get(k)):
+                xs.append(float(r[k]))
+    out = {}
+    for k in ("tokens_per_s", "mfu"):
+        if cols[k]:
+            out[k] = sum(cols[k]) / len(cols[k])
+    if cols["peak_mem_gib"]:
+        out["peak_mem_gib"] = max(cols["peak_mem_gib"])
+    return out
