@@ -11,7 +11,9 @@ layout is defined once::
       metrics.jsonl         one JSON object per line: step, split (train | eval | diagnostics), loss, ...
       checkpoints/step_NNNNNNNN/
                             one checkpoint (see kilolayer.train.checkpoint); manifest.json holds the
-                            SHA-256 of each file, COMPLETE is written last
+                            SHA-256 of each file, COMPLETE is written last. With early stopping
+                            (train.patience > 0) the best one is kept beside the newest: each
+                            checkpoint's state.json names the run's best step at that point
       tensorboard/, samples/, analysis/
 
 Readers (analysis, study reports) never take the lock; only one training process
@@ -313,6 +315,24 @@ def latest_checkpoint(run_dir: "str | Path") -> Optional[Path]:
     return found[-1] if found else None
 
 
+def recorded_best(ckpt: "str | Path") -> Optional[int]:
+    """The best step early stopping had found when checkpoint ``ckpt`` was written (None if none)."""
+    state = read_json(Path(ckpt) / "state.json", {})
+    best = state.get("trainer", {}).get("best_step") if isinstance(state, dict) else None
+    return best if isinstance(best, int) and not isinstance(best, bool) else None
+
+
+def prune_checkpoints(run_dir: "str | Path", keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints and, for early stopping, the best step each of them
+    names (so a resume from any of them still has its best); remove the others."""
+    found = complete_checkpoints(run_dir)
+    kept = found[-keep:] if keep > 0 else []
+    needed = {checkpoint_step(p) for p in kept} | {b for p in kept if (b := recorded_best(p)) is not None}
+    for old in found:
+        if checkpoint_step(old) not in needed:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def remove_partial(run_dir: "str | Path") -> None:
     """Delete leftovers of an interrupted save."""
     root = Path(run_dir) / CHECKPOINTS
@@ -455,9 +475,28 @@ def is_locked(run_dir: "str | Path") -> bool:
 # ---------------------------------------------------------------- loading a run
 
 
+def chosen_checkpoint(run_dir: "str | Path", patience: int = 0, on_damaged=warn) -> Optional[Path]:
+    """The checkpoint that stands for the run: its newest intact one, or, when the run trains with early
+    stopping (``patience`` > 0), the best step that one names, if that is intact too (else the newest, with a
+    line through ``on_damaged``). None if there is no complete checkpoint."""
+    newest = intact_checkpoint(run_dir, on_damaged)
+    if newest is None or not patience:
+        return newest
+    best = recorded_best(newest)
+    if best is None or best == checkpoint_step(newest):
+        return newest
+    path = checkpoint_dir(run_dir, best)
+    problem = verify_checkpoint(path) if (path / COMPLETE).is_file() else f"{path}: missing"
+    if problem is not None:
+        on_damaged(f"{problem}; the best checkpoint is unusable, using the newest {newest.name}")
+        return newest
+    return path
+
+
 def load_run(run_dir: "str | Path", device: str = "cpu"):
-    """(config, task) of a finished or running kilolayer run, with the weights of its newest intact
-    checkpoint, in eval mode. A damaged newer checkpoint is reported in one line on stderr."""
+    """(config, task) of a finished or running kilolayer run, with the weights of the checkpoint that stands
+    for it (:func:`chosen_checkpoint`: the newest intact one; with early stopping, the best), in eval mode.
+    A damaged checkpoint is reported in one line on stderr."""
     from kilolayer.config import load_config
     from kilolayer.objectives import build_task
     from kilolayer.train.checkpoint import check_fits, read_weights
@@ -466,7 +505,7 @@ def load_run(run_dir: "str | Path", device: str = "cpu"):
     if not (run_dir / CONFIG).is_file():
         raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
     config = load_config(run_dir / CONFIG)
-    ckpt = intact_checkpoint(run_dir)
+    ckpt = chosen_checkpoint(run_dir, config.train.patience)
     if ckpt is None:
         raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
     task = build_task(config)

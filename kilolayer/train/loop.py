@@ -10,6 +10,13 @@ SIGTERM stop at the next step boundary with a checkpoint and raise
 :class:`Interrupted` (exit 130 / 143) after recording ``interrupted``; any other
 error records ``failed`` with its reason. Nothing in the directory changes until
 training has started: a run refused during set-up keeps its status.
+
+Train records carry the run's efficiency (:mod:`kilolayer.train.metrics`: ``tokens_per_s``, ``flops_per_s``,
+``mfu``, ``peak_mem_gib``, over the training time since the previous record; evaluation, diagnostics and
+checkpoints are not training time). With ``train.patience`` > 0 the run stops early once that many
+evaluations in a row have not improved ``train.early_stop_metric`` by ``train.min_delta``; every
+improvement is saved as a checkpoint that rotation never removes while the run needs it (the best), and
+``status.json`` says ``completed`` with ``stopped_early``, ``best_step`` and the reason.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ import random
 import shutil
 import signal
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +40,21 @@ from kilolayer.objectives import build_task
 from kilolayer.train import checkpoint as ckpt
 from kilolayer.train import diagnostics as diag
 from kilolayer.train import distributed as D
+from kilolayer.train import metrics as M
 from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.optim import build_optimizer, build_scheduler
+
+
+# early_stop_mode auto: these evaluation metrics are better higher, every other one lower
+HIGHER_IS_BETTER = ("accuracy", "exact_match", "bleu")
+
+
+def early_stop_mode(tc) -> str:
+    """``min`` or ``max``: whether lower or higher values of ``train.early_stop_metric`` are better."""
+    if tc.early_stop_mode != "auto":
+        return tc.early_stop_mode
+    name = tc.early_stop_metric
+    return "max" if name in HIGHER_IS_BETTER or name.endswith("accuracy") else "min"
 
 
 def seed_everything(seed: int) -> None:
@@ -171,8 +190,10 @@ class Trainer:
         if hasattr(obj, "attach_data"):
             obj.attach_data(self.source)
         self.start_step = self.step = 0
-        # ema: the smoothed training loss (bias-corrected, weight 0.9); running_min: its minimum
-        self.state = {"running_min": math.inf, "ema": 0.0, "ema_weight": 0.0, "tokens": 0}
+        # ema: the smoothed training loss (bias-corrected, weight 0.9); running_min: its minimum;
+        # early stopping: the best value of the metric, its step, evaluations since without improvement
+        self.state = {"running_min": math.inf, "ema": 0.0, "ema_weight": 0.0, "tokens": 0,
+                      "best": None, "best_step": None, "bad_evals": 0}
         latest = rundir.intact_checkpoint(self.out, on_damaged=rundir.warn if self.env.main else _quiet) \
             if resume else None
         if latest is None:
@@ -196,6 +217,8 @@ class Trainer:
         elif self.probe_batch is not None:
             with _full_params(self.model, self.env, tc.parallel):
                 self.reference = diag.probe(obj, self.task.backbone, self.probe_batch)[0]
+        if tc.patience and tc.eval_every:
+            self._check_metric()
         self._begin(latest)
 
     # -------------------------------------------------------------- set-up
@@ -343,29 +366,37 @@ class Trainer:
     # -------------------------------------------------------------- pieces
 
     def save(self, step: int) -> None:
+        tc = self.config.train
         model_sd = D.model_state(self.model)
         optim_sd = D.optimizer_state(self.model, self.optimizer)
         if self.env.main:
             tensors, plain = rng_state()
             extra = {"reference": self.reference.cpu()} if self.reference is not None else None
+            # early stopping keeps the best checkpoint too: rotation is rundir's, which spares it
+            keep = 2**31 if tc.patience else tc.keep_checkpoints
             ckpt.save_checkpoint(
                 self.out, step, model_sd, {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()},
-                tensors, {"step": step, "rng": plain, "trainer": self.state}, extra, keep=self.config.train.keep_checkpoints,
+                tensors, {"step": step, "rng": plain, "trainer": self.state}, extra, keep=keep,
             )
+            if tc.patience:
+                rundir.prune_checkpoints(self.out, tc.keep_checkpoints)
         D.barrier(self.env)
 
     @torch.no_grad()
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int, batches: int = 0) -> dict:
+        """The objective's evaluation metrics over ``train.eval_batches`` batches (``batches`` if given: then
+        no samples are saved)."""
         tc = self.config.train
         self.task.eval()
+        count = batches or tc.eval_batches
         # evaluation must not consume the training RNG streams (bit-exact resume)
         with torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else []):
             with _full_params(self.model, self.env, tc.parallel), _autocast(tc.precision, self.env.device):
-                batches = (to_device(b, self.env.device) for b in self.source.eval_batches(tc.batch_size,
-                                                                                           tc.eval_batches * tc.batch_size))
-                metrics = self.task.objective.evaluate(self.task.backbone, batches)
+                data = (to_device(b, self.env.device) for b in self.source.eval_batches(tc.batch_size,
+                                                                                        count * tc.batch_size))
+                metrics = self.task.objective.evaluate(self.task.backbone, data)
                 save = getattr(self.task.objective, "save_samples", None)
-                if save is not None and self.env.main:
+                if save is not None and self.env.main and not batches:
                     # e.g. MAE's original / masked / reconstruction grid
                     batch = to_device(next(self.source.eval_batches(8, 8)), self.env.device)
                     save(self.task.backbone, batch, self.out / "samples" / f"step_{step:08d}.png")
@@ -377,6 +408,36 @@ class Trainer:
             out, ln_names, ln_values = diag.probe(self.task.objective, self.task.backbone, self.probe_batch)
         return {"step": step, "split": "diagnostics", "layers": names, "grad_norm": norms,
                 "update": diag.update_size(out, self.reference), "ln_names": ln_names, "ln_input": ln_values}
+
+    def _check_metric(self) -> None:
+        """Early stopping's metric must be one the objective reports: one evaluation batch at set-up says."""
+        tc = self.config.train
+        names = self.evaluate(0, batches=1)
+        if tc.early_stop_metric not in names:
+            raise ConfigError(f"train.early_stop_metric={tc.early_stop_metric!r}: not an evaluation metric of "
+                              f"{self.config.objective.name} (it reports {', '.join(sorted(names))})")
+
+    def _track(self, step: int, metrics: dict) -> bool:
+        """Early stopping's bookkeeping after an evaluation; True if ``step`` is the new best."""
+        tc, st = self.config.train, self.state
+        value = float(metrics.get(tc.early_stop_metric, math.nan))  # checked at set-up; missing = no improvement
+        sign = 1.0 if early_stop_mode(tc) == "min" else -1.0
+        better = math.isfinite(value) and (st["best"] is None or sign * value < sign * st["best"] - tc.min_delta)
+        if better:
+            st["best"], st["best_step"], st["bad_evals"] = float(value), step, 0
+        else:
+            st["bad_evals"] += 1
+        return better
+
+    def _plateaued(self) -> bool:
+        tc = self.config.train
+        return bool(tc.patience) and self.state["bad_evals"] >= tc.patience
+
+    def _plateau_reason(self) -> str:
+        tc, st = self.config.train, self.state
+        best = f"; best {st['best']:.6g} at step {st['best_step']}" if st["best"] is not None else ""
+        return (f"plateau: no improvement of {tc.early_stop_metric} by {tc.min_delta:g} in {tc.patience} "
+                f"evaluations{best}")
 
     def _smoothed(self, loss: float) -> float:
         st = self.state
@@ -423,6 +484,42 @@ class Trainer:
         return Interrupted(f"interrupted by {signal.Signals(signum).name} at step {step} (checkpoint step {step} "
                            f"saved); continue with: kilolayer train --resume --out {self.out}", signum)
 
+    def _meter(self) -> M.Efficiency:
+        """Rank 0's efficiency meter; the device's peak is given, a vendor figure, or measured once per machine
+        (before any step is timed)."""
+        tc = self.config.train
+        self.peak = M.device_peak(self.env.device, tc.precision, tc.peak_flops)
+        return M.Efficiency(None, self.peak, self.env.device, processes=self.env.world)
+
+    def _flops_per_token(self, tokens: int) -> float:
+        """Model FLOPs per token at the tokens per sample the first step showed (``tokens`` on this process)."""
+        tc = self.config.train
+        samples = max(1, tc.batch_size // self.env.world)
+        return M.model_flops_per_token(self.config.model, tokens / samples, M.head_weights(self.task.objective),
+                                       frozen_backbone=tc.freeze_backbone)
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every process if it is true on any (decisions that lead to collective work)."""
+        return bool(_all_max(int(flag), self.env)) if self.env.active else flag
+
+    def _complete(self, step: int) -> dict:
+        """Record ``completed`` (rank 0): why it ended (the plateau or the step budget), early stopping's best
+        step, and the run's efficiency from its train records."""
+        tc = self.config.train
+        plateau = self._plateaued()
+        result = {"status": "completed", "step": step}
+        if tc.patience:
+            result.update(stopped_early=plateau, best_step=self.state["best_step"])
+        if self.env.main:
+            fields = {"stopped_early": plateau, "tokens": self.state["tokens"]}
+            if tc.patience:
+                fields.update(best_step=self.state["best_step"], best=self.state["best"],
+                              early_stop_metric=tc.early_stop_metric)
+            fields.update(M.summarize(rundir.read_metrics(self.out)))
+            fields.update(peak_flops=self.peak.flops, peak_flops_source=self.peak.source)
+            self.life.finish("completed", step, self._plateau_reason() if plateau else "step budget", **fields)
+        return result
+
     def _loop(self) -> dict:
         tc, env = self.config.train, self.env
         log = None
@@ -431,11 +528,14 @@ class Trainer:
         model.train()
         diag_on = tc.diagnostics_every > 0
         reduce = (lambda t: _all_sum(t, env)) if env.active else None
-        t_last, tokens_last = time.perf_counter(), self.state["tokens"]
+        meter = None
         try:
             log = MetricsLog(self.out, tensorboard=env.main) if env.main else None
+            meter = self._meter() if env.main else None
             if self.signals is not None:
                 self.signals.armed = True  # from here a signal waits for the step boundary
+            if self._plateaued():
+                return self._complete(self.start_step)  # resumed after an early stop: nothing left to do
             for step in range(self.start_step + 1, tc.steps + 1):
                 batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
                 loss_sum, tokens = 0.0, 0
@@ -471,26 +571,39 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.state["tokens"] += tokens * env.world
                 self.step = step  # its update is applied: a failure from here on is at this step
+                if meter is not None:
+                    if meter.flops_per_token is None:
+                        meter.set_flops_per_token(self._flops_per_token(tokens))
+                    meter.add(tokens * env.world)
                 if log and (step % tc.log_every == 0 or step == tc.steps):
-                    now = time.perf_counter()
-                    rate = (self.state["tokens"] - tokens_last) / max(now - t_last, 1e-9)
-                    t_last, tokens_last = now, self.state["tokens"]
-                    log.write({"step": step, "split": "train", "loss": loss_value,
-                               "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
-                               "tokens": self.state["tokens"], "tokens_per_s": rate})
-                    progress.update(step, f"loss {loss_value:.4f} lr {self.scheduler.get_last_lr()[0]:.2e} "
-                                          f"{rate:,.0f} tok/s")
-                if do_diag:
-                    rec = self.diagnostics(step, *layer_norms)
-                    if log:
-                        log.write(rec)
-                if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                    metrics = self.evaluate(step)
-                    if log:
-                        log.write({"step": step, "split": "eval", **metrics})
-                saved = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
-                if saved:
-                    self.save(step)
+                    eff = meter.report()
+                    lr = self.scheduler.get_last_lr()[0]
+                    log.write({"step": step, "split": "train", "loss": loss_value, "lr": lr,
+                               "grad_norm": float(gnorm), "tokens": self.state["tokens"], **eff})
+                    progress.update(step, f"loss {loss_value:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s "
+                                          f"MFU {100 * eff['mfu']:.1f}%")
+                improved = stop = False
+                with meter.paused() if meter is not None else contextlib.nullcontext():
+                    if do_diag:
+                        rec = self.diagnostics(step, *layer_norms)
+                        if log:
+                            log.write(rec)
+                    on_grid = bool(tc.eval_every) and step % tc.eval_every == 0
+                    if on_grid or step == tc.steps:
+                        metrics = self.evaluate(step)
+                        if log:
+                            log.write({"step": step, "split": "eval", **metrics})
+                        # only the evaluations every eval_every steps count: a leg that ended off that grid
+                        # (and evaluated there) resumes exactly as if it had never stopped
+                        if tc.patience and on_grid:
+                            improved = self._agree(self._track(step, metrics))
+                            stop = self._agree(self._plateaued())
+                    saved = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
+                    saved = saved or improved or stop  # early stopping: the best, and where it stopped
+                    if saved:
+                        self.save(step)
+                if stop:
+                    return self._complete(step)
                 signum = self._stop_signal() if step < tc.steps else 0
                 if signum:
                     # the step is done: finish it with a checkpoint, so a resume replays nothing
@@ -499,9 +612,7 @@ class Trainer:
                     raise self._interrupt(signum, step)
             if tc.steps == 0 and self.start_step == 0:
                 self.save(0)  # an untrained run is still a run: analysis can load it
-            if env.main:
-                self.life.finish("completed", tc.steps, "", tokens=self.state["tokens"])
-            return {"status": "completed", "step": tc.steps}
+            return self._complete(tc.steps)
         finally:
             progress.close()
             if log:
@@ -578,6 +689,15 @@ def resolve_config(config, out_dir: Path, resume: bool, sets: "list[str] | None"
     return load_config(config, sets)
 
 
+def check_early_stopping(config: Config) -> None:
+    """Early stopping compares evaluations: ``train.patience`` needs ``train.eval_every``. (Checked here, not in
+    the config, so tools that probe a config with evaluations off, like the study estimator, still can.)"""
+    tc = config.train
+    if tc.patience and not tc.eval_every:
+        raise ConfigError(f"train.patience={tc.patience}: early stopping compares evaluations, but train.eval_every=0 "
+                          f"evaluates only at the end; set train.eval_every > 0")
+
+
 def train(config: "Config | dict | str | Path | None", out_dir: "str | Path", resume: bool = False,
           sets: "list[str] | None" = None, quiet: bool = False, overwrite: bool = False) -> dict:
     """Train a config into ``out_dir`` (see module docstring), holding the directory's lock meanwhile.
@@ -592,6 +712,7 @@ def train(config: "Config | dict | str | Path | None", out_dir: "str | Path", re
         raise ConfigError("--resume and --overwrite: give one (continue the run, or replace it)")
     rundir.check_out(out)
     config = resolve_config(config, out, resume, sets)
+    check_early_stopping(config)
     signals = StopSignals().install()
     trainer = None
     try:

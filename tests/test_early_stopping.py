@@ -1,0 +1,168 @@
+"""Early stopping (train.patience): stops on a plateau, keeps the best checkpoint (load_run uses it), a resume
+after the stop changes nothing, a resume before it continues bit for bit, bad values are one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kilolayer import rundir
+from kilolayer.config import dump_yaml, load_config
+from kilolayer.train.checkpoint import read_weights
+from kilolayer.train.loop import early_stop_mode, train
+
+ROOT = Path(__file__).resolve().parents[1]
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+LM = {
+    "model": {"arch": "decoder", "scheme": "pre_ln", "layers": 2, "width": 32, "heads": 2, "ffn": 64,
+              "vocab_size": 262, "max_len": 32},
+    "objective": {"name": "causal_lm"},
+    "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
+    "train": {"steps": 40, "batch_size": 4, "lr": 1e-3, "log_every": 1, "eval_every": 3, "eval_batches": 2,
+              "keep_checkpoints": 1, "peak_flops": 1e11},
+}
+# The eval loss falls at every evaluation here; told that higher is better, early stopping sees its first
+# evaluation (step 3) as the best and none after it: with patience 3 it stops at step 12, exactly.
+WORSENING = {**LM, "train": {**LM["train"], "patience": 3, "early_stop_mode": "max"}}
+
+
+def cfg(base: dict = LM, **train) -> dict:
+    return {**base, "train": {**base["train"], **train}}
+
+
+def records(run: Path, split: str) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in rundir.read_metrics(run) if r["split"] == split]
+
+
+def steps(run: Path) -> list[int]:
+    return [rundir.checkpoint_step(p) for p in rundir.complete_checkpoints(run)]
+
+
+def test_stops_on_a_plateau(tmp_path):
+    """lr 1e-8: the loss does not move, so no evaluation after the first improves it by min_delta."""
+    run = tmp_path / "run"
+    result = train(cfg(lr=1e-8, patience=2, min_delta=0.01), run, quiet=True)
+    assert result == {"status": "completed", "step": 9, "stopped_early": True, "best_step": 3}
+    st = rundir.read_status(run)
+    assert (st["status"], st["step"], st["stopped_early"], st["best_step"]) == ("completed", 9, True, 3)
+    assert st["reason"].startswith("plateau: no improvement of loss by 0.01 in 2 evaluations; best ")
+    assert st["early_stop_metric"] == "loss" and st["best"] == records(run, "eval")[0][1]
+    assert [s for s, _ in records(run, "eval")] == [3, 6, 9] and records(run, "train")[-1][0] == 9
+    assert steps(run) == [3, 9]  # the best and where it stopped
+
+
+def test_the_step_budget_is_said_too(tmp_path):
+    run = tmp_path / "run"
+    result = train(cfg(steps=7, patience=5), run, quiet=True)
+    assert result == {"status": "completed", "step": 7, "stopped_early": False, "best_step": 6}
+    st = rundir.read_status(run)
+    assert st["reason"] == "step budget" and st["stopped_early"] is False and st["best_step"] == 6
+
+
+def test_keeps_the_best_checkpoint_and_load_run_uses_it(tmp_path):
+    run = tmp_path / "run"
+    train(WORSENING, run, quiet=True)
+    st = rundir.read_status(run)
+    assert (st["step"], st["best_step"], st["stopped_early"]) == (12, 3, True)
+    # keep_checkpoints 1: the newest (12) and the best it names (3); 6 and 9 rotated away
+    assert steps(run) == [3, 12]
+    config, task = rundir.load_run(run)
+    best = read_weights(rundir.checkpoint_dir(run, 3) / "model.safetensors")
+    newest = read_weights(rundir.checkpoint_dir(run, 12) / "model.safetensors")
+    loaded = task.state_dict()
+    assert all(torch.equal(loaded[k], best[k]) for k in best)
+    assert not all(torch.equal(best[k], newest[k]) for k in best)
+    # without early stopping the newest stands for the run
+    (run / "config.yaml").write_text(dump_yaml(load_config(cfg(WORSENING, patience=0))))
+    _, task = rundir.load_run(run)
+    assert all(torch.equal(task.state_dict()[k], newest[k]) for k in newest)
+
+
+def test_a_damaged_best_checkpoint_falls_back_to_the_newest(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(WORSENING, run, quiet=True)
+    f = rundir.checkpoint_dir(run, 3) / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert rundir.chosen_checkpoint(run, patience=3) == rundir.checkpoint_dir(run, 12)
+    err = capsys.readouterr().err
+    assert "step_00000003/model.safetensors: SHA-256 does not match" in err and "using the newest step_00000012" in err
+
+
+def test_resume_after_the_stop_is_a_no_op(tmp_path):
+    run = tmp_path / "run"
+    first = train(WORSENING, run, quiet=True)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    weights = {s: (rundir.checkpoint_dir(run, s) / "model.safetensors").read_bytes() for s in steps(run)}
+    before = rundir.read_status(run)
+    assert train(None, run, resume=True, quiet=True) == first
+    after = rundir.read_status(run)
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert {s: (rundir.checkpoint_dir(run, s) / "model.safetensors").read_bytes() for s in steps(run)} == weights
+    for key in ("status", "step", "reason", "stopped_early", "best_step", "best", "tokens"):
+        assert after[key] == before[key], key
+    # more steps do not undo a plateau; a larger patience continues it
+    assert train(None, run, resume=True, quiet=True, sets=["train.steps=60"])["step"] == 12
+    result = train(None, run, resume=True, quiet=True, sets=["train.patience=4"])
+    assert result == {"status": "completed", "step": 15, "stopped_early": True, "best_step": 3}
+
+
+@pytest.mark.parametrize("leg", [7, 9])
+def test_resume_before_the_stop_equals_one_run(tmp_path, leg):
+    """The counter of evaluations without improvement is part of the checkpoint: a run stopped at step 7
+    (off the evaluation grid, after one evaluation without improvement) or 9 (on it, after two) and resumed
+    stops where the uninterrupted run stopped, with the same losses. Without the counter it would stop
+    later. The first leg's own last evaluation (at 7) does not count for early stopping."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(WORSENING, full, quiet=True)
+    train(cfg(WORSENING, steps=leg), split, quiet=True)
+    assert rundir.read_status(split)["stopped_early"] is False
+    result = train(None, split, resume=True, quiet=True, sets=["train.steps=40"])
+    assert result == {"status": "completed", "step": 12, "stopped_early": True, "best_step": 3}
+    assert records(split, "train") == records(full, "train")
+    assert [e for e in records(split, "eval") if e[0] % 3 == 0] == records(full, "eval")
+    a, b = rundir.read_status(full), rundir.read_status(split)
+    assert (a["reason"], a["best"]) == (b["reason"], b["best"])
+    for s in (3, 12):
+        assert (rundir.checkpoint_dir(full, s) / "model.safetensors").read_bytes() == \
+            (rundir.checkpoint_dir(split, s) / "model.safetensors").read_bytes()
+
+
+def test_mode_inferred_from_the_metric():
+    tc = load_config(cfg(patience=1)).train
+    assert early_stop_mode(tc) == "min"
+    for name in ("accuracy", "exact_match", "bleu", "top1_accuracy"):
+        assert early_stop_mode(tc.model_copy(update={"early_stop_metric": name})) == "max"
+    assert early_stop_mode(tc.model_copy(update={"early_stop_metric": "accuracy", "early_stop_mode": "min"})) == "min"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kilolayer", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=ONE_THREAD)
+
+
+@pytest.mark.parametrize("sets, needles", [
+    (["train.patience=-1"], ["train.patience=-1", "greater than or equal to 0"]),
+    (["train.min_delta=-0.1"], ["train.min_delta=-0.1"]),
+    (["train.early_stop_mode=lower"], ["train.early_stop_mode='lower'", "'min' or 'max'"]),
+    (["train.patience=2", "train.eval_every=0"], ["train.patience=2", "train.eval_every=0"]),
+    (["train.patience=2", "train.early_stop_metric=accuracy"],
+     ["train.early_stop_metric='accuracy'", "not an evaluation metric of causal_lm", "bits_per_token, loss"]),
+])
+def test_bad_values_are_one_line_and_leave_no_directory(tmp_path, sets, needles):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(dump_yaml(load_config(LM)))
+    out = tmp_path / "run"
+    p = cli("train", str(config), "--out", str(out), "--quiet", *[a for s in sets for a in ("--set", s)])
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("kilolayer: error: "), p.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert not out.exists()

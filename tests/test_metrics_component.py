@@ -1,0 +1,177 @@
+"""The efficiency component (kilolayer.train.metrics): FLOPs from the formula, rates over a known time, MFU,
+the device peak (given, vendor table, measured once and cached), peak memory, and a real run's records."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kilolayer import rundir
+from kilolayer.config import load_config
+from kilolayer.objectives import build_task
+from kilolayer.train import metrics as M
+from kilolayer.train.loop import train
+
+LM = {
+    "model": {"arch": "decoder", "scheme": "pre_ln", "layers": 2, "width": 32, "heads": 2, "ffn": 64,
+              "vocab_size": 262, "max_len": 32},
+    "objective": {"name": "causal_lm"},
+    "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
+    "train": {"steps": 6, "batch_size": 4, "lr": 1e-3, "log_every": 2},
+}
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test measures into a cache folder of its own."""
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+
+
+# ---------------------------------------------------------------- FLOPs, rates, MFU
+
+
+def test_flops_per_token_is_the_formula():
+    L, d, f, V = 2, 32, 64, 262
+    matmul = L * (4 * d * d + 2 * d * f)
+    cfg = load_config(LM).model
+    # at the model's full length (32) and no head: 6 N + 12 L d T
+    assert M.model_flops_per_token(cfg) == 6 * matmul + 12 * L * d * 32
+    # 31 tokens a sample (next-token targets), the LM head's d x V weights
+    assert M.model_flops_per_token(cfg, 31, head=d * V) == 6 * matmul + 12 * L * d * 31 + 6 * d * V
+    # a frozen backbone runs forward only: a third of its training FLOPs, the head still trains
+    assert M.model_flops_per_token(cfg, 31, head=d * V, frozen_backbone=True) == pytest.approx(
+        (6 * matmul + 12 * L * d * 31) / 3 + 6 * d * V, rel=1e-12)
+    task = build_task(load_config(LM))
+    assert M.head_weights(task.objective) == d * V
+
+
+def test_flops_per_token_of_an_encoder_decoder_splits_the_tokens():
+    cfg = load_config({"model": {"arch": "encoder_decoder", "layers": 2, "decoder_layers": 3, "width": 32,
+                                 "heads": 2, "ffn": 64, "max_len": 16}}).model
+    d, f = 32, 64
+    enc = 2 * (4 * d * d + 2 * d * f)
+    dec = 3 * (4 * d * d + 2 * d * f) + 3 * 4 * d * d  # + cross-attention (Q, K, V, O)
+    S = T = 10  # 20 tokens a sample: 10 source, 10 target
+    flops = 6 * enc * S + 12 * 2 * d * S * S + 6 * (dec - 3 * 2 * d * d) * T + 12 * 3 * d * T * T \
+        + 6 * (3 * 2 * d * d) * S + 12 * 3 * d * T * S
+    assert M.model_flops_per_token(cfg, 20) == pytest.approx(flops / 20, rel=1e-12)
+
+
+def test_meter_rates_over_a_known_time():
+    now = [100.0]
+    peak = M.Peak(1e9, "test")
+    meter = M.Efficiency(None, peak, "cpu", processes=2, clock=lambda: now[0])
+    meter.set_flops_per_token(3000.0)
+    meter.add(600)
+    now[0] += 2.0
+    with meter.paused():  # an evaluation: 0.5 s that are not training time
+        now[0] += 0.5
+    meter.add(900)
+    now[0] += 1.0
+    r = meter.report()
+    assert r["tokens_per_s"] == pytest.approx(1500 / 3.0)
+    assert r["flops_per_s"] == pytest.approx(500 * 3000.0)
+    assert r["mfu"] == pytest.approx(500 * 3000.0 / (2 * 1e9))  # two devices' peak
+    assert M.mfu(500, 3000.0, 1e9, 2) == r["mfu"]
+    assert r["peak_mem_gib"] > 0
+    # the next window starts empty
+    meter.add(100)
+    now[0] += 4.0
+    assert meter.report()["tokens_per_s"] == pytest.approx(25.0)
+
+
+def test_summarize_means_and_maximum():
+    recs = [{"step": 1, "split": "train", "tokens_per_s": 100.0, "mfu": 0.1, "peak_mem_gib": 1.0},
+            {"step": 1, "split": "eval", "loss": 3.0, "mfu": 9.0},
+            {"step": 2, "split": "train", "tokens_per_s": 300.0, "mfu": 0.3, "peak_mem_gib": 1.5},
+            {"step": 3, "split": "train", "loss": 2.0}]
+    assert M.summarize(recs) == pytest.approx({"tokens_per_s": 200.0, "mfu": 0.2, "peak_mem_gib": 1.5})
+    assert M.summarize([]) == {}
+
+
+# ---------------------------------------------------------------- the peak
+
+
+def test_vendor_figures():
+    assert M.vendor_peak("NVIDIA H200", "bf16", tf32=False) == 989e12
+    assert M.vendor_peak("NVIDIA H100 80GB HBM3", "bf16", tf32=False) == 989e12
+    assert M.vendor_peak("NVIDIA H100 PCIe", "bf16", tf32=False) == 756e12
+    assert M.vendor_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=True) == 494.5e12
+    assert M.vendor_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=False) == 67e12
+    assert M.vendor_peak("NVIDIA A100-SXM4-80GB", "bf16", tf32=False) == 312e12
+    assert M.vendor_peak("Some Future GPU", "bf16", tf32=False) is None
+
+
+def test_given_peak_measures_nothing(monkeypatch):
+    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: pytest.fail("measured although given"))
+    assert M.device_peak("cpu", "fp32", given=2.5e11) == M.Peak(2.5e11, "train.peak_flops")
+
+
+def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    calls = []
+
+    def fake(dtype, **kw):
+        calls.append(dtype)
+        return 4.2e10, 512
+
+    monkeypatch.setattr(M, "quick_gemm_rate", fake)
+    first = M.device_peak("cpu", "fp32")
+    again = M.device_peak("cpu", "fp32")
+    assert first.flops == again.flops == 4.2e10 and calls == [torch.float32]
+    assert first.source.startswith("measured") and again.source.startswith("cached")
+    M.device_peak("cpu", "bf16")  # another dtype is another entry
+    assert calls == [torch.float32, torch.bfloat16]
+    data = json.loads((tmp_path / "cache" / M.CACHE_FILE).read_text())
+    assert len(data) == 2 and all(f"torch {torch.__version__}" in k for k in data)
+    assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp" in p.name]  # written by a rename
+    # a damaged cache file is measured again and replaced
+    (tmp_path / "cache" / M.CACHE_FILE).write_text("{not json")
+    assert M.device_peak("cpu", "fp32").source.startswith("measured") and len(calls) == 3
+
+
+def test_gemm_measurement_is_quick_and_leaves_the_rng_alone():
+    state = torch.get_rng_state()
+    flops, n = M.quick_gemm_rate(torch.float32, budget_s=0.2, n_max=512)
+    assert torch.equal(state, torch.get_rng_state())
+    assert math.isfinite(flops) and flops > 1e6 and n in (256, 512)
+
+
+def test_peak_memory_is_this_process():
+    rss = M.peak_rss()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert M.peak_rss() >= rss and M.peak_memory("cpu") >= block.numel() * 4
+
+
+# ---------------------------------------------------------------- a real run
+
+
+def test_a_run_reports_its_efficiency(tmp_path):
+    run = tmp_path / "run"
+    train(LM, run, quiet=True)
+    recs = [r for r in rundir.read_metrics(run) if r["split"] == "train"]
+    assert [r["step"] for r in recs] == [2, 4, 6]
+    st = rundir.read_status(run)
+    cfg = load_config(LM)
+    fpt = M.model_flops_per_token(cfg.model, 32, 32 * 262)  # data.seq_len 32: 32 next-token targets a sample
+    for r in recs:
+        assert r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0.05
+        assert r["flops_per_s"] == pytest.approx(r["tokens_per_s"] * fpt, rel=1e-9)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / st["peak_flops"], rel=1e-9)
+    # the CPU's fp32 GEMM peak was measured in this run (the cache was empty) and recorded
+    assert st["peak_flops_source"].startswith("measured: fp32 GEMM")
+    assert st["mfu"] == pytest.approx(sum(r["mfu"] for r in recs) / 3)
+    assert st["peak_mem_gib"] == max(r["peak_mem_gib"] for r in recs)
+    assert st["stopped_early"] is False and st["reason"] == "step budget"
+
+
+def test_given_peak_is_used_and_recorded(tmp_path):
+    run = tmp_path / "run"
+    train(LM, run, quiet=True, sets=["train.peak_flops=1e12"])
+    st = rundir.read_status(run)
+    assert st["peak_flops"] == 1e12 and st["peak_flops_source"] == "train.peak_flops"
+    for r in rundir.read_metrics(run):
+        if r["split"] == "train":
+            assert r["mfu"] == pytest.approx(r["flops_per_s"] / 1e12, rel=1e-12)
