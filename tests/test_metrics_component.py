@@ -175,3 +175,23 @@ def test_given_peak_is_used_and_recorded(tmp_path):
     for r in rundir.read_metrics(run):
         if r["split"] == "train":
             assert r["mfu"] == pytest.approx(r["flops_per_s"] / 1e12, rel=1e-12)
+
+
+# ---------------------------------------------------------------- memory: a config that cannot fit
+
+
+def test_train_refuses_a_config_that_cannot_fit_before_touching_the_directory(tmp_path):
+    """The trainer calls kilolayer.train.memory.check_memory after the directory checks and before the lock:
+    a fresh run leaves no directory, a resumed one keeps its status and files; the override trains."""
+    from kilolayer.errors import ConfigError
+
+    out = tmp_path / "new"
+    with pytest.raises(ConfigError, match=r"^model: needs about [\d.]+ GiB .* train.memory_check=false$"):
+        train(LM, out, quiet=True, sets=["model.layers=100000", "model.width=256", "model.heads=4"])
+    assert not out.exists()
+    run = tmp_path / "run"
+    train(LM, run, quiet=True)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(ConfigError, match="needs about"):
+        train(None, run, resume=True, quiet=True, sets=["train.batch_size=100000000", "train.steps=8"])
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before

@@ -42,6 +42,7 @@ from kilolayer.train import diagnostics as diag
 from kilolayer.train import distributed as D
 from kilolayer.train import metrics as M
 from kilolayer.train.logging import MetricsLog, Progress
+from kilolayer.train.memory import check_memory
 from kilolayer.train.optim import build_optimizer, build_scheduler
 
 
@@ -705,7 +706,8 @@ def train(config: "Config | dict | str | Path | None", out_dir: "str | Path", re
     ``resume=True`` continues from the newest intact checkpoint (or starts, if there is none), with any
     ``train.*`` values given now. Without it, a directory that already holds a run is refused unless
     ``overwrite=True`` (which removes only what a run writes); a non-empty directory that is not a run
-    is always refused. SIGINT and SIGTERM stop at the next step boundary with a checkpoint.
+    is always refused. A config whose estimated memory exceeds what the device has free is refused in one
+    line before anything is allocated (:func:`kilolayer.train.memory.check_memory`). SIGINT and SIGTERM stop at the next step boundary with a checkpoint.
     """
     out = Path(out_dir)
     if resume and overwrite:
@@ -713,6 +715,9 @@ def train(config: "Config | dict | str | Path | None", out_dir: "str | Path", re
     rundir.check_out(out)
     config = resolve_config(config, out, resume, sets)
     check_early_stopping(config)
+    # a config that cannot fit is refused before anything is allocated or written (train.memory_check: false
+    # skips it): after the directory checks, before the lock, so the directory stays as it was
+    check_memory(config, config.train.device)
     signals = StopSignals().install()
     trainer = None
     try:
