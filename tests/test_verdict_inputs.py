@@ -48,8 +48,9 @@ def test_classification_chance_is_the_label_entropy_and_majority_class():
     assert c["accuracy"] == pytest.approx(float(p.max()), rel=1e-9)
 
 
-def test_a_constant_predictor_scores_exactly_the_chance_loss():
-    """The mean-target predictor reaches the MAE chance loss; the empirical distribution reaches the LM one."""
+def test_mae_chance_is_the_per_position_mean_predictor():
+    """The decoder knows each hidden patch's position, so the best input-independent predictor is the mean
+    target at each position; the chance loss is exactly its loss, and any other constant does worse."""
     cfg = load_config(ROOT / "configs/digits_mae.yaml")
     task = build_task(cfg)
     mae = task.objective
@@ -63,11 +64,13 @@ def test_a_constant_predictor_scores_exactly_the_chance_loss():
         _, _, m = random_masking(b["inputs"].shape[0], mae.num_patches, mae.keep, eval_generator(i), "cpu")
         targets.append(mae.targets(task.backbone, b["inputs"]).double())
         masks.append(m.bool())
-    hidden = torch.cat([t[m] for t, m in zip(targets, masks)])
-    mean = hidden.mean(0)
-    assert c == pytest.approx(float(((hidden - mean) ** 2).mean()), rel=1e-9)
-    # any other constant does worse
-    assert float(((hidden - mean - 0.1) ** 2).mean()) > c
+    t, m = torch.cat(targets), torch.cat(masks)  # (N, L, D), (N, L)
+    per_position = torch.stack([t[:, j][m[:, j]].mean(0) for j in range(t.shape[1])])  # (L, D)
+    predicted = per_position.expand_as(t)
+    assert c == pytest.approx(float(((t - predicted) ** 2)[m].mean()), rel=1e-9)
+    hidden = t[m]
+    assert float(((hidden - hidden.mean(0)) ** 2).mean()) > c  # one mean patch for every position is worse
+    assert float(((t - predicted - 0.05) ** 2)[m].mean()) > c
 
 
 def test_contrastive_chance_is_ln_batch():

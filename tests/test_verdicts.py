@@ -225,12 +225,12 @@ def test_smoothing_gives_one_verdict_per_modality_and_pair(tmp_path):
     cos = {g: (lambda l, s: 0.8 + NOISE[s]) for g in SEQ}
     cos.update({g: (lambda l, s: 0.4) for g in TOK + ("untrained", "text_untrained")})
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
-    # 4 pairs x (level, trend), never pooled
-    assert len(found) == 8
+    # a level verdict for each of the 4 pairs and a trend verdict for each of the 3 sequence-level groups
+    assert len(found) == 7
     level = _by_title(found, "more than token-level (images: supervised vs mae)")
     assert level.verdict.verdict == HELD and level.verdict.n == 3 and level.verdict.mean == pytest.approx(0.4)
     assert len(level.rows) == 4 * 3  # shapes x seeds
-    trend = _by_title(found, "grows with depth, token-level does not (images: supervised vs mae)")
+    trend = _by_title(found, "grows with depth (images: supervised, relative to the untrained model)")
     assert trend.verdict.verdict == INCONCLUSIVE and trend.verdict.mean == pytest.approx(0.0, abs=1e-12)
     assert any("CLS and special tokens excluded" in n and "before the final LayerNorm" in n for n in level.notes)
 
@@ -250,8 +250,17 @@ def test_smoothing_trend_over_every_shape(tmp_path):
     cos = {"supervised": lambda l, s: 0.5 + 0.05 * math.log2(l) + NOISE[s] / 10, "mae": lambda l, s: 0.3,
            "untrained": lambda l, s: 0.6}
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
-    trend = _by_title(found, "grows with depth, token-level does not (images: supervised vs mae)")
+    trend = _by_title(found, "grows with depth (images: supervised, relative to the untrained model)")
     assert trend.verdict.verdict == HELD and trend.verdict.mean == pytest.approx(0.05, abs=1e-9)
+    assert "for comparison, token-level mae: +0" in trend.verdict.reason
+    # the baseline is part of the measurement: an untrained model that smooths just as much cancels the trend
+    cos["untrained"] = lambda l, s: 0.5 + 0.05 * math.log2(l)
+    trend = _by_title(bamboo_smoothing(_bamboo(cos), tmp_path), "grows with depth (images: supervised")
+    assert trend.verdict.verdict == INCONCLUSIVE and abs(trend.verdict.mean) < 0.01
+    # and without it the trend cannot be measured
+    results = [r for r in _bamboo(cos) if r.point.group != "untrained"]
+    trend = _by_title(bamboo_smoothing(results, tmp_path), "grows with depth (images: supervised")
+    assert trend.verdict.verdict == INCONCLUSIVE and "untrained model at 6 layers (missing)" in trend.verdict.reason
 
 
 def test_smoothing_diverged_or_unlearned_models_cannot_hold(tmp_path):
@@ -264,6 +273,35 @@ def test_smoothing_diverged_or_unlearned_models_cannot_hold(tmp_path):
     level = _by_title(bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
                       "more than token-level (images: supervised vs mae)")
     assert level.verdict.verdict == INCONCLUSIVE and "learned nothing" in level.verdict.reason
+    # nor can it decide against the claim
+    cos = {"supervised": lambda l, s: 0.2 + NOISE[s], "mae": lambda l, s: 0.5}
+    level = _by_title(bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
+                      "more than token-level (images: supervised vs mae)")
+    assert level.verdict.mean == pytest.approx(-0.3) and level.verdict.verdict == INCONCLUSIVE
+    assert "learned nothing" in level.verdict.reason
+
+
+def test_non_finite_or_missing_metrics_are_named_not_dropped(tmp_path):
+    loss = {"next_token": lambda l, s: float("nan") if (l == 6 and s == 2) else 1.5 - 0.05 * math.log2(l)}
+    nt = _by_title(bamboo_depth_tokens(_bamboo(loss=loss), tmp_path), "(next_token)")
+    assert nt.verdict.verdict == INCONCLUSIVE and "evaluation loss nan" in nt.verdict.reason
+    acc = _acc(lambda l, s: 0.8, lambda l, s: float("nan") if (l == 24 and s == 0) else 0.8 + 0.05 * math.log2(l))
+    absolute = _by_title(bamboo_depth(_bamboo(accuracy=acc), tmp_path), "pays off after token-level pre-training (images")
+    assert absolute.verdict.verdict == INCONCLUSIVE and "no finite accuracy" in absolute.verdict.reason
+    update = {"post_ln": lambda l, s: float("nan") if s == 1 else 3.0, "deepnorm": lambda l, s: 0.1}
+    f = deepnet_update(_deepnet(GOOD, update=update), tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "first updates of seed 1" in f.verdict.reason
+
+
+def test_a_study_without_a_scheme_leaves_its_finding_out(tmp_path):
+    results = [r for r in _deepnet(GOOD) if r.point.values["model.scheme"] != "pre_ln"]
+    assert deepnet_preln(results, tmp_path) is None and deepnet_postln(results, tmp_path) is not None
+
+
+def test_deepnorm_that_learned_nothing_contradicts_deepnorm_trains(tmp_path):
+    loss = {**GOOD, "deepnorm": lambda l, s: 2.3, "pre_ln": lambda l, s: 1.4 + 0.01 * s}
+    f = deepnet_preln(_deepnet(loss), tmp_path)
+    assert f.verdict.verdict == NOT_HELD and "learned nothing" in f.verdict.reason
 
 
 def _acc(scratch, tuned):
@@ -321,3 +359,30 @@ def test_depth_tokens_per_objective(tmp_path):
 def test_bamboo_findings_absent_without_their_groups(tmp_path):
     assert bamboo_smoothing([], tmp_path) is None and bamboo_depth([], tmp_path) is None
     assert bamboo_depth_tokens([], tmp_path) is None
+
+
+def test_report_md_and_html_give_the_same_decided_verdicts(tmp_path):
+    """Held, did not hold and inconclusive all survive rendering: report.md and report.html agree."""
+    import re
+    from types import SimpleNamespace
+
+    from kilolayer.study.findings import evaluate_findings
+    from kilolayer.study.report import render_html, render_markdown
+
+    # DeepNorm beats Post-LN (held) and loses to Pre-LN (did not hold)
+    loss = {**GOOD, "pre_ln": lambda l, s: 0.01, "deepnorm": lambda l, s: 0.5 + 0.01 * s}
+    results = _deepnet(loss)
+    cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.3}
+    results += [r for r in _bamboo(cos) if r.point.group in ("supervised", "mae", "untrained")]
+    findings = evaluate_findings(["deepnet_postln", "deepnet_preln", "bamboo_smoothing"], results, tmp_path)
+    words = [f.verdict.verdict for f in findings]
+    assert {HELD, NOT_HELD, INCONCLUSIVE} <= set(words)
+    spec = SimpleNamespace(name="constructed", description="constructed evidence", findings=[])
+    md = render_markdown(spec, results, findings, tmp_path, 1.0)
+    page = render_html(md, tmp_path)
+    assert re.findall(r"\*\*Verdict: ([a-z ]+)\.\*\*", md) == words
+    assert re.findall(r"<strong[^>]*>Verdict: ([a-z ]+)\.</strong>", page) == words
+    summary_md = md.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+    summary_html = page.split("Verdicts</h2>", 1)[1].split("<h2", 1)[0]
+    assert re.findall(r"\| \*\*([a-z ]+)\*\* \|", summary_md) == words
+    assert re.findall(r"<td><strong[^>]*>([a-z ]+)</strong></td>", summary_html) == words

@@ -64,6 +64,9 @@ def cmd_smoothness(args) -> int:
         if args.data:
             raise InputError("--data NAME names a kilolayer data source and works with --run; "
                              "for --hf give --text FILE or --images DIR")
+        if args.include_special or args.after_final_norm:
+            raise InputError("--include-special / --after-final-norm work with --run; for --hf use --exclude-cls "
+                             "(a Hugging Face model's last hidden state is what the model returns)")
         result = smoothness_of_hf(args.hf, text=args.text, images=args.images, samples=args.samples,
                                   batch_size=args.batch_size, exclude_first=args.exclude_cls, device=args.device)
     else:
@@ -77,7 +80,8 @@ def cmd_smoothness(args) -> int:
                                    after_final_norm=args.after_final_norm, device=args.device)
     if args.name:
         result["name"] = args.name
-    result["exclude_cls"] = args.exclude_cls
+    # what was left out of the metrics: --exclude-cls, or (for --run, by default) CLS and special tokens
+    result["exclude_cls"] = bool(args.exclude_cls or result.get("exclude_special"))
     paths = save_smoothness(result, _out_dir(args.out), depth=args.depth, svg=args.svg)
     print(f"{result['name']}: {result['depth']} layers, {result['samples']} samples ({result['input']})")
     print(_table(result))

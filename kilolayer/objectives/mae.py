@@ -200,22 +200,21 @@ class MAE(Objective):
 
     @torch.no_grad()
     def chance(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
-        """The loss of predicting one constant patch, the mean target, for every hidden patch (the best
-        input-independent predictor under squared error): the mean per-pixel variance of the targets over the
-        hidden patches of ``evaluate``'s fixed masks."""
-        total = total_sq = None
-        count = 0.0
+        """The loss of the best input-independent predictor under squared error. The decoder knows each hidden
+        patch's position, so that predictor is the mean target patch *at each position*; its loss is the
+        per-position target variance, averaged over the hidden patches of ``evaluate``'s fixed masks."""
+        total = total_sq = count = None
         for i, batch in enumerate(batches):
             images = batch_inputs(batch, "inputs", "images")
             _, _, mask = random_masking(images.shape[0], self.num_patches, self.keep, eval_generator(i), images.device)
-            t = self.targets(backbone, images).double()[mask.bool()]
-            s, sq = t.sum(0), (t * t).sum(0)
-            total, total_sq = (s, sq) if total is None else (total + s, total_sq + sq)
-            count += t.shape[0]
-        if not count:
+            m = mask.double()[..., None]  # (B, L, 1): 1 = hidden, scored
+            t = self.targets(backbone, images).double() * m
+            s, sq, n = t.sum(0), (t * t).sum(0), m.sum(0)  # per position: (L, D), (L, D), (L, 1)
+            total, total_sq, count = (s, sq, n) if total is None else (total + s, total_sq + sq, count + n)
+        if count is None or not float(count.sum()):
             return {"loss": float("nan")}
-        mean = total / count
-        return {"loss": float((total_sq / count - mean * mean).clamp_min(0).mean())}
+        residual = (total_sq - total * total / count.clamp_min(1)).clamp_min(0)  # sum of squared deviations
+        return {"loss": float(residual.sum() / (count.sum() * total.shape[-1]))}
 
     def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
         return backbone(batch_inputs(batch, "inputs", "images"))

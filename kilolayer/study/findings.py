@@ -20,8 +20,9 @@ Evidence:
   (accuracy) is the chance level of its data, the best that a model which learned
   nothing can score (see :mod:`kilolayer.analysis.chance`);
 * a run **learned nothing** when its final evaluation loss is above
-  ``LEARNED`` x its chance loss; a claim that needs a model to learn cannot be
-  held when that model did not.
+  ``LEARNED`` x its chance loss; a claim that needs a model to learn is not
+  decided by it (inconclusive), except that a claim that a scheme trains is
+  contradicted by that scheme learning nothing.
 
 Nothing is decided in advance: the verdicts come from the numbers.
 """
@@ -45,8 +46,10 @@ RULE = (
     "the lower bound exceeds the margin, **did not hold** if the upper bound is below minus the margin, otherwise "
     "**inconclusive** — always with fewer than 2 seeds. A failed or missing run is never evidence (inconclusive, "
     "named); a diverged run scores the chance level of its data (the loss of the best predictor that ignores the "
-    f"input), so it counts against what diverged; a run whose loss stays above {LEARNED:g} x chance learned nothing, "
-    "and a claim that needs it to learn is not held."
+    "input), so it counts against what diverged (a token-similarity comparison has no representation to measure "
+    f"in a diverged run, so it is inconclusive there); a run whose loss stays above {LEARNED:g} x chance learned "
+    "nothing, and a claim that needs it to learn is not decided by it (except that a scheme claimed to train is "
+    "contradicted by failing to learn)."
 )
 
 
@@ -66,6 +69,7 @@ class Verdict:
     n: int = 0  # seeds
     margin: float = float("nan")
     reason: str = ""
+    per_seed: dict = field(default_factory=dict)  # seed -> d, shown in the report
 
 
 def _num(x: float, unit: str = "") -> str:
@@ -73,11 +77,13 @@ def _num(x: float, unit: str = "") -> str:
 
 
 def decide(per_seed: "dict | list", margin: float, unit: str = "", *, not_evidence: tuple = (),
-           unlearned: tuple = (), level: float = LEVEL) -> Verdict:
+           unlearned: tuple = (), unlearned_decides_against: bool = False, level: float = LEVEL) -> Verdict:
     """The verdict of the module docstring from one difference per seed (a dict seed -> d, or a list).
 
     ``not_evidence``: runs that failed or are missing (named in the reason; the verdict is inconclusive).
-    ``unlearned``: runs the claim needs to have learned that did not (a held verdict becomes inconclusive)."""
+    ``unlearned``: runs the claim needs to have learned that did not. They are named, and the verdict becomes
+    inconclusive, unless it is "did not hold" and ``unlearned_decides_against`` (a claim such as "DeepNorm
+    trains" is contradicted by a DeepNorm that learned nothing)."""
     values = list(per_seed.values()) if isinstance(per_seed, dict) else list(per_seed)
     values = [float(d) for d in values if d is not None and not math.isnan(d)]
     n = len(values)
@@ -103,10 +109,12 @@ def decide(per_seed: "dict | list", margin: float, unit: str = "", *, not_eviden
         shown = ", ".join(not_evidence[:4]) + (f" and {len(not_evidence) - 4} more" if len(not_evidence) > 4 else "")
         v.verdict = INCONCLUSIVE
         desc = f"not evidence: {shown}" + (f"; the other runs give {desc}" if n else "")
-    if unlearned and v.verdict == HELD:
-        v.verdict = INCONCLUSIVE
+    if unlearned:
         shown = ", ".join(unlearned[:4]) + (f" and {len(unlearned) - 4} more" if len(unlearned) > 4 else "")
-        desc += f"; but {shown} learned nothing (loss above {LEARNED:g} x chance), and the claim needs it to"
+        desc += f"; {shown} learned nothing (loss above {LEARNED:g} x chance)"
+        if v.verdict == HELD or (v.verdict == NOT_HELD and not unlearned_decides_against):
+            v.verdict = INCONCLUSIVE
+            desc += ", and the claim needs it to"
     v.reason = desc
     return v
 
@@ -152,6 +160,9 @@ def evaluate_findings(names, results, out) -> list[Finding]:
     for name in names:
         f = FINDINGS[name](results, out)
         found += f if isinstance(f, list) else [f] if f is not None else []
+    for f in found:
+        if not f.rows and f.verdict.per_seed:  # show the numbers the verdict was computed from
+            f.headers, f.rows = ["seed", "d"], [[s, f"{d:+.4g}"] for s, d in sorted(f.verdict.per_seed.items())]
     return found
 
 
@@ -196,6 +207,8 @@ def not_evidence(r, what: str) -> Optional[str]:
         return f"{r.point.key} ({r.status}{why})"
     if "loss" not in r.eval:
         return f"{r.point.key} (completed without an evaluation)"
+    if not math.isfinite(float(r.eval["loss"])):
+        return f"{r.point.key} (evaluation loss {r.eval['loss']})"
     return None
 
 
@@ -223,7 +236,8 @@ def accuracy_of(r, out) -> Optional[float]:
         return chance(r, out).get("accuracy")
     for k in ("accuracy", "test_accuracy"):
         if k in r.eval:
-            return float(r.eval[k])
+            value = float(r.eval[k])
+            return value if math.isfinite(value) else None
     return None
 
 
@@ -248,10 +262,11 @@ def _status_cell(r, value: str) -> str:
 class Evidence:
     """Per-seed parts of a comparison, the runs that are not evidence, and the runs that learned nothing."""
 
-    def __init__(self):
+    def __init__(self, unlearned_decides_against: bool = False):
         self.parts: dict = defaultdict(list)
         self.excluded: list[str] = []
         self.unlearned: list[str] = []
+        self.unlearned_decides_against = unlearned_decides_against
 
     def check(self, runs: dict, out, must_learn=()) -> bool:
         """Record why any of ``runs`` (what -> run) is not evidence; True if all are. Runs named in
@@ -266,16 +281,26 @@ class Evidence:
                 self.unlearned.append(r.point.key)
         return True
 
-    def add(self, seed, value: float) -> None:
-        self.parts[seed].append(value)
+    def add(self, seed, value: "float | None", what: str = "") -> None:
+        """Add one part of seed ``seed``'s difference; a missing or non-finite value (e.g. an evaluation
+        without the metric) makes the seed not evidence, named by ``what``."""
+        if value is None or not math.isfinite(value):
+            self.excluded.append(f"{what or f'seed {seed}'} (no finite value: {value})")
+            self.parts.pop(seed, None)
+            self.parts[seed] = [float("nan")]
+            return
+        if not any(math.isnan(x) for x in self.parts[seed]):
+            self.parts[seed].append(value)
 
     def per_seed(self) -> dict:
-        # a seed missing any part is not a complete replicate
-        return {s: statistics.fmean(v) for s, v in self.parts.items() if v}
+        # a seed missing any part is not a complete replicate (it is named in ``excluded``)
+        return {s: statistics.fmean(v) for s, v in self.parts.items() if v and not any(math.isnan(x) for x in v)}
 
     def decide(self, margin: float, unit: str = "") -> Verdict:
-        return decide(self.per_seed(), margin, unit, not_evidence=tuple(self.excluded),
-                      unlearned=tuple(self.unlearned))
+        v = decide(self.per_seed(), margin, unit, not_evidence=tuple(self.excluded),
+                   unlearned=tuple(self.unlearned), unlearned_decides_against=self.unlearned_decides_against)
+        v.per_seed = self.per_seed()
+        return v
 
 
 def slope(depths: list[int], values: list[float]) -> float:
@@ -318,36 +343,43 @@ def _scheme_depth_table(rs, out):
 
 
 def _chance_note(runs, out, unit=" nats") -> list[str]:
-    """The chance levels of ``runs``' data, once per distinct value."""
-    levels: dict[str, list] = {}
-    for r in runs:
-        if r is not None and r.status in ("completed", "diverged"):
-            c = chance(r, out)
-            text = f"loss {c['loss']:.3f}{unit}" + (f", accuracy {c['accuracy']:.3f}" if c.get("accuracy") is not None
-                                                   else "")
-            seeds = levels.setdefault(text, [])
-            if _seed(r) not in seeds:
-                seeds.append(_seed(r))
-    if not levels:
+    """The chance levels of ``runs``' data: one value, or one per group (and per seed where the evaluation data
+    differ by seed, as for a synthetic task)."""
+    runs = [r for r in runs if r is not None and r.status in ("completed", "diverged")]
+    if not runs:
         return []
-    if len(levels) == 1:
-        shown = next(iter(levels))
-    else:  # the evaluation data differ by seed (e.g. a synthetic task)
-        shown = "; ".join(f"{text} (seed {', '.join(map(str, sorted(seeds)))})" for text, seeds in levels.items())
-    return [f"Chance level (the best predictor that ignores the input, on these evaluation targets): {shown}."]
+    several_groups = len({r.point.group for r in runs}) > 1
+    levels: dict[tuple, list] = {}
+    for r in runs:
+        c = chance(r, out)
+        text = f"loss {c['loss']:.3f}{unit}" + (f", accuracy {c['accuracy']:.3f}" if c.get("accuracy") is not None
+                                               else "")
+        seeds = levels.setdefault((r.point.group if several_groups else "", text), [])
+        if _seed(r) not in seeds:
+            seeds.append(_seed(r))
+    texts = {text for _, text in levels}
+    parts = []
+    for (group, text), seeds in levels.items():
+        label = [group] if group else []
+        if len(texts) > len({g for g, _ in levels}):  # the same group has different levels by seed
+            label.append(f"seed {', '.join(map(str, sorted(seeds)))}")
+        parts.append(f"{text}" + (f" ({', '.join(label)})" if label else ""))
+    return [f"Chance level (the best predictor that ignores the input, on these evaluation targets): "
+            f"{'; '.join(parts)}."]
 
 
 def _scheme_vs(results, out, loser: str, winner: str, name: str, title: str, claim: str, margin: float):
     rs = _group(results, "deepnet")
-    if not rs:
-        return None
+    if not {loser, winner} <= {_val(r, "model.scheme") for r in rs}:
+        return None  # the study does not compare these two schemes
     headers, rows = _scheme_depth_table(rs, out)
     deepest = max(_depth(r) for r in rs)
-    ev = Evidence()
+    # a winner that learned nothing is evidence against the claim that it trains
+    ev = Evidence(unlearned_decides_against=True)
     for seed in _seeds(rs):
         a, b = _run(rs, loser, deepest, seed), _run(rs, winner, deepest, seed)
         if ev.check({f"{loser} seed {seed}": a, f"{winner} seed {seed}": b}, out, must_learn=[f"{winner} seed {seed}"]):
-            ev.add(seed, loss_of(a, out) - loss_of(b, out))
+            ev.add(seed, loss_of(a, out) - loss_of(b, out), f"seed {seed}")
     v = ev.decide(margin, " nats")
     at = _depth_label(rs[0], deepest)
     rule = (f"d = final validation loss of {loser} minus that of {winner} at the deepest setting ({at}), per seed; "
@@ -421,8 +453,9 @@ def deepnet_update(results, out):
             continue
         if ev.check(runs, out):
             ua, ub = _first_update(a), _first_update(b)
-            ev.add(seed, math.log(ua / ub) if ua > 0 and ub > 0 else float("nan"))
-    v = ev.decide(math.log(1.5))
+            ok = ua > 0 and ub > 0 and math.isfinite(ua) and math.isfinite(ub)
+            ev.add(seed, math.log(ua / ub) if ok else None, f"first updates of seed {seed} ({ua:g}, {ub:g})")
+    v = ev.decide(math.log(1.5), " (ln ratio)")
     rule = ("d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "
             f"on a fixed probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 "
             "(post_ln's update at least 1.5x DeepNorm's). The table also shows how it grows with depth.")
@@ -514,77 +547,121 @@ def _measurement_note(runs) -> list[str]:
     return notes
 
 
-def _smoothing_pair(results, out, seq: str, tok: str, modality: str) -> list[Finding]:
-    a_rs, b_rs = _group(results, seq), _group(results, tok)
-    base = _group(results, UNTRAINED[modality])
+def _cosine_evidence(ev: Evidence, r, what: str, out) -> Optional[float]:
+    """The last-layer cosine of ``r`` if it can be evidence (recording why not in ``ev`` otherwise)."""
+    if not ev.check({what: r}, out, must_learn=[what]):
+        return None
+    if r.status == "diverged":
+        ev.excluded.append(f"{r.point.key} (diverged: no final representation to measure)")
+        return None
+    c = _last(r, "cosine")
+    if c is None or not math.isfinite(c):
+        ev.excluded.append(f"{r.point.key} (no smoothness analysis)")
+        return None
+    return c
+
+
+def _untrained_cosine(ev: Evidence, base, layers: int, seed) -> Optional[float]:
+    u = _pick(base, layers, seed) or next((r for r in base if _depth(r) == layers), None)
+    c = _last(u, "cosine") if u is not None and u.ok else None
+    if c is None:
+        ev.excluded.append(f"untrained model at {layers} layers ({'no smoothness analysis' if u else 'missing'})")
+    return c
+
+
+def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding:
+    a_rs, b_rs, base = _group(results, seq), _group(results, tok), _group(results, UNTRAINED[modality])
     depths = sorted(set(_shapes(a_rs)) | set(_shapes(b_rs)))
-    level, trend = Evidence(), Evidence()
-    rows = []
+    level, rows = Evidence(), []
     for seed in sorted(set(_seeds(a_rs)) | set(_seeds(b_rs))):
-        gaps = {}
         for layers in depths:
             a, b = _pick(a_rs, layers, seed), _pick(b_rs, layers, seed)
             u = _pick(base, layers, seed) or next((r for r in base if _depth(r) == layers), None)
-            ca, cb, cu = _last(a, "cosine"), _last(b, "cosine"), _last(u, "cosine")
-            rows.append([_shape(a or b), seed, _fmt(cu), _status_cell(a, _fmt(ca)), _status_cell(b, _fmt(cb)),
-                         _fmt(ca - cu if None not in (ca, cu) else None), _fmt(cb - cu if None not in (cb, cu) else None),
-                         _fmt(_last(a, "cosine_centred")), _fmt(_last(b, "cosine_centred"))])
-            runs = {f"{seq} {layers} layers seed {seed}": a, f"{tok} {layers} layers seed {seed}": b}
-            ok = level.check(runs, out, must_learn=list(runs))
-            trend.check(runs, out, must_learn=list(runs))
-            for what, r in runs.items():
-                if ok and r.status == "diverged":
-                    level.excluded.append(f"{r.point.key} (diverged: no final representation to measure)")
-                    ok = False
-                elif ok and _last(r, "cosine") is None:
-                    level.excluded.append(f"{r.point.key} (no smoothness analysis)")
-                    ok = False
-            if ok:
+            ca = _cosine_evidence(level, a, f"{seq} {layers} layers seed {seed}", out)
+            cb = _cosine_evidence(level, b, f"{tok} {layers} layers seed {seed}", out)
+            if ca is not None and cb is not None:
                 level.add(seed, ca - cb)
-                gaps[layers] = ca - cb
-        if len(gaps) == len(depths) and len(depths) >= 2:
-            trend.add(seed, slope(list(gaps), list(gaps.values())))
-    trend.excluded += [x for x in level.excluded if x not in trend.excluded]
-    note = _convergence_note(a_rs + b_rs, "loss", 0.02, lower_is_better=True, relative=True)
-    v_level, v_trend = level.decide(0.05), trend.decide(0.02)
-    v_level.reason += note
-    v_trend.reason += note
-    if len(depths) < 2:
-        v_trend = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
-    label = f"{modality}: {seq} vs {tok}"
-    headers = ["layers x width", "seed", "cosine untrained", f"cosine {seq}", f"cosine {tok}",
-               f"{seq} - untrained", f"{tok} - untrained", f"centred {seq}", f"centred {tok}"]
-    notes = _measurement_note(a_rs + b_rs + base) + _chance_note([r for r in a_rs + b_rs if r.ok][:1] +
-                                                                  [r for r in b_rs if r.ok][:1], out, "")
+            cu = _last(u, "cosine")
+            rows.append([_shape(a or b), seed, _fmt(cu), _status_cell(a, _fmt(_last(a, "cosine"))),
+                         _status_cell(b, _fmt(_last(b, "cosine"))), _fmt(_last(a, "cosine_centred")),
+                         _fmt(_last(b, "cosine_centred"))])
+    v = level.decide(0.05)
+    v.reason += _convergence_note(a_rs + b_rs, "loss", 0.02, lower_is_better=True, relative=True)
     shapes = ", ".join(_shape(r) for r in sorted({_depth(r): r for r in a_rs + b_rs}.values(), key=_depth))
-    level_f = Finding(
-        f"bamboo_smoothing:{seq}:{tok}", f"Sequence-level training over-smooths tokens more than token-level ({label})",
+    notes = _measurement_note(a_rs + b_rs + base) + _chance_note(
+        [next((r for r in g if r.ok), None) for g in (a_rs, b_rs)], out, "")
+    return Finding(
+        f"bamboo_smoothing:{seq}:{tok}",
+        f"Sequence-level training over-smooths tokens more than token-level ({modality}: {seq} vs {tok})",
         "A sequence-level objective (supervised classification, CLIP) makes token representations converge in "
         "the top layers (token cosine high); a token-level objective (MAE, masked tokens, next token) keeps them "
         "distinct (cosine low).", PAPER,
         f"d = last-layer mean token cosine of {seq} minus that of {tok}, same shape, seed and validation inputs, "
-        f"averaged over the shapes ({shapes}) within each seed; both models must have learned. Margin 0.05.",
-        v_level, headers, rows, notes=notes,
+        f"averaged over the shapes ({shapes}) within each seed; both models must have learned (a model that did "
+        "not, or diverged and has no representation, leaves the verdict inconclusive). Margin 0.05.",
+        v, ["layers x width", "seed", "cosine untrained", f"cosine {seq}", f"cosine {tok}", f"centred {seq}",
+            f"centred {tok}"], rows, notes=notes,
         scale_up="Compare at matched convergence (train the token-level model until its fine-tuning accuracy "
                  "plateaus), with more tokens per input and 3+ seeds.")
-    trend_f = Finding(
-        f"bamboo_smoothing_trend:{seq}:{tok}", f"Sequence-level over-smoothing grows with depth, token-level does not ({label})",
-        "Over-smoothing is what makes depth stop paying off for sequence-level objectives: the gap in last-layer "
-        "token similarity between a sequence-level and a token-level model grows as the same parameters are spread "
-        "over more, narrower layers.", PAPER,
-        f"d = least-squares slope, per doubling of depth, of (cosine {seq} - cosine untrained) - (cosine {tok} - "
-        f"cosine untrained) over every shape ({shapes}), per seed (the untrained model of each shape is the "
-        "reference; it cancels in the difference and is shown in the table). Margin 0.02 per doubling.",
-        v_trend, notes=[])
-    return [level_f, trend_f]
+
+
+def _excess_slopes(results, out, group: str, modality: str, ev: Evidence) -> tuple[dict, list]:
+    """Per seed, the slope per doubling of depth of (last-layer cosine of ``group`` - that of the untrained
+    model of the same shape), over every shape; and the table rows (seed, excess per shape)."""
+    rs, base = _group(results, group), _group(results, UNTRAINED[modality])
+    depths = _shapes(rs)
+    slopes, rows = {}, []
+    for seed in _seeds(rs):
+        excess = []
+        for layers in depths:
+            c = _cosine_evidence(ev, _pick(rs, layers, seed), f"{group} {layers} layers seed {seed}", out)
+            cu = _untrained_cosine(ev, base, layers, seed)
+            excess.append(c - cu if None not in (c, cu) else None)
+        rows.append([group, seed] + [_fmt(x) for x in excess])
+        if len(depths) >= 2 and None not in excess:
+            slopes[seed] = slope(depths, excess)
+    return slopes, rows
+
+
+def _smoothing_trend(results, out, seq: str, toks: list[str], modality: str) -> Finding:
+    ev = Evidence()
+    slopes, rows = _excess_slopes(results, out, seq, modality, ev)
+    for seed, d in slopes.items():
+        ev.add(seed, d)
+    depths = _shapes(_group(results, seq))
+    v = ev.decide(0.02)
+    if len(depths) < 2:
+        v = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
+    context = []
+    for tok in toks:  # what the paired token-level objective did, for the reader (not part of d)
+        t_slopes, t_rows = _excess_slopes(results, out, tok, modality, Evidence())
+        rows += t_rows
+        if t_slopes:
+            context.append(f"{tok}: {statistics.fmean(t_slopes.values()):+.3g} per doubling")
+    if context:
+        v.reason += "; for comparison, token-level " + ", ".join(context)
+    shape_of = {_depth(r): _shape(r) for r in _group(results, seq)}
+    return Finding(
+        f"bamboo_smoothing_trend:{seq}",
+        f"Sequence-level over-smoothing grows with depth ({modality}: {seq}, relative to the untrained model)",
+        "Over-smoothing is what makes depth stop paying off for sequence-level objectives: as the same "
+        "parameters are spread over more, narrower layers, training makes the last layer's tokens more similar "
+        "than the same untrained network has them, while token-level objectives do not.", PAPER,
+        f"d = least-squares slope, per doubling of depth, of (last-layer token cosine of {seq} - that of the "
+        f"untrained model of the same shape) over every shape ({', '.join(shape_of[d] for d in depths)}), per "
+        f"seed; the model must have learned, and a missing untrained baseline leaves it inconclusive. Margin 0.02 "
+        "per doubling. The token-level groups' slopes are shown for comparison.",
+        v, ["group", "seed"] + [f"{shape_of[d]}: cosine - untrained" for d in depths], rows)
 
 
 @register_finding("bamboo_smoothing")
 def bamboo_smoothing(results, out):
-    found = []
+    found, trends = [], {}
     for seq, tok, modality in SMOOTHING_PAIRS:
         if _group(results, seq) and _group(results, tok):
-            found += _smoothing_pair(results, out, seq, tok, modality)
+            found.append(_smoothing_level(results, out, seq, tok, modality))
+            trends.setdefault((seq, modality), []).append(tok)
+    found += [_smoothing_trend(results, out, seq, toks, modality) for (seq, modality), toks in trends.items()]
     if not found:
         return None
     found[0].plots = _smoothness_plot(results, out, "bamboo_smoothness.png")
@@ -607,6 +684,10 @@ def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str)
                                     must_learn=[f"{tuned} {layers} layers seed {seed}"] if deepest else [])
             a_s = accuracy_of(s, out) if rel_ok else None
             a_f = accuracy_of(f, out) if abs_ok else None
+            for ok, r, value, evs in ((rel_ok, s, a_s, [relative]), (abs_ok, f, a_f, [absolute, relative])):
+                if ok and value is None:  # completed, but its evaluation has no finite accuracy
+                    for e in evs:
+                        e.excluded.append(f"{r.point.key} (no finite accuracy in its evaluation)")
             acc_s.append(a_s)
             acc_f.append(a_f)
             row.append(f"{_status_cell(s, _fmt(a_s))} / {_status_cell(f, _fmt(a_f))}")
@@ -663,7 +744,7 @@ def bamboo_depth_tokens(results, out):
     for name in LOSS_GROUPS:
         rs = _group(results, name)
         depths = _shapes(rs)
-        if len(depths) < 2:
+        if not rs:
             continue
         ev, rows = Evidence(), []
         for seed in _seeds(rs):
@@ -680,6 +761,8 @@ def bamboo_depth_tokens(results, out):
                 ev.add(seed, -slope(depths, losses))
         v = ev.decide(0.01, " nats")
         v.reason += _convergence_note(rs, "loss", 0.02, lower_is_better=True, relative=True)
+        if len(depths) < 2:
+            v = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
         shape_of = {_depth(r): _shape(r) for r in rs}
         found.append(Finding(
             f"bamboo_depth_tokens:{name}", f"Token-level objectives reach a lower loss deeper and narrower ({name})",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -126,7 +127,8 @@ def depth_curves(results, path: Path) -> bool:
             base = [float(r.eval[key]) for r in rs if r.point.config.model.layers == depths[0] and key in r.eval]
             scale = statistics.fmean(base) if key == "loss" and base and statistics.fmean(base) else 1.0
             for d in depths:
-                vals = [float(r.eval[key]) / scale for r in rs if r.point.config.model.layers == d and key in r.eval]
+                vals = [float(r.eval[key]) / scale for r in rs if r.point.config.model.layers == d and key in r.eval
+                        and math.isfinite(float(r.eval[key]))]
                 if vals:
                     xs.append(d)
                     means.append(statistics.fmean(vals))
