@@ -640,6 +640,7 @@ def _smoothing_trend(results, out, seq: str, toks: list[str], modality: str) -> 
             context.append(f"{tok}: {statistics.fmean(t_slopes.values()):+.3g} per doubling")
     if context:
         v.reason += "; for comparison, token-level " + ", ".join(context)
+    v.reason += _convergence_note(_group(results, seq), "loss", 0.02, lower_is_better=True, relative=True)
     shape_of = {_depth(r): _shape(r) for r in _group(results, seq)}
     return Finding(
         f"bamboo_smoothing_trend:{seq}",
