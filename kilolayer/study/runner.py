@@ -5,6 +5,11 @@ re-run; failed, interrupted or unfinished ones are resumed (``--resume``) from
 their newest intact checkpoint. The training process records its own status;
 the runner writes one only when the process could not (killed, or stopped
 before it started training).
+
+This module is the local executor and what every executor shares: how one point
+is trained (:func:`train_point`), analysed (:func:`run_analyses`) and read back
+(:func:`collect_all`). ``kilolayer.study.ray_executor`` runs the same functions
+as Ray tasks.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -48,10 +54,16 @@ class Result:
         return self.status == "completed"
 
 
-def train_command(point: Point, out: Path) -> list[str]:
+def train_command(point: Point, out: Path, nproc: int = 1) -> list[str]:
+    """``python -m kilolayer train CONFIG --out RUN --resume --quiet``; with ``nproc`` > 1 the same module under
+    ``torchrun --standalone --nproc-per-node nproc`` (standalone: a free rendezvous port, so several points
+    can share a node)."""
     cfg = out / "configs" / point.group / f"{point.name}.yaml"
-    return [sys.executable, "-m", "kilolayer", "train", str(cfg), "--out", str(point.run_dir(out)), "--resume",
-            "--quiet"]
+    train = ["kilolayer", "train", str(cfg), "--out", str(point.run_dir(out)), "--resume", "--quiet"]
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "-m", *train]
+    return [sys.executable, "-m", *train]
 
 
 def shell_command(point: Point, out: Path) -> str:
@@ -74,12 +86,32 @@ def _materialise(point: Point, out: Path) -> None:
         path.write_text(text)
 
 
-def _wait(proc: subprocess.Popen) -> int:
+# A child of a Ray worker inherits the worker's blocked signals (SIGINT and SIGTERM among them), which would
+# never reach it: unblock them. On Linux, also have it get SIGTERM when the worker dies, so that it stops
+# instead of training on as an orphan that holds the run's lock (the retry resumes from the newest
+# checkpoint). Done in a tiny exec shim (the PID stays the child's), not in preexec_fn, which is unsafe in a
+# threaded parent such as a Ray worker.
+_REMOTE_SHIM = ("import ctypes, os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
+                "sys.platform.startswith('linux') and ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                "os.getppid() == int(sys.argv[1]) or os._exit(143); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def _wait(proc: subprocess.Popen, forward_interrupt: bool = False) -> int:
     """The child's exit code. On Ctrl-C the child (same process group) got SIGINT too: give it time to save
-    a checkpoint and record ``interrupted`` before giving up on it."""
+    a checkpoint and record ``interrupted`` before giving up on it. With ``forward_interrupt`` (a child
+    outside the terminal's process group, e.g. under a Ray worker whose task is cancelled) the child is sent
+    that SIGINT here, and the wait polls so that the interrupt is seen at all."""
     try:
-        return proc.wait()
+        if not forward_interrupt:
+            return proc.wait()
+        while True:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                continue
     except KeyboardInterrupt:
+        if forward_interrupt and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -102,12 +134,26 @@ def _record_crash(run_dir: Path, returncode: int, logfile: Path) -> None:
         pass  # someone else is training it: its status is its own
 
 
-def run_point(point: Point, out: Path, log=print, threads: Optional[int] = None) -> tuple[str, float, bool]:
-    """Train one point unless it already finished. Returns (status, seconds, trained now)."""
+@dataclass
+class Attempt:
+    """One call of :func:`train_point`: the point's status afterwards, and how the training process ended."""
+
+    status: str
+    seconds: float
+    trained: bool  # a training process ran (False: the point had already finished)
+    returncode: int = 0
+    crashed: bool = False  # the process left no final status of its own; the runner recorded ``failed``
+
+
+def train_point(point: Point, out: Path, log=print, threads: Optional[int] = None, nproc: int = 1,
+                cwd: Optional[Path] = None, remote: bool = False) -> Attempt:
+    """Train one point unless it already finished, in a subprocess (``nproc`` > 1: under torchrun) with
+    ``threads`` torch threads per process. ``remote``: the child is not in the driver's terminal process
+    group (a Ray worker's child): forward an interrupt to it, and stop it when its parent dies."""
     run_dir = point.run_dir(out)
     st = read_status(run_dir)
     if st.get("status") in FINISHED:
-        return st["status"], float(st.get("seconds", 0.0)), False
+        return Attempt(st["status"], float(st.get("seconds", 0.0)), False)
     _materialise(point, out)
     logfile = out / "logs" / point.group / f"{point.name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
@@ -117,20 +163,40 @@ def run_point(point: Point, out: Path, log=print, threads: Optional[int] = None)
     if threads:
         # K concurrent points share the cores instead of each taking them all
         env["OMP_NUM_THREADS"] = str(threads)
+    cmd = train_command(point, out, nproc)
+    if remote and os.name == "posix":
+        cmd = [sys.executable, "-c", _REMOTE_SHIM, str(os.getpid()), *cmd]
+    launched = time.time()
     with open(logfile, "a") as fh:
-        proc = subprocess.Popen(train_command(point, out), stdout=fh, stderr=subprocess.STDOUT, env=env)
-        returncode = _wait(proc)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        returncode = _wait(proc, forward_interrupt=remote)
     seconds = time.perf_counter() - t0
     st = read_status(run_dir)
-    # the child's own final status names its PID; anything else (none, an older one, "running") is stale
-    if returncode != 0 and (st.get("pid") != proc.pid or st.get("status") == "running"):
+    # the child's own final status names its PID (under torchrun: rank 0's, so it must at least be newer than
+    # the launch); anything else (none, an older one, "running") is stale
+    own = st.get("pid") == proc.pid or (nproc > 1 and _mtime(run_dir / rundir.STATUS) >= launched)
+    crashed = returncode != 0 and (not own or st.get("status") == "running")
+    if crashed:
         _record_crash(run_dir, returncode, logfile)
         st = read_status(run_dir)
     status = st.get("status", "failed")
     if status in FINISHED:
         rundir.update_status(run_dir, seconds=seconds)
     log(f"[study] {point.key}: {status} ({seconds:.0f}s)")
-    return status, seconds, True
+    return Attempt(status, seconds, True, returncode, crashed)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def run_point(point: Point, out: Path, log=print, threads: Optional[int] = None) -> tuple[str, float, bool]:
+    """Train one point unless it already finished. Returns (status, seconds, trained now)."""
+    a = train_point(point, out, log, threads)
+    return a.status, a.seconds, a.trained
 
 
 def run_analysis(name: str, run_dir: Path) -> Path:
@@ -185,6 +251,14 @@ def threads_per_job(jobs: int) -> Optional[int]:
     return max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
 
 
+def collect_all(points: list[Point], out: Path, ran: "set[str]") -> list[Result]:
+    """Every point's result, read back from its run directory (``ran``: the keys trained in this invocation)."""
+    results = [collect(p, out) for p in points]
+    for r in results:
+        r.ran = r.point.key in ran
+    return results
+
+
 def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Result]:
     """Train every point (groups in order, ``jobs`` at a time), run analyses, return the results."""
     out = Path(out)
@@ -206,7 +280,4 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Resu
         else:
             for p in mine:
                 one(p)
-    results = [collect(p, out) for p in points]
-    for r in results:
-        r.ran = r.point.key in ran
-    return results
+    return collect_all(points, out, ran)
