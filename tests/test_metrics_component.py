@@ -113,7 +113,7 @@ def test_given_peak_measures_nothing(monkeypatch):
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     calls = []
 
-    def fake(dtype, **kw):
+    def fake(dtype, budget_s=1.5, **kw):
         calls.append(dtype)
         return 4.2e10, 512
 
@@ -195,3 +195,28 @@ def test_train_refuses_a_config_that_cannot_fit_before_touching_the_directory(tm
     with pytest.raises(ConfigError, match="needs about"):
         train(None, run, resume=True, quiet=True, sets=["train.batch_size=100000000", "train.steps=8"])
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def test_several_threads_count_at_least_threads_times_one(monkeypatch):
+    """On a busy machine a multi-threaded product keeps waiting for a descheduled thread: the peak is then
+    threads x the one-thread rate (at most the usable CPUs), and the thread count is restored."""
+    seen = []
+
+    def fake(dtype, budget_s=1.5, **kw):
+        seen.append(torch.get_num_threads())
+        return (1e9, 1024) if torch.get_num_threads() > 1 else (4e10, 512)
+
+    monkeypatch.setattr(M, "quick_gemm_rate", fake)
+    monkeypatch.setattr(M, "_usable_cpus", lambda: 2)
+    torch.set_num_threads(3)  # the autouse fixture restores it
+    assert M.cpu_peak(torch.float32) == (8e10, 512)  # 2 usable CPUs x 4e10
+    assert seen == [3, 1] and torch.get_num_threads() == 3
+    monkeypatch.setattr(M, "quick_gemm_rate",
+                        lambda dtype, budget_s=1.5, **kw: (1.9e11, 2048) if torch.get_num_threads() > 1 else (9e10, 512))
+    assert M.cpu_peak(torch.float32) == (1.9e11, 2048)  # an idle machine: the measured rate itself
+
+
+def test_an_impossible_mfu_is_reported(tmp_path, capsys):
+    train(LM, tmp_path / "run", quiet=True, sets=["train.peak_flops=1000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is too low; set train.peak_flops" in err[0] and "(train.peak_flops)" in err[0]

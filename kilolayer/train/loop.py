@@ -490,6 +490,7 @@ class Trainer:
         (before any step is timed)."""
         tc = self.config.train
         self.peak = M.device_peak(self.env.device, tc.precision, tc.peak_flops)
+        self.peak_warned = False
         return M.Efficiency(None, self.peak, self.env.device, processes=self.env.world)
 
     def _flops_per_token(self, tokens: int) -> float:
@@ -578,6 +579,11 @@ class Trainer:
                     meter.add(tokens * env.world)
                 if log and (step % tc.log_every == 0 or step == tc.steps):
                     eff = meter.report()
+                    if eff.get("mfu", 0) > 1 and not self.peak_warned:
+                        self.peak_warned = True
+                        rundir.warn(f"MFU {100 * eff['mfu']:.0f}% at step {step}: the peak of {self.peak.flops:.3g} "
+                                    f"FLOP/s ({self.peak.source}) is too low; set train.peak_flops, or delete the "
+                                    f"cached figure ({M.CACHE_FILE} in the cache folder) to measure it again")
                     lr = self.scheduler.get_last_lr()[0]
                     log.write({"step": step, "split": "train", "loss": loss_value, "lr": lr,
                                "grad_norm": float(gnorm), "tokens": self.state["tokens"], **eff})

@@ -18,9 +18,10 @@ Anything that times training steps can use it (the training loop, ``benchmarks/`
 * **Peak FLOP/s**: ``train.peak_flops`` when given; on CUDA the vendor's dense
   figure for the GPUs in :data:`VENDOR_PEAKS` (bf16; fp32 counts as TF32 where
   PyTorch lets matmuls use TF32, else as plain FP32), any other GPU measured;
-  on a CPU the best large-GEMM rate of the run's dtype, measured once per
-  machine (about 1-2 s, sized so one product never takes long even where a dtype
-  is emulated) and cached in ``peak_flops.json`` of the cache folder
+  on a CPU the best GEMM rate of the run's dtype, measured once per machine
+  (:func:`cpu_peak`: the fastest single product within about 1.5 s, sized so one
+  product never takes long even where a dtype is emulated; with several threads at
+  least threads x the one-thread rate) and cached in ``peak_flops.json`` of the cache folder
   (``$KILOLAYER_CACHE``, else ``~/.cache/kilolayer``), keyed by CPU model, torch
   threads, dtype and torch version. Delete that file to measure again. The
   measurement uses its own random generator: training's RNG streams are untouched.
@@ -137,23 +138,66 @@ def gemm_rate(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: i
 
 def quick_gemm_rate(dtype: torch.dtype, budget_s: float = 1.5, n_max: int = 2048,
                     device: "str | torch.device" = "cpu") -> tuple[float, int]:
-    """(FLOP/s, n): :func:`gemm_rate` at the largest ``n`` (a power of two up to ``n_max``) whose single product
-    takes at most an eighth of ``budget_s``, measured in 3 rounds of a quarter of it. Bounded in time even
-    where a dtype is emulated (bf16 without AVX512-BF16 or AMX runs a hundred times slower than fp32)."""
+    """(FLOP/s, n): the fastest single ``n x n`` product of ``dtype``, over sizes 256, 512, ... up to ``n_max``,
+    within about ``budget_s`` seconds. The best single product, not a mean: on a machine that other processes
+    keep busy, some products still run undisturbed, and a peak is what the hardware can do. Bounded in time even
+    where a dtype is emulated (bf16 without AVX512-BF16 or AMX runs a hundred times slower than fp32): a size
+    is not tried once one product of it would take more than ``budget_s`` / 8."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
-    n = 256
-    while n < n_max:
+    deadline = time.perf_counter() + budget_s
+    best, best_n, n = 0.0, 256, 256
+    while True:
         a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-        torch.mm(a, a)
+        b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+        out = torch.empty(n, n, dtype=dtype, device=device)
+        torch.mm(a, b, out=out)  # warm up (and let oneDNN / cuBLAS pick its kernel)
         _sync(device)
-        t0 = time.perf_counter()
-        torch.mm(a, a)
-        _sync(device)
-        if 8 * (time.perf_counter() - t0) > budget_s / 8:  # twice the size costs 8x
-            break
+        until = min(deadline, time.perf_counter() + budget_s / 4)
+        fastest, reps = math.inf, 0
+        while reps < 3 or time.perf_counter() < until:
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            _sync(device)
+            fastest = min(fastest, time.perf_counter() - t0)
+            reps += 1
+        if 2 * n**3 / fastest > best:
+            best, best_n = 2 * n**3 / fastest, n
+        if n >= n_max or time.perf_counter() >= deadline or 8 * fastest > budget_s / 8:
+            return best, best_n
         n *= 2
-    return gemm_rate(dtype, n, seconds=budget_s / 4, rounds=3, device=device), n
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_peak(dtype: torch.dtype, budget_s: float = 1.5) -> tuple[float, int]:
+    """(FLOP/s, n) of this CPU at torch's thread count: the larger of the measured multi-threaded rate and
+    threads (at most the usable CPUs) x the measured one-thread rate. On a machine that other processes keep
+    busy, every multi-threaded product waits for a descheduled thread, and the measurement would fall far
+    below what the cores can do (MFU above 100%); one thread still finds undisturbed moments."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return quick_gemm_rate(dtype, budget_s)
+    flops, n = quick_gemm_rate(dtype, budget_s / 2)
+    with _threads(1):
+        single, n1 = quick_gemm_rate(dtype, budget_s / 2)
+    scaled = single * min(threads, _usable_cpus())
+    return (flops, n) if flops >= scaled else (scaled, n1)
 
 
 def vendor_peak(name: str, precision: str, tf32: bool) -> Optional[float]:
@@ -224,11 +268,9 @@ def measured_peak(device: torch.device, precision: str,
     dtype = DTYPES[precision]
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
-        n_max = 8192
     else:
         threads = torch.get_num_threads()
         where = f"{cpu_model()}, {threads} thread{'s' if threads != 1 else ''}"
-        n_max = 2048
     key = f"{device.type}|{where}|{precision}|torch {torch.__version__}"
     path = _cache_path()
     entry = _read_cache(path).get(key)
@@ -236,7 +278,10 @@ def measured_peak(device: torch.device, precision: str,
         with _cache_lock(path):
             entry = _read_cache(path).get(key)  # another process may have measured meanwhile
             if not isinstance(entry, dict) or not _positive(entry.get("flops")):
-                flops, n = (measure or (lambda: quick_gemm_rate(dtype, n_max=n_max, device=device)))()
+                if measure is None:
+                    measure = (lambda: quick_gemm_rate(dtype, n_max=8192, device=device)) if device.type == "cuda" \
+                        else (lambda: cpu_peak(dtype))
+                flops, n = measure()
                 entry = {"flops": flops, "n": n, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                 _write_cache(path, key, entry)
                 return Peak(flops, f"measured: {precision} GEMM {n}x{n} on {where}")
