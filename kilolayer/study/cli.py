@@ -24,6 +24,9 @@ def cmd_study(args) -> int:
             first = spec.description.strip().split(". ")[0].rstrip(".")
             print(f"{name:10s} {len(expand(spec)):3d} runs, {mins}\n           {first}.")
         return 0
+    _check_executor(args)
+    if args.jobs is None:
+        args.jobs = 1
     if args.jobs < 1:
         raise ConfigError(f"--jobs={args.jobs}: expected an integer >= 1")
     if args.estimate:
@@ -31,18 +34,57 @@ def cmd_study(args) -> int:
     if not args.spec or not args.out:
         raise ConfigError("study: give NAME|SPEC.yaml and --out DIR (or --list, or --estimate)")
     from kilolayer.study.report import write_report
-    from kilolayer.study.runner import run_study
     from kilolayer.study.spec import load_spec
 
     spec = load_spec(args.spec)
     t0 = time.perf_counter()
-    results = run_study(spec, Path(args.out), jobs=args.jobs)
+    if args.executor == "ray":
+        from kilolayer.study.ray_executor import run_study_ray
+
+        nproc = args.nproc_per_run or 1
+        results = run_study_ray(spec, Path(args.out), address=args.address,
+                                cpus_per_run=args.cpus_per_run if args.cpus_per_run is not None else nproc,
+                                gpus_per_run=args.gpus_per_run or 0, nproc_per_run=nproc)
+    else:
+        from kilolayer.study.runner import run_study
+
+        results = run_study(spec, Path(args.out), jobs=args.jobs)
     md, html, findings = write_report(spec, results, Path(args.out), time.perf_counter() - t0)
     for f in findings:
         print(f"{f.verdict.verdict:>13s}: {f.title}")
     print(f"report: {html}")
     print(f"        {md}")
     return 0
+
+
+RAY_OPTIONS = ("address", "cpus_per_run", "gpus_per_run", "nproc_per_run")
+
+
+def _check_executor(args) -> None:
+    """Options that belong to the other executor are one line, not silently ignored."""
+    from kilolayer.errors import ConfigError
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    if args.executor == "local":
+        given = [flag(n) for n in RAY_OPTIONS if getattr(args, n) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: only with --executor ray")
+        return
+    if args.jobs is not None:
+        raise ConfigError("--jobs: only with --executor local; Ray runs as many points at once as the cluster's "
+                          "CPUs and GPUs allow (size each with --cpus-per-run and --gpus-per-run)")
+    if args.estimate:
+        raise ConfigError("--estimate times points on this machine; use it without --executor ray")
+    if args.nproc_per_run is not None and args.nproc_per_run < 1:
+        raise ConfigError(f"--nproc-per-run={args.nproc_per_run}: expected an integer >= 1")
+    if args.cpus_per_run is not None and not args.cpus_per_run >= 1:
+        raise ConfigError(f"--cpus-per-run={args.cpus_per_run:g}: expected a number >= 1")
+    if args.gpus_per_run is not None and not args.gpus_per_run >= 0:
+        raise ConfigError(f"--gpus-per-run={args.gpus_per_run:g}: expected a number >= 0")
+    if args.address is not None and not args.address.strip():
+        raise ConfigError("--address: empty; give auto, HOST:PORT, or leave it out to start Ray on this machine")
 
 
 def _estimate(args) -> int:
@@ -82,7 +124,18 @@ def register(sub) -> None:
     )
     p.add_argument("spec", nargs="?", metavar="NAME|SPEC.yaml", help="a built-in study (see --list) or a spec file")
     p.add_argument("--out", metavar="DIR", help="the study directory")
-    p.add_argument("--jobs", type=int, default=1, metavar="K", help="train K points at once (default 1)")
+    p.add_argument("--jobs", type=int, metavar="K", help="local executor: train K points at once (default 1)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="local (default): subprocesses on this machine; ray: one Ray task per point, on a cluster "
+                        "(pip install 'kilolayer[ray]'); results never depend on which")
+    p.add_argument("--address", metavar="ADDR",
+                   help="ray: the cluster to join (auto, HOST:PORT); omitted: start Ray on this machine (127.0.0.1)")
+    p.add_argument("--cpus-per-run", type=float, metavar="C",
+                   help="ray: CPUs each point reserves, and its torch threads (default: --nproc-per-run)")
+    p.add_argument("--gpus-per-run", type=float, metavar="G",
+                   help="ray: GPUs each point reserves (default 0); train.device auto then uses CUDA")
+    p.add_argument("--nproc-per-run", type=int, metavar="N",
+                   help="ray: train each point with torchrun --nproc-per-node N on its node (default 1)")
     p.add_argument("--list", action="store_true", help="list the built-in studies with their expected run time")
     p.add_argument("--estimate", action="store_true",
                    help="train nothing: time a few steps of each distinct point here and print how long the study "

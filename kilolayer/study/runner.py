@@ -146,10 +146,11 @@ class Attempt:
 
 
 def train_point(point: Point, out: Path, log=print, threads: Optional[int] = None, nproc: int = 1,
-                cwd: Optional[Path] = None, remote: bool = False) -> Attempt:
+                cwd: Optional[Path] = None, env: Optional[dict] = None, remote: bool = False) -> Attempt:
     """Train one point unless it already finished, in a subprocess (``nproc`` > 1: under torchrun) with
-    ``threads`` torch threads per process. ``remote``: the child is not in the driver's terminal process
-    group (a Ray worker's child): forward an interrupt to it, and stop it when its parent dies."""
+    ``threads`` torch threads per process and ``env`` added to its environment. ``remote``: the child is not
+    in the driver's terminal process group (a Ray worker's child): forward an interrupt to it, and stop it
+    when its parent dies."""
     run_dir = point.run_dir(out)
     st = read_status(run_dir)
     if st.get("status") in FINISHED:
@@ -159,7 +160,7 @@ def train_point(point: Point, out: Path, log=print, threads: Optional[int] = Non
     logfile.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     log(f"[study] train {point.key}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     if threads:
         # K concurrent points share the cores instead of each taking them all
         env["OMP_NUM_THREADS"] = str(threads)
