@@ -57,6 +57,10 @@ def test_word_level_counts_and_vocabulary():
     # ids follow training frequency
     counts = torch.bincount(s.streams["train"].long(), minlength=10_000)
     assert torch.all(counts[:-1] >= counts[1:]) and int(counts.min()) > 0
+    # README: the unigram entropy of the training words (without <eos>), the loss of a context-free MLM
+    p = counts[torch.arange(10_000) != eos].double()
+    p = p / p.sum()
+    assert float(-(p * p.log()).sum()) == pytest.approx(6.646, abs=5e-4)
     zeroth, first = P.read_penn()["train"][:2]
     start = len(zeroth) + 1
     assert s.tokenizer.decode(s.streams["train"][start : start + len(first) + 1]) == " ".join(first) + " <eos>"
@@ -71,6 +75,7 @@ def test_byte_level_counts():
         assert int((stream == ord("\n")).sum()) == SENTENCES[split]
         assert int((stream == ord(" ")).sum()) == WORDS[split] - SENTENCES[split]  # one space between words
         assert len(stream) == sum(len(" ".join(x)) + 1 for x in penn[split])
+    assert [len(s.streams[k]) for k in ("train", "validation", "test")] == [5_017_482, 393_042, 442_423]
     assert bytes(s.streams["train"][:20].tolist()) == b"aer banknote berlitz"
     assert s.vocab_size == 262
 
