@@ -1,0 +1,478 @@
+"""kilolayer study --executor ray, against a real Ray cluster that this module starts on 127.0.0.1 and stops.
+
+The cluster is one head node (`ray start --head --block`, 2 CPUs, every port on loopback) run as a child of
+the test in its own process group: teardown stops it by that process's id (SIGTERM, and SIGKILL of its
+group if anything is left), never `ray stop`, which stops every Ray on the machine by name.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).with_name("ray")
+
+# one torch thread per training process (so float reductions, hence losses, are bit-identical between
+# executors); no telemetry; Ray keeps 127.0.0.1 instead of swapping in the machine's network address
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+       "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+TINY = {
+    "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 1, "decoder_layers": 1, "width": 32,
+              "heads": 2, "ffn": 64, "vocab_size": 13, "max_len": 12},
+    "objective": {"name": "seq2seq", "options": {"decode_samples": 8}},
+    "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 6, "eval_size": 16}},
+    "train": {"steps": 4, "batch_size": 8, "lr": 1e-3, "warmup": 2, "eval_every": 2, "log_every": 1,
+              "diagnostics_every": 1},
+}
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def group_pids(pgid: int) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.getpgid(int(name)) == pgid:
+                    pids.append(int(name))
+            except OSError:
+                pass
+    return pids
+
+
+def listening(pids: list[int]) -> list[str]:
+    """The addresses on which these processes accept TCP connections (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                raw = bytes.fromhex(f[1].split(":")[0])
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append(socket.inet_ntop(family, raw))
+    return found
+
+
+def is_loopback(addr: str) -> bool:
+    ip = ipaddress.ip_address(addr)
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+class Head:
+    def __init__(self, address: str, proc: subprocess.Popen, log: Path):
+        self.address, self.proc, self.log = address, proc, log
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    pytest.importorskip("ray", reason="Ray is in the dev extra: pip install -e '.[dev]'")
+    tmp = Path(tempfile.mkdtemp(prefix="klray", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    port, client, nm, om, env_agent, grpc, listen, metrics = free_ports(8)
+    log = tmp / "head.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+             "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--temp-dir", str(tmp),
+             "--ray-client-server-port", str(client), "--node-manager-port", str(nm), "--object-manager-port",
+             str(om), "--runtime-env-agent-port", str(env_agent), "--dashboard-agent-grpc-port", str(grpc),
+             "--dashboard-agent-listen-port", str(listen), "--metrics-export-port", str(metrics)],
+            stdout=fh, stderr=subprocess.STDOUT, env=ENV, cwd=tmp, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "Ray runtime started" not in log.read_text():
+            assert proc.poll() is None, f"ray start exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"ray start did not come up in 180 s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        assert "Local node IP: 127.0.0.1" in log.read_text()
+        yield Head(f"127.0.0.1:{port}", proc, log)
+    finally:
+        proc.terminate()  # ray start --block stops its own processes on SIGTERM
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything of its process group that outlived it
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def write_spec(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def small_study(tmp: Path) -> Path:
+    """5 points: Post-LN and DeepNorm x 2 seeds, then a fine-tuning point that starts from one of them
+    (`after` + `init_from`) and is analysed (smoothness)."""
+    return write_spec(tmp / "small.yaml", {
+        "name": "small",
+        "groups": [
+            {"name": "deepnet", "base": TINY, "grid": {"model.scheme": ["post_ln", "deepnorm"]}, "seeds": [0, 1]},
+            {"name": "finetune", "after": "deepnet", "init_from": "deepnet", "base": TINY,
+             "grid": {"model.scheme": ["deepnorm"]}, "seeds": [0], "analyses": ["smoothness"]},
+        ],
+        "findings": ["deepnet_postln", "deepnet_update"],
+    })
+
+
+def study(*args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kilolayer", "study", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def records(run: Path, split: str) -> list[tuple]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["split"] == split]
+
+
+def verdicts(report: Path) -> str:
+    return report.read_text().split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+
+
+def files_state(root: Path) -> dict:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*") if p.is_file()}
+
+
+# ---------------------------------------------------------------- same results as the local executor
+
+
+@pytest.fixture(scope="module")
+def both(ray_head, tmp_path_factory):
+    """The small study run by the local executor and by Ray (at the same time: they share nothing)."""
+    tmp = tmp_path_factory.mktemp("both")
+    spec = small_study(tmp)
+    t0 = time.perf_counter()
+    local = study(spec, "--out", tmp / "local", "--jobs", "2")
+    remote = study(spec, "--out", tmp / "ray", "--executor", "ray", "--address", ray_head.address,
+                   "--cpus-per-run", "1")
+    r_rc, r_out, r_err = finish(remote)
+    l_rc, l_out, l_err = finish(local)
+    assert l_rc == 0, l_err
+    assert r_rc == 0, r_err
+    return {"spec": spec, "local": tmp / "local", "ray": tmp / "ray", "local_out": l_out, "ray_out": r_out,
+            "seconds": time.perf_counter() - t0}
+
+
+def test_ray_gives_the_same_losses_and_verdicts_as_local(both):
+    runs = sorted(p.relative_to(both["local"]) for p in (both["local"] / "runs").glob("*/*"))
+    assert len(runs) == 5
+    for run in runs:
+        a, b = both["local"] / run, both["ray"] / run
+        assert json.loads((b / "status.json").read_text())["status"] == "completed", run
+        assert records(a, "train") and records(a, "train") == records(b, "train"), run  # bit for bit
+        assert records(a, "eval") == records(b, "eval"), run
+    # the fine-tuning point started from its pre-trained point, and its analysis ran (as a Ray task)
+    ft = "runs/finetune/scheme=deepnorm_seed=0"
+    cfg = yaml.safe_load((both["ray"] / ft / "config.yaml").read_text())
+    assert cfg["train"]["init_from"] == str((both["ray"] / "runs/deepnet/scheme=deepnorm_seed=0").resolve())
+    smooth = [json.loads((d / ft / "analysis/smoothness/smoothness.json").read_text())["cosine"]
+              for d in (both["local"], both["ray"])]
+    assert smooth[0] == smooth[1]
+    # the same verdicts, with the same numbers, in the report and on the command line
+    assert verdicts(both["local"] / "report.md") == verdicts(both["ray"] / "report.md")
+    words = [ln for ln in both["local_out"].splitlines() if re.match(r"^ *(held|did not hold|inconclusive):", ln)]
+    assert len(words) == 2 and words == [ln for ln in both["ray_out"].splitlines() if ln in words]
+    # the driver's progress: counts of points, then a summary
+    assert "[study] 5/5 points done, 0 running, 0 queued, 0 failed" in both["ray_out"]
+    assert "[study] 5 points: 5 finished (5 trained now), 0 failed" in both["ray_out"]
+
+
+def test_rerun_through_ray_trains_nothing(both, ray_head):
+    before = files_state(both["ray"] / "runs")
+    rc, out, err = finish(study(both["spec"], "--out", both["ray"], "--executor", "ray", "--address",
+                                ray_head.address))
+    assert rc == 0, err
+    assert "(0 trained now)" in out
+    assert files_state(both["ray"] / "runs") == before  # no run directory was touched
+    assert "0 trained in this invocation" in (both["ray"] / "report.md").read_text()
+    assert verdicts(both["ray"] / "report.md") == verdicts(both["local"] / "report.md")
+
+
+def test_head_listens_on_loopback_only(ray_head):
+    addrs = listening(group_pids(ray_head.proc.pid))
+    assert addrs and all(is_loopback(a) for a in addrs), addrs
+
+
+# ---------------------------------------------------------------- refusals, one line each
+
+
+def _unshare_works() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs a private mount namespace (unshare -m, as root)")
+def test_out_not_shared_with_the_workers_is_refused_in_one_line(ray_head, tmp_path):
+    """The driver runs in a private mount namespace with a tmpfs over DIR: its --out DIR/study exists for
+    it alone, exactly as a directory on a driver's local disk does for the nodes of a cluster. Ray's
+    workers (started by the head, outside the namespace) see the empty DIR underneath."""
+    private = tmp_path / "private"
+    private.mkdir()
+    spec = small_study(tmp_path)
+    script = 'mount -t tmpfs tmpfs "$1" && exec "$2" -m kilolayer study "$3" --out "$1/study" --executor ray ' \
+             '--address "$4"'
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(private),
+                        sys.executable, str(spec), ray_head.address], capture_output=True, text=True, env=ENV,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"kilolayer: error: --out {private}/study is not on a shared file system: "
+                               f"a Ray task on node 127.0.0.1 cannot read "), lines[0]
+    assert not any(private.iterdir())  # nothing trained: nothing reached the real directory
+
+
+def test_executor_ray_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
+    from kilolayer.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as when not installed
+    spec = small_study(tmp_path)
+    rc = main(["study", str(spec), "--out", str(tmp_path / "out"), "--executor", "ray"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        "kilolayer: error: --executor ray: Ray is not installed; install it with pip install 'kilolayer[ray]'"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_importing_kilolayer_does_not_import_ray():
+    code = ("import sys, kilolayer, kilolayer.cli, kilolayer.study.cli, kilolayer.study.runner, "
+            "kilolayer.study.ray_executor; print('ray' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT)
+    assert p.stdout.strip() == "False", p.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--address", "127.0.0.1:1"], "--address: only with --executor ray"),
+    (["--gpus-per-run", "1", "--nproc-per-run", "2"], "--gpus-per-run, --nproc-per-run: only with --executor ray"),
+    (["--executor", "ray", "--jobs", "2"], "--jobs: only with --executor local"),
+    (["--executor", "ray", "--nproc-per-run", "0"], "--nproc-per-run=0: expected an integer >= 1"),
+    (["--executor", "ray", "--cpus-per-run", "0.5"], "--cpus-per-run=0.5: expected a number >= 1"),
+])
+def test_executor_options_misused_are_one_line(tmp_path, capsys, args, needle):
+    from kilolayer.cli import main
+
+    rc = main(["study", str(small_study(tmp_path)), "--out", str(tmp_path / "out"), *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_command_under_torchrun(tmp_path):
+    from kilolayer.study.runner import train_command
+    from kilolayer.study.spec import expand, load_spec
+
+    point = expand(load_spec(small_study(tmp_path)))[0]
+    one, two = train_command(point, tmp_path, 1), train_command(point, tmp_path, 2)
+    assert one[1:] == ["-m", "kilolayer", "train", str(tmp_path / "configs/deepnet/scheme=post_ln_seed=0.yaml"),
+                       "--out", str(tmp_path / "runs/deepnet/scheme=post_ln_seed=0"), "--resume", "--quiet"]
+    # torchrun is torch.distributed.run; --standalone picks a free rendezvous port per point
+    assert two == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                   *one[2:]]
+
+
+# ---------------------------------------------------------------- faults
+
+
+FAULT = {**TINY, "train": {"steps": 800, "batch_size": 8, "lr": 1e-3, "warmup": 2, "eval_every": 400,
+                           "log_every": 1, "checkpoint_every": 100}}
+
+
+def last_step(run: Path) -> int:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return max((json.loads(ln)["step"] for ln in lines[-3:-1]), default=0)  # the last line may be cut
+    except (OSError, ValueError):
+        return 0
+
+
+def train_pid(run: Path) -> int:
+    """The PID of the `kilolayer train` process writing ``run`` (0 if none)."""
+    for name in os.listdir("/proc"):
+        try:
+            args = Path(f"/proc/{name}/cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError):
+            continue
+        if name.isdigit() and "train" in args and str(run) in args and "kilolayer" in args:
+            return int(name)
+    return 0
+
+
+def parent(pid: int) -> tuple[int, str]:
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return ppid, Path(f"/proc/{ppid}/cmdline").read_bytes().decode().replace("\0", " ")
+
+
+def wait_until(condition, what: str, driver: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if driver.poll() is not None:
+            out, err = driver.communicate()
+            pytest.fail(f"the driver exited ({driver.returncode}) while waiting for {what}:\n{out}\n{err}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_path):
+    """Two points of one 800-step run are stopped by Ctrl-C on the driver and resumed by re-running the
+    command; then one has its `kilolayer train` process and the other its Ray worker killed (SIGKILL)
+    mid-run. Ray retries both, and both end with the losses of the same run trained uninterrupted (a plain
+    `kilolayer train`, alongside), step for step."""
+    groups = ("kill_train", "kill_worker")
+    spec = write_spec(tmp_path / "fault.yaml", {"name": "fault", "groups": [{"name": g, "base": FAULT}
+                                                                          for g in groups]})
+    reference = tmp_path / "reference"
+    alone = subprocess.Popen([sys.executable, "-m", "kilolayer", "train", write_spec(tmp_path / "run.yaml", FAULT),
+                              "--out", reference, "--quiet"], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    out = tmp_path / "study"
+    runs = {g: out / "runs" / g / "seed=0" for g in groups}
+    cmd = (spec, "--out", out, "--executor", "ray", "--address", ray_head.address)
+
+    # 1. Ctrl-C on the driver while both train: the tasks are cancelled, each forwards the interrupt to its
+    # training process, which saves a checkpoint and records `interrupted`
+    driver = study(*cmd)
+    wait_until(lambda: last_step(runs["kill_train"]) > 120 and last_step(runs["kill_worker"]) > 120, "training",
+               driver)
+    driver.send_signal(signal.SIGINT)
+    rc, _, err = finish(driver, timeout=180)
+    assert rc == 130 and err.strip().splitlines()[-1] == "kilolayer: interrupted", err
+    stopped = {}
+    for g in groups:
+        st = json.loads((runs[g] / "status.json").read_text())
+        assert st["status"] == "interrupted" and st["last_checkpoint"] == st["step"] > 120, st
+        assert train_pid(runs[g]) == 0  # no training process outlived the driver
+        stopped[g] = st["step"]
+
+    # 2. the same command resumes them; kill one's training process past its next regular checkpoint, and
+    # the other's Ray worker a few steps after it resumed
+    past = {"kill_train": stopped["kill_train"] // 100 * 100 + 110, "kill_worker": stopped["kill_worker"] + 30}
+    assert max(past.values()) < 700, (stopped, "the two ran too far apart to be killed mid-run")
+    driver = study(*cmd)
+    wait_until(lambda: train_pid(runs["kill_train"]) and last_step(runs["kill_train"]) > past["kill_train"],
+               "kill_train to train on", driver)
+    victim = train_pid(runs["kill_train"])
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: train_pid(runs["kill_worker"]) and last_step(runs["kill_worker"]) > past["kill_worker"],
+               "kill_worker to train on", driver)
+    trainer = train_pid(runs["kill_worker"])
+    worker, what = parent(trainer)
+    assert what.startswith("ray::train_task"), what
+    os.kill(worker, signal.SIGKILL)
+    rc, out_text, err = finish(driver)
+    assert rc == 0, err
+    assert "[study] 2 points: 2 finished (2 trained now), 0 failed" in out_text
+    assert alone.wait(timeout=600) == 0, alone.stderr.read()
+
+    expected = records(reference, "train")
+    assert [s for s, _ in expected] == list(range(1, 801))
+    for g in groups:
+        st = json.loads((runs[g] / "status.json").read_text())
+        assert st["status"] == "completed" and st["step"] == 800, st
+        assert records(runs[g], "train") == expected, g  # bit for bit, every step
+        assert records(runs[g], "eval") == records(reference, "eval"), g
+        # started at 0, resumed from the interrupt's checkpoint, then (Ray's retry) from the newest one
+        resumed = [r["step"] for r in json.loads((runs[g] / "resume.json").read_text())]
+        assert len(resumed) == 3 and resumed[:2] == [0, stopped[g]], (g, resumed)
+        if g == "kill_train":
+            assert resumed[2] == (stopped[g] // 100 + 1) * 100, resumed  # the regular checkpoint it passed
+        else:
+            assert stopped[g] <= resumed[2] < 800, resumed  # one saved on SIGTERM, or the newest before
+    assert json.loads((runs["kill_train"] / "status.json").read_text())["pid"] != victim
+    assert json.loads((runs["kill_worker"] / "status.json").read_text())["pid"] != trainer
+
+
+@pytest.mark.slow
+def test_nproc_per_run_trains_under_torchrun_like_torchrun_itself(ray_head, tmp_path):
+    """--nproc-per-run 2: the point is a 2-process DDP run (gloo on CPU) inside its Ray task, and gives the
+    losses of the same config under a plain `torchrun --nproc-per-node 2`, bit for bit."""
+    base = {**TINY, "train": {**TINY["train"], "steps": 6, "eval_every": 3, "diagnostics_every": 0}}
+    spec = write_spec(tmp_path / "ddp.yaml", {"name": "ddp", "groups": [{"name": "ddp", "base": base}]})
+    ref = tmp_path / "torchrun"
+    alone = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "kilolayer", "train", write_spec(tmp_path / "run.yaml", base), "--out", ref,
+                              "--quiet"], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    out = tmp_path / "study"
+    rc, text, err = finish(study(spec, "--out", out, "--executor", "ray", "--address", ray_head.address,
+                                 "--nproc-per-run", "2"))
+    assert rc == 0, err
+    assert "each 2 CPU, 0 GPU, 2 process(es)" in text  # --cpus-per-run defaults to --nproc-per-run
+    assert alone.wait(timeout=600) == 0, alone.stderr.read()
+    run = out / "runs" / "ddp" / "seed=0"
+    assert json.loads((run / "status.json").read_text())["status"] == "completed"
+    assert records(run, "train") == records(ref, "train") and len(records(ref, "train")) == 6
+
+
+def test_kilolayer_started_ray_stays_on_loopback(tmp_path):
+    """Without --address kilolayer starts Ray itself: on 127.0.0.1, every port on loopback, no telemetry."""
+    code = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from test_study_ray import group_pids, listening
+for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED"):
+    os.environ.pop(k, None)
+from kilolayer.study.ray_executor import connect, import_ray
+ray = import_ray(None)
+connect(ray, None)
+pids = [p for p in group_pids(os.getpgid(0)) if p != os.getpid()]
+print(json.dumps({"node": ray.nodes()[0]["NodeManagerAddress"], "listening": listening(pids + [os.getpid()]),
+                  "usage_stats": os.environ.get("RAY_USAGE_STATS_ENABLED")}))
+ray.shutdown()
+"""
+    p = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300, start_new_session=True)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["node"] == "127.0.0.1"
+    assert got["listening"] and all(is_loopback(a) for a in got["listening"]), got
+    assert got["usage_stats"] == "0"
