@@ -87,7 +87,24 @@ def is_run_dir(path: "str | Path") -> bool:
         return False
     if read_status(path).get("status") in STATUSES:
         return True
-    return (path / CONFIG).is_file() and ((path / METRICS).is_file() or (path / CHECKPOINTS).is_dir())
+    # an older run: a config.yaml that kilolayer can load, beside metrics or checkpoints that are ours
+    if not (path / CONFIG).is_file():
+        return False
+    try:
+        from kilolayer.config import load_config
+
+        load_config(path / CONFIG)
+    except Exception:  # noqa: BLE001 - any file that is not a kilolayer config: not a run of ours
+        return False
+    ckpts = path / CHECKPOINTS
+    if ckpts.is_dir() and any(STEP_DIR.match(p.name) for p in ckpts.iterdir()):
+        return True
+    try:
+        with open(path / METRICS) as fh:
+            first = json.loads(fh.readline())
+        return isinstance(first, dict) and "step" in first and "split" in first
+    except (OSError, ValueError):
+        return False
 
 
 def is_empty(path: "str | Path") -> bool:
@@ -158,11 +175,20 @@ def read_status(run_dir: "str | Path") -> dict:
 
 
 def write_status(run_dir: "str | Path", status: str, step: int, reason: str = "", **extra) -> dict:
-    """Replace status.json atomically with ``status`` at ``step`` and ``reason`` (plus ``extra`` fields)."""
+    """Replace status.json atomically with ``status`` at ``step`` and ``reason`` (plus ``extra`` fields).
+    On a full disk (no block for a temporary file), a final status overwrites the old file in place."""
     if status not in STATUSES:
         raise ValueError(f"status {status!r}: expected one of {', '.join(STATUSES)}")
     data = {"status": status, "step": int(step), "reason": " ".join(str(reason).split()), **extra}
-    write_atomic(Path(run_dir) / STATUS, json.dumps(data, indent=2) + "\n")
+    text = json.dumps(data, indent=2) + "\n"
+    try:
+        write_atomic(Path(run_dir) / STATUS, text)
+    except OSError as err:
+        if err.errno != errno.ENOSPC or not (Path(run_dir) / STATUS).is_file():
+            raise
+        with open(Path(run_dir) / STATUS, "r+") as fh:  # reuses the file's own blocks
+            fh.write(text)
+            fh.truncate()
     return data
 
 
@@ -493,10 +519,10 @@ def chosen_checkpoint(run_dir: "str | Path", patience: int = 0, on_damaged=warn)
     return path
 
 
-def load_run(run_dir: "str | Path", device: str = "cpu"):
-    """(config, task) of a finished or running kilolayer run, with the weights of the checkpoint that stands
-    for it (:func:`chosen_checkpoint`: the newest intact one; with early stopping, the best), in eval mode.
-    A damaged checkpoint is reported in one line on stderr."""
+def load_run(run_dir: "str | Path", device: str = "cpu", checkpoint: "str | Path | None" = None):
+    """(config, task) of a finished or running kilolayer run, with the weights of ``checkpoint`` (default: the
+    one that stands for the run, :func:`chosen_checkpoint`: the newest intact one; with early stopping, the
+    best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
     from kilolayer.config import load_config
     from kilolayer.objectives import build_task
     from kilolayer.train.checkpoint import check_fits, read_weights
@@ -505,7 +531,7 @@ def load_run(run_dir: "str | Path", device: str = "cpu"):
     if not (run_dir / CONFIG).is_file():
         raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
     config = load_config(run_dir / CONFIG)
-    ckpt = chosen_checkpoint(run_dir, config.train.patience)
+    ckpt = Path(checkpoint) if checkpoint is not None else chosen_checkpoint(run_dir, config.train.patience)
     if ckpt is None:
         raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
     task = build_task(config)

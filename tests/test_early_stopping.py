@@ -78,6 +78,9 @@ def test_keeps_the_best_checkpoint_and_load_run_uses_it(tmp_path):
     loaded = task.state_dict()
     assert all(torch.equal(loaded[k], best[k]) for k in best)
     assert not all(torch.equal(best[k], newest[k]) for k in best)
+    assert rundir.chosen_checkpoint(run, patience=3) == rundir.checkpoint_dir(run, 3)
+    _, task = rundir.load_run(run, checkpoint=rundir.checkpoint_dir(run, 12))  # a caller may name one
+    assert all(torch.equal(task.state_dict()[k], newest[k]) for k in newest)
     # without early stopping the newest stands for the run
     (run / "config.yaml").write_text(dump_yaml(load_config(cfg(WORSENING, patience=0))))
     _, task = rundir.load_run(run)
