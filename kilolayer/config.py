@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -136,9 +136,9 @@ class TrainConfig(_Section):
     warmup: int = Field(0, ge=0)
     schedule: Literal["constant", "inverse_sqrt", "cosine"] = "inverse_sqrt"
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine: final lr as a fraction of lr")
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.98)
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.01, ge=0, allow_inf_nan=False)
     clip: float = Field(1.0, ge=0, description="gradient-norm clipping (0 = off)")
     seed: int = 0
     eval_every: int = Field(0, ge=0, description="0 = only at the end")

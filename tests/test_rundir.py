@@ -57,7 +57,7 @@ def test_what_counts_as_a_run_directory(tmp_path):
     old = tmp_path / "old"  # a run from before status.json was written at the start
     old.mkdir()
     (old / "config.yaml").write_text("model: {}\n")
-    (old / "metrics.jsonl").write_text("")
+    (old / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 2.0}\n')  # records of ours
     assert rundir.is_run_dir(old)
     a_file = tmp_path / "file"
     a_file.write_text("x")

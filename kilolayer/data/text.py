@@ -56,7 +56,7 @@ class HFTokenizer:
                 "data.options.tokenizer needs Hugging Face transformers: pip install 'kilolayer[hf]'"
             ) from None
         try:
-            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
         except Exception as err:  # transformers raises many kinds; the user needs the path and the kind
             raise InputError(f"{p}: cannot load a Hugging Face tokenizer ({type(err).__name__})") from None
         self.name = str(p)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from pathlib import Path
 
+from kilolayer.errors import ConfigError
+
 
 def cmd_study(args) -> int:
-    from kilolayer.errors import ConfigError
 
     if args.list:
         from kilolayer.study.builtin import BUILTIN
@@ -38,23 +41,52 @@ def cmd_study(args) -> int:
 
     spec = load_spec(args.spec)
     t0 = time.perf_counter()
-    if args.executor == "ray":
-        from kilolayer.study.ray_executor import run_study_ray
-
-        nproc = args.nproc_per_run or 1
-        results = run_study_ray(spec, Path(args.out), address=args.address,
-                                cpus_per_run=args.cpus_per_run if args.cpus_per_run is not None else nproc,
-                                gpus_per_run=args.gpus_per_run or 0, nproc_per_run=nproc)
-    else:
-        from kilolayer.study.runner import run_study
-
-        results = run_study(spec, Path(args.out), jobs=args.jobs)
+    with study_lock(Path(args.out)):
+        results = _run(spec, args)
     md, html, findings = write_report(spec, results, Path(args.out), time.perf_counter() - t0)
     for f in findings:
         print(f"{f.verdict.verdict:>13s}: {f.title}")
     print(f"report: {html}")
     print(f"        {md}")
     return 0
+
+
+@contextlib.contextmanager
+def study_lock(out: Path):
+    """One ``kilolayer study`` per --out: an flock on OUT/study.lock, dropped by the kernel with the process.
+    A second study on the same directory would find points another one is training and report them half done."""
+    import fcntl
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / "study.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot use this directory ({err.strerror or type(err).__name__})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(f"--out {out}: another kilolayer study (PID {who}) is running on this directory; "
+                              "wait for it to finish or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+def _run(spec, args):
+    if args.executor == "ray":
+        from kilolayer.study.ray_executor import run_study_ray
+
+        nproc = args.nproc_per_run or 1
+        return run_study_ray(spec, Path(args.out), address=args.address,
+                             cpus_per_run=args.cpus_per_run if args.cpus_per_run is not None else nproc,
+                             gpus_per_run=args.gpus_per_run or 0, nproc_per_run=nproc)
+    from kilolayer.study.runner import run_study
+
+    return run_study(spec, Path(args.out), jobs=args.jobs)
 
 
 RAY_OPTIONS = ("address", "cpus_per_run", "gpus_per_run", "nproc_per_run")

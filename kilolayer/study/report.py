@@ -175,7 +175,8 @@ def embeddable_image(src: str, out: Path) -> Optional[Path]:
 
 def _safe_link(href: str) -> bool:
     # browsers ignore control characters and spaces inside a scheme ("java\tscript:")
-    cleaned = "".join(ch for ch in href if ord(ch) > 32)
+    # and decode entities first ("javascript&#58;..." is javascript: to a browser)
+    cleaned = "".join(ch for ch in html.unescape(href) if ord(ch) > 32)
     return urlsplit(cleaned).scheme.lower() in LINK_SCHEMES + ("",)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from kilolayer import rundir
+from kilolayer.errors import KilolayerError
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.rundir import FINISHED, read_metrics, read_status
 from kilolayer.study.spec import Point, StudySpec, expand
@@ -231,14 +232,20 @@ def run_analyses(point: Point, out: Path, log=print) -> None:
 def collect(point: Point, out: Path) -> Result:
     run_dir = point.run_dir(out)
     st = read_status(run_dir)
-    records = read_metrics(run_dir)
+    status, reason = st.get("status", "missing"), st.get("reason", "")
+    try:
+        records = read_metrics(run_dir)
+    except KilolayerError as err:  # one damaged run is reported as such, not the end of the report
+        records, status, reason = [], "unreadable", str(err)
     evals = [r for r in records if r.get("split") == "eval"]
     smooth = None
     sfile = run_dir / "analysis" / "smoothness" / "smoothness.json"
-    if sfile.exists():
-        smooth = json.loads(sfile.read_text())
+    try:
+        smooth = json.loads(sfile.read_text()) if sfile.exists() else None
+    except (OSError, ValueError):
+        smooth = None
     return Result(
-        point=point, status=st.get("status", "missing"), reason=st.get("reason", ""), step=int(st.get("step", 0)),
+        point=point, status=status, reason=reason, step=int(st.get("step", 0)),
         eval=evals[-1] if evals else {}, evals=evals,
         train_losses=[(r["step"], r["loss"]) for r in records if r.get("split") == "train"],
         diagnostics=[r for r in records if r.get("split") == "diagnostics"], smoothness=smooth,
