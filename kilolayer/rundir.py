@@ -292,8 +292,12 @@ class MetricsFile:
         self.file = open(self.path, "a")
 
     def append(self, record: dict) -> None:
-        self.file.write(metrics_line(record))
-        self.file.flush()
+        try:
+            self.file.write(metrics_line(record))
+            self.file.flush()
+        except OSError as err:  # e.g. a full disk: the error names this file
+            err.filename = err.filename or str(self.path)
+            raise
 
     def close(self) -> None:
         try:
