@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import html
-import json
 import os
 import platform
 import re
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
 
+from kilolayer.rundir import read_status
 from kilolayer.study.findings import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding, evaluate_findings
 
 # plain words (emoji need a font the reader may not have); the HTML colours them
@@ -80,8 +80,8 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
     tokens = 0
     for r in results:
         try:
-            tokens += int(json.loads((r.point.run_dir(out) / "status.json").read_text()).get("tokens", 0))
-        except (OSError, ValueError):
+            tokens += int(read_status(r.point.run_dir(out)).get("tokens", 0))
+        except (TypeError, ValueError):
             pass
     seeds = sorted({r.point.config.train.seed for r in results})
     lines = [
@@ -126,12 +126,20 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         if f.scale_up:
             lines += [f"**To test this claim properly:** {_text(f.scale_up)}", ""]
     lines += ["## Runs", "", "Every grid point is an ordinary `kilolayer train` run directory under `runs/`.", ""]
+    lines += ["*ended*: a completed run either used its step budget or stopped early on a validation plateau "
+              "(`train.patience`); *MFU*: model FLOPs per second over the device's peak, the run's mean.", ""]
     rows = []
     for r in results:
         ev = ", ".join(f"{k} {v:.4g}" for k, v in r.eval.items() if k not in ("step", "split") and isinstance(v, float))
         status = r.status + (f" at step {r.step}: {r.reason}" if r.status != "completed" else "")
-        rows.append([r.point.key, status, ev or "-", f"{r.seconds:.0f}"])
-    lines.append(_table(["point", "status", "last evaluation", "seconds"], rows))
+        st = read_status(r.point.run_dir(out))
+        ended = "-"
+        if r.status == "completed":
+            ended = (f"plateau (best step {st.get('best_step')})" if st.get("stopped_early") else "step budget")
+        mfu = st.get("mfu")
+        rows.append([r.point.key, status, ended, ev or "-", f"{mfu:.1%}" if isinstance(mfu, (int, float)) else "-",
+                     f"{r.seconds:.0f}"])
+    lines.append(_table(["point", "status", "ended", "last evaluation", "MFU", "seconds"], rows))
     lines += ["## Commands", "",
               "One line per point, in order (a group with `after` needs its source group finished): each reruns "
               "or resumes that point by hand, or can be sent to a cluster (write `torchrun --nproc-per-node N -m kilolayer` "
