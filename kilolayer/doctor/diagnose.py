@@ -200,7 +200,8 @@ def gradient_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]
         if not finite:
             continue
         worst = min(finite, key=lambda p: p["ratio"])
-        steps = ", ".join(f"{_e(p['ratio'])} at step {p['step']}" for p in finite)
+        steps = ", ".join(f"{_e(p['ratio'])} at step {p['step']}{' (checkpoint)' * (p['source'] == 'checkpoint')}"
+                          for p in finite)
         if worst["ratio"] < GRAD_RATIO:
             pattern = " (Post-LN's vanishing pattern)" if scheme in POST_LN_FORM else ""
             if scheme in POST_LN_FORM:
@@ -287,10 +288,10 @@ def smoothing_findings(config: Config, m: dict) -> tuple[list[Finding], list[str
               "fewer, wider layers: the last layers' tokens are nearly identical, so extra depth adds little"
         return [Finding(
             "oversmoothing",
-            f"last-layer tokens are {s['last']:.3g} similar (mean token cosine; {s['first']:.2g} after the "
+            f"last-layer tokens are {s['last']:.3f} similar (mean token cosine; {s['first']:.2f} after the "
             f"embedding; flagged at {COSINE:g}): over-smoothing{why}",
             fix, dict(s))], []
-    return [], [f"last-layer token cosine {s['last']:.2g} (embedding {s['first']:.2g})"]
+    return [], [f"last-layer token cosine {s['last']:.3f} (embedding {s['first']:.2f})"]
 
 
 def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[list[Finding], list[str]]:
@@ -302,7 +303,9 @@ def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[lis
         return [], []
     codes = {f.code for f in others}
     moved = m.get("final_update") or {}
-    if "vanishing_gradients" in codes:
+    if m.get("status") == "diverged":
+        fix = "the divergence above ended training before the model learned: fix that first"
+    elif "vanishing_gradients" in codes:
         fix = "the vanishing gradients above are the likely cause: fix those first"
     elif moved.get("relative") is not None and moved["relative"] < BARELY_MOVED:
         fix = (f"the weights barely moved (output changed by {moved['relative']:.2g} of its size by step "
@@ -336,8 +339,9 @@ def status_findings(config: Config, status: dict, m: dict) -> list[Finding]:
         ref = (m.get("deepnorm_first_update") or {}).get("value")
         tie = f"; its first update was {first['value'] / ref:.3g}x DeepNorm's" if first and ref else ""
         return [Finding("diverged", f"diverged at step {status.get('step')}{where}: {status.get('reason', '')}",
-                        f"lower train.lr (peak {_e(config.train.lr)}) or lengthen train.warmup{tie}; "
-                        f"the last good checkpoint is kept (kilolayer train --resume --set train.lr=...)",
+                        f"lower train.lr (peak {_e(config.train.lr)}) or lengthen train.warmup{tie}"
+                        + ("; continue from the last good checkpoint with kilolayer train --resume --set train.lr=..."
+                           if m.get("has_checkpoint") else ""),
                         {"step": status.get("step"), "reason": status.get("reason", "")})]
     if st == "failed":
         return [Finding("failed", f"failed at step {status.get('step')}: {status.get('reason', '')}",
@@ -366,10 +370,15 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
     from kilolayer.doctor.outcome import chance
     from kilolayer.doctor.theory import update_coefficient
 
-    m: dict = {}
+    m: dict = {"status": status.get("status")}
     notes: list[str] = []
     logged = _diagnostics(records)
-    start = replay(config, replay_steps, device) if replay_steps > 0 else None
+    start = None
+    if replay_steps > 0:
+        try:
+            start = replay(config, replay_steps, device)
+        except KilolayerError as err:
+            notes.append(f"step 1 not replayed (nothing measured from the seed or checkpoints): {err}")
     m["output_norm"] = start.output_norm if start else None
 
     # gradients and LayerNorm inputs: every logged step, or the replayed first step(s)
@@ -386,6 +395,7 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
             notes.append(f"checkpoint not measured: {err}")
         if ckpt is None and not any("checkpoint not measured" in n for n in notes):
             notes.append("no complete checkpoint: nothing measured at the end of training")
+    m["has_checkpoint"] = ckpt is not None
     if ckpt is not None:
         points.append({"step": ckpt.step, "layers": ckpt.layers, "grad_norm": ckpt.grad_norm, "update": ckpt.update,
                        "ln_names": ckpt.ln_names, "ln_input": ckpt.ln_input, "source": "checkpoint"})
@@ -405,13 +415,15 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
 
     # the first update, against DeepNorm's at the same shape and lr (empirical) and DeepNet's bound (theory)
     first = next((p for p in points if p["step"] == 1 and math.isfinite(p["update"])), None)
+    if first is None and start is not None and start.steps and math.isfinite(start.steps[0].update):
+        first = {"update": start.steps[0].update, "source": "replayed"}
     if first is not None:
         lr1 = start.steps[0].lr if start and start.steps else config.train.lr
         m["first_update"] = {"value": first["update"], "step": 1, "lr": lr1, "source": first["source"]}
     if logged:
         top = max(logged, key=lambda d: d["update"] if math.isfinite(d["update"]) else -1)
         m["max_logged_update"] = {"value": top["update"], "step": top["step"]}
-    if first is not None and config.model.scheme != "deepnorm" and replay_steps > 0:
+    if first is not None and config.model.scheme != "deepnorm" and start is not None:
         ref = deepnorm_first_update(config, device)
         if ref is not None:
             m["deepnorm_first_update"] = {"value": ref, "source": "replayed (model.scheme=deepnorm, same seed)"}

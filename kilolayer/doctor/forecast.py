@@ -54,7 +54,7 @@ def measure(config: Config, steps: Optional[int] = None, device: str = "cpu") ->
         "schedule": {"lr": tc.lr, "warmup": tc.warmup, "steps": tc.steps, "schedule": tc.schedule,
                      "lr_seen_max": max((s.lr for s in r.steps), default=0.0),
                      "lr_sum_seen": lr_sum(config, 1, ran), "lr_sum_total": lr_sum(config, 1, tc.steps)},
-        "output_norm": r.output_norm, "eval_loss0": r.eval_loss0,
+        "output_norm": r.output_norm, "eval_loss0": r.eval_loss0, "has_layernorm": bool(r.ln_names),
         "per_step": {
             "step": [s.step for s in r.steps], "lr": [s.lr for s in r.steps], "loss": [s.loss for s in r.steps],
             "update": [s.update for s in r.steps], "change": [s.change for s in r.steps],
@@ -84,15 +84,23 @@ def measure(config: Config, steps: Optional[int] = None, device: str = "cpu") ->
 
 # thresholds of the rule (docs/doctor.md says how each was chosen)
 LEARNED_NOTHING = 0.9  # the outcome rule: a final loss above 0.9 x chance learned nothing
-THROWN_BACK = 0.1  # eval loss risen this far (in units of chance) above its minimum: thrown back
+THROWN_BACK = 0.1  # the eval loss risen this far (in units of chance) above its lowest value: thrown back
+VANISHED = 1e-3  # bottom/top gradient ratio below this at the end of the replay: the bottom layers are cut off
+PEAK_CHANGE = 0.5  # projected one-step change of the output at the peak lr, as a fraction of its size: blow-up
+SLOW_DOWN = 0.5  # the loss's recent pace (per unit of summed lr) is assumed to halve over the rest of the run
 RULE = [
     "diverges: the replay met the trainer's divergence rule (a non-finite loss, or the smoothed loss above "
     "train.diverge_factor x its running minimum after warm-up), or met its ratio test during warm-up "
     "(where the trainer does not apply it yet)",
-    f"stalls (thrown back): the evaluation loss rose by more than {THROWN_BACK:g} x chance above its lowest "
-    f"value during the replay and ends above {LEARNED_NOTHING:g} x chance",
-    f"stalls (too slow): the evaluation loss, extrapolated linearly in the summed learning rate from the second "
-    f"half of the replay to train.steps, stays above {LEARNED_NOTHING:g} x chance",
+    f"stalls (thrown back): the evaluation loss rose more than {THROWN_BACK:g} x chance above its lowest value "
+    f"and ends above {LEARNED_NOTHING:g} x chance",
+    f"stalls (cut off): at the last replayed step the bottom layer's gradient is below {VANISHED:g} x the top "
+    f"layer's on a side (DeepNet's vanishing pattern)",
+    f"if the replay ended before the peak learning rate: blows up when one step at the peak lr would move the "
+    f"output by {PEAK_CHANGE:g} x its own size or more (the last 5 steps' change per unit lr, times the peak lr): "
+    f"diverges without LayerNorm, stalls with it",
+    f"stalls (too slow): the evaluation loss, extrapolated from the second half of the replay at {SLOW_DOWN:g} x "
+    f"its pace per unit of summed learning rate to train.steps, stays above {LEARNED_NOTHING:g} x chance",
     "trains: otherwise",
 ]
 
@@ -101,8 +109,21 @@ def _finite(xs):
     return [x for x in xs if x is not None and math.isfinite(x)]
 
 
+def peak_change(m: dict) -> float:
+    """The output's change in one step at the peak learning rate, as a fraction of the output's size,
+    projected linearly from the last 5 replayed steps (median of change / lr)."""
+    import statistics
+
+    ps = m["per_step"]
+    per_lr = _finite([c / lr for c, lr in zip(ps["change"][-5:], ps["lr"][-5:]) if lr > 0 and c is not None])
+    if not per_lr or not m["output_norm"]:
+        return math.nan
+    return statistics.median(per_lr) * m["schedule"]["lr"] / m["output_norm"]
+
+
 def decide(m: dict) -> tuple[str, str, dict]:
-    """(verdict, reason, the numbers the rule used) for measurements ``m`` of :func:`measure`."""
+    """(verdict, reason, the numbers the rule used) for measurements ``m`` of :func:`measure`; the first
+    line of :data:`RULE` that holds decides."""
     level = m["chance"]
     ps = m["per_step"]
     sched = m["schedule"]
@@ -112,25 +133,41 @@ def decide(m: dict) -> tuple[str, str, dict]:
         return "diverges", (f"the smoothed loss passed train.diverge_factor x its running minimum at step "
                             f"{m['ungated']}, during warm-up: the trainer will stop it when warm-up ends"), {}
     evals = [(s, e) for s, e in zip(ps["step"], ps["eval_loss"]) if e is not None and math.isfinite(e)]
-    e0 = m["eval_loss0"]
     if not evals or not math.isfinite(level):
         return "trains", "no evaluation loss or chance level to judge by", {}
-    lowest = min([e for _, e in evals] + [e0])
+    e0 = m["eval_loss0"]
+    lowest = min(_finite([e for _, e in evals] + [e0]))
     last_step, last = evals[-1]
     numbers = {"chance": level, "eval_loss0": e0, "eval_loss_lowest": lowest, "eval_loss_last": last,
                "step_last": last_step}
     if last - lowest > THROWN_BACK * level and last > LEARNED_NOTHING * level:
         return "stalls", (f"the evaluation loss fell to {lowest / level:.2f} x chance and was thrown back to "
                           f"{last / level:.2f} x chance by step {last_step} (lr {ps['lr'][-1]:.2g})"), numbers
+    ratios = ps["grad_ratio"][-1] if ps["grad_ratio"] else {}
+    cut = {side: r for side, r in ratios.items() if math.isfinite(r) and r < VANISHED}
+    numbers["grad_ratio_last"] = ratios
+    if cut:
+        side, r = min(cut.items(), key=lambda kv: kv[1])
+        return "stalls", (f"at step {ps['step'][-1]} the gradient at the bottom of the {side} is {r:.1e} of the "
+                          f"top's: the bottom layers are cut off (DeepNet's vanishing pattern)"), numbers
+    if sched["lr_seen_max"] < 0.999 * sched["lr"]:
+        r = peak_change(m)
+        numbers["peak_change"] = r
+        if r >= PEAK_CHANGE:
+            has_ln = m.get("has_layernorm", any(ps["ln_growth"]))
+            verdict = "stalls" if has_ln else "diverges"
+            return verdict, (f"one step at the peak lr {sched['lr']:.2g} would move the output by {r:.2f} x its size "
+                             f"(projected from step {ps['step'][-1]}, lr {ps['lr'][-1]:.2g}): it will blow up"
+                             f"{' and be thrown back to chance' if verdict == 'stalls' else ''}"), numbers
     half = [(s, e) for s, e in evals if s >= last_step / 2]
     s1, e1 = half[0]
     spent = sum(lr for s, lr in zip(ps["step"], ps["lr"]) if s1 < s <= last_step)
     rate = max(0.0, (e1 - last) / spent) if spent > 0 and s1 < last_step else 0.0
     remaining = max(0.0, sched["lr_sum_total"] - sched["lr_sum_seen"])
-    projected = last - rate * remaining
+    projected = last - SLOW_DOWN * rate * remaining
     numbers.update(rate=rate, remaining_lr=remaining, projected=projected)
     if projected > LEARNED_NOTHING * level:
-        return "stalls", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and, at its "
+        return "stalls", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and, at half its "
                           f"recent pace, would reach only {projected / level:.2f} x chance by step "
                           f"{sched['steps']}"), numbers
     return "trains", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading for "

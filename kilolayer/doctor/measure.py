@@ -203,7 +203,10 @@ def with_scheme(config: Config, scheme: str) -> Config:
 
 def deepnorm_first_update(config: Config, device: str = "cpu") -> Optional[float]:
     """The step-1 model update of a DeepNorm model of ``config``'s shape, seed, batch and learning rate: the
-    empirical reference a first update is compared with. None if the replay could not take the step."""
+    empirical reference a first update is compared with. None if the replay could not take the step, or
+    if the run starts from pretrained weights (``train.init_from``: no DeepNorm twin of those exists)."""
+    if config.train.init_from:
+        return None
     twin = replay(with_scheme(config, "deepnorm"), 1, device)
     return twin.steps[0].update if twin.steps and math.isfinite(twin.steps[0].update) else None
 
