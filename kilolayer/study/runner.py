@@ -238,6 +238,10 @@ def collect(point: Point, out: Path) -> Result:
     except KilolayerError as err:  # one damaged run is reported as such, not the end of the report
         records, status, reason = [], "unreadable", str(err)
     evals = [r for r in records if r.get("split") == "eval"]
+    last = evals[-1] if evals else {}
+    if st.get("stopped_early") and st.get("best_step") is not None:
+        # an early-stopped run stands for its best checkpoint (what analyses load), not its last evaluation
+        last = next((e for e in evals if e.get("step") == st["best_step"]), last)
     smooth = None
     sfile = run_dir / "analysis" / "smoothness" / "smoothness.json"
     try:
@@ -246,7 +250,7 @@ def collect(point: Point, out: Path) -> Result:
         smooth = None
     return Result(
         point=point, status=status, reason=reason, step=int(st.get("step", 0)),
-        eval=evals[-1] if evals else {}, evals=evals,
+        eval=last, evals=evals,
         train_losses=[(r["step"], r["loss"]) for r in records if r.get("split") == "train"],
         diagnostics=[r for r in records if r.get("split") == "diagnostics"], smoothness=smooth,
         seconds=float(st.get("seconds", 0.0)), command=shell_command(point, out),

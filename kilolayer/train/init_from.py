@@ -16,8 +16,8 @@ from pathlib import Path
 from torch import nn
 
 from kilolayer import rundir
-from kilolayer.config import read_yaml
-from kilolayer.errors import InputError
+from kilolayer.config import load_config, read_yaml
+from kilolayer.errors import InputError, KilolayerError
 from kilolayer.train.checkpoint import read_weights
 
 _SHAPE_KEYS = ("arch", "scheme", "layers", "width", "heads", "ffn", "input", "image_size", "patch_size", "channels")
@@ -28,14 +28,18 @@ def _describe(model: dict) -> str:
 
 
 def pretrained_checkpoint(run_dir: "str | Path") -> Path:
-    """``model.safetensors`` of the newest intact checkpoint of the run at ``run_dir`` (a damaged newer one
-    is reported in one line on stderr)."""
+    """``model.safetensors`` of the checkpoint that stands for the run at ``run_dir``: its newest intact one,
+    or its best one if it trained with early stopping (a damaged one is reported in one line on stderr)."""
     run = Path(run_dir)
     if not run.is_dir():
         raise InputError(f"{run}: no such run directory (train.init_from)")
     if not (run / rundir.CONFIG).is_file():
         raise InputError(f"{run}: not a kilolayer run directory (no config.yaml) (train.init_from)")
-    found = rundir.intact_checkpoint(run)
+    try:
+        patience = load_config(run / rundir.CONFIG).train.patience
+    except KilolayerError:
+        patience = 0
+    found = rundir.chosen_checkpoint(run, patience)
     if found is None:
         raise InputError(
             f"{run}: the run has no complete checkpoint (checkpoints/step_NNNNNNNN/COMPLETE) (train.init_from)"
