@@ -336,3 +336,17 @@ def test_forecast_of_real_runs(real_runs, capsys):
     assert out[1].startswith("forecast: ") and "replayed 5 of 60 steps in memory" in "\n".join(out)
     assert any(line.startswith("evidence: first update") and "x a DeepNorm model's" in line for line in out)
     assert any(line.startswith("rule (first that holds): diverges:") for line in out)
+
+
+def test_calibration_grids_are_valid_configs():
+    """benchmarks/doctor_calibration.py: every point loads, names are unique, quick's match the study's."""
+    from benchmarks.doctor_calibration import GRIDS
+    from kilolayer.study.builtin import quick
+
+    points = [p for grid in GRIDS.values() for p in grid()]
+    assert len(points) == 18 + 45 + 18 and len({(p.grid, p.name) for p in points}) == len(points)
+    for p in points:
+        load_config(p.config)
+    base = next(g for g in quick()["groups"] if g["name"] == "deepnet")["base"]
+    q = next(p for p in points if p.name == "scheme=post_ln_layers=18_decoder_layers=18_seed=1")
+    assert q.config["train"] == {**base["train"], "seed": 1} and q.config["model"]["layers"] == 18
