@@ -18,7 +18,7 @@ def _is_run(path: Path) -> bool:
 
 def cmd_doctor(args) -> int:
     target = Path(args.target)
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: must be at least 1")
     if args.forecast:
         from kilolayer.config import load_config
@@ -63,8 +63,9 @@ def register(subparsers) -> None:
     p.add_argument("--forecast", action="store_true", help="forecast the config instead of diagnosing a run")
     p.add_argument("--set", action="append", default=[], metavar="key.path=value",
                    help="with --forecast: override a config key (repeatable)")
-    p.add_argument("--steps", type=int, default=40,
-                   help="with --forecast: optimiser steps to replay (default 40)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="with --forecast: optimiser steps to replay (default: through the warm-up and 10 steps "
+                        "at the peak learning rate; at least 40, at most 200)")
     p.add_argument("--samples", type=int, default=128,
                    help="samples for token similarity when the run has no smoothness analysis (0 = skip)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")

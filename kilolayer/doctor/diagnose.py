@@ -396,9 +396,10 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
         if ckpt is None and not any("checkpoint not measured" in n for n in notes):
             notes.append("no complete checkpoint: nothing measured at the end of training")
     m["has_checkpoint"] = ckpt is not None
-    if ckpt is not None:
+    if ckpt is not None and not any(p["step"] == ckpt.step for p in points):
         points.append({"step": ckpt.step, "layers": ckpt.layers, "grad_norm": ckpt.grad_norm, "update": ckpt.update,
                        "ln_names": ckpt.ln_names, "ln_input": ckpt.ln_input, "source": "checkpoint"})
+    if ckpt is not None:
         rel = ckpt.update / start.output_norm if start.output_norm else None
         m["final_update"] = {"value": ckpt.update, "step": ckpt.step, "relative": rel}
     early = [p for p in points if p["source"] != "checkpoint"]

@@ -86,6 +86,7 @@ def measure(config: Config, steps: Optional[int] = None, device: str = "cpu") ->
 LEARNED_NOTHING = 0.9  # the outcome rule: a final loss above 0.9 x chance learned nothing
 THROWN_BACK = 0.1  # the eval loss risen this far (in units of chance) above its lowest value: thrown back
 VANISHED = 1e-3  # bottom/top gradient ratio below this at the end of the replay: the bottom layers are cut off
+UPDATE_RATIO = 10.0  # first update at least this many times DeepNorm's: a warning, not a verdict
 PEAK_CHANGE = 0.5  # projected one-step change of the output at the peak lr, as a fraction of its size: blow-up
 SLOW_DOWN = 0.5  # the loss's recent pace (per unit of summed lr) is assumed to halve over the rest of the run
 RULE = [
@@ -174,6 +175,24 @@ def decide(m: dict) -> tuple[str, str, dict]:
                       f"{max(projected, 0) / level:.2f} x chance by step {sched['steps']}"), numbers
 
 
+def warnings(m: dict) -> list[str]:
+    """DeepNet's patterns in the replay, with what to change (they explain a verdict; only the cut-off
+    gradients also decide one, rule 3)."""
+    out = []
+    ps = m["per_step"]
+    ratios = ps["grad_ratio"][-1] if ps["grad_ratio"] else {}
+    for side, r in sorted(ratios.items()):
+        if math.isfinite(r) and r < VANISHED:
+            out.append(f"at step {ps['step'][-1]} the bottom of the {side} gets {r:.1e} of the top's gradient "
+                       f"(DeepNet's vanishing pattern, flagged below {VANISHED:g}): only its top layers learn; "
+                       f"model.scheme=deepnorm keeps the bottom ones")
+    u1, dn = m.get("update1"), m.get("deepnorm_update1")
+    if u1 and dn and u1 / dn >= UPDATE_RATIO:
+        out.append(f"the first update is {u1 / dn:.3g}x a DeepNorm model's of this shape (flagged at "
+                   f"{UPDATE_RATIO:g}x): model.scheme=deepnorm, or a lower train.lr / longer train.warmup")
+    return out
+
+
 @dataclass
 class Forecast:
     """The verdict, its reason, the rule, and every measurement behind them."""
@@ -189,6 +208,7 @@ class Forecast:
     def lines(self) -> list[str]:
         m = self.measurements
         out = [f"{self.config}", f"forecast: {self.verdict} — {self.reason}"]
+        out += [f"warning: {line}" for line in warnings(m)]
         out += [f"evidence: {line}" for line in evidence_lines(m)]
         out.append(f"replayed {m['steps_run']} of {m['schedule']['steps']} steps in memory in {m['seconds']:.0f} s "
                    f"(lr up to {m['schedule']['lr_seen_max']:.2g} of peak {m['schedule']['lr']:.2g}); nothing "
@@ -201,7 +221,8 @@ class Forecast:
         from kilolayer.doctor.diagnose import _json_safe
 
         return _json_safe({"config": self.config, "verdict": self.verdict, "reason": self.reason,
-                           "rule": RULE, "numbers": self.numbers, "measurements": self.measurements,
+                           "warnings": warnings(self.measurements), "rule": RULE, "numbers": self.numbers,
+                           "measurements": self.measurements,
                            "notes": self.notes, "lines": self.lines})
 
 
