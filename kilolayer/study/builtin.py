@@ -150,8 +150,8 @@ def quick() -> dict:
             "at a shallow-wide (4 x 128) and a parameter-matched deep-narrow (16 x 64) shape, 2 seeds, with "
             "token-similarity curves. Small on purpose: the report says which settings to scale up."
         ),
-        "expected_minutes": 7,
-        "expected_basis": "measured: 6.8 min with --jobs 2",
+        "expected_minutes": 10,
+        "expected_basis": "extrapolated: 6.8 min measured with --jobs 2 before the second DeepNet seed (+9 runs)",
         "groups": [
             {"name": "deepnet", "description": "schemes x depths, same lr/warm-up",
              "base": deep,
