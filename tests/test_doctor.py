@@ -2,8 +2,6 @@
 DeepNet's update bound, and one-line errors."""
 
 import json
-import math
-import os
 
 import pytest
 import torch

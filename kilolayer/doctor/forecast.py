@@ -54,7 +54,8 @@ def measure(config: Config, steps: Optional[int] = None, device: str = "cpu") ->
         "schedule": {"lr": tc.lr, "warmup": tc.warmup, "steps": tc.steps, "schedule": tc.schedule,
                      "lr_seen_max": max((s.lr for s in r.steps), default=0.0),
                      "lr_sum_seen": lr_sum(config, 1, ran), "lr_sum_total": lr_sum(config, 1, tc.steps)},
-        "output_norm": r.output_norm, "eval_loss0": r.eval_loss0, "has_layernorm": bool(r.ln_names),
+        "scheme": config.model.scheme, "output_norm": r.output_norm, "eval_loss0": r.eval_loss0,
+        "has_layernorm": bool(r.ln_names),
         "per_step": {
             "step": [s.step for s in r.steps], "lr": [s.lr for s in r.steps], "loss": [s.loss for s in r.steps],
             "update": [s.update for s in r.steps], "change": [s.change for s in r.steps],
@@ -171,8 +172,9 @@ def decide(m: dict) -> tuple[str, str, dict]:
         return "stalls", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and, at half its "
                           f"recent pace, would reach only {projected / level:.2f} x chance by step "
                           f"{sched['steps']}"), numbers
-    return "trains", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading for "
-                      f"{max(projected, 0) / level:.2f} x chance by step {sched['steps']}"), numbers
+    return "trains", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading below "
+                      f"{LEARNED_NOTHING:g} x chance by step {sched['steps']} (projected "
+                      f"{max(projected, 0) / level:.2f}, linear at half its recent pace)"), numbers
 
 
 def warnings(m: dict) -> list[str]:
@@ -230,11 +232,14 @@ def evidence_lines(m: dict) -> list[str]:
     """DeepNet's measurements of the replay, one line each, for the forecast's printout."""
     out = []
     u1, dn = m.get("update1"), m.get("deepnorm_update1")
-    if u1 is not None:
+    b = m.get("bound") or {}
+    if u1 is not None and m.get("scheme") == "deepnorm":
+        out.append(f"first update {u1:.3g} (DeepNorm: DeepNet bounds it by {b['deepnorm_coefficient']:.3g} x lr at "
+                   f"any depth)")
+    elif u1 is not None:
         text = f"first update {u1:.3g}"
         if dn:
             text += f" = {u1 / dn:.3g}x a DeepNorm model's of this shape at the same lr ({dn:.3g}; measured)"
-        b = m.get("bound") or {}
         if b.get("coefficient") is not None and b.get("deepnorm_coefficient"):
             text += (f"; DeepNet's bound {b['coefficient']:.4g} x lr vs DeepNorm's {b['deepnorm_coefficient']:.3g} "
                      f"x lr (a bound, not a prediction)")
