@@ -262,9 +262,9 @@ def test_bamboo_study_runs_end_to_end_at_toy_size(tmp_path):
     assert not bad, bad
     assert all(r.smoothness and len(r.smoothness["cosine"]) == r.point.config.model.layers + 1 for r in results)
     md, _, findings = write_report(spec, results, out, 1.0)
-    # one verdict per pair and modality: smoothing (level, trend) x 4 pairs, depth (absolute, relative) x 2,
-    # depth_tokens x 2 objectives
-    assert [f.name.split(":")[0] for f in findings] == (["bamboo_smoothing", "bamboo_smoothing_trend"] * 4
+    # one verdict per pair and modality: smoothing level x 4 pairs, smoothing trend x 3 sequence-level groups,
+    # depth (absolute, relative) x 2, depth_tokens x 2 objectives
+    assert [f.name.split(":")[0] for f in findings] == (["bamboo_smoothing"] * 4 + ["bamboo_smoothing_trend"] * 3
                                                         + ["bamboo_depth", "bamboo_depth_relative"] * 2
                                                         + ["bamboo_depth_tokens"] * 2)
     assert all(f.verdict.verdict == INCONCLUSIVE and "one seed" in f.verdict.reason for f in findings[:1])
