@@ -38,7 +38,8 @@ SHAPE_KEYS = ("layers", "decoder_layers", "width", "heads", "ffn", "scheme", "ch
 _MEMO: dict[str, dict] = {}
 
 
-def _data_key(config: Config) -> str:
+def data_key(config: Config) -> str:
+    """A key equal for configs whose evaluation targets (hence chance levels) are the same."""
     d = config.model_dump(mode="json")
     d["model"] = {k: v for k, v in d["model"].items() if k not in SHAPE_KEYS}
     d["train"] = {k: d["train"][k] for k in ("batch_size", "eval_batches", "seed")}
@@ -53,7 +54,7 @@ def chance_of_run(run_dir: "str | Path", config: Config) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    key = _data_key(config)
+    key = data_key(config)
     if key not in _MEMO:
         _MEMO[key] = chance_level(config)
     result = dict(_MEMO[key])

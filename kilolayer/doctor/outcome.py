@@ -12,7 +12,6 @@ Failed, interrupted and running runs have no outcome yet (``None``).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,12 +27,9 @@ _CHANCE: dict[str, dict] = {}
 
 
 def _data_key(config: Config) -> str:
-    from kilolayer.analysis.chance import SHAPE_KEYS
+    from kilolayer.analysis.chance import data_key
 
-    d = config.model_dump(mode="json")
-    d["model"] = {k: v for k, v in d["model"].items() if k not in SHAPE_KEYS}
-    d["train"] = {k: d["train"][k] for k in ("batch_size", "eval_batches", "seed")}
-    return json.dumps(d, sort_keys=True)
+    return data_key(config)
 
 
 def chance(config: Config, run_dir: "str | Path | None" = None) -> dict:
