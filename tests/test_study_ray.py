@@ -11,6 +11,7 @@ import ipaddress
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -27,9 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).with_name("ray")
 
 # one torch thread per training process (so float reductions, hence losses, are bit-identical between
-# executors); no telemetry; Ray keeps 127.0.0.1 instead of swapping in the machine's network address
+# executors); no telemetry; Ray keeps 127.0.0.1 instead of swapping in the machine's network address; Ray's
+# token authentication with a token of this test run's own (not ~/.ray/auth_token, whose presence would
+# otherwise switch it on for the head but not for a driver given an explicit --address)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-       "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+       "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 TINY = {
     "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 1, "decoder_layers": 1, "width": 32,
@@ -194,8 +197,8 @@ def both(ray_head, tmp_path_factory):
                    "--cpus-per-run", "1")
     r_rc, r_out, r_err = finish(remote)
     l_rc, l_out, l_err = finish(local)
-    assert l_rc == 0, l_err
-    assert r_rc == 0, r_err
+    assert l_rc == 0, l_out + l_err
+    assert r_rc == 0, r_out + r_err
     return {"spec": spec, "local": tmp / "local", "ray": tmp / "ray", "local_out": l_out, "ray_out": r_out,
             "seconds": time.perf_counter() - t0}
 
@@ -205,7 +208,8 @@ def test_ray_gives_the_same_losses_and_verdicts_as_local(both):
     assert len(runs) == 5
     for run in runs:
         a, b = both["local"] / run, both["ray"] / run
-        assert json.loads((b / "status.json").read_text())["status"] == "completed", run
+        st = json.loads((b / "status.json").read_text())
+        assert st["status"] == "completed", (run, st, both["ray_out"])
         assert records(a, "train") and records(a, "train") == records(b, "train"), run  # bit for bit
         assert records(a, "eval") == records(b, "eval"), run
     # the fine-tuning point started from its pre-trained point, and its analysis ran (as a Ray task)
@@ -280,7 +284,7 @@ def test_executor_ray_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
     assert rc == 2
     assert err.strip().splitlines() == [
         "kilolayer: error: --executor ray: Ray is not installed; install it with pip install 'kilolayer[ray]'"]
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out" / "runs").exists() and not (tmp_path / "out" / "configs").exists()
 
 
 def test_importing_kilolayer_does_not_import_ray():
@@ -459,8 +463,6 @@ def test_kilolayer_started_ray_stays_on_loopback(tmp_path):
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from test_study_ray import group_pids, listening
-for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED"):
-    os.environ.pop(k, None)
 from kilolayer.study.ray_executor import connect, import_ray
 ray = import_ray(None)
 connect(ray, None)
@@ -469,9 +471,13 @@ print(json.dumps({"node": ray.nodes()[0]["NodeManagerAddress"], "listening": lis
                   "usage_stats": os.environ.get("RAY_USAGE_STATS_ENABLED")}))
 ray.shutdown()
 """
+    # Ray's defaults otherwise: it switches on token authentication and writes its token to ~/.ray, here a
+    # temporary home
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     p = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=300, start_new_session=True)
+                       cwd=tmp_path, timeout=300, start_new_session=True, env={**env, "HOME": str(tmp_path)})
     assert p.returncode == 0, p.stderr
+    assert (tmp_path / ".ray" / "auth_token").is_file()
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["node"] == "127.0.0.1"
     assert got["listening"] and all(is_loopback(a) for a in got["listening"]), got

@@ -77,8 +77,8 @@ def is_loopback(address: str) -> bool:
 
 
 def connect(ray, address: Optional[str]) -> None:
-    """Join the cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``), or start a Ray instance
-    on this machine, on 127.0.0.1 only, when it is None."""
+    """Join the cluster at ``address`` (``auto``, ``HOST:PORT``), or start a Ray instance on this machine, on
+    127.0.0.1 only, when it is None."""
     quiet = {"log_to_driver": False, "logging_level": logging.ERROR}  # task output lives in the points' logs
     try:
         if address is None:
@@ -88,7 +88,8 @@ def connect(ray, address: Optional[str]) -> None:
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as err:
         first = (str(err).strip().splitlines() or [err.__class__.__name__])[0]
         where = f"--address {address}" if address else "a local Ray instance"
-        raise ConfigError(f"{where}: cannot connect to Ray ({first})") from None
+        raise ConfigError(f"{where}: cannot connect to Ray ({first}); is it running, and if it uses token "
+                          f"authentication, is RAY_AUTH_MODE=token set here (with its token)?") from None
 
 
 # ---------------------------------------------------------------- what runs on the nodes
@@ -393,6 +394,7 @@ class _Driver:
             run_dir = p.run_dir(self.root)
             st = read_status(run_dir)
             if st.get("status") in (None, "running") and not rundir.is_locked(run_dir):
+                run_dir.mkdir(parents=True, exist_ok=True)  # the task may have failed before training began
                 rundir.write_status(run_dir, "failed", int(st.get("step", 0)), f"Ray task: {_error_line(value)}")
             self.failed.add(p.key)
             self.ended.add(p.key)
