@@ -172,6 +172,9 @@ def decide(m: dict) -> tuple[str, str, dict]:
         return "stalls", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and, at half its "
                           f"recent pace, would reach only {projected / level:.2f} x chance by step "
                           f"{sched['steps']}"), numbers
+    if last <= LEARNED_NOTHING * level:
+        return "trains", (f"the evaluation loss is already {last / level:.2f} x chance at step {last_step}, below "
+                          f"{LEARNED_NOTHING:g} x chance, with no setback"), numbers
     return "trains", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading below "
                       f"{LEARNED_NOTHING:g} x chance by step {sched['steps']} (projected "
                       f"{max(projected, 0) / level:.2f}, linear at half its recent pace)"), numbers
