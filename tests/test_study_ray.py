@@ -472,11 +472,17 @@ print(json.dumps({"node": ray.nodes()[0]["NodeManagerAddress"], "listening": lis
 ray.shutdown()
 """
     # Ray's defaults otherwise: it switches on token authentication and writes its token to ~/.ray, here a
-    # temporary home
+    # temporary home; its session files go to a scratch directory (short: socket paths must fit 107 bytes)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    p = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=300, start_new_session=True, env={**env, "HOME": str(tmp_path)})
-    assert p.returncode == 0, p.stderr
+    scratch = tempfile.mkdtemp(prefix="klray", dir="/tmp")
+    try:
+        p = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=300, start_new_session=True,
+                           env={**env, "HOME": str(tmp_path), "RAY_TMPDIR": scratch})
+        assert p.returncode == 0, p.stderr
+        assert list(Path(scratch).glob("ray/session_*"))  # the session lived here, not in /tmp/ray
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert (tmp_path / ".ray" / "auth_token").is_file()
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["node"] == "127.0.0.1"
