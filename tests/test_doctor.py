@@ -168,7 +168,10 @@ def test_never_below_chance(tmp_path):
 
 
 def test_healthy_run_has_no_findings(tmp_path):
-    d = diagnose(fake_run(tmp_path / "run", tiny(), evals=(1.0, 0.5)), smoothness_samples=0)
+    run = fake_run(tmp_path / "run", tiny(), evals=(1.0, 0.5))
+    before = _snapshot(run)
+    d = diagnose(run, smoothness_samples=0)
+    assert _snapshot(run) == before  # nothing written into the run directory
     assert d.findings == [] and d.outcome["label"] == "trains"
     assert "- no problem found by the rules below" in d.lines
     data = d.to_dict()
@@ -295,7 +298,9 @@ def real_runs(tmp_path_factory):
 @pytest.mark.slow
 def test_diagnosis_of_real_runs(real_runs, capsys):
     run, _ = real_runs["post_ln"]
+    before = _snapshot(run)
     d = diagnose(run)
+    assert _snapshot(run) == before  # checkpoint, smoothness and chance measured without writing
     assert d.outcome["label"] == "stalls" and d.outcome["final_loss"] > 0.9 * d.outcome["chance"]
     vanishing = finding(d, "vanishing_gradients")
     assert vanishing.evidence["side"] == "decoder"
