@@ -213,6 +213,10 @@ def _snapshot(*dirs):
 def test_forecast_leaves_no_files_behind(tmp_path, monkeypatch, capsys):
     import tempfile
 
+    # torch's own: the first import of its compiler (any optimizer's constructor does it) makes an empty
+    # $TMPDIR/torchinductor_<user>; `kilolayer train` does the same. Import it first, then check ours.
+    import torch._dynamo  # noqa: F401
+
     cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
     cwd.mkdir()
     tmp.mkdir()
@@ -252,6 +256,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "model.width=7" in _error(["doctor", str(cfg), "--forecast", "--set", "model.width=7"], capsys)
     assert "--steps 0" in _error(["doctor", str(cfg), "--forecast", "--steps", "0"], capsys)
     assert "--set" in _error(["doctor", str(tmp_path), "--set", "train.lr=1"], capsys)
+    assert "nothing to forecast" in _error(["doctor", str(cfg), "--forecast", "--set", "train.steps=0"], capsys)
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in _error(["doctor", str(cfg), "--forecast", "--device", "cuda"], capsys)
     assert "train.lr" in _error(["doctor", str(cfg), "--forecast", "--set", "train.lr=-1"], capsys)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("model: {width: [1, 2]}\n")

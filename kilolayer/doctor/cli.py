@@ -20,6 +20,11 @@ def cmd_doctor(args) -> int:
     target = Path(args.target)
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: must be at least 1")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {args.device}: no CUDA device is available here; use --device cpu")
     if args.forecast:
         from kilolayer.config import load_config
         from kilolayer.doctor.forecast import forecast

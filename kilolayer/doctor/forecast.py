@@ -42,8 +42,12 @@ def measure(config: Config, steps: Optional[int] = None, device: str = "cpu") ->
     from kilolayer.doctor.outcome import chance
     from kilolayer.doctor.theory import update_coefficient
 
+    from kilolayer.errors import ConfigError
+
+    if config.train.steps < 1:
+        raise ConfigError("train.steps=0: nothing to forecast (the config trains no step)")
     t0 = time.perf_counter()
-    k = steps or auto_steps(config)
+    k = min(steps or auto_steps(config), config.train.steps)
     every = max(1, k // 20)
     r = replay(config, k, device, eval_every=every)
     tc = config.train
