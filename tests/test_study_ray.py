@@ -203,6 +203,7 @@ def both(ray_head, tmp_path_factory):
             "seconds": time.perf_counter() - t0}
 
 
+@pytest.mark.slow
 def test_ray_gives_the_same_losses_and_verdicts_as_local(both):
     runs = sorted(p.relative_to(both["local"]) for p in (both["local"] / "runs").glob("*/*"))
     assert len(runs) == 5
@@ -228,6 +229,7 @@ def test_ray_gives_the_same_losses_and_verdicts_as_local(both):
     assert "[study] 5 points: 5 finished (5 trained now), 0 failed" in both["ray_out"]
 
 
+@pytest.mark.slow
 def test_rerun_through_ray_trains_nothing(both, ray_head):
     before = files_state(both["ray"] / "runs")
     rc, out, err = finish(study(both["spec"], "--out", both["ray"], "--executor", "ray", "--address",
