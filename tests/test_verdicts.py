@@ -386,3 +386,18 @@ def test_report_md_and_html_give_the_same_decided_verdicts(tmp_path):
     summary_html = page.split("Verdicts</h2>", 1)[1].split("<h2", 1)[0]
     assert re.findall(r"\| \*\*([a-z ]+)\*\* \|", summary_md) == words
     assert re.findall(r"<td><strong[^>]*>([a-z ]+)</strong></td>", summary_html) == words
+
+
+def test_an_objective_without_a_chance_level_makes_a_diverged_run_not_evidence(tmp_path, monkeypatch):
+    import kilolayer.analysis.chance as chance_module
+
+    def no_chance(*_a, **_k):
+        raise NotImplementedError("no categorical evaluation targets")
+
+    monkeypatch.setattr(chance_module, "chance_of_run", no_chance)
+    status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
+    results = _deepnet(GOOD, status)
+    for r in results:
+        r.chance = None  # computed on demand, through the patched function
+    f = deepnet_postln(results, tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "no finite value" in f.verdict.reason

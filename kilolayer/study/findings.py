@@ -218,13 +218,17 @@ def chance(r, out) -> dict:
     if c is None:
         from kilolayer.analysis.chance import chance_of_run
 
-        c = chance_of_run(r.point.run_dir(out), r.point.config)
+        try:
+            c = chance_of_run(r.point.run_dir(out), r.point.config)
+        except NotImplementedError:  # an objective of the user's that defines no chance level
+            c = {"loss": float("nan")}
         r.chance = c
     return c
 
 
 def loss_of(r, out) -> float:
-    """Final validation loss; a diverged run scores its data's chance loss."""
+    """Final validation loss; a diverged run scores its data's chance loss (NaN, hence not evidence, for an
+    objective without a chance level)."""
     if r.status == "diverged":
         return float(chance(r, out)["loss"])
     return float(r.eval["loss"])
