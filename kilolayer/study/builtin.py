@@ -194,6 +194,28 @@ def deepnet() -> dict:
     }
 
 
+def deepnet_1000() -> dict:
+    base = _deepnet_base(steps=200, width=64, eval_every=25, diag_until=50)
+    base["model"].update(layers=500, decoder_layers=500, checkpoint_activations=True)
+    base["train"].update(batch_size=16, checkpoint_every=50)
+    return {
+        "name": "deepnet_1000",
+        "description": (
+            "DeepNet's headline at laptop scale: 1,000-layer (500L-500L, width 64) Post-LN and DeepNorm "
+            "encoder-decoders learn to reverse digit strings at one learning rate (1e-3) and warm-up (100 steps), "
+            "batch 16, activation checkpointing, 2 seeds, a stated budget of 200 steps each, with stability "
+            "diagnostics (gradient norm per layer, model update, LayerNorm inputs) every 5 steps for the first 50."
+        ),
+        "expected_minutes": 60,
+        "expected_basis": "estimated from one 500L-500L run measured at 12.5 min with 2 threads; --jobs 2",
+        "groups": [
+            {"name": "deepnet", "description": "Post-LN vs DeepNorm at 1,000 layers, same lr/warm-up",
+             "base": base, "grid": {"model.scheme": ["post_ln", "deepnorm"]}, "seeds": [0, 1]},
+        ],
+        "findings": ["deepnet_postln", "deepnet_update"],
+    }
+
+
 # layers x width^2 equal within 3.1% (all parameters within 3.6%, about 1.2M) and one head size (16) for every shape, so
 # attention's per-head capacity is not a second variable beside depth
 BAMBOO_SHAPES = [(6, 128, 8), (11, 96, 6), (24, 64, 4), (43, 48, 3)]
@@ -225,4 +247,4 @@ def bamboo() -> dict:
     }
 
 
-BUILTIN = {"quick": quick, "deepnet": deepnet, "bamboo": bamboo}
+BUILTIN = {"quick": quick, "deepnet": deepnet, "deepnet_1000": deepnet_1000, "bamboo": bamboo}

@@ -16,6 +16,7 @@ def cmd_study(args) -> int:
         from kilolayer.study.builtin import BUILTIN
         from kilolayer.study.spec import expand, load_spec
 
+        pad = max(map(len, BUILTIN))
         for name in BUILTIN:
             spec = load_spec(name)
             if spec.expected_minutes:
@@ -25,7 +26,7 @@ def cmd_study(args) -> int:
             else:
                 mins = "time not measured (kilolayer study NAME --estimate)"
             first = spec.description.strip().split(". ")[0].rstrip(".")
-            print(f"{name:10s} {len(expand(spec)):3d} runs, {mins}\n           {first}.")
+            print(f"{name:{pad}s} {len(expand(spec)):3d} runs, {mins}\n{'':{pad}s} {first}.")
         return 0
     _check_executor(args)
     if args.jobs is None:
