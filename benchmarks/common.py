@@ -9,9 +9,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -143,7 +143,7 @@ def machine() -> dict:
     }
 
 
-def load_average() -> Optional[list[float]]:
+def load_average() -> list[float] | None:
     """1/5/15-minute load averages: other processes on the machine skew every timing."""
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -193,13 +193,13 @@ def _cell(v) -> str:
     return str(v)
 
 
-def write_json(path: "str | Path", data: dict) -> None:
+def write_json(path: str | Path, data: dict) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def finish(result: dict, text: str, out: "str | None") -> int:
+def finish(result: dict, text: str, out: str | None) -> int:
     """A benchmark's end: print its table, write the raw results to ``out`` if given; exit code 0."""
     print(text)
     if out:
@@ -215,6 +215,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def apply_threads(threads: Optional[int]) -> None:
+def apply_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)

@@ -34,7 +34,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 SCHEMES = ("post_ln", "pre_ln", "deepnorm")
 
@@ -74,8 +73,9 @@ def grid_quick() -> list[Point]:
         for depth in (2, 6, 18):
             for seed in (0, 1):
                 name = f"scheme={scheme}_layers={depth}_decoder_layers={depth}_seed={seed}"  # the study's names
-                cfg = _with(base, model={"scheme": scheme, "layers": depth, "decoder_layers": depth},
-                            train={"seed": seed})
+                cfg = _with(
+                    base, model={"scheme": scheme, "layers": depth, "decoder_layers": depth}, train={"seed": seed}
+                )
                 out.append(Point("quick", name, cfg))
     return out
 
@@ -94,23 +94,63 @@ def grid_lr() -> list[Point]:
 
 
 def _gpt(scheme: str, lr: float) -> dict:
-    return {"model": {"arch": "decoder", "scheme": scheme, "layers": 6, "width": 64, "heads": 4, "ffn": 256,
-                      "vocab_size": 262, "max_len": 64},
-            "objective": {"name": "causal_lm"},
-            "data": {"name": "stdlib_bytes", "options": {"seq_len": 64}},
-            "train": {"steps": 200, "batch_size": 16, "lr": lr, "warmup": 50, "schedule": "cosine",
-                      "min_lr_ratio": 0.1, "eval_every": 100, "eval_batches": 4, "checkpoint_every": 200,
-                      "log_every": 10}}
+    return {
+        "model": {
+            "arch": "decoder",
+            "scheme": scheme,
+            "layers": 6,
+            "width": 64,
+            "heads": 4,
+            "ffn": 256,
+            "vocab_size": 262,
+            "max_len": 64,
+        },
+        "objective": {"name": "causal_lm"},
+        "data": {"name": "stdlib_bytes", "options": {"seq_len": 64}},
+        "train": {
+            "steps": 200,
+            "batch_size": 16,
+            "lr": lr,
+            "warmup": 50,
+            "schedule": "cosine",
+            "min_lr_ratio": 0.1,
+            "eval_every": 100,
+            "eval_batches": 4,
+            "checkpoint_every": 200,
+            "log_every": 10,
+        },
+    }
 
 
 def _vit(scheme: str, lr: float) -> dict:
-    return {"model": {"arch": "encoder", "scheme": scheme, "input": "patches", "image_size": 8, "patch_size": 2,
-                      "channels": 1, "layers": 6, "width": 64, "heads": 4, "ffn": 256},
-            "objective": {"name": "classification", "options": {"pool": "cls"}},
-            "data": {"name": "digits"},
-            "train": {"steps": 200, "batch_size": 64, "lr": lr, "warmup": 20, "schedule": "cosine",
-                      "min_lr_ratio": 0.1, "eval_every": 100, "eval_batches": 4, "checkpoint_every": 200,
-                      "log_every": 10}}
+    return {
+        "model": {
+            "arch": "encoder",
+            "scheme": scheme,
+            "input": "patches",
+            "image_size": 8,
+            "patch_size": 2,
+            "channels": 1,
+            "layers": 6,
+            "width": 64,
+            "heads": 4,
+            "ffn": 256,
+        },
+        "objective": {"name": "classification", "options": {"pool": "cls"}},
+        "data": {"name": "digits"},
+        "train": {
+            "steps": 200,
+            "batch_size": 64,
+            "lr": lr,
+            "warmup": 20,
+            "schedule": "cosine",
+            "min_lr_ratio": 0.1,
+            "eval_every": 100,
+            "eval_batches": 4,
+            "checkpoint_every": 200,
+            "log_every": 10,
+        },
+    }
 
 
 def grid_held_out() -> list[Point]:
@@ -149,8 +189,17 @@ def train_points(points: list[Point], root: Path, jobs: int, log=print) -> None:
             cfg_path.write_text(dump_yaml(load_config(p.config)))
             log_path = root / "logs" / p.grid / f"{p.name}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "kilolayer", "train", str(cfg_path), "--out", str(p.run_dir(root)),
-                   "--resume", "--quiet"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kilolayer",
+                "train",
+                str(cfg_path),
+                "--out",
+                str(p.run_dir(root)),
+                "--resume",
+                "--quiet",
+            ]
             with open(log_path, "w") as logf:
                 proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
             running.append((p, proc, time.time()))
@@ -165,7 +214,7 @@ def train_points(points: list[Point], root: Path, jobs: int, log=print) -> None:
 # ---------------------------------------------------------------- forecasting and scoring
 
 
-def forecast_point(p: Point, root: Path, steps: Optional[int], log=print) -> dict:
+def forecast_point(p: Point, root: Path, steps: int | None, log=print) -> dict:
     """The forecast's measurements for a point, cached in OUT/forecasts/<steps>/<grid>/<name>.json (the rule
     is re-applied to cached measurements; they are re-measured when the measurement code's VERSION changes)."""
     from kilolayer.config import load_config
@@ -183,7 +232,7 @@ def forecast_point(p: Point, root: Path, steps: Optional[int], log=print) -> dic
     return m
 
 
-def score(points: list[Point], root: Path, quick_runs: Optional[Path], steps: Optional[int], log=print) -> dict:
+def score(points: list[Point], root: Path, quick_runs: Path | None, steps: int | None, log=print) -> dict:
     from kilolayer.config import load_config
     from kilolayer.doctor.forecast import RULE, decide
     from kilolayer.doctor.outcome import OUTCOMES, outcome
@@ -197,8 +246,19 @@ def score(points: list[Point], root: Path, quick_runs: Optional[Path], steps: Op
             continue
         m = forecast_point(p, root, steps, log)
         verdict, reason, _ = decide(m)
-        rows.append({"grid": p.grid, "point": p.name, "run": str(run), "outcome": truth.label, "why": truth.why,
-                     "forecast": verdict, "reason": reason, "seconds": m["seconds"], "steps": m["steps_run"]})
+        rows.append(
+            {
+                "grid": p.grid,
+                "point": p.name,
+                "run": str(run),
+                "outcome": truth.label,
+                "why": truth.why,
+                "forecast": verdict,
+                "reason": reason,
+                "seconds": m["seconds"],
+                "steps": m["steps_run"],
+            }
+        )
     summary = {}
     for grid in sorted({r["grid"] for r in rows}) + ["all"]:
         rs = [r for r in rows if grid == "all" or r["grid"] == grid]
@@ -206,9 +266,14 @@ def score(points: list[Point], root: Path, quick_runs: Optional[Path], steps: Op
         for label in OUTCOMES:
             of = [r for r in rs if r["outcome"] == label]
             per[label] = {"n": len(of), "correct": sum(r["forecast"] == label for r in of)}
-        summary[grid] = {"n": len(rs), "correct": sum(r["forecast"] == r["outcome"] for r in rs), "per_class": per,
-                         "confusion": {a: {b: sum(r["outcome"] == a and r["forecast"] == b for r in rs)
-                                           for b in OUTCOMES} for a in OUTCOMES}}
+        summary[grid] = {
+            "n": len(rs),
+            "correct": sum(r["forecast"] == r["outcome"] for r in rs),
+            "per_class": per,
+            "confusion": {
+                a: {b: sum(r["outcome"] == a and r["forecast"] == b for r in rs) for b in OUTCOMES} for a in OUTCOMES
+            },
+        }
     return {"steps": steps or "auto", "rule": RULE, "rows": rows, "summary": summary}
 
 
@@ -219,36 +284,58 @@ def _pct(c: int, n: int) -> str:
 def markdown(result: dict) -> str:
     from kilolayer.doctor.outcome import OUTCOMES
 
-    lines = [f"Forecast with --steps {result['steps']}.", "",
-             "| grid | points | correct | " + " | ".join(OUTCOMES) + " |", "|---|---|---|" + "---|" * len(OUTCOMES)]
+    lines = [
+        f"Forecast with --steps {result['steps']}.",
+        "",
+        "| grid | points | correct | " + " | ".join(OUTCOMES) + " |",
+        "|---|---|---|" + "---|" * len(OUTCOMES),
+    ]
     for grid, s in result["summary"].items():
         cells = [_pct(s["per_class"][k]["correct"], s["per_class"][k]["n"]) for k in OUTCOMES]
         lines.append(f"| {grid} | {s['n']} | {_pct(s['correct'], s['n'])} | " + " | ".join(cells) + " |")
-    lines += ["", "Confusion (all grids; rows: outcome, columns: forecast):", "",
-              "| outcome \\ forecast | " + " | ".join(OUTCOMES) + " |", "|---|" + "---|" * len(OUTCOMES)]
+    lines += [
+        "",
+        "Confusion (all grids; rows: outcome, columns: forecast):",
+        "",
+        "| outcome \\ forecast | " + " | ".join(OUTCOMES) + " |",
+        "|---|" + "---|" * len(OUTCOMES),
+    ]
     conf = result["summary"]["all"]["confusion"]
     for a in OUTCOMES:
         lines.append(f"| {a} | " + " | ".join(str(conf[a][b]) for b in OUTCOMES) + " |")
     misses = [r for r in result["rows"] if r["forecast"] != r["outcome"]]
     lines += ["", f"Misses ({len(misses)}):", ""]
-    lines += [f"- `{r['grid']}/{r['point']}`: outcome **{r['outcome']}** ({r['why']}); forecast **{r['forecast']}** "
-              f"({r['reason']})" for r in misses] or ["- none"]
+    lines += [
+        f"- `{r['grid']}/{r['point']}`: outcome **{r['outcome']}** ({r['why']}); forecast **{r['forecast']}** "
+        f"({r['reason']})"
+        for r in misses
+    ] or ["- none"]
     secs = [r["seconds"] for r in result["rows"]]
     if secs:
-        lines += ["", f"Forecast time per point: median {sorted(secs)[len(secs) // 2]:.0f} s, max {max(secs):.0f} s "
-                      f"(one thread)."]
+        lines += [
+            "",
+            f"Forecast time per point: median {sorted(secs)[len(secs) // 2]:.0f} s, max {max(secs):.0f} s "
+            f"(one thread).",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/doctor_calibration", help="where runs and results go")
     parser.add_argument("--grid", nargs="+", choices=list(GRIDS), default=list(GRIDS), help="grids to use")
     parser.add_argument("--jobs", type=int, default=2, help="training processes at once (one thread each)")
-    parser.add_argument("--quick-runs", metavar="DIR",
-                        help="read the quick grid's runs from this directory (a quick study's runs/deepnet)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps each forecast replays (default: the forecast's own, through the warm-up)")
+    parser.add_argument(
+        "--quick-runs",
+        metavar="DIR",
+        help="read the quick grid's runs from this directory (a quick study's runs/deepnet)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps each forecast replays (default: the forecast's own, through the warm-up)",
+    )
     parser.add_argument("--train-only", action="store_true", help="train the points, do not forecast")
     parser.add_argument("--forecast-only", action="store_true", help="score the runs already trained")
     args = parser.parse_args(argv)

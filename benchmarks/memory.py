@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from benchmarks import common
 from benchmarks.peers import Spec
@@ -29,14 +28,34 @@ GiB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent
 
 SWEEP = Spec(arch="decoder", scheme="deepnorm", width=64, heads=2, ffn=256, seq_len=128, vocab=256)
-ENCDEC = Spec(arch="encoder_decoder", scheme="deepnorm", layers=500, decoder_layers=500, width=64, heads=2, ffn=256,
-              seq_len=128, vocab=256, checkpoint=True)
+ENCDEC = Spec(
+    arch="encoder_decoder",
+    scheme="deepnorm",
+    layers=500,
+    decoder_layers=500,
+    width=64,
+    heads=2,
+    ffn=256,
+    seq_len=128,
+    vocab=256,
+    checkpoint=True,
+)
 BATCH = 8
 DEPTHS = (12, 100, 1000)
 PEER_DEPTHS = (12, 100)
 SMOKE_SWEEP = Spec(arch="decoder", scheme="deepnorm", width=16, heads=2, ffn=32, seq_len=8, vocab=32)
-SMOKE_ENCDEC = Spec(arch="encoder_decoder", scheme="deepnorm", layers=2, decoder_layers=2, width=16, heads=2, ffn=32,
-                    seq_len=8, vocab=32, checkpoint=True)
+SMOKE_ENCDEC = Spec(
+    arch="encoder_decoder",
+    scheme="deepnorm",
+    layers=2,
+    decoder_layers=2,
+    width=16,
+    heads=2,
+    ffn=32,
+    seq_len=8,
+    vocab=32,
+    checkpoint=True,
+)
 SMOKE_DEPTHS = (2,)
 # points whose extrapolated peak exceeds this are skipped, not run
 DEFAULT_CAP_GIB = 12.0
@@ -45,7 +64,7 @@ DEFAULT_CAP_GIB = 12.0
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def _status(field: str) -> Optional[int]:
+def _status(field: str) -> int | None:
     """A size field of /proc/self/status, in bytes (None where there is no /proc)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -96,24 +115,40 @@ def run_point(peer: str, spec: Spec, batch_size: int, steps: int = 2) -> dict:
         step(inputs, targets)
         times.append(time.perf_counter() - t0)
     return {
-        "peak_rss": _peak_rss(), "baseline_rss": baseline, "after_build_rss": after_build, "parameters": params,
-        "build_s": build_s, "step_s": times[-1], "first_step_s": times[0],
+        "peak_rss": _peak_rss(),
+        "baseline_rss": baseline,
+        "after_build_rss": after_build,
+        "parameters": params,
+        "build_s": build_s,
+        "step_s": times[-1],
+        "first_step_s": times[0],
     }
 
 
-def measure(peer: str, spec: Spec, batch_size: int, threads: int = 1, timeout: float = 900,
-            extra_env: Optional[dict] = None) -> dict:
+def measure(
+    peer: str, spec: Spec, batch_size: int, threads: int = 1, timeout: float = 900, extra_env: dict | None = None
+) -> dict:
     """Run one point in a fresh interpreter (``threads`` torch threads); its figures, or its error in one line."""
     payload = json.dumps({"peer": peer, "spec": spec.to_dict(), "batch_size": batch_size})
     env = {**os.environ, **(extra_env or {})}
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = str(threads)
-    row = {"peer": peer, "layers": spec.layers, "decoder_layers": spec.decoder_layers, "arch": spec.arch,
-           "checkpoint": spec.checkpoint, "label": spec.label()}
+    row = {
+        "peer": peer,
+        "layers": spec.layers,
+        "decoder_layers": spec.decoder_layers,
+        "arch": spec.arch,
+        "checkpoint": spec.checkpoint,
+        "label": spec.label(),
+    }
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.memory", "--point", payload, "--threads", str(threads)],
-            capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=env,
         )
     except subprocess.TimeoutExpired:
         row["error"] = f"timed out after {timeout:.0f} s"
@@ -133,7 +168,7 @@ def measure(peer: str, spec: Spec, batch_size: int, threads: int = 1, timeout: f
     return row
 
 
-def _extrapolate(rows: list[dict], layers: int) -> Optional[float]:
+def _extrapolate(rows: list[dict], layers: int) -> float | None:
     pts = [(r["layers"], r["peak_gib"]) for r in rows if "peak_gib" in r]
     if len(pts) < 2:
         return None
@@ -143,16 +178,25 @@ def _extrapolate(rows: list[dict], layers: int) -> Optional[float]:
     return y1 + (y1 - y0) / (x1 - x0) * (layers - x1)
 
 
-def series(peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threads: int,
-           tuned_malloc: bool = False) -> list[dict]:
+def series(
+    peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threads: int, tuned_malloc: bool = False
+) -> list[dict]:
     """One curve of peak memory vs depth; ``tuned_malloc`` also measures the deepest point under TUNED_MALLOC."""
     rows: list[dict] = []
     for n in depths:
         guess = _extrapolate(rows, n)
         if guess is not None and guess > cap_gib:
-            rows.append({"peer": peer, "layers": n, "decoder_layers": 0, "arch": spec.arch,
-                         "checkpoint": spec.checkpoint, "label": spec.with_(layers=n).label(),
-                         "skipped": f"extrapolated peak {guess:.1f} GiB > cap {cap_gib:.0f} GiB"})
+            rows.append(
+                {
+                    "peer": peer,
+                    "layers": n,
+                    "decoder_layers": 0,
+                    "arch": spec.arch,
+                    "checkpoint": spec.checkpoint,
+                    "label": spec.with_(layers=n).label(),
+                    "skipped": f"extrapolated peak {guess:.1f} GiB > cap {cap_gib:.0f} GiB",
+                }
+            )
             continue
         row = measure(peer, spec.with_(layers=n), batch_size, threads)
         if tuned_malloc and n == max(depths) and "peak_gib" in row:
@@ -162,15 +206,27 @@ def series(peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threa
     return rows
 
 
-def run(smoke: bool = False, depths=None, peer_depths=None, cap_gib: float = DEFAULT_CAP_GIB,
-        encdec: bool = True, threads: int = 1) -> dict:
+def run(
+    smoke: bool = False,
+    depths=None,
+    peer_depths=None,
+    cap_gib: float = DEFAULT_CAP_GIB,
+    encdec: bool = True,
+    threads: int = 1,
+) -> dict:
     sweep = SMOKE_SWEEP if smoke else SWEEP
     depths = tuple(depths or (SMOKE_DEPTHS if smoke else DEPTHS))
     peer_depths = tuple(peer_depths or (SMOKE_DEPTHS[:1] if smoke else PEER_DEPTHS))
     batch_size = 2 if smoke else BATCH
     t0 = time.perf_counter()
-    result: dict = {"machine": common.machine(), "load_before": common.load_average(), "batch_size": batch_size,
-                    "threads": threads, "sweep_spec": sweep.to_dict(), "rows": []}
+    result: dict = {
+        "machine": common.machine(),
+        "load_before": common.load_average(),
+        "batch_size": batch_size,
+        "threads": threads,
+        "sweep_spec": sweep.to_dict(),
+        "rows": [],
+    }
     # torchscale, the one peer with checkpointing, follows kilolayer's checkpointed curve to the deepest point
     plan = [("kilolayer", True, depths), ("kilolayer", False, depths), ("torchscale", True, depths)]
     if not smoke:
@@ -188,10 +244,15 @@ def run(smoke: bool = False, depths=None, peer_depths=None, cap_gib: float = DEF
 
 
 COLUMNS = [
-    ("peer", "implementation"), ("label", "model"), ("checkpoint", "checkpointing"), ("peak_gib", "peak GiB"),
+    ("peer", "implementation"),
+    ("label", "model"),
+    ("checkpoint", "checkpointing"),
+    ("peak_gib", "peak GiB"),
     ("peak_gib_tuned_malloc", "peak GiB, MALLOC_MMAP_THRESHOLD_=65536"),
-    ("above_baseline_gib", "above imports GiB"), ("weights_and_adam_gib", "weights+grads+AdamW GiB"),
-    ("step_s", "step s"), ("note", "note"),
+    ("above_baseline_gib", "above imports GiB"),
+    ("weights_and_adam_gib", "weights+grads+AdamW GiB"),
+    ("step_s", "step s"),
+    ("note", "note"),
 ]
 
 
@@ -227,20 +288,27 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, two points (finishes in seconds)")
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch threads in each point's process (default 1: on a shared 2-core machine many small ops "
         "stall at 2 threads whenever another process holds a core; memory does not depend on it)",
     )
     parser.add_argument("--depths", help="comma-separated depths, checkpointed or not (default 12,100,1000)")
-    parser.add_argument("--peer-depths",
-                        help="comma-separated depths for the peers without checkpointing (default 12,100)")
-    parser.add_argument("--cap-gib", type=float, default=DEFAULT_CAP_GIB,
-                        help="skip points whose extrapolated peak exceeds this (default 12)")
+    parser.add_argument(
+        "--peer-depths", help="comma-separated depths for the peers without checkpointing (default 12,100)"
+    )
+    parser.add_argument(
+        "--cap-gib",
+        type=float,
+        default=DEFAULT_CAP_GIB,
+        help="skip points whose extrapolated peak exceeds this (default 12)",
+    )
     parser.add_argument("--no-encdec", action="store_true", help="leave out the 500L-500L encoder-decoder point")
     parser.add_argument("--point", help=argparse.SUPPRESS)  # internal: run one point in this process
     args = parser.parse_args(argv)
@@ -253,8 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def ints(text):
         return [int(x) for x in text.split(",")] if text else None
 
-    result = run(args.smoke, ints(args.depths), ints(args.peer_depths), args.cap_gib, not args.no_encdec,
-                 args.threads)
+    result = run(args.smoke, ints(args.depths), ints(args.peer_depths), args.cap_gib, not args.no_encdec, args.threads)
     return common.finish(result, format_result(result), args.out)
 
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ class Spec:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def with_(self, **changes) -> "Spec":
+    def with_(self, **changes) -> Spec:
         return replace(self, **changes)
 
     def tokens_per_sample(self) -> int:
@@ -122,7 +122,7 @@ def versions() -> dict:
 class LM(nn.Module):
     """Backbone + head; ``forward(*inputs) -> logits``. ``layers`` lists the per-layer modules."""
 
-    def __init__(self, backbone: nn.Module, head: Optional[nn.Module], call: Callable, layers: list[nn.Module]):
+    def __init__(self, backbone: nn.Module, head: nn.Module | None, call: Callable, layers: list[nn.Module]):
         super().__init__()
         self.backbone = backbone
         self.head = head
@@ -159,9 +159,17 @@ def kilolayer_config(spec: Spec):
     from kilolayer import ModelConfig
 
     return ModelConfig(
-        arch=spec.arch, scheme=spec.scheme, layers=spec.layers, decoder_layers=spec.decoder_layers,
-        width=spec.width, heads=spec.heads, ffn=spec.ffn, vocab_size=spec.vocab, max_len=spec.seq_len,
-        bias=spec.bias, checkpoint_activations=spec.checkpoint,
+        arch=spec.arch,
+        scheme=spec.scheme,
+        layers=spec.layers,
+        decoder_layers=spec.decoder_layers,
+        width=spec.width,
+        heads=spec.heads,
+        ffn=spec.ffn,
+        vocab_size=spec.vocab,
+        max_len=spec.seq_len,
+        bias=spec.bias,
+        checkpoint_activations=spec.checkpoint,
     )
 
 
@@ -192,9 +200,18 @@ def build_torchscale(spec: Spec) -> LM:
     deepnorm, pre = spec.scheme == "deepnorm", spec.scheme == "pre_ln"
     # every flag explicit: torchscale's flags override each other (subln defaults to True)
     common = dict(
-        activation_fn="gelu", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, drop_path_rate=0.0,
-        deepnorm=deepnorm, subln=False, no_scale_embedding=True, layernorm_embedding=False,
-        vocab_size=spec.vocab, checkpoint_activations=spec.checkpoint, layernorm_eps=1e-5,
+        activation_fn="gelu",
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        drop_path_rate=0.0,
+        deepnorm=deepnorm,
+        subln=False,
+        no_scale_embedding=True,
+        layernorm_embedding=False,
+        vocab_size=spec.vocab,
+        checkpoint_activations=spec.checkpoint,
+        layernorm_eps=1e-5,
     )
     d = spec.width
 
@@ -204,23 +221,39 @@ def build_torchscale(spec: Spec) -> LM:
 
     if spec.arch == "decoder":
         args = DecoderConfig(
-            decoder_embed_dim=d, decoder_attention_heads=spec.heads, decoder_ffn_embed_dim=spec.ffn,
-            decoder_layers=spec.layers, decoder_normalize_before=pre, max_target_positions=spec.seq_len, **common,
+            decoder_embed_dim=d,
+            decoder_attention_heads=spec.heads,
+            decoder_ffn_embed_dim=spec.ffn,
+            decoder_layers=spec.layers,
+            decoder_normalize_before=pre,
+            max_target_positions=spec.seq_len,
+            **common,
         )
         backbone = Decoder(args, embed_tokens=nn.Embedding(spec.vocab, d), embed_positions=positions())
         layers = list(backbone.layers)
         call = lambda m, tokens: m(tokens)[0]  # noqa: E731 - output projection included
     else:
         args = EncoderDecoderConfig(
-            encoder_embed_dim=d, encoder_attention_heads=spec.heads, encoder_ffn_embed_dim=spec.ffn,
-            encoder_layers=spec.layers, encoder_normalize_before=pre, decoder_embed_dim=d,
-            decoder_attention_heads=spec.heads, decoder_ffn_embed_dim=spec.ffn, decoder_layers=spec.decoder_layers,
-            decoder_normalize_before=pre, max_source_positions=spec.seq_len, max_target_positions=spec.seq_len,
+            encoder_embed_dim=d,
+            encoder_attention_heads=spec.heads,
+            encoder_ffn_embed_dim=spec.ffn,
+            encoder_layers=spec.layers,
+            encoder_normalize_before=pre,
+            decoder_embed_dim=d,
+            decoder_attention_heads=spec.heads,
+            decoder_ffn_embed_dim=spec.ffn,
+            decoder_layers=spec.decoder_layers,
+            decoder_normalize_before=pre,
+            max_source_positions=spec.seq_len,
+            max_target_positions=spec.seq_len,
             **common,
         )
         backbone = EncoderDecoder(
-            args, encoder_embed_tokens=nn.Embedding(spec.vocab, d), encoder_embed_positions=positions(),
-            decoder_embed_tokens=nn.Embedding(spec.vocab, d), decoder_embed_positions=positions(),
+            args,
+            encoder_embed_tokens=nn.Embedding(spec.vocab, d),
+            encoder_embed_positions=positions(),
+            decoder_embed_tokens=nn.Embedding(spec.vocab, d),
+            decoder_embed_positions=positions(),
         )
         layers = list(backbone.encoder.layers) + list(backbone.decoder.layers)
         call = lambda m, src, tgt: m(src, tgt)[0]  # noqa: E731
@@ -256,8 +289,13 @@ def build_xtransformers(spec: Spec) -> LM:
         num_tokens=spec.vocab,
         max_seq_len=spec.seq_len,
         attn_layers=Decoder(
-            dim=spec.width, depth=spec.layers, heads=spec.heads, attn_dim_head=spec.width // spec.heads,
-            ff_mult=spec.ffn // spec.width, pre_norm=spec.scheme == "pre_ln", norm_add_unit_offset=False,
+            dim=spec.width,
+            depth=spec.layers,
+            heads=spec.heads,
+            attn_dim_head=spec.width // spec.heads,
+            ff_mult=spec.ffn // spec.width,
+            pre_norm=spec.scheme == "pre_ln",
+            norm_add_unit_offset=False,
             attn_flash=True,  # its SDPA path, the faster one on this CPU
             **extra,
         ),

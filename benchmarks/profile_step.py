@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,13 +25,41 @@ from benchmarks.common import EAGER, FAST, StepOptions, TrainStep
 from benchmarks.peers import Spec, build
 
 KINDS = ("matmul", "attention", "compiled kernels", "elementwise/norm/copy", "loss", "optimizer", "host overhead")
-MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-          "aten::_addmm_activation"}
-ELEMENTWISE = ("layer_norm", "gelu", "add", "mul", "div", "copy", "to_copy", "cat", "sum", "fill", "zero", "clone",
-               "embedding", "index", "sqrt", "lerp", "masked", "where", "neg", "expand", "contiguous")
+MATMUL = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::_addmm_activation",
+}
+ELEMENTWISE = (
+    "layer_norm",
+    "gelu",
+    "add",
+    "mul",
+    "div",
+    "copy",
+    "to_copy",
+    "cat",
+    "sum",
+    "fill",
+    "zero",
+    "clone",
+    "embedding",
+    "index",
+    "sqrt",
+    "lerp",
+    "masked",
+    "where",
+    "neg",
+    "expand",
+    "contiguous",
+)
 
 
-def _kind(evt) -> Optional[str]:
+def _kind(evt) -> str | None:
     p = evt
     while p is not None:
         if p.name.startswith("Optimizer.step"):
@@ -52,8 +79,9 @@ def _kind(evt) -> Optional[str]:
     return None  # views, allocations, wrappers: counted as host overhead
 
 
-def breakdown(spec: Spec, options: StepOptions, batch_size: int, steps: int = 2, seed: int = 0,
-              peer: str = "kilolayer") -> dict:
+def breakdown(
+    spec: Spec, options: StepOptions, batch_size: int, steps: int = 2, seed: int = 0, peer: str = "kilolayer"
+) -> dict:
     torch.manual_seed(seed)
     step = TrainStep(build(peer, spec), options)
     inputs, targets = common.fixed_batch(spec, batch_size, seed)
@@ -72,13 +100,17 @@ def breakdown(spec: Spec, options: StepOptions, batch_size: int, steps: int = 2,
             totals[kind] += evt.self_cpu_time_total
     totals["host overhead"] = max(0.0, wall - sum(v for k, v in totals.items() if k != "host overhead"))
     return {
-        "peer": peer, "options": options.__dict__, "label": options.label(), "spec": spec.to_dict(), "steps": steps,
+        "peer": peer,
+        "options": options.__dict__,
+        "label": options.label(),
+        "spec": spec.to_dict(),
+        "steps": steps,
         "wall_ms_per_step": wall / steps / 1000,
         "share": {k: v / wall for k, v in totals.items()},
     }
 
 
-def run(smoke: bool = False, configs: Optional[dict] = None, threads: Optional[int] = 1) -> dict:
+def run(smoke: bool = False, configs: dict | None = None, threads: int | None = 1) -> dict:
     """Profile each config's steps with ``threads`` torch threads (default 1; restored afterwards)."""
     before = torch.get_num_threads()
     if threads:
@@ -89,16 +121,20 @@ def run(smoke: bool = False, configs: Optional[dict] = None, threads: Optional[i
         torch.set_num_threads(before)
 
 
-def _run(smoke: bool, configs: Optional[dict]) -> dict:
+def _run(smoke: bool, configs: dict | None) -> dict:
     from benchmarks.train_step import BATCH, CONFIGS, SCHEME, SMOKE_BATCH, SMOKE_CONFIGS
 
     specs = configs or (SMOKE_CONFIGS if smoke else CONFIGS)
     batch_size = SMOKE_BATCH if smoke else BATCH
     fast = StepOptions("bf16", False, True) if smoke else FAST  # smoke runs skip inductor's C++ build
     variants = [("x-transformers", EAGER), ("kilolayer", EAGER), ("kilolayer", fast)]
-    out = {"machine": common.machine(), "threads": torch.get_num_threads(), "load_before": common.load_average(),
-           "rows": []}
-    for key, spec in specs.items():
+    out = {
+        "machine": common.machine(),
+        "threads": torch.get_num_threads(),
+        "load_before": common.load_average(),
+        "rows": [],
+    }
+    for _key, spec in specs.items():
         spec = spec.with_(scheme=SCHEME)
         for peer, options in variants:
             row = breakdown(spec, options, batch_size, steps=1 if smoke else 2, peer=peer)
@@ -118,13 +154,17 @@ def format_result(result: dict) -> str:
     return common.table(rows, cols)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one step (finishes in seconds)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads while profiling (default 1: the profiler's per-op cost stalls "
-                             "multi-threaded ops whenever another process holds a core)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads while profiling (default 1: the profiler's per-op cost stalls "
+        "multi-threaded ops whenever another process holds a core)",
+    )
     args = parser.parse_args(argv)
     result = run(args.smoke, threads=args.threads)
     return common.finish(result, format_result(result), args.out)

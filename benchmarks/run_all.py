@@ -11,7 +11,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from benchmarks import common, memory, profile_step, train_step
 
@@ -22,7 +21,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def _variant(res: dict, name: str) -> Optional[dict]:
+def _variant(res: dict, name: str) -> dict | None:
     return next((v for v in res["variants"] if v["name"] == name and "tokens_per_s" in v), None)
 
 
@@ -30,35 +29,60 @@ def targets(ts: dict, mem: dict) -> list[dict]:
     """Each target of the issue with the measured figure and whether it was met."""
     out = []
     fast_name = next(v.name for v in train_step.VARIANTS if v.options == common.FAST)
-    for key, res in ts["configs"].items():
+    for _key, res in ts["configs"].items():
         eager, fast = _variant(res, "kilolayer"), _variant(res, fast_name)
         peer = _variant(res, res["faster_peer"]) if res["faster_peer"] else None
         if eager and peer:
             r = eager["ratio_vs_faster_peer"]
-            out.append({"target": f"{res['label']}: kilolayer eager fp32 >= faster peer ({res['faster_peer']})",
-                        "measured": f"{r:.2f}x", "met": r >= 1.0})
+            out.append(
+                {
+                    "target": f"{res['label']}: kilolayer eager fp32 >= faster peer ({res['faster_peer']})",
+                    "measured": f"{r:.2f}x",
+                    "met": r >= 1.0,
+                }
+            )
         if fast and peer:
             r = fast["ratio_vs_faster_peer"]
-            out.append({"target": f"{res['label']}: fast path >= 1.4x faster peer's eager fp32",
-                        "measured": f"{r:.2f}x", "met": r >= 1.4})
+            out.append(
+                {
+                    "target": f"{res['label']}: fast path >= 1.4x faster peer's eager fp32",
+                    "measured": f"{r:.2f}x",
+                    "met": r >= 1.4,
+                }
+            )
     first_key = next(iter(ts["configs"]))
     fast = _variant(ts["configs"][first_key], fast_name)
     if fast:
-        out.append({"target": f"{ts['configs'][first_key]['label']}: fast-path MFU >= 60% of measured bf16 peak",
-                    "measured": _pct(fast["mfu"]), "met": fast["mfu"] >= 0.6})
+        out.append(
+            {
+                "target": f"{ts['configs'][first_key]['label']}: fast-path MFU >= 60% of measured bf16 peak",
+                "measured": _pct(fast["mfu"]),
+                "met": fast["mfu"] >= 0.6,
+            }
+        )
     deepest = [r for r in mem["rows"] if r["peer"] == "kilolayer" and r["checkpoint"] and "peak_gib" in r]
     if deepest:
         d = max(deepest, key=lambda r: r["layers"])
-        out.append({"target": f"{d['label']} decoder, checkpointed step < 4 GiB peak",
-                    "measured": f"{d['peak_gib']:.2f} GiB", "met": d["peak_gib"] < 4})
+        out.append(
+            {
+                "target": f"{d['label']} decoder, checkpointed step < 4 GiB peak",
+                "measured": f"{d['peak_gib']:.2f} GiB",
+                "met": d["peak_gib"] < 4,
+            }
+        )
     for r in mem.get("encoder_decoder", []):
         if "peak_gib" in r:
-            out.append({"target": f"{r['label']} encoder-decoder, checkpointed step < 4 GiB peak",
-                        "measured": f"{r['peak_gib']:.2f} GiB", "met": r["peak_gib"] < 4})
+            out.append(
+                {
+                    "target": f"{r['label']} encoder-decoder, checkpointed step < 4 GiB peak",
+                    "measured": f"{r['peak_gib']:.2f} GiB",
+                    "met": r["peak_gib"] < 4,
+                }
+            )
     return out
 
 
-def _profile_row(prof: dict, config: str, peer: str, fast: bool) -> Optional[dict]:
+def _profile_row(prof: dict, config: str, peer: str, fast: bool) -> dict | None:
     for r in prof["rows"]:
         if r["config"] == config and r["peer"] == peer and bool(r["options"]["compile"]) == fast:
             return r
@@ -79,7 +103,7 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
         "GELU, residual adds, dtype casts, attention and the optimizer get no such speed-up, so bf16 MFU is "
         "bounded by how much of the step is not GEMM."
     )
-    for key, res in ts["configs"].items():
+    for _key, res in ts["configs"].items():
         label = res["label"]
         eager, fast = _variant(res, "kilolayer"), _variant(res, fast_name)
         fused = _variant(res, "kilolayer fp32 + fused AdamW")
@@ -124,8 +148,11 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
         out.append(
             f"{d['label']} checkpointed: peak {d['peak_gib']:.2f} GiB, of which {d['weights_and_adam_gib']:.2f} "
             f"GiB weights, gradients and AdamW state and {d['baseline_gib']:.2f} GiB the interpreter and libraries"
-            + (f"; with glibc's mmap threshold pinned, {tuned:.2f} GiB (the rest is allocator fragmentation)."
-               if tuned else ".")
+            + (
+                f"; with glibc's mmap threshold pinned, {tuned:.2f} GiB (the rest is allocator fragmentation)."
+                if tuned
+                else "."
+            )
         )
     return out
 
@@ -206,13 +233,15 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", metavar="FILE", default="docs/benchmarks.md", help="the Markdown file to write")
     parser.add_argument("--json", metavar="FILE", help="raw results (default: --out with .json)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and 1-2 repetitions")
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch threads for the speed runs (default 1: on a shared machine a second OpenMP thread stalls "
         "whenever another process holds a core, which skews ratios; use 2 on an idle 2-core machine)",
     )

@@ -21,7 +21,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -85,8 +84,9 @@ def prepare(variant: Variant, spec: Spec, inputs, targets, seed: int, backend: s
     return entry
 
 
-def measure(spec: Spec, batch_size: int, rounds: int, variants: list[Variant], seed: int = 0,
-            backend: str = "inductor") -> dict:
+def measure(
+    spec: Spec, batch_size: int, rounds: int, variants: list[Variant], seed: int = 0, backend: str = "inductor"
+) -> dict:
     inputs, targets = common.fixed_batch(spec, batch_size, seed)
     tokens = batch_size * spec.tokens_per_sample()
     entries = [prepare(v, spec, inputs, targets, seed, backend) for v in variants]
@@ -97,7 +97,7 @@ def measure(spec: Spec, batch_size: int, rounds: int, variants: list[Variant], s
     for r in range(rounds):
         k = r % len(live)
         for e in live[k:] + live[:k]:
-            e["times"].append(common.timed(lambda: e["step"](inputs, targets)))
+            e["times"].append(common.timed(lambda step=e["step"]: step(inputs, targets)))
     by_name = {e["name"]: e for e in entries}
     peer_names = [v.name for v in variants if v.peer in PEERS and "times" in by_name[v.name]]
     # the faster peer by median step time; per-round ratios against it
@@ -122,14 +122,28 @@ def measure(spec: Spec, batch_size: int, rounds: int, variants: list[Variant], s
             row["traceback"] = e["traceback"]
         out.append(row)
     return {
-        "spec": spec.to_dict(), "label": spec.label(), "batch_size": batch_size, "tokens_per_step": tokens,
+        "spec": spec.to_dict(),
+        "label": spec.label(),
+        "batch_size": batch_size,
+        "tokens_per_step": tokens,
         "compile_backend": backend,
-        "model_flops_per_token": flops, "rounds": rounds, "faster_peer": faster, "variants": out,
+        "model_flops_per_token": flops,
+        "rounds": rounds,
+        "faster_peer": faster,
+        "variants": out,
     }
 
 
-def loss_agreement(spec: Spec, batch_size: int, steps: int, pool: int = 4, lr: float = 5e-4, seed: int = 0,
-                   rtol: float = 0.02, backend: str = "inductor") -> dict:
+def loss_agreement(
+    spec: Spec,
+    batch_size: int,
+    steps: int,
+    pool: int = 4,
+    lr: float = 5e-4,
+    seed: int = 0,
+    rtol: float = 0.02,
+    backend: str = "inductor",
+) -> dict:
     """Train kilolayer fp32-eager and fast-path from the same init on the same batches; compare the losses.
 
     The data is ``pool`` fixed random batches in turn, so the loss falls (the model memorises them).
@@ -144,15 +158,31 @@ def loss_agreement(spec: Spec, batch_size: int, steps: int, pool: int = 4, lr: f
     diff = [abs(x - y) for x, y in zip(a, b)]
     final_rel = diff[-1] / abs(a[-1])
     return {
-        "spec": spec.to_dict(), "batch_size": batch_size, "steps": steps, "lr": lr, "pool": pool,
-        "loss_fp32": a, "loss_fast": b, "first_loss": a[0], "final_loss_fp32": a[-1], "final_loss_fast": b[-1],
-        "final_abs_diff": diff[-1], "final_rel_diff": final_rel, "max_abs_diff": max(diff), "rtol": rtol,
+        "spec": spec.to_dict(),
+        "batch_size": batch_size,
+        "steps": steps,
+        "lr": lr,
+        "pool": pool,
+        "loss_fp32": a,
+        "loss_fast": b,
+        "first_loss": a[0],
+        "final_loss_fp32": a[-1],
+        "final_loss_fast": b[-1],
+        "final_abs_diff": diff[-1],
+        "final_rel_diff": final_rel,
+        "max_abs_diff": max(diff),
+        "rtol": rtol,
         "agree": bool(final_rel <= rtol and all(math.isfinite(x) for x in a + b)),
     }
 
 
-def run(smoke: bool = False, rounds: Optional[int] = None, loss_steps: Optional[int] = None,
-        configs: Optional[list[str]] = None, warm_cache: bool = False) -> dict:
+def run(
+    smoke: bool = False,
+    rounds: int | None = None,
+    loss_steps: int | None = None,
+    configs: list[str] | None = None,
+    warm_cache: bool = False,
+) -> dict:
     """Measure every config; compiles start from an empty inductor cache unless ``warm_cache``."""
     if warm_cache:
         return _run(smoke, rounds, loss_steps, configs)
@@ -165,7 +195,7 @@ def run(smoke: bool = False, rounds: Optional[int] = None, loss_steps: Optional[
     return result
 
 
-def _run(smoke: bool, rounds: Optional[int], loss_steps: Optional[int], configs: Optional[list[str]]) -> dict:
+def _run(smoke: bool, rounds: int | None, loss_steps: int | None, configs: list[str] | None) -> dict:
     specs = SMOKE_CONFIGS if smoke else CONFIGS
     if configs:
         unknown = [c for c in configs if c not in specs]
@@ -175,8 +205,12 @@ def _run(smoke: bool, rounds: Optional[int], loss_steps: Optional[int], configs:
     batch_size = SMOKE_BATCH if smoke else BATCH
     backend = "aot_eager" if smoke else "inductor"  # smoke runs skip inductor's C++ build
     rounds = rounds or (1 if smoke else 6)
-    result: dict = {"machine": common.machine(), "load_before": common.load_average(), "scheme": SCHEME,
-                    "compile_cache": "warm"}
+    result: dict = {
+        "machine": common.machine(),
+        "load_before": common.load_average(),
+        "scheme": SCHEME,
+        "compile_cache": "warm",
+    }
     t0 = time.perf_counter()
     result["peak_flops"] = {
         "fp32": common.gemm_peak(torch.float32, n=256 if smoke else 2048, seconds=0.05 if smoke else 1.0),
@@ -210,8 +244,13 @@ def _run(smoke: bool, rounds: Optional[int], loss_steps: Optional[int], configs:
 
 
 COLUMNS = [
-    ("name", "implementation"), ("tokens_per_s", "tokens/s"), ("step_ms", "step ms"),
-    ("ratio_vs_faster_peer", "x faster peer"), ("mfu", "MFU"), ("compile_s", "compile s"), ("error", "note"),
+    ("name", "implementation"),
+    ("tokens_per_s", "tokens/s"),
+    ("step_ms", "step ms"),
+    ("ratio_vs_faster_peer", "x faster peer"),
+    ("mfu", "MFU"),
+    ("compile_s", "compile s"),
+    ("error", "note"),
 ]
 
 
@@ -224,7 +263,7 @@ def format_result(result: dict) -> str:
         f"; torch threads {result['machine']['torch_threads']}; compile times from a {result['compile_cache']} "
         "inductor cache"
     )
-    for key, res in result["configs"].items():
+    for _key, res in result["configs"].items():
         lines.append("")
         lines.append(
             f"### {res['label']}, seq {res['spec']['seq_len']}, batch {res['batch_size']} "
@@ -244,7 +283,8 @@ def format_result(result: dict) -> str:
     lines.append("")
     lines.append(
         f"Loss after {la['steps']} steps of d={la['spec']['width']} x {la['spec']['layers']}L, "
-        f"batch {la['batch_size']}, {la['pool']} fixed batches in turn (same seed, lr {la['lr']}): fp32 {la['final_loss_fp32']:.4f}, "
+        f"batch {la['batch_size']}, {la['pool']} fixed batches in turn (same seed, lr {la['lr']}): "
+        f"fp32 {la['final_loss_fp32']:.4f}, "
         f"fast path {la['final_loss_fast']:.4f} (start {la['first_loss']:.4f}); |diff| {la['final_abs_diff']:.4f} "
         f"= {100 * la['final_rel_diff']:.2f}% (tolerance {100 * la['rtol']:.0f}%): "
         f"{'agree' if la['agree'] else 'DISAGREE'}"
@@ -252,14 +292,15 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.train_step", description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--rounds", type=int, help="timed rounds per config (default 6; smoke 1)")
     parser.add_argument("--loss-steps", type=int, help="steps of the fp32-vs-fast-path loss check (default 50)")
     parser.add_argument("--config", action="append", help=f"only this config ({', '.join(CONFIGS)}); repeatable")
-    parser.add_argument("--warm-cache", action="store_true",
-                        help="reuse inductor's on-disk cache (default: compile from an empty one)")
+    parser.add_argument(
+        "--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: compile from an empty one)"
+    )
     args = parser.parse_args(argv)
     common.apply_threads(args.threads)
     result = run(args.smoke, args.rounds, args.loss_steps, args.config, args.warm_cache)

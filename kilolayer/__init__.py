@@ -10,6 +10,17 @@ from kilolayer.nn.transformer import build_model
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "ModelConfig", "load_config", "ConfigError", "InputError", "KilolayerError", "budget",
-    "count_parameters", "matched_configs", "training_flops", "deepnorm_constants", "SCHEMES", "build_model",
+    "Config",
+    "ModelConfig",
+    "load_config",
+    "ConfigError",
+    "InputError",
+    "KilolayerError",
+    "budget",
+    "count_parameters",
+    "matched_configs",
+    "training_flops",
+    "deepnorm_constants",
+    "SCHEMES",
+    "build_model",
 ]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
 
 from kilolayer.errors import ConfigError, KilolayerError
 
@@ -39,8 +38,12 @@ def _fmt_count(n: float) -> str:
 def _schemes_text(cfg) -> str:
     from kilolayer.nn.residual import Depth, make_scheme
 
-    scheme = make_scheme(cfg.scheme, Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
-                         layerscale_init=cfg.layerscale_init, ds_init_variant=cfg.ds_init_variant)
+    scheme = make_scheme(
+        cfg.scheme,
+        Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
+        layerscale_init=cfg.layerscale_init,
+        ds_init_variant=cfg.ds_init_variant,
+    )
     parts = []
     for side, consts in scheme.describe().items():
         inner = ", ".join(f"{k}={v:.4g}" for k, v in consts.items())
@@ -56,16 +59,37 @@ def cmd_describe(args) -> int:
     from kilolayer.presets import DESCRIPTIONS
 
     table = Table(title="kilolayer describe")
-    for col in ("model", "arch", "enc layers", "dec layers", "width", "heads", "ffn", "scheme", "scheme constants",
-                "params", "seq", "FLOPs/token (train)"):
+    for col in (
+        "model",
+        "arch",
+        "enc layers",
+        "dec layers",
+        "width",
+        "heads",
+        "ffn",
+        "scheme",
+        "scheme constants",
+        "params",
+        "seq",
+        "FLOPs/token (train)",
+    ):
         table.add_column(col, overflow="fold")
     notes = []
     for source in args.sources:
         cfg = _model_source(source, args.set)
         b = budget(cfg, args.seq_len)
         table.add_row(
-            source, cfg.arch, str(cfg.encoder_layers or "-"), str(cfg.n_decoder_layers or "-"), str(cfg.width),
-            str(cfg.heads), str(cfg.ffn), cfg.scheme, _schemes_text(cfg), _fmt_count(b.parameters), str(b.seq_len),
+            source,
+            cfg.arch,
+            str(cfg.encoder_layers or "-"),
+            str(cfg.n_decoder_layers or "-"),
+            str(cfg.width),
+            str(cfg.heads),
+            str(cfg.ffn),
+            cfg.scheme,
+            _schemes_text(cfg),
+            _fmt_count(b.parameters),
+            str(b.seq_len),
             _fmt_count(b.flops_per_token),
         )
         if source in DESCRIPTIONS:
@@ -89,11 +113,18 @@ def cmd_configs(args) -> int:
     if args.like is not None:
         base = _model_source(args.like, args.set)
     else:
-        base = ModelConfig(arch=args.arch, layers=2, width=args.head_dim * 2, heads=2, ffn=args.head_dim * 8,
-                           decoder_layers=2 if args.arch == "encoder_decoder" else 0)
+        base = ModelConfig(
+            arch=args.arch,
+            layers=2,
+            width=args.head_dim * 2,
+            heads=2,
+            ffn=args.head_dim * 8,
+            decoder_layers=2 if args.arch == "encoder_decoder" else 0,
+        )
     target = _parse_count(args.params) if args.params is not None else count_parameters(base)
-    rows = matched_configs(base, params=target if args.params is not None else None, tolerance=args.tolerance,
-                           head_dim=args.head_dim)
+    rows = matched_configs(
+        base, params=target if args.params is not None else None, tolerance=args.tolerance, head_dim=args.head_dim
+    )
     title = f"configs within {args.tolerance:.0%} of {_fmt_count(target)} parameters"
     if args.like:
         title += f", shaped like {args.like} (head size {args.head_dim}, FFN ratio {base.ffn / base.width:g})"
@@ -102,9 +133,16 @@ def cmd_configs(args) -> int:
         table.add_column(col, justify="right")
     for c in rows:
         b = budget(c)
-        table.add_row(str(c.layers), str(c.decoder_layers or "-"), str(c.width), str(c.heads), str(c.ffn),
-                      _fmt_count(b.parameters), f"{(b.parameters - target) / target:+.1%}",
-                      _fmt_count(b.flops_per_token))
+        table.add_row(
+            str(c.layers),
+            str(c.decoder_layers or "-"),
+            str(c.width),
+            str(c.heads),
+            str(c.ffn),
+            _fmt_count(b.parameters),
+            f"{(b.parameters - target) / target:+.1%}",
+            _fmt_count(b.flops_per_token),
+        )
     Console(width=max(120, Console().width)).print(table)
     if not rows:
         print("no configuration matches; widen --tolerance or change --head-dim")
@@ -135,8 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("configs", help="parameter-matched deeper-narrower variants of a model")
     p.add_argument("--like", metavar="PRESET|CONFIG.yaml", help="the model to match")
     p.add_argument("--params", metavar="COUNT", help="match this parameter count instead (e.g. 86M)")
-    p.add_argument("--arch", default="encoder", choices=["encoder", "decoder", "encoder_decoder"],
-                   help="with --params: the architecture (default encoder, 256-token vocabulary)")
+    p.add_argument(
+        "--arch",
+        default="encoder",
+        choices=["encoder", "decoder", "encoder_decoder"],
+        help="with --params: the architecture (default encoder, 256-token vocabulary)",
+    )
     p.add_argument("--head-dim", type=int, default=64, help="head size to keep (default 64)")
     p.add_argument("--tolerance", type=float, default=0.03, help="relative parameter tolerance (default 0.03)")
     p.add_argument("--set", action="append", default=[], metavar="key.path=value", help="override a config key")
@@ -154,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SUBCOMMAND_MODULES: list[str] = [
-    "kilolayer.train.cli", "kilolayer.study.cli", "kilolayer.analysis.cli", "kilolayer.doctor.cli",
+    "kilolayer.train.cli",
+    "kilolayer.study.cli",
+    "kilolayer.analysis.cli",
+    "kilolayer.doctor.cli",
 ]
 
 
@@ -166,7 +211,7 @@ def cmd_presets(args) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

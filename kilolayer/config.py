@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -49,7 +49,7 @@ class ModelConfig(_Section):
     channels: int = Field(3, ge=1)
     cls_token: bool = True
     # scheme options (ignored by schemes that do not use them)
-    layerscale_init: Optional[float] = Field(None, gt=0, description="LayerScale gain; default by depth as CaiT")
+    layerscale_init: float | None = Field(None, gt=0, description="LayerScale gain; default by depth as CaiT")
     ds_init_variant: Literal["paper", "code"] = "paper"
     admin_omega: Literal["default", "profile"] = "default"
     # speed options (the model's numbers do not depend on them beyond dtype rounding)
@@ -59,15 +59,13 @@ class ModelConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
+    def _check(self) -> ModelConfig:
         from kilolayer.nn.residual import SCHEMES
 
         if self.scheme not in SCHEMES:
             raise ValueError(f"model.scheme={self.scheme!r}: unknown scheme; allowed: {', '.join(sorted(SCHEMES))}")
         if self.width % self.heads:
-            raise ValueError(
-                f"model.width={self.width}: must be divisible by model.heads={self.heads}"
-            )
+            raise ValueError(f"model.width={self.width}: must be divisible by model.heads={self.heads}")
         if self.arch == "encoder_decoder" and self.decoder_layers < 1:
             raise ValueError("model.decoder_layers=0: an encoder_decoder needs at least 1 decoder layer")
         if self.arch != "encoder_decoder" and self.decoder_layers:
@@ -77,7 +75,9 @@ class ModelConfig(_Section):
             )
         if self.input == "patches":
             if self.arch != "encoder":
-                raise ValueError(f"model.input='patches': only an encoder takes image patches (model.arch={self.arch!r})")
+                raise ValueError(
+                    f"model.input='patches': only an encoder takes image patches (model.arch={self.arch!r})"
+                )
             if self.image_size % self.patch_size:
                 raise ValueError(
                     f"model.image_size={self.image_size}: must be divisible by model.patch_size={self.patch_size}"
@@ -122,7 +122,7 @@ class DataConfig(_Section):
 
     name: str = "stdlib_bytes"
     task: Literal["copy", "reverse", "sort", "add"] = "reverse"
-    path: Optional[str] = None
+    path: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -159,23 +159,26 @@ class TrainConfig(_Section):
     )
     diagnostics_every: int = Field(0, ge=0, description="log DeepNet's stability diagnostics every K steps (0 = off)")
     diagnostics_until: int = Field(0, ge=0, description="stop diagnostics after this step (0 = never)")
-    init_from: Optional[str] = Field(None, description="a run directory whose backbone weights to start from")
+    init_from: str | None = Field(None, description="a run directory whose backbone weights to start from")
     freeze_backbone: bool = Field(False, description="with init_from: train only the objective's head (linear probe)")
     memory_check: bool = Field(True, description="refuse a config whose estimated memory exceeds what the device has")
-    peak_flops: Optional[float] = Field(
-        None, gt=0, allow_inf_nan=False,
+    peak_flops: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
         description="the device's peak FLOP/s for MFU (default: the vendor figure of a known GPU, else measured)",
     )
     patience: int = Field(0, ge=0, description="early stopping: evaluations without improvement, then stop (0 = off)")
     min_delta: float = Field(0.0, ge=0, allow_inf_nan=False, description="early stopping: the smallest improvement")
     early_stop_metric: str = Field("loss", min_length=1, description="early stopping: an evaluation metric")
     early_stop_mode: Literal["auto", "min", "max"] = Field(
-        "auto", description="early stopping: lower (min) or higher (max) is better; auto: max for accuracy, "
-                            "exact_match and bleu, else min"
+        "auto",
+        description="early stopping: lower (min) or higher (max) is better; auto: max for accuracy, "
+        "exact_match and bleu, else min",
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
+    def _check(self) -> TrainConfig:
         if self.batch_size % self.accumulate:
             raise ValueError(
                 f"train.batch_size={self.batch_size}: must be divisible by train.accumulate={self.accumulate}"
@@ -195,7 +198,7 @@ class Config(_Section):
 # ---------------------------------------------------------------- errors
 
 
-def _section_keys(cls: Optional[type], path: tuple) -> Optional[list[str]]:
+def _section_keys(cls: type | None, path: tuple) -> list[str] | None:
     """The keys a nested section of ``cls`` accepts (``path`` names the section), or None if unknown."""
     for part in path:
         field = cls.model_fields.get(str(part)) if cls is not None else None
@@ -205,7 +208,7 @@ def _section_keys(cls: Optional[type], path: tuple) -> Optional[list[str]]:
     return list(cls.model_fields) if cls is not None else None
 
 
-def format_validation_error(err: ValidationError, prefix: str = "", cls: Optional[type] = None) -> str:
+def format_validation_error(err: ValidationError, prefix: str = "", cls: type | None = None) -> str:
     """One line for the first problem pydantic found: field path, bad value, what is allowed.
 
     ``cls`` (the validated model) lets an unknown key list the keys its section accepts.
@@ -217,7 +220,7 @@ def format_validation_error(err: ValidationError, prefix: str = "", cls: Optiona
     msg = e.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         # our own validators already name the field
-        return msg[len("Value error, "):]
+        return msg[len("Value error, ") :]
     if e.get("type") == "extra_forbidden":
         keys = _section_keys(cls, parts[:-1])
         return f"{where}: unknown key" + (f"; allowed: {', '.join(keys)}" if keys else "")
@@ -233,7 +236,7 @@ def _validate(cls, data: Any, prefix: str):
         raise ConfigError(format_validation_error(err, prefix, cls)) from None
 
 
-def model_config(cfg: "ModelConfig | dict") -> ModelConfig:
+def model_config(cfg: ModelConfig | dict) -> ModelConfig:
     """Accept the ``model`` section as a dict or a ModelConfig and validate it."""
     if isinstance(cfg, ModelConfig):
         return cfg
@@ -277,13 +280,13 @@ def apply_sets(data: dict, sets: list[str]) -> dict:
     return out
 
 
-def _looks_like_a_name(source: "str | Path") -> bool:
+def _looks_like_a_name(source: str | Path) -> bool:
     """A missing source with no directory part and no YAML suffix was meant as a preset name."""
     p = Path(source)
     return not p.exists() and len(p.parts) == 1 and p.suffix.lower() not in (".yaml", ".yml", ".json")
 
 
-def read_yaml(path: "str | Path") -> dict:
+def read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
@@ -302,7 +305,7 @@ def read_yaml(path: "str | Path") -> dict:
     return data
 
 
-def load_config(source: "str | Path | dict | None" = None, sets: Optional[list[str]] = None) -> Config:
+def load_config(source: str | Path | dict | None = None, sets: list[str] | None = None) -> Config:
     """Load a full config from a YAML file, a preset name or a dict, then apply ``--set`` items.
 
     A file that holds only a model section (or a preset name) gives defaults for the rest.
@@ -320,9 +323,7 @@ def load_config(source: "str | Path | dict | None" = None, sets: Optional[list[s
     elif _looks_like_a_name(source):
         near = difflib.get_close_matches(str(source), list(PRESETS), n=3)
         hint = f"did you mean {' or '.join(near)}? " if near else ""
-        raise ConfigError(
-            f"{source}: neither a preset nor a config file; {hint}`kilolayer presets` lists the presets"
-        )
+        raise ConfigError(f"{source}: neither a preset nor a config file; {hint}`kilolayer presets` lists the presets")
     else:
         data = read_yaml(source)
     data = apply_sets(data, sets or [])

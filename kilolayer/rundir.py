@@ -33,7 +33,6 @@ import shutil
 import socket
 import sys
 from pathlib import Path
-from typing import Optional
 
 from kilolayer.errors import InputError, KilolayerError
 
@@ -66,7 +65,7 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def os_error(err: BaseException, path: "str | Path | None" = None) -> RunDirError:
+def os_error(err: BaseException, path: str | Path | None = None) -> RunDirError:
     """One line for an operating-system error: the path and what went wrong (e.g. 'No space left on device')."""
     where = getattr(err, "filename", None) or path
     what = getattr(err, "strerror", None)
@@ -79,7 +78,7 @@ def os_error(err: BaseException, path: "str | Path | None" = None) -> RunDirErro
 # ---------------------------------------------------------------- what a directory is
 
 
-def is_run_dir(path: "str | Path") -> bool:
+def is_run_dir(path: str | Path) -> bool:
     """Whether ``path`` holds a kilolayer run: a status.json of ours (written first, when training starts),
     or config.yaml beside metrics.jsonl or checkpoints/ (runs from before status.json was written at start)."""
     path = Path(path)
@@ -107,13 +106,13 @@ def is_run_dir(path: "str | Path") -> bool:
         return False
 
 
-def is_empty(path: "str | Path") -> bool:
+def is_empty(path: str | Path) -> bool:
     """No entries, or only a lock file left by a run that stopped before writing anything."""
     path = Path(path)
     return not path.exists() or all(p.name == LOCK for p in path.iterdir())
 
 
-def check_out(path: "str | Path") -> None:
+def check_out(path: str | Path) -> None:
     """Refuse an --out that is a file, lies under a file, or is a non-empty directory that is not a run.
     Reads only; nothing is created."""
     path = Path(path)
@@ -130,7 +129,7 @@ def check_out(path: "str | Path") -> None:
         )
 
 
-def clear_run(path: "str | Path") -> None:
+def clear_run(path: str | Path) -> None:
     """Remove what a run wrote (``OWN_ENTRIES``), leaving any other file in place (--overwrite)."""
     for name in OWN_ENTRIES:
         p = Path(path) / name
@@ -143,7 +142,7 @@ def clear_run(path: "str | Path") -> None:
 # ---------------------------------------------------------------- atomic files
 
 
-def write_atomic(path: "str | Path", text: str) -> None:
+def write_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -158,7 +157,7 @@ def write_atomic(path: "str | Path", text: str) -> None:
         raise
 
 
-def read_json(path: "str | Path", default=None):
+def read_json(path: str | Path, default=None):
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -168,13 +167,13 @@ def read_json(path: "str | Path", default=None):
 # ---------------------------------------------------------------- status
 
 
-def read_status(run_dir: "str | Path") -> dict:
+def read_status(run_dir: str | Path) -> dict:
     """status.json as a dict; {} if there is none or it is unreadable."""
     data = read_json(Path(run_dir) / STATUS, {})
     return data if isinstance(data, dict) else {}
 
 
-def write_status(run_dir: "str | Path", status: str, step: int, reason: str = "", **extra) -> dict:
+def write_status(run_dir: str | Path, status: str, step: int, reason: str = "", **extra) -> dict:
     """Replace status.json atomically with ``status`` at ``step`` and ``reason`` (plus ``extra`` fields).
     On a full disk (no block for a temporary file), a final status overwrites the old file in place."""
     if status not in STATUSES:
@@ -192,7 +191,7 @@ def write_status(run_dir: "str | Path", status: str, step: int, reason: str = ""
     return data
 
 
-def update_status(run_dir: "str | Path", **fields) -> dict:
+def update_status(run_dir: str | Path, **fields) -> dict:
     """Add or change fields of the current status.json (e.g. the study runner's ``seconds``)."""
     data = {**read_status(run_dir), **fields}
     write_atomic(Path(run_dir) / STATUS, json.dumps(data, indent=2) + "\n")
@@ -203,10 +202,10 @@ class Lifecycle:
     """The status of one training process: ``running`` (PID, host, start time), then exactly one of
     ``completed | diverged | failed | interrupted`` with a reason. Only rank 0 holds one."""
 
-    def __init__(self, run_dir: "str | Path"):
+    def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self.who = {"pid": os.getpid(), "host": socket.gethostname(), "started": now()}
-        self.final: Optional[str] = None
+        self.final: str | None = None
 
     def running(self, step: int, **extra) -> None:
         write_status(self.run_dir, "running", step, "", **self.who, **extra)
@@ -237,7 +236,7 @@ def metrics_line(record: dict) -> str:
     return json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
 
 
-def read_metrics(path: "str | Path") -> list[dict]:
+def read_metrics(path: str | Path) -> list[dict]:
     """The records of a run's ``metrics.jsonl`` (``path`` is the run directory or the file). A missing file
     is no records; a cut-off last line (a run killed mid-write, or one still writing) is ignored; any other
     bad line is an error naming its line number."""
@@ -267,7 +266,7 @@ def read_metrics(path: "str | Path") -> list[dict]:
     return records
 
 
-def truncate_metrics(run_dir: "str | Path", last_step: int) -> None:
+def truncate_metrics(run_dir: str | Path, last_step: int) -> None:
     """On resume: drop records logged after the checkpoint we resume from (they will be logged again),
     and any line cut by a crash."""
     path = Path(run_dir) / METRICS
@@ -287,7 +286,7 @@ def truncate_metrics(run_dir: "str | Path", last_step: int) -> None:
 class MetricsFile:
     """Appends records to ``metrics.jsonl``, flushed per line."""
 
-    def __init__(self, run_dir: "str | Path"):
+    def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / METRICS
         self.file = open(self.path, "a")
 
@@ -309,12 +308,12 @@ class MetricsFile:
 # ---------------------------------------------------------------- resume history
 
 
-def read_resume_history(run_dir: "str | Path") -> list[dict]:
+def read_resume_history(run_dir: str | Path) -> list[dict]:
     data = read_json(Path(run_dir) / RESUME, [])
     return data if isinstance(data, list) else []
 
 
-def record_resume(run_dir: "str | Path", step: int, changed: dict) -> None:
+def record_resume(run_dir: str | Path, step: int, changed: dict) -> None:
     """Append ``{"step", "time", "changed": {"train.key": [old, new]}}`` to resume.json."""
     history = read_resume_history(run_dir) + [{"step": int(step), "time": now(), "changed": changed}]
     write_atomic(Path(run_dir) / RESUME, json.dumps(history, indent=2) + "\n")
@@ -323,15 +322,15 @@ def record_resume(run_dir: "str | Path", step: int, changed: dict) -> None:
 # ---------------------------------------------------------------- checkpoints
 
 
-def checkpoint_dir(run_dir: "str | Path", step: int) -> Path:
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
 
 
-def checkpoint_step(path: "str | Path") -> int:
+def checkpoint_step(path: str | Path) -> int:
     return int(STEP_DIR.match(Path(path).name).group(1))
 
 
-def complete_checkpoints(run_dir: "str | Path") -> list[Path]:
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoint directories (COMPLETE written), oldest first. Not verified: see intact_checkpoint."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
@@ -340,19 +339,19 @@ def complete_checkpoints(run_dir: "str | Path") -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def latest_checkpoint(run_dir: "str | Path") -> Optional[Path]:
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
 
 
-def recorded_best(ckpt: "str | Path") -> Optional[int]:
+def recorded_best(ckpt: str | Path) -> int | None:
     """The best step early stopping had found when checkpoint ``ckpt`` was written (None if none)."""
     state = read_json(Path(ckpt) / "state.json", {})
     best = state.get("trainer", {}).get("best_step") if isinstance(state, dict) else None
     return best if isinstance(best, int) and not isinstance(best, bool) else None
 
 
-def prune_checkpoints(run_dir: "str | Path", keep: int) -> None:
+def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints and, for early stopping, the best step each of them
     names (so a resume from any of them still has its best); remove the others."""
     found = complete_checkpoints(run_dir)
@@ -363,7 +362,7 @@ def prune_checkpoints(run_dir: "str | Path", keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_partial(run_dir: "str | Path") -> None:
+def remove_partial(run_dir: str | Path) -> None:
     """Delete leftovers of an interrupted save."""
     root = Path(run_dir) / CHECKPOINTS
     if root.is_dir():
@@ -372,7 +371,7 @@ def remove_partial(run_dir: "str | Path") -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def sha256(path: "str | Path") -> str:
+def sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -380,18 +379,21 @@ def sha256(path: "str | Path") -> str:
     return h.hexdigest()
 
 
-def write_manifest(ckpt: "str | Path") -> None:
+def write_manifest(ckpt: str | Path) -> None:
     """manifest.json: the size and SHA-256 of every file of a checkpoint being written."""
     ckpt = Path(ckpt)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
-             for p in sorted(ckpt.iterdir()) if p.is_file() and p.name not in (MANIFEST, COMPLETE)}
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
+        for p in sorted(ckpt.iterdir())
+        if p.is_file() and p.name not in (MANIFEST, COMPLETE)
+    }
     with open(ckpt / MANIFEST, "w") as f:
         json.dump({"format": 1, "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
 
-def verify_checkpoint(ckpt: "str | Path") -> Optional[str]:
+def verify_checkpoint(ckpt: str | Path) -> str | None:
     """None if every file matches manifest.json, else one line naming the first damaged file.
     A checkpoint without a manifest (written before checksums existed) is accepted unchecked."""
     ckpt = Path(ckpt)
@@ -418,7 +420,7 @@ def warn(message: str) -> None:
     print(f"kilolayer: warning: {' '.join(message.split())}", file=sys.stderr, flush=True)
 
 
-def intact_checkpoint(run_dir: "str | Path", on_damaged=warn) -> Optional[Path]:
+def intact_checkpoint(run_dir: str | Path, on_damaged=warn) -> Path | None:
     """The newest complete checkpoint whose files match their checksums, or None if there is no complete
     one. Each damaged newer one is reported in one line through ``on_damaged``; if every one is damaged,
     an InputError names the newest's problem."""
@@ -445,11 +447,11 @@ class RunLock:
     or its exit. The kernel drops it with the process, so a ``kill -9`` never leaves a stale lock; the
     file stays behind and only says who held it last."""
 
-    def __init__(self, run_dir: "str | Path"):
+    def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LOCK
-        self.fd: Optional[int] = None
+        self.fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         import fcntl
 
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -473,14 +475,14 @@ class RunLock:
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
 
 
-def holder(run_dir: "str | Path") -> str:
+def holder(run_dir: str | Path) -> str:
     """'PID 1234 on host' of the process that holds (or last held) the lock."""
     try:
         pid, _, host = (Path(run_dir) / LOCK).read_text().strip().partition(" ")
@@ -489,7 +491,7 @@ def holder(run_dir: "str | Path") -> str:
         return "PID unknown"
 
 
-def is_locked(run_dir: "str | Path") -> bool:
+def is_locked(run_dir: str | Path) -> bool:
     """Whether a training process holds the run directory now (a test that takes and drops the lock)."""
     if not (Path(run_dir) / LOCK).exists():
         return False
@@ -505,7 +507,7 @@ def is_locked(run_dir: "str | Path") -> bool:
 # ---------------------------------------------------------------- loading a run
 
 
-def chosen_checkpoint(run_dir: "str | Path", patience: int = 0, on_damaged=warn) -> Optional[Path]:
+def chosen_checkpoint(run_dir: str | Path, patience: int = 0, on_damaged=warn) -> Path | None:
     """The checkpoint that stands for the run: its newest intact one, or, when the run trains with early
     stopping (``patience`` > 0), the best step that one names, if that is intact too (else the newest, with a
     line through ``on_damaged``). None if there is no complete checkpoint."""
@@ -523,7 +525,7 @@ def chosen_checkpoint(run_dir: "str | Path", patience: int = 0, on_damaged=warn)
     return path
 
 
-def load_run(run_dir: "str | Path", device: str = "cpu", checkpoint: "str | Path | None" = None):
+def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | None = None):
     """(config, task) of a finished or running kilolayer run, with the weights of ``checkpoint`` (default: the
     one that stands for the run, :func:`chosen_checkpoint`: the newest intact one; with early stopping, the
     best), in eval mode. A damaged checkpoint is reported in one line on stderr."""

@@ -52,19 +52,39 @@ from torchscale.architecture.encoder_decoder import EncoderDecoder as TSEncoderD
 # Flags that must be pinned whatever the scheme: torchscale's defaults include
 # subln=True, which silently forces Pre-LN and turns DeepNorm off.
 _COMMON = dict(
-    activation_fn="gelu", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, drop_path_rate=0.0,
-    subln=False, no_scale_embedding=True, layernorm_embedding=False, layernorm_eps=1e-5, vocab_size=-1,
-    no_output_layer=True, multiway=False, bert_init=False, rel_pos_buckets=0, max_rel_pos=0, xpos_rel_pos=False,
-    moe_freq=0, checkpoint_activations=False, fsdp=False,
+    activation_fn="gelu",
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    drop_path_rate=0.0,
+    subln=False,
+    no_scale_embedding=True,
+    layernorm_embedding=False,
+    layernorm_eps=1e-5,
+    vocab_size=-1,
+    no_output_layer=True,
+    multiway=False,
+    bert_init=False,
+    rel_pos_buckets=0,
+    max_rel_pos=0,
+    xpos_rel_pos=False,
+    moe_freq=0,
+    checkpoint_activations=False,
+    fsdp=False,
 )
 
 
 def torchscale_encoder(width: int, heads: int, ffn: int, layers: int, deepnorm: bool, activation: str = "gelu"):
     """A Post-LN (``deepnorm=False``) or DeepNorm encoder with no embeddings and no output layer."""
     args = EncoderConfig(
-        encoder_embed_dim=width, encoder_attention_heads=heads, encoder_ffn_embed_dim=ffn, encoder_layers=layers,
-        encoder_normalize_before=False, normalize_output=False, deepnorm=deepnorm, **{**_COMMON,
-                                                                                      "activation_fn": activation},
+        encoder_embed_dim=width,
+        encoder_attention_heads=heads,
+        encoder_ffn_embed_dim=ffn,
+        encoder_layers=layers,
+        encoder_normalize_before=False,
+        normalize_output=False,
+        deepnorm=deepnorm,
+        **{**_COMMON, "activation_fn": activation},
     )
     enc = TSEncoder(args)
     _check_built(enc.layers, deepnorm)
@@ -74,8 +94,13 @@ def torchscale_encoder(width: int, heads: int, ffn: int, layers: int, deepnorm: 
 def torchscale_decoder(width: int, heads: int, ffn: int, layers: int, deepnorm: bool, activation: str = "gelu"):
     """A Post-LN or DeepNorm decoder-only stack (causal, no cross-attention), no embeddings, no output layer."""
     args = DecoderConfig(
-        decoder_embed_dim=width, decoder_attention_heads=heads, decoder_ffn_embed_dim=ffn, decoder_layers=layers,
-        decoder_normalize_before=False, deepnorm=deepnorm, share_decoder_input_output_embed=False,
+        decoder_embed_dim=width,
+        decoder_attention_heads=heads,
+        decoder_ffn_embed_dim=ffn,
+        decoder_layers=layers,
+        decoder_normalize_before=False,
+        deepnorm=deepnorm,
+        share_decoder_input_output_embed=False,
         **{**_COMMON, "activation_fn": activation},
     )
     dec = TSDecoder(args)
@@ -84,15 +109,26 @@ def torchscale_decoder(width: int, heads: int, ffn: int, layers: int, deepnorm: 
     return dec
 
 
-def torchscale_encoder_decoder(width: int, heads: int, ffn: int, layers: int, decoder_layers: int, deepnorm: bool,
-                               activation: str = "gelu"):
+def torchscale_encoder_decoder(
+    width: int, heads: int, ffn: int, layers: int, decoder_layers: int, deepnorm: bool, activation: str = "gelu"
+):
     """A Post-LN or DeepNorm encoder-decoder with no embeddings and no output layer."""
     args = EncoderDecoderConfig(
-        encoder_embed_dim=width, encoder_attention_heads=heads, encoder_ffn_embed_dim=ffn, encoder_layers=layers,
-        decoder_embed_dim=width, decoder_attention_heads=heads, decoder_ffn_embed_dim=ffn,
-        decoder_layers=decoder_layers, encoder_normalize_before=False, decoder_normalize_before=False,
-        normalize_output=False, deepnorm=deepnorm, share_all_embeddings=False,
-        share_decoder_input_output_embed=False, **{**_COMMON, "activation_fn": activation},
+        encoder_embed_dim=width,
+        encoder_attention_heads=heads,
+        encoder_ffn_embed_dim=ffn,
+        encoder_layers=layers,
+        decoder_embed_dim=width,
+        decoder_attention_heads=heads,
+        decoder_ffn_embed_dim=ffn,
+        decoder_layers=decoder_layers,
+        encoder_normalize_before=False,
+        decoder_normalize_before=False,
+        normalize_output=False,
+        deepnorm=deepnorm,
+        share_all_embeddings=False,
+        share_decoder_input_output_embed=False,
+        **{**_COMMON, "activation_fn": activation},
     )
     model = TSEncoderDecoder(args)
     _check_built(list(model.encoder.layers) + list(model.decoder.layers), deepnorm)
@@ -172,6 +208,11 @@ def run_decoder(dec, y: torch.Tensor, memory=None, memory_padding_mask=None, pad
         if mem_mask is None:
             mem_mask = torch.zeros(memory.shape[:2], dtype=torch.bool)
         encoder_out = {"encoder_out": memory, "encoder_padding_mask": mem_mask}
-    out, _ = dec(dummy_tokens, self_attn_padding_mask=padding_mask, encoder_out=encoder_out,
-                 token_embeddings=y, features_only=True)
+    out, _ = dec(
+        dummy_tokens,
+        self_attn_padding_mask=padding_mask,
+        encoder_out=encoder_out,
+        token_embeddings=y,
+        features_only=True,
+    )
     return out

@@ -59,8 +59,22 @@ def direct_cosine():
 @pytest.mark.slow  # loads transformers and the 90 MB MiniLM: ~10 s on a busy 2-core machine
 def test_minilm_cosine_matches_transformers(text_file, direct_cosine, tmp_path, capsys):
     out = tmp_path / "minilm"
-    rc = main(["analyze", "smoothness", "--hf", MINILM, "--text", str(text_file), "--batch-size", "3",
-               "--name", "all-MiniLM-L6-v2", "--out", str(out)])
+    rc = main(
+        [
+            "analyze",
+            "smoothness",
+            "--hf",
+            MINILM,
+            "--text",
+            str(text_file),
+            "--batch-size",
+            "3",
+            "--name",
+            "all-MiniLM-L6-v2",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads((out / "smoothness.json").read_text())
     lines = [s for s in SENTENCES if s]
@@ -80,8 +94,23 @@ def test_minilm_cosine_matches_transformers(text_file, direct_cosine, tmp_path, 
 @pytest.mark.slow
 def test_minilm_exclude_cls(text_file, direct_cosine, tmp_path):
     out = tmp_path / "minilm_nocls"
-    assert main(["analyze", "smoothness", "--hf", MINILM, "--text", str(text_file), "--exclude-cls",
-                 "--svg", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "analyze",
+                "smoothness",
+                "--hf",
+                MINILM,
+                "--text",
+                str(text_file),
+                "--exclude-cls",
+                "--svg",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "smoothness.json").read_text())
     want = direct_cosine[True]
     assert result["cosine"] == pytest.approx(want, abs=1e-4)
@@ -109,32 +138,67 @@ def tiny_models(tmp_path_factory):
     t = transformers
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
-    vision = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
-                  image_size=32, patch_size=8)
+    vision = dict(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+    )
     processor = t.ViTImageProcessor(size={"height": 32, "width": 32})
-    for name, model in (("vit", t.ViTModel(t.ViTConfig(**vision))),
-                        ("vit_mae", t.ViTMAEModel(t.ViTMAEConfig(**vision))),
-                        ("clip", t.CLIPModel(t.CLIPConfig(vision_config=vision, text_config=dict(
-                            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                            vocab_size=30522, max_position_embeddings=32))))):
+    for name, model in (
+        ("vit", t.ViTModel(t.ViTConfig(**vision))),
+        ("vit_mae", t.ViTMAEModel(t.ViTMAEConfig(**vision))),
+        (
+            "clip",
+            t.CLIPModel(
+                t.CLIPConfig(
+                    vision_config=vision,
+                    text_config=dict(
+                        hidden_size=32,
+                        num_hidden_layers=2,
+                        num_attention_heads=2,
+                        intermediate_size=64,
+                        vocab_size=30522,
+                        max_position_embeddings=32,
+                    ),
+                )
+            ),
+        ),
+    ):
         model.save_pretrained(root / name)
         processor.save_pretrained(root / name)
     tokenizer = t.AutoTokenizer.from_pretrained(MINILM, local_files_only=True)
-    for name, model in (("gpt2", t.GPT2Model(t.GPT2Config(n_embd=32, n_layer=4, n_head=2, n_positions=64,
-                                                           vocab_size=30522))),
-                        ("opt", t.OPTModel(t.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                                       ffn_dim=64, max_position_embeddings=64, vocab_size=30522,
-                                                       word_embed_proj_dim=32)))):
+    for name, model in (
+        ("gpt2", t.GPT2Model(t.GPT2Config(n_embd=32, n_layer=4, n_head=2, n_positions=64, vocab_size=30522))),
+        (
+            "opt",
+            t.OPTModel(
+                t.OPTConfig(
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    ffn_dim=64,
+                    max_position_embeddings=64,
+                    vocab_size=30522,
+                    word_embed_proj_dim=32,
+                )
+            ),
+        ),
+    ):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
     tokenizer.save_pretrained(root / "clip")
     return root
 
 
-@pytest.mark.parametrize("name,kind,layers", [
-    ("vit", "images", 3), ("vit_mae", "images", 3), ("clip", "images", 3), ("clip", "text", 2),
-    ("gpt2", "text", 4), ("opt", "text", 2),
-])
+@pytest.mark.parametrize(
+    "name,kind,layers",
+    [
+        ("vit", "images", 3),
+        ("vit_mae", "images", 3),
+        ("clip", "images", 3),
+        ("clip", "text", 2),
+        ("gpt2", "text", 4),
+        ("opt", "text", 2),
+    ],
+)
 def test_tiny_models_have_one_entry_per_layer(tiny_models, images, text_file, tmp_path, name, kind, layers):
     out = tmp_path / name
     source = ["--images", str(images)] if kind == "images" else ["--text", str(text_file)]
@@ -180,18 +244,31 @@ def _error(args, capsys):
 
 def test_not_a_model_directory(tmp_path, text_file, capsys):
     (tmp_path / "weights.bin").write_bytes(b"\0" * 10)
-    err = _error(["analyze", "smoothness", "--hf", str(tmp_path), "--text", str(text_file),
-                  "--out", str(tmp_path / "o")], capsys)
+    err = _error(
+        ["analyze", "smoothness", "--hf", str(tmp_path), "--text", str(text_file), "--out", str(tmp_path / "o")], capsys
+    )
     assert str(tmp_path) in err and "not a Hugging Face model directory" in err
-    err = _error(["analyze", "smoothness", "--hf", str(tmp_path / "missing"), "--text", str(text_file),
-                  "--out", str(tmp_path / "o")], capsys)
+    err = _error(
+        [
+            "analyze",
+            "smoothness",
+            "--hf",
+            str(tmp_path / "missing"),
+            "--text",
+            str(text_file),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
     assert "no such directory" in err
 
 
 def test_broken_config(tmp_path, text_file, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
-    err = _error(["analyze", "smoothness", "--hf", str(tmp_path), "--text", str(text_file),
-                  "--out", str(tmp_path / "o")], capsys)
+    err = _error(
+        ["analyze", "smoothness", "--hf", str(tmp_path), "--text", str(text_file), "--out", str(tmp_path / "o")], capsys
+    )
     assert "cannot read config.json" in err
 
 
@@ -199,8 +276,7 @@ def test_broken_config(tmp_path, text_file, capsys):
 def test_text_file_without_lines(tmp_path, capsys, content):
     empty = tmp_path / "empty.txt"
     empty.write_text(content)
-    err = _error(["analyze", "smoothness", "--hf", MINILM, "--text", str(empty), "--out", str(tmp_path / "o")],
-                 capsys)
+    err = _error(["analyze", "smoothness", "--hf", MINILM, "--text", str(empty), "--out", str(tmp_path / "o")], capsys)
     assert str(empty) in err and "no non-empty lines" in err
 
 
@@ -209,14 +285,17 @@ def test_image_directory_without_images(tmp_path, capsys, tiny_models):
     d.mkdir()
     (d / "a.txt").write_text("hello")
     (d / "b.png").write_bytes(b"not really a png")
-    err = _error(["analyze", "smoothness", "--hf", str(tiny_models / "vit"), "--images", str(d),
-                  "--out", str(tmp_path / "o")], capsys)
+    err = _error(
+        ["analyze", "smoothness", "--hf", str(tiny_models / "vit"), "--images", str(d), "--out", str(tmp_path / "o")],
+        capsys,
+    )
     assert str(d) in err and "no readable images" in err and "2 files" in err
 
 
 def test_wrong_input_kind(tmp_path, capsys, images):
-    err = _error(["analyze", "smoothness", "--hf", MINILM, "--images", str(images), "--out", str(tmp_path / "o")],
-                 capsys)
+    err = _error(
+        ["analyze", "smoothness", "--hf", MINILM, "--images", str(images), "--out", str(tmp_path / "o")], capsys
+    )
     assert "does not take images" in err and "--text" in err
 
 

@@ -9,7 +9,6 @@ from kilolayer import build_model
 from kilolayer.analysis.smoothness import smoothness, token_cosine
 
 
-
 class LiveCounter:
     """Counts layer outputs still alive (CPython frees a tensor when its last reference goes)."""
 
@@ -31,8 +30,9 @@ class LiveCounter:
 
 def _deep(layers):
     torch.manual_seed(0)
-    return build_model(dict(arch="encoder", scheme="deepnorm", layers=layers, width=8, heads=2, ffn=16,
-                            vocab_size=32, max_len=16))
+    return build_model(
+        dict(arch="encoder", scheme="deepnorm", layers=layers, width=8, heads=2, ffn=16, vocab_size=32, max_len=16)
+    )
 
 
 def _batch():

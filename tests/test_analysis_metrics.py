@@ -24,7 +24,6 @@ from kilolayer.errors import InputError
 TOKEN_METRICS = [token_cosine, centred_token_cosine, rank_collapse_residual, effective_rank, hc_ratio]
 
 
-
 def _random(seed, B, T, D):
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -82,8 +81,13 @@ def test_rank_residual_and_effective_rank_match_numpy(seed, T, D):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10_000), k=st.integers(1, 6), extra_rows=st.integers(0, 5), extra_cols=st.integers(0, 5),
-       sigma=st.floats(0.1, 50.0))
+@given(
+    seed=st.integers(0, 10_000),
+    k=st.integers(1, 6),
+    extra_rows=st.integers(0, 5),
+    extra_cols=st.integers(0, 5),
+    sigma=st.floats(0.1, 50.0),
+)
 def test_effective_rank_of_rank_k_with_equal_singular_values_is_k(seed, k, extra_rows, extra_cols, sigma):
     g = torch.Generator().manual_seed(seed)
     T, D = k + extra_rows, k + extra_cols
@@ -97,15 +101,20 @@ def test_effective_rank_of_rank_k_with_equal_singular_values_is_k(seed, k, extra
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), B=st.integers(1, 4), T=st.integers(2, 8), D=st.integers(2, 8),
-       pad=st.integers(1, 5), garbage=st.floats(-1e3, 1e3))
+@given(
+    seed=st.integers(0, 10_000),
+    B=st.integers(1, 4),
+    T=st.integers(2, 8),
+    D=st.integers(2, 8),
+    pad=st.integers(1, 5),
+    garbage=st.floats(-1e3, 1e3),
+)
 def test_padding_never_changes_a_result(seed, B, T, D, pad, garbage):
     x = _random(seed, B, T, D)
     # ragged lengths: sample b keeps the first T - (b % 2) tokens (at least 2)
     lengths = [max(2, T - (b % 2)) for b in range(B)]
     base_mask = torch.arange(T)[None, :] >= torch.tensor(lengths)[:, None]
-    padded = torch.cat([x, torch.full((B, pad, D), garbage, dtype=torch.float64)
-                        + _random(seed + 1, B, pad, D)], 1)
+    padded = torch.cat([x, torch.full((B, pad, D), garbage, dtype=torch.float64) + _random(seed + 1, B, pad, D)], 1)
     x = torch.where(base_mask[..., None], garbage, x)  # garbage inside the mask too
     mask = torch.cat([base_mask, torch.ones(B, pad, dtype=torch.bool)], 1)
     for fn in TOKEN_METRICS:
@@ -114,7 +123,7 @@ def test_padding_never_changes_a_result(seed, B, T, D, pad, garbage):
         assert torch.allclose(want, got, rtol=1e-9, atol=1e-12), fn.__name__
         # and the same as computing each sample alone on its real tokens
         for b in range(B):
-            alone = x[b:b + 1, :lengths[b]]
+            alone = x[b : b + 1, : lengths[b]]
             if fn is not centred_token_cosine:  # centring uses the whole batch's mean token
                 assert fn(alone).item() == pytest.approx(want[b].item(), rel=1e-9, abs=1e-12), fn.__name__
 

@@ -12,7 +12,6 @@ from kilolayer.cli import main
 checkpoint = pytest.importorskip("kilolayer.train.checkpoint")
 
 
-
 def _train(root, name, config):
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -28,14 +27,47 @@ def runs(tmp_path_factory):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        digits = _train(root, "digits_vit", {
-            "model": {"arch": "encoder", "scheme": "post_ln", "layers": 3, "width": 32, "heads": 2, "ffn": 64,
-                      "input": "patches", "image_size": 32, "patch_size": 8, "channels": 1},
-            "objective": {"name": "classification"}, "data": {"name": "digits"}, "train": train})
-        reverse = _train(root, "reverse_deepnorm", {
-            "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 2, "decoder_layers": 3,
-                      "width": 32, "heads": 2, "ffn": 64, "vocab_size": 16, "max_len": 24},
-            "objective": {"name": "seq2seq"}, "data": {"name": "synthetic", "task": "reverse"}, "train": train})
+        digits = _train(
+            root,
+            "digits_vit",
+            {
+                "model": {
+                    "arch": "encoder",
+                    "scheme": "post_ln",
+                    "layers": 3,
+                    "width": 32,
+                    "heads": 2,
+                    "ffn": 64,
+                    "input": "patches",
+                    "image_size": 32,
+                    "patch_size": 8,
+                    "channels": 1,
+                },
+                "objective": {"name": "classification"},
+                "data": {"name": "digits"},
+                "train": train,
+            },
+        )
+        reverse = _train(
+            root,
+            "reverse_deepnorm",
+            {
+                "model": {
+                    "arch": "encoder_decoder",
+                    "scheme": "deepnorm",
+                    "layers": 2,
+                    "decoder_layers": 3,
+                    "width": 32,
+                    "heads": 2,
+                    "ffn": 64,
+                    "vocab_size": 16,
+                    "max_len": 24,
+                },
+                "objective": {"name": "seq2seq"},
+                "data": {"name": "synthetic", "task": "reverse"},
+                "train": train,
+            },
+        )
     finally:
         torch.set_num_threads(before)
     return digits, reverse
@@ -47,8 +79,24 @@ def test_patch_model_run_matches_a_direct_computation(runs, tmp_path):
 
     run = runs[0]
     out = tmp_path / "a"
-    assert main(["analyze", "smoothness", "--run", str(run), "--samples", "20", "--batch-size", "8",
-                 "--exclude-cls", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "analyze",
+                "smoothness",
+                "--run",
+                str(run),
+                "--samples",
+                "20",
+                "--batch-size",
+                "8",
+                "--exclude-cls",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "smoothness.json").read_text())
     assert result["layers"] == [0, 1, 2, 3] and result["grid"] == 4 and result["samples"] == 20
     assert result["source"] == "run" and result["name"] == "digits_vit"
@@ -81,8 +129,10 @@ def test_run_errors(runs, tmp_path, capsys):
         return err
 
     assert "not a kilolayer run directory" in error(
-        ["analyze", "smoothness", "--run", str(tmp_path), "--out", str(tmp_path / "o")])
+        ["analyze", "smoothness", "--run", str(tmp_path), "--out", str(tmp_path / "o")]
+    )
     text = tmp_path / "t.txt"
     text.write_text("hello\n")
     assert "--data NAME" in error(
-        ["analyze", "smoothness", "--run", str(runs[1]), "--text", str(text), "--out", str(tmp_path / "o")])
+        ["analyze", "smoothness", "--run", str(runs[1]), "--text", str(text), "--out", str(tmp_path / "o")]
+    )

@@ -9,8 +9,9 @@ from kilolayer.analysis.stability import pick_steps, read_metrics, read_run, rea
 from kilolayer.cli import main
 
 LAYERS = ["encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1", "decoder.2"]
-LN_NAMES = [f"{side}.layers.{i}.{sub}.norm" for side in ("encoder", "decoder") for i in range(3)
-            for sub in ("self_attn", "ffn")]
+LN_NAMES = [
+    f"{side}.layers.{i}.{sub}.norm" for side in ("encoder", "decoder") for i in range(3) for sub in ("self_attn", "ffn")
+]
 
 
 def _write_run(root, name, grad_scale, update_growth, ln_growth, diverge=False):
@@ -20,12 +21,17 @@ def _write_run(root, name, grad_scale, update_growth, ln_growth, diverge=False):
     lines = []
     for step in range(0, 9, 2):
         lines.append({"step": step, "split": "train", "loss": 5.0 - 0.3 * step, "lr": 1e-3})
-        lines.append({
-            "step": step, "split": "diagnostics", "layers": LAYERS,
-            "grad_norm": [grad_scale ** (len(LAYERS) - 1 - i) * (1 + 0.01 * step) for i in range(len(LAYERS))],
-            "update": update_growth * step, "ln_names": LN_NAMES,
-            "ln_input": [1.0 + ln_growth * i for i in range(len(LN_NAMES))],
-        })
+        lines.append(
+            {
+                "step": step,
+                "split": "diagnostics",
+                "layers": LAYERS,
+                "grad_norm": [grad_scale ** (len(LAYERS) - 1 - i) * (1 + 0.01 * step) for i in range(len(LAYERS))],
+                "update": update_growth * step,
+                "ln_names": LN_NAMES,
+                "ln_input": [1.0 + ln_growth * i for i in range(len(LN_NAMES))],
+            }
+        )
     lines.append({"step": 8, "split": "eval", "loss": 2.7})
     text = "\n".join(json.dumps(x) for x in lines) + "\n"
     if diverge:
@@ -36,8 +42,10 @@ def _write_run(root, name, grad_scale, update_growth, ln_growth, diverge=False):
 
 @pytest.fixture
 def runs(tmp_path):
-    return (_write_run(tmp_path, "post_ln", grad_scale=0.3, update_growth=2.0, ln_growth=1.5, diverge=True),
-            _write_run(tmp_path, "deepnorm", grad_scale=0.9, update_growth=0.05, ln_growth=0.1))
+    return (
+        _write_run(tmp_path, "post_ln", grad_scale=0.3, update_growth=2.0, ln_growth=1.5, diverge=True),
+        _write_run(tmp_path, "deepnorm", grad_scale=0.9, update_growth=0.05, ln_growth=0.1),
+    )
 
 
 def test_read_run(runs):
@@ -46,7 +54,7 @@ def test_read_run(runs):
     assert [d.step for d in post.diagnostics] == [0, 2, 4, 6, 8]
     d = post.at(5)  # nearest logged step
     assert d.step in (4, 6) and d.layers == LAYERS and len(d.ln_input) == len(LN_NAMES)
-    assert d.grad_norm[0] == pytest.approx(0.3 ** 5 * (1 + 0.01 * d.step))
+    assert d.grad_norm[0] == pytest.approx(0.3**5 * (1 + 0.01 * d.step))
     assert post.diagnostics[-1].update == pytest.approx(16.0)
     assert post.losses["eval"] == [(8, 2.7)]
     assert math.isnan(post.losses["train"][-1][1])  # the NaN loss is kept, the cut-off last line dropped
@@ -55,8 +63,7 @@ def test_read_run(runs):
 
 def test_stability_cli(runs, tmp_path, capsys):
     out = tmp_path / "plots"
-    assert main(["analyze", "stability", "--run", str(runs[0]), "--run", str(runs[1]), "--svg",
-                 "--out", str(out)]) == 0
+    assert main(["analyze", "stability", "--run", str(runs[0]), "--run", str(runs[1]), "--svg", "--out", str(out)]) == 0
     assert (out / "stability.png").stat().st_size > 20_000 and (out / "stability.svg").is_file()
     summary = json.loads((out / "stability.json").read_text())
     assert summary["post_ln"]["update"] == [0.0, 4.0, 8.0, 12.0, 16.0]
@@ -67,8 +74,7 @@ def test_stability_cli(runs, tmp_path, capsys):
 
 
 def test_chosen_steps(runs, tmp_path):
-    assert main(["analyze", "stability", "--run", str(runs[0]), "--steps", "2", "6",
-                 "--out", str(tmp_path / "p")]) == 0
+    assert main(["analyze", "stability", "--run", str(runs[0]), "--steps", "2", "6", "--out", str(tmp_path / "p")]) == 0
 
 
 def _error(args, capsys):
@@ -89,8 +95,9 @@ def test_stability_errors(tmp_path, capsys):
     (run / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 3.0}\nnot json\n{"step": 2}\n')
     with pytest.raises(Exception, match=r"metrics.jsonl:2: not a JSON object"):
         read_metrics(run / "metrics.jsonl")
-    (run / "metrics.jsonl").write_text(json.dumps(
-        {"step": 1, "split": "diagnostics", "layers": ["a", "b"], "grad_norm": [1.0], "update": 0.1}) + "\n")
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "split": "diagnostics", "layers": ["a", "b"], "grad_norm": [1.0], "update": 0.1}) + "\n"
+    )
     err = _error(["analyze", "stability", "--run", str(run), "--out", str(tmp_path / "o")], capsys)
     assert "'layers' and 'grad_norm'" in err
     err = _error(["analyze", "stability", "--run", str(tmp_path / "missing"), "--out", str(tmp_path / "o")], capsys)
@@ -107,10 +114,15 @@ def test_read_run_accepts_the_jsonl_path(runs):
 def _smoothness_json(path, name, depth, slope):
     path.parent.mkdir(parents=True, exist_ok=True)
     layers = list(range(depth + 1))
-    data = {"layers": layers, "name": name, "samples": 8, "depth": depth,
-            "cosine": [min(1.0, slope * i / depth) for i in layers],
-            "effective_rank": [10 - 5 * i / depth for i in layers],
-            "high_freq": [-0.1 * i for i in layers]}
+    data = {
+        "layers": layers,
+        "name": name,
+        "samples": 8,
+        "depth": depth,
+        "cosine": [min(1.0, slope * i / depth) for i in layers],
+        "effective_rank": [10 - 5 * i / depth for i in layers],
+        "high_freq": [-0.1 * i for i in layers],
+    }
     path.write_text(json.dumps(data))
     return path
 
@@ -132,6 +144,5 @@ def test_compare_errors(tmp_path, capsys):
     bad.write_text("{not json")
     err = _error(["analyze", "smoothness", "--compare", str(bad), "--out", str(tmp_path / "o")], capsys)
     assert "not a readable JSON file" in err
-    err = _error(["analyze", "smoothness", "--compare", str(tmp_path / "nope.json"), "--out", str(tmp_path)],
-                 capsys)
+    err = _error(["analyze", "smoothness", "--compare", str(tmp_path / "nope.json"), "--out", str(tmp_path)], capsys)
     assert "no such file" in err

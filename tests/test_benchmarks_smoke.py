@@ -97,8 +97,11 @@ def test_peers_build_identical_shapes():
     for peer in ("kilolayer", "torchscale", "x-transformers"):
         model = build(peer, s)
         assert model(tokens).shape == (2, 8, 40)
-        mats = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "emb" not in n
-                   and "positions" not in n and "pos" not in n)
+        mats = sum(
+            p.numel()
+            for n, p in model.named_parameters()
+            if p.dim() == 2 and "emb" not in n and "positions" not in n and "pos" not in n
+        )
         assert mats == s.layers * (4 * 32 * 32 + 2 * 32 * 64) + 32 * 40, peer
 
 
@@ -147,8 +150,18 @@ OUT_RTOL, GRAD_RTOL, TENSOR_RTOL, TENSOR_ATOL_OF_TOTAL = 0.03, 0.05, 0.05, 0.005
 
 
 def _small(scheme: str, **extra) -> dict:
-    return dict(arch="encoder_decoder", scheme=scheme, layers=3, decoder_layers=2, width=32, heads=2, ffn=64,
-                vocab_size=32, max_len=16, **extra)
+    return dict(
+        arch="encoder_decoder",
+        scheme=scheme,
+        layers=3,
+        decoder_layers=2,
+        width=32,
+        heads=2,
+        ffn=64,
+        vocab_size=32,
+        max_len=16,
+        **extra,
+    )
 
 
 def _forward_backward(model, src, tgt, proj, *, bf16: bool = False):
@@ -205,12 +218,23 @@ def test_bf16_attention_in_fp32_only_changes_rounding():
     assert torch.equal(o1, o2) and all(torch.equal(g1[n], g2[n]) for n in g1)
 
 
-@pytest.mark.parametrize("arch,scheme", [("decoder", "deepnorm"), ("encoder", "pre_ln"),
-                                         ("encoder_decoder", "deepnorm"), ("encoder_decoder", "admin")])
+@pytest.mark.parametrize(
+    "arch,scheme",
+    [("decoder", "deepnorm"), ("encoder", "pre_ln"), ("encoder_decoder", "deepnorm"), ("encoder_decoder", "admin")],
+)
 def test_activation_checkpointing_gives_identical_gradients(arch, scheme):
     """float64: recomputing each layer in the backward gives exactly the gradients of storing it."""
-    cfg = dict(arch=arch, scheme=scheme, layers=3, decoder_layers=2 if arch == "encoder_decoder" else 0, width=32,
-               heads=2, ffn=64, vocab_size=32, max_len=16)
+    cfg = dict(
+        arch=arch,
+        scheme=scheme,
+        layers=3,
+        decoder_layers=2 if arch == "encoder_decoder" else 0,
+        width=32,
+        heads=2,
+        ffn=64,
+        vocab_size=32,
+        max_len=16,
+    )
     torch.manual_seed(0)
     plain = build_model(cfg).double()
     ckpt = build_model({**cfg, "checkpoint_activations": True}).double()

@@ -10,11 +10,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from kilolayer import (
-    SCHEMES, ModelConfig, budget, build_model, count_parameters, deepnorm_constants, matched_configs, training_flops,
+    SCHEMES,
+    ModelConfig,
+    budget,
+    build_model,
+    count_parameters,
+    deepnorm_constants,
+    matched_configs,
+    training_flops,
 )
 from kilolayer.cli import main
 from kilolayer.presets import PRESETS
-
 
 
 def built_parameters(cfg) -> int:
@@ -28,9 +34,7 @@ def built_parameters(cfg) -> int:
 BIG = {"deepnet_200l200l", "deepnet_250l250l", "deepnet_500l500l"}
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in BIG else n for n in PRESETS]
-)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in BIG else n for n in PRESETS])
 def test_preset_parameter_counts(name):
     assert count_parameters(PRESETS[name]) == built_parameters(PRESETS[name])
 
@@ -50,12 +54,30 @@ archs = st.sampled_from(["encoder", "decoder", "encoder_decoder"])
 
 
 @settings(max_examples=60, deadline=None)
-@given(scheme=schemes, arch=archs, layers=st.integers(1, 3), dec=st.integers(1, 3), heads=st.integers(1, 4),
-       head_dim=st.integers(1, 8), ffn=st.integers(1, 40), bias=st.booleans(),
-       positions=st.sampled_from(["learned", "sinusoidal", "none"]))
+@given(
+    scheme=schemes,
+    arch=archs,
+    layers=st.integers(1, 3),
+    dec=st.integers(1, 3),
+    heads=st.integers(1, 4),
+    head_dim=st.integers(1, 8),
+    ffn=st.integers(1, 40),
+    bias=st.booleans(),
+    positions=st.sampled_from(["learned", "sinusoidal", "none"]),
+)
 def test_count_matches_build_for_every_scheme(scheme, arch, layers, dec, heads, head_dim, ffn, bias, positions):
-    cfg = dict(arch=arch, scheme=scheme, layers=layers, width=heads * head_dim, heads=heads, ffn=ffn, bias=bias,
-               positions=positions, vocab_size=11, max_len=7)
+    cfg = dict(
+        arch=arch,
+        scheme=scheme,
+        layers=layers,
+        width=heads * head_dim,
+        heads=heads,
+        ffn=ffn,
+        bias=bias,
+        positions=positions,
+        vocab_size=11,
+        max_len=7,
+    )
     if arch == "encoder_decoder":
         cfg["decoder_layers"] = dec
     assert count_parameters(cfg) == built_parameters(cfg)
@@ -64,8 +86,19 @@ def test_count_matches_build_for_every_scheme(scheme, arch, layers, dec, heads, 
 @settings(max_examples=20, deadline=None)
 @given(scheme=schemes, cls=st.booleans(), patch=st.sampled_from([2, 4]), channels=st.integers(1, 3))
 def test_count_matches_build_for_patch_encoders(scheme, cls, patch, channels):
-    cfg = dict(arch="encoder", scheme=scheme, input="patches", image_size=8, patch_size=patch, channels=channels,
-               cls_token=cls, layers=2, width=16, heads=2, ffn=24)
+    cfg = dict(
+        arch="encoder",
+        scheme=scheme,
+        input="patches",
+        image_size=8,
+        patch_size=patch,
+        channels=channels,
+        cls_token=cls,
+        layers=2,
+        width=16,
+        heads=2,
+        ffn=24,
+    )
     assert count_parameters(cfg) == built_parameters(cfg)
 
 
@@ -83,7 +116,10 @@ def counted_training_flops(cfg: dict, batch: int, src_len: int, tgt_len: int) ->
     c = model.config
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         if c.arch == "encoder_decoder":
-            src, tgt = torch.randint(0, c.vocab_size, (batch, src_len)), torch.randint(0, c.vocab_size, (batch, tgt_len))
+            src, tgt = (
+                torch.randint(0, c.vocab_size, (batch, src_len)),
+                torch.randint(0, c.vocab_size, (batch, tgt_len)),
+            )
             out = model(src, tgt)
         elif c.input == "patches":
             out = model(torch.randn(batch, c.channels, c.image_size, c.image_size))
@@ -96,12 +132,24 @@ def counted_training_flops(cfg: dict, batch: int, src_len: int, tgt_len: int) ->
 FLOP_CASES = {
     "encoder": dict(arch="encoder", scheme="post_ln", layers=2, width=64, heads=4, ffn=256, max_len=32),
     "decoder": dict(arch="decoder", scheme="pre_ln", layers=3, width=64, heads=2, ffn=128, max_len=32),
-    "encoder_decoder": dict(arch="encoder_decoder", scheme="deepnorm", layers=2, decoder_layers=3, width=64,
-                            heads=4, ffn=256, max_len=32),
-    "patches": dict(arch="encoder", scheme="pre_ln", input="patches", image_size=32, patch_size=4, channels=3,
-                    layers=2, width=64, heads=4, ffn=256),
-    "sub_ln_no_bias": dict(arch="encoder", scheme="sub_ln", layers=2, width=64, heads=4, ffn=256, max_len=32,
-                           bias=False),
+    "encoder_decoder": dict(
+        arch="encoder_decoder", scheme="deepnorm", layers=2, decoder_layers=3, width=64, heads=4, ffn=256, max_len=32
+    ),
+    "patches": dict(
+        arch="encoder",
+        scheme="pre_ln",
+        input="patches",
+        image_size=32,
+        patch_size=4,
+        channels=3,
+        layers=2,
+        width=64,
+        heads=4,
+        ffn=256,
+    ),
+    "sub_ln_no_bias": dict(
+        arch="encoder", scheme="sub_ln", layers=2, width=64, heads=4, ffn=256, max_len=32, bias=False
+    ),
 }
 
 
@@ -169,8 +217,11 @@ def test_matched_configs_for_a_parameter_count():
 
 def table_rows(text: str) -> list[list[str]]:
     """Cells of each body row of a rich table (rows drawn with the box character │)."""
-    return [[c.strip() for c in line.strip().strip("│").split("│")] for line in text.splitlines()
-            if line.strip().startswith("│")]
+    return [
+        [c.strip() for c in line.strip().strip("│").split("│")]
+        for line in text.splitlines()
+        if line.strip().startswith("│")
+    ]
 
 
 def millions(n: float) -> str:
@@ -211,5 +262,6 @@ def test_configs_table_matches_matched_configs(capsys, monkeypatch):
         assert row[5] == millions(b.parameters)
         assert row[6] == f"{(b.parameters - target) / target:+.1%}"
         assert row[7] == millions(b.flops_per_token)
-    assert ["48", "-", "384", "6", "1536", millions(count_parameters(PRESETS["vit_b16_deep48"]))] == \
-        [r for r in rows if r[0] == "48"][0][:6]
+    assert ["48", "-", "384", "6", "1536", millions(count_parameters(PRESETS["vit_b16_deep48"]))] == [
+        r for r in rows if r[0] == "48"
+    ][0][:6]

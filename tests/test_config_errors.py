@@ -16,17 +16,32 @@ KILOLAYER = Path(sys.executable).parent / "kilolayer"
 
 # (--set items, source, fragments the one-line message must contain)
 BAD = {
-    "unknown scheme": (["model.scheme=deepnet"], "bert_base",
-                       ["model.scheme", "'deepnet'", "allowed", "deepnorm", "post_ln", "pre_ln"]),
-    "width not divisible by heads": (["model.width=100", "model.heads=3"], None,
-                                     ["model.width=100", "model.heads=3", "divisible"]),
+    "unknown scheme": (
+        ["model.scheme=deepnet"],
+        "bert_base",
+        ["model.scheme", "'deepnet'", "allowed", "deepnorm", "post_ln", "pre_ln"],
+    ),
+    "width not divisible by heads": (
+        ["model.width=100", "model.heads=3"],
+        None,
+        ["model.width=100", "model.heads=3", "divisible"],
+    ),
     "negative depth": (["model.layers=-2"], "gpt2_small", ["model.layers=-2", "greater than or equal to 1"]),
-    "negative decoder depth": (["model.decoder_layers=-1"], "transformer_base",
-                               ["model.decoder_layers=-1", "greater than or equal to 0"]),
-    "zero decoder layers": (["model.arch=encoder_decoder", "model.decoder_layers=0"], None,
-                            ["model.decoder_layers=0", "at least 1"]),
-    "unknown preset": ([], "vit_b61", ["vit_b61", "neither a preset nor a config file", "vit_b16",
-                                        "kilolayer presets"]),
+    "negative decoder depth": (
+        ["model.decoder_layers=-1"],
+        "transformer_base",
+        ["model.decoder_layers=-1", "greater than or equal to 0"],
+    ),
+    "zero decoder layers": (
+        ["model.arch=encoder_decoder", "model.decoder_layers=0"],
+        None,
+        ["model.decoder_layers=0", "at least 1"],
+    ),
+    "unknown preset": (
+        [],
+        "vit_b61",
+        ["vit_b61", "neither a preset nor a config file", "vit_b16", "kilolayer presets"],
+    ),
     "unknown preset, no near name": ([], "nope", ["nope", "neither a preset nor a config file", "kilolayer presets"]),
     "unknown key": (["model.wdith=64"], None, ["model.wdith", "unknown key", "allowed", "width", "heads"]),
     "unknown section": (["modle.width=64"], None, ["modle", "unknown key", "model", "objective", "train"]),
@@ -135,8 +150,19 @@ def _models():
         "encoder": build_model(dict(arch="encoder", **small)),
         "decoder": build_model(dict(arch="decoder", **small)),
         "encoder_decoder": build_model(dict(arch="encoder_decoder", decoder_layers=1, **small)),
-        "patches": build_model(dict(arch="encoder", input="patches", image_size=8, patch_size=4, channels=3,
-                                    layers=1, width=16, heads=2, ffn=32)),
+        "patches": build_model(
+            dict(
+                arch="encoder",
+                input="patches",
+                image_size=8,
+                patch_size=4,
+                channels=3,
+                layers=1,
+                width=16,
+                heads=2,
+                ffn=32,
+            )
+        ),
     }
 
 
@@ -154,15 +180,24 @@ BAD_INPUTS = {
     "float target ids": ("encoder_decoder", (ids, torch.zeros(2, 5)), ["tgt:", "integer"]),
     "float source ids": ("encoder_decoder", (torch.zeros(2, 5), ids), ["src:", "integer"]),
     "target too long": ("encoder_decoder", (ids, torch.zeros(2, 9, dtype=torch.long)), ["tgt:", "max_len=8"]),
-    "image of the wrong size": ("patches", (torch.zeros(2, 3, 16, 16),), ["images", "(batch, 3, 8, 8)",
-                                                                          "(2, 3, 16, 16)"]),
+    "image of the wrong size": (
+        "patches",
+        (torch.zeros(2, 3, 16, 16),),
+        ["images", "(batch, 3, 8, 8)", "(2, 3, 16, 16)"],
+    ),
     "image without batch": ("patches", (torch.zeros(3, 8, 8),), ["images", "(batch, 3, 8, 8)", "(3, 8, 8)"]),
     "integer image": ("patches", (torch.zeros(2, 3, 8, 8, dtype=torch.uint8),), ["images", "floating", "uint8"]),
     "float padding mask": ("encoder", (ids, torch.zeros(2, 5)), ["padding_mask", "bool", "(2, 5)"]),
-    "padding mask of the wrong shape": ("decoder", (ids, torch.zeros(2, 4, dtype=torch.bool)),
-                                        ["padding_mask", "(2, 5)", "(2, 4)"]),
-    "source padding mask of the wrong shape": ("encoder_decoder", (ids, ids, torch.zeros(2, 6, dtype=torch.bool)),
-                                               ["src_padding_mask", "(2, 5)"]),
+    "padding mask of the wrong shape": (
+        "decoder",
+        (ids, torch.zeros(2, 4, dtype=torch.bool)),
+        ["padding_mask", "(2, 5)", "(2, 4)"],
+    ),
+    "source padding mask of the wrong shape": (
+        "encoder_decoder",
+        (ids, ids, torch.zeros(2, 6, dtype=torch.bool)),
+        ["src_padding_mask", "(2, 5)"],
+    ),
 }
 
 

@@ -182,9 +182,18 @@ def test_idx_folder_gzipped_or_not(tmp_path):
     arrays = idx_folder(tmp_path / "d")
     s = source("idx", path=tmp_path / "d", image_size=8, patch_size=2, options={"val_fraction": 0.2})
     assert (len(s), s.eval_size, s.split_size("test")) == (32, 8, 20)
-    assert s.num_classes == 4 and M.idx.count_classes(load_config(
-        {"model": {"input": "patches", "channels": 1, "image_size": 8, "patch_size": 2},
-         "data": {"name": "idx", "path": str(tmp_path / "d")}})) == 4
+    assert (
+        s.num_classes == 4
+        and M.idx.count_classes(
+            load_config(
+                {
+                    "model": {"input": "patches", "channels": 1, "image_size": 8, "patch_size": 2},
+                    "data": {"name": "idx", "path": str(tmp_path / "d")},
+                }
+            )
+        )
+        == 4
+    )
     images = s.columns["inputs"]
     assert torch.equal(images[:40, 0], arrays["train_images"]) and torch.equal(images[40:, 0], arrays["test_images"])
     assert torch.bincount(s.columns["labels"][s.examples("validation")]).tolist() == [2, 2, 2, 2]
@@ -204,13 +213,19 @@ def test_idx_cache_key_follows_the_files(tmp_path, monkeypatch):
     "spoil, message",
     [
         (lambda d: (d / "t10k-labels-idx1-ubyte").unlink(), "no t10k-labels-idx1-ubyte[.gz]"),
-        (lambda d: (d / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x0d\x01\x00\x00\x00\x01abcd"),
-         "not an IDX file of unsigned bytes"),
-        (lambda d: (d / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x05ab"),
-         "IDX header says 5 bytes, the file holds 2"),
+        (
+            lambda d: (d / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x0d\x01\x00\x00\x00\x01abcd"),
+            "not an IDX file of unsigned bytes",
+        ),
+        (
+            lambda d: (d / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x05ab"),
+            "IDX header says 5 bytes, the file holds 2",
+        ),
         (lambda d: (d / "train-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8b\x08junk"), "train-images-idx3-ubyte.gz"),
-        (lambda d: write_idx(d / "train-labels-idx1-ubyte", torch.zeros(39, dtype=torch.uint8), False),
-         "40 train images but 39 train labels"),
+        (
+            lambda d: write_idx(d / "train-labels-idx1-ubyte", torch.zeros(39, dtype=torch.uint8), False),
+            "40 train images but 39 train labels",
+        ),
     ],
 )
 def test_bad_idx_folder_is_one_line(tmp_path, spoil, message):
@@ -244,12 +259,20 @@ def test_missing_zarr_is_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "name, model, path, message",
     [
-        ("fashion_mnist", {}, "/no/such/folder",
-         "data.name='fashion_mnist': no Fashion-MNIST in /no/such/folder (apt-get install dataset-fashion-mnist"),
+        (
+            "fashion_mnist",
+            {},
+            "/no/such/folder",
+            "data.name='fashion_mnist': no Fashion-MNIST in /no/such/folder (apt-get install dataset-fashion-mnist",
+        ),
         ("idx", {}, None, "data.path: data.name='idx' needs a folder of the four IDX files"),
         ("idx", {}, "/no/such/folder", "/no/such/folder: no such folder (data.path)"),
-        ("mnist", {"image_size": 32, "patch_size": 8}, None,
-         "model.image_size=32: data.name='mnist' gives 28x28 images; set model.image_size: 28"),
+        (
+            "mnist",
+            {"image_size": 32, "patch_size": 8},
+            None,
+            "model.image_size=32: data.name='mnist' gives 28x28 images; set model.image_size: 28",
+        ),
         ("mnist", {"channels": 3}, None, "model.channels=3: data.name='mnist' gives grey images"),
         ("fashion_mnist", {"input": "tokens"}, None, "model.input='tokens': data.name='fashion_mnist' gives images"),
     ],
@@ -263,8 +286,16 @@ def test_config_and_path_errors_are_one_line(name, model, path, message):
 def test_cli_names_what_to_install(tmp_path, capsys):
     from kilolayer.cli import main
 
-    rc = main(["train", str(ROOT / "configs" / "fashion_vit.yaml"), "--out", str(tmp_path / "run"),
-               "--set", "data.path=/no/such/folder"])
+    rc = main(
+        [
+            "train",
+            str(ROOT / "configs" / "fashion_vit.yaml"),
+            "--out",
+            str(tmp_path / "run"),
+            "--set",
+            "data.path=/no/such/folder",
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("kilolayer: error: data.name='fashion_mnist': no Fashion-MNIST in /no/such/folder"), err
@@ -287,8 +318,15 @@ def test_vit_learns_mnist_and_mae_pretraining_lowers_the_fine_tuning_loss(tmp_pa
 
     cfg = ROOT / "configs"
     mae, ft, scratch = tmp_path / "mae", tmp_path / "ft", tmp_path / "scratch"
-    short = ["--quiet", "--set", "train.steps=600", "--set", "train.eval_every=600",
-             "--set", "train.checkpoint_every=600"]
+    short = [
+        "--quiet",
+        "--set",
+        "train.steps=600",
+        "--set",
+        "train.eval_every=600",
+        "--set",
+        "train.checkpoint_every=600",
+    ]
     assert main(["train", str(cfg / "mnist_mae.yaml"), "--out", str(mae), *short]) == 0
     vit = [*short, "--set", "train.eval_batches=32"]  # 2,048 validation images
     assert main(["train", str(cfg / "mnist_vit.yaml"), "--out", str(ft), *vit, "--set", f"train.init_from={mae}"]) == 0

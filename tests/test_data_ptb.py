@@ -35,12 +35,22 @@ def private_cache(tmp_path_factory, monkeypatch):
 def config(level="word", objective="causal_lm", vocab_size=None, max_len=32, **options):
     arch = "decoder" if objective == "causal_lm" else "encoder"
     vocab_size = vocab_size or (10_003 if level == "word" else 262)
-    return load_config({
-        "model": {"arch": arch, "input": "tokens", "layers": 1, "width": 32, "heads": 2, "ffn": 64,
-                  "vocab_size": vocab_size, "max_len": max_len},
-        "objective": {"name": objective},
-        "data": {"name": "ptb", "options": {"level": level, **options}},
-    })
+    return load_config(
+        {
+            "model": {
+                "arch": arch,
+                "input": "tokens",
+                "layers": 1,
+                "width": 32,
+                "heads": 2,
+                "ffn": 64,
+                "vocab_size": vocab_size,
+                "max_len": max_len,
+            },
+            "objective": {"name": objective},
+            "data": {"name": "ptb", "options": {"level": level, **options}},
+        }
+    )
 
 
 def test_word_level_counts_and_vocabulary():
@@ -86,8 +96,10 @@ def test_splits_are_the_given_files_and_evaluation_covers_the_split_once():
     index = s.tokenizer.index
     for split in ("train", "validation", "test"):  # each split holds exactly its own file, in order
         expect = [index[w] for sentence in penn[split] for w in sentence + ["<eos>"]]
-        assert hashlib.sha1(s.streams[split].numpy().tobytes()).hexdigest() == hashlib.sha1(
-            torch.as_tensor(expect, dtype=torch.int32).numpy().tobytes()).hexdigest()
+        assert (
+            hashlib.sha1(s.streams[split].numpy().tobytes()).hexdigest()
+            == hashlib.sha1(torch.as_tensor(expect, dtype=torch.int32).numpy().tobytes()).hexdigest()
+        )
     # training windows come from the training stream only
     train = s.streams["train"].long()
     for step in (0, 5):
@@ -142,19 +154,25 @@ def test_mlm_takes_ptb_ids():
     with torch.no_grad():
         loss, _ = task(s.train_batch(0, 16))
     assert abs(float(loss) - math.log(10_003)) < 0.3  # a fresh head is near uniform over the vocabulary
-    assert isinstance(tokenizer_for(config("bytes", objective="mlm")), type(tokenizer_for(
-        load_config({"data": {"name": "stdlib_bytes"}}))))
+    assert isinstance(
+        tokenizer_for(config("bytes", objective="mlm")),
+        type(tokenizer_for(load_config({"data": {"name": "stdlib_bytes"}}))),
+    )
 
 
 @pytest.mark.parametrize(
     "cfg, message",
     [
-        (dict(level="word", vocab_size=262),
-         "model.vocab_size=262: data.name='ptb' at level 'word' has 10003 ids (10,000 words + <pad>, <mask>, <cls>); "
-         "set model.vocab_size: 10003"),
+        (
+            dict(level="word", vocab_size=262),
+            "model.vocab_size=262: data.name='ptb' at level 'word' has 10003 ids "
+            "(10,000 words + <pad>, <mask>, <cls>); set model.vocab_size: 10003",
+        ),
         (dict(level="bytes", vocab_size=256), "model.vocab_size=256: data.name='ptb' at level 'bytes' has 262 ids"),
-        (dict(objective="mlm", seq_len=32),
-         "data.options.seq_len=32: objective 'mlm' reads 33 tokens per window, more than model.max_len=32"),
+        (
+            dict(objective="mlm", seq_len=32),
+            "data.options.seq_len=32: objective 'mlm' reads 33 tokens per window, more than model.max_len=32",
+        ),
         (dict(seq_len=33), "data.options.seq_len=33: objective 'causal_lm' reads 33 tokens per window"),
         (dict(level="chars"), "data.options.level"),
     ],

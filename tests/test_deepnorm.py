@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +12,6 @@ import kilolayer
 from kilolayer import ConfigError, build_model, deepnorm_constants
 
 layers = st.integers(min_value=1, max_value=100_000)
-
 
 
 # The table, written out term by term so that a slip in the library's exponents shows up.
@@ -148,8 +146,11 @@ def test_built_model_carries_each_sides_alpha(arch, n, m):
 
 def test_encoder_decoder_sides_differ():
     """The encoder side of an encoder-decoder must not reuse the decoder's (or encoder-only's) constant."""
-    model = build_model(dict(arch="encoder_decoder", scheme="deepnorm", layers=6, decoder_layers=6, width=16,
-                             heads=2, ffn=32, max_len=8))
+    model = build_model(
+        dict(
+            arch="encoder_decoder", scheme="deepnorm", layers=6, decoder_layers=6, width=16, heads=2, ffn=32, max_len=8
+        )
+    )
     enc_alpha = model.encoder.layers[0].ffn.alpha
     dec_alpha = model.decoder.layers[0].cross_attn.alpha
     assert enc_alpha == pytest.approx(0.81 * (6**5) ** (1 / 16))

@@ -15,19 +15,41 @@ from kilolayer.doctor.theory import update_coefficient
 
 # a tiny encoder-decoder on the reverse task: replaying its first step takes well under a second
 TINY = {
-    "model": {"arch": "encoder_decoder", "scheme": "post_ln", "layers": 3, "decoder_layers": 3, "width": 16,
-              "heads": 2, "ffn": 32, "vocab_size": 13, "max_len": 16},
+    "model": {
+        "arch": "encoder_decoder",
+        "scheme": "post_ln",
+        "layers": 3,
+        "decoder_layers": 3,
+        "width": 16,
+        "heads": 2,
+        "ffn": 32,
+        "vocab_size": 13,
+        "max_len": 16,
+    },
     "objective": {"name": "seq2seq", "options": {"decode_samples": 0}},
-    "data": {"name": "synthetic", "task": "reverse",
-             "options": {"vocab": 10, "min_len": 4, "max_len": 8, "eval_size": 32}},
-    "train": {"steps": 20, "batch_size": 8, "lr": 1e-3, "warmup": 10, "eval_batches": 2, "eval_every": 10,
-              "diagnostics_every": 5},
+    "data": {
+        "name": "synthetic",
+        "task": "reverse",
+        "options": {"vocab": 10, "min_len": 4, "max_len": 8, "eval_size": 32},
+    },
+    "train": {
+        "steps": 20,
+        "batch_size": 8,
+        "lr": 1e-3,
+        "warmup": 10,
+        "eval_batches": 2,
+        "eval_every": 10,
+        "diagnostics_every": 5,
+    },
 }
 ENC = [f"encoder.{i}" for i in range(3)]
 DEC = [f"decoder.{i}" for i in range(3)]
-LN = [f"{side}.layers.{i}.{sub}.post_norm" for side, subs in (("encoder", ("self_attn", "ffn")),
-                                                              ("decoder", ("self_attn", "cross_attn", "ffn")))
-      for i in range(3) for sub in subs]
+LN = [
+    f"{side}.layers.{i}.{sub}.post_norm"
+    for side, subs in (("encoder", ("self_attn", "ffn")), ("decoder", ("self_attn", "cross_attn", "ffn")))
+    for i in range(3)
+    for sub in subs
+]
 
 
 def tiny(**changes) -> "Config":  # noqa: F821
@@ -41,8 +63,18 @@ def tiny(**changes) -> "Config":  # noqa: F821
     return load_config(data)
 
 
-def fake_run(path, config, *, grads=None, updates=(0.01, 0.02), ln=None, evals=(2.0, 1.5), status="completed",
-             reason="", smoothness=None):
+def fake_run(
+    path,
+    config,
+    *,
+    grads=None,
+    updates=(0.01, 0.02),
+    ln=None,
+    evals=(2.0, 1.5),
+    status="completed",
+    reason="",
+    smoothness=None,
+):
     """A run directory written through kilolayer.rundir, with hand-made diagnostics and losses."""
     path.mkdir(parents=True)
     rundir.write_atomic(path / rundir.CONFIG, dump_yaml(config))
@@ -51,16 +83,26 @@ def fake_run(path, config, *, grads=None, updates=(0.01, 0.02), ln=None, evals=(
     lines = []
     for i, (step, update) in enumerate(zip((1, 5), updates)):
         lines.append({"step": step, "split": "train", "loss": 2.5 - 0.1 * i, "lr": 1e-4 * step})
-        lines.append({"step": step, "split": "diagnostics", "layers": ENC + DEC, "grad_norm": grads,
-                      "update": update, "ln_names": LN, "ln_input": ln})
+        lines.append(
+            {
+                "step": step,
+                "split": "diagnostics",
+                "layers": ENC + DEC,
+                "grad_norm": grads,
+                "update": update,
+                "ln_names": LN,
+                "ln_input": ln,
+            }
+        )
     for i, loss in enumerate(evals):
         lines.append({"step": 10 * (i + 1), "split": "eval", "loss": loss})
     rundir.write_atomic(path / rundir.METRICS, "".join(rundir.metrics_line(r) for r in lines))
     rundir.write_status(path, status, 20 if status == "completed" else 7, reason)
     if smoothness is not None:
         (path / "analysis" / "smoothness").mkdir(parents=True)
-        (path / "analysis" / "smoothness" / "smoothness.json").write_text(json.dumps(
-            {"layers": list(range(len(smoothness))), "cosine": smoothness}))
+        (path / "analysis" / "smoothness" / "smoothness.json").write_text(
+            json.dumps({"layers": list(range(len(smoothness))), "cosine": smoothness})
+        )
     return path
 
 
@@ -83,8 +125,9 @@ def test_deepnorm_constants_make_the_bound_one():
         assert update_coefficient(enc) == pytest.approx(1.0)
         assert update_coefficient(dec) == pytest.approx(1.0)
         for m in (1, 6, 100):
-            ed = load_config({"model": {"arch": "encoder_decoder", "layers": n, "decoder_layers": m,
-                                        "scheme": "deepnorm"}}).model
+            ed = load_config(
+                {"model": {"arch": "encoder_decoder", "layers": n, "decoder_layers": m, "scheme": "deepnorm"}}
+            ).model
             # decoder sum 1, plus the encoder's carried through cross-attention: (0.87/0.81)^2 * 4 / (12^.5 3^.25)
             assert update_coefficient(ed) == pytest.approx(1 + (0.87 / 0.81) ** 2 * 4 / (12**0.5 * 3**0.25))
     post = load_config({"model": {"arch": "encoder_decoder", "layers": 18, "decoder_layers": 18}}).model
@@ -141,9 +184,19 @@ def test_growing_layernorm_inputs(tmp_path):
 
 
 def test_over_smoothed_tokens(tmp_path):
-    config = tiny(model__arch="encoder", model__decoder_layers=0, objective__name="classification",
-                  objective__options={"pool": "cls"}, data__name="digits", data__task=None, data__options={},
-                  model__input="patches", model__image_size=8, model__patch_size=2, model__channels=1)
+    config = tiny(
+        model__arch="encoder",
+        model__decoder_layers=0,
+        objective__name="classification",
+        objective__options={"pool": "cls"},
+        data__name="digits",
+        data__task=None,
+        data__options={},
+        model__input="patches",
+        model__image_size=8,
+        model__patch_size=2,
+        model__channels=1,
+    )
     run = fake_run(tmp_path / "run", config, smoothness=[0.1, 0.5, 0.8, 0.96])
     d = diagnose(run, replay_steps=0)
     f = finding(d, "oversmoothing")
@@ -275,14 +328,38 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 def small(scheme, lr, layers=12, steps=60, warmup=30):
     """Reverse-digits encoder-decoders, width 32. Trained here: Post-LN 12L-12L at lr 1e-2 stalls (final eval
     loss 0.97 x chance), DeepNorm trains (0.54 x chance); Post-LN 2L-2L at lr 10 diverges at step 11."""
-    return load_config({
-        "model": {"arch": "encoder_decoder", "scheme": scheme, "layers": layers, "decoder_layers": layers,
-                  "width": 32, "heads": 4, "ffn": 128, "vocab_size": 13, "max_len": 16},
-        "objective": {"name": "seq2seq", "options": {"decode_samples": 0}},
-        "data": {"name": "synthetic", "task": "reverse",
-                 "options": {"vocab": 10, "min_len": 4, "max_len": 12, "eval_size": 128}},
-        "train": {"steps": steps, "batch_size": 32, "lr": lr, "warmup": warmup, "schedule": "inverse_sqrt",
-                  "clip": 0.0, "eval_batches": 4, "diagnostics_every": 5, "diagnostics_until": 50}})
+    return load_config(
+        {
+            "model": {
+                "arch": "encoder_decoder",
+                "scheme": scheme,
+                "layers": layers,
+                "decoder_layers": layers,
+                "width": 32,
+                "heads": 4,
+                "ffn": 128,
+                "vocab_size": 13,
+                "max_len": 16,
+            },
+            "objective": {"name": "seq2seq", "options": {"decode_samples": 0}},
+            "data": {
+                "name": "synthetic",
+                "task": "reverse",
+                "options": {"vocab": 10, "min_len": 4, "max_len": 12, "eval_size": 128},
+            },
+            "train": {
+                "steps": steps,
+                "batch_size": 32,
+                "lr": lr,
+                "warmup": warmup,
+                "schedule": "inverse_sqrt",
+                "clip": 0.0,
+                "eval_batches": 4,
+                "diagnostics_every": 5,
+                "diagnostics_until": 50,
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -291,8 +368,11 @@ def real_runs(tmp_path_factory):
     from kilolayer.train.loop import train
 
     root = tmp_path_factory.mktemp("real")
-    runs = {"post_ln": small("post_ln", 1e-2), "deepnorm": small("deepnorm", 1e-2),
-            "diverged": small("post_ln", 10.0, layers=2, steps=40, warmup=10)}
+    runs = {
+        "post_ln": small("post_ln", 1e-2),
+        "deepnorm": small("deepnorm", 1e-2),
+        "diverged": small("post_ln", 10.0, layers=2, steps=40, warmup=10),
+    }
     torch.set_num_threads(1)
     for name, config in runs.items():
         try:

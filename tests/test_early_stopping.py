@@ -20,12 +20,28 @@ ROOT = Path(__file__).resolve().parents[1]
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 LM = {
-    "model": {"arch": "decoder", "scheme": "pre_ln", "layers": 2, "width": 32, "heads": 2, "ffn": 64,
-              "vocab_size": 262, "max_len": 32},
+    "model": {
+        "arch": "decoder",
+        "scheme": "pre_ln",
+        "layers": 2,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 262,
+        "max_len": 32,
+    },
     "objective": {"name": "causal_lm"},
     "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
-    "train": {"steps": 40, "batch_size": 4, "lr": 1e-3, "log_every": 1, "eval_every": 3, "eval_batches": 2,
-              "keep_checkpoints": 1, "peak_flops": 1e11},
+    "train": {
+        "steps": 40,
+        "batch_size": 4,
+        "lr": 1e-3,
+        "log_every": 1,
+        "eval_every": 3,
+        "eval_batches": 2,
+        "keep_checkpoints": 1,
+        "peak_flops": 1e11,
+    },
 }
 # The eval loss falls at every evaluation here; told that higher is better, early stopping sees its first
 # evaluation (step 3) as the best and none after it: with patience 3 it stops at step 12, exactly.
@@ -134,8 +150,9 @@ def test_resume_before_the_stop_equals_one_run(tmp_path, leg):
     a, b = rundir.read_status(full), rundir.read_status(split)
     assert (a["reason"], a["best"]) == (b["reason"], b["best"])
     for s in (3, 12):
-        assert (rundir.checkpoint_dir(full, s) / "model.safetensors").read_bytes() == \
-            (rundir.checkpoint_dir(split, s) / "model.safetensors").read_bytes()
+        assert (rundir.checkpoint_dir(full, s) / "model.safetensors").read_bytes() == (
+            rundir.checkpoint_dir(split, s) / "model.safetensors"
+        ).read_bytes()
 
 
 def test_mode_inferred_from_the_metric():
@@ -147,18 +164,29 @@ def test_mode_inferred_from_the_metric():
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kilolayer", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env=ONE_THREAD)
+    return subprocess.run(
+        [sys.executable, "-m", "kilolayer", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=ONE_THREAD,
+    )
 
 
-@pytest.mark.parametrize("sets, needles", [
-    (["train.patience=-1"], ["train.patience=-1", "greater than or equal to 0"]),
-    (["train.min_delta=-0.1"], ["train.min_delta=-0.1"]),
-    (["train.early_stop_mode=lower"], ["train.early_stop_mode='lower'", "'min' or 'max'"]),
-    (["train.patience=2", "train.eval_every=0"], ["train.patience=2", "train.eval_every=0"]),
-    (["train.patience=2", "train.early_stop_metric=accuracy"],
-     ["train.early_stop_metric='accuracy'", "not an evaluation metric of causal_lm", "bits_per_token, loss"]),
-])
+@pytest.mark.parametrize(
+    "sets, needles",
+    [
+        (["train.patience=-1"], ["train.patience=-1", "greater than or equal to 0"]),
+        (["train.min_delta=-0.1"], ["train.min_delta=-0.1"]),
+        (["train.early_stop_mode=lower"], ["train.early_stop_mode='lower'", "'min' or 'max'"]),
+        (["train.patience=2", "train.eval_every=0"], ["train.patience=2", "train.eval_every=0"]),
+        (
+            ["train.patience=2", "train.early_stop_metric=accuracy"],
+            ["train.early_stop_metric='accuracy'", "not an evaluation metric of causal_lm", "bits_per_token, loss"],
+        ),
+    ],
+)
 def test_bad_values_are_one_line_and_leave_no_directory(tmp_path, sets, needles):
     config = tmp_path / "cfg.yaml"
     config.write_text(dump_yaml(load_config(LM)))

@@ -36,15 +36,31 @@ def _tiny_bert(root):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "."]
     (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
     t.BertTokenizerFast(vocab_file=str(root / "vocab.txt")).save_pretrained(root)
-    t.BertModel(t.BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                             intermediate_size=32, max_position_embeddings=16)).save_pretrained(root)
+    t.BertModel(
+        t.BertConfig(
+            vocab_size=len(vocab),
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+        )
+    ).save_pretrained(root)
 
 
 def _tiny_vit(root):
     t = transformers
     torch.manual_seed(0)
-    t.ViTModel(t.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-                           image_size=16, patch_size=8)).save_pretrained(root)
+    t.ViTModel(
+        t.ViTConfig(
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            image_size=16,
+            patch_size=8,
+        )
+    ).save_pretrained(root)
     t.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(root)
 
 
@@ -64,10 +80,14 @@ def test_custom_code_in_a_model_directory_is_refused_not_run(tmp_path, spy):
     marker = tmp_path / "ran"
     d = tmp_path / "custom"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "kilolayer_custom_test",
-        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel"},
-    }))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "kilolayer_custom_test",
+                "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel"},
+            }
+        )
+    )
     (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('1')\n")
     with pytest.raises(InputError, match=r"--hf .*custom: cannot read config.json"):
         load_hf(d, "text")

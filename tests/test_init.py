@@ -27,7 +27,6 @@ ARCHS = {
 }
 
 
-
 def build(scheme: str, arch: str, seed: int = 0, **extra):
     torch.manual_seed(seed)
     cfg = dict(scheme=scheme, width=D, heads=H, ffn=F, vocab_size=512, max_len=32, **ARCHS[arch])
@@ -43,8 +42,10 @@ def own_slices(attn) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         for i, name in enumerate("kv"):
             out[name] = (attn.kv.weight[i * d : (i + 1) * d], attn.kv.bias[i * d : (i + 1) * d])
     else:
-        out = {name: (attn.qkv.weight[i * d : (i + 1) * d], attn.qkv.bias[i * d : (i + 1) * d])
-               for i, name in enumerate("qkv")}
+        out = {
+            name: (attn.qkv.weight[i * d : (i + 1) * d], attn.qkv.bias[i * d : (i + 1) * d])
+            for i, name in enumerate("qkv")
+        }
     out["o"] = (attn.out.weight, attn.out.bias)
     return out
 
@@ -92,7 +93,7 @@ def assert_std(w: torch.Tensor, want: float, label: str, dist: str = "normal"):
 
 
 def assert_zero_biases(model):
-    for side, i, kind, name, w, b in branch_weights(model):
+    for side, i, kind, name, _w, b in branch_weights(model):
         assert b is not None and torch.count_nonzero(b) == 0, f"{side}[{i}].{kind}.{name} bias not zero"
 
 
@@ -307,8 +308,20 @@ def hand_admin_chain(model, src, tgt):
 
 def test_admin_profile_matches_hand_computation():
     torch.manual_seed(0)
-    model = build_model(dict(arch="encoder_decoder", scheme="admin", admin_omega="profile", layers=3,
-                             decoder_layers=2, width=64, heads=4, ffn=256, vocab_size=100, max_len=32))
+    model = build_model(
+        dict(
+            arch="encoder_decoder",
+            scheme="admin",
+            admin_omega="profile",
+            layers=3,
+            decoder_layers=2,
+            width=64,
+            heads=4,
+            ffn=256,
+            vocab_size=100,
+            max_len=32,
+        )
+    )
     src, tgt = torch.randint(0, 100, (4, 24)), torch.randint(0, 100, (4, 16))
     model.train()
     result = admin_profile(model, lambda: model(src, tgt))
@@ -371,8 +384,7 @@ def test_rezero_starts_as_identity_and_shares_the_scalar():
     "layers, want", [(1, 0.1), (12, 0.1), (18, 0.1), (19, 1e-5), (24, 1e-5), (25, 1e-6), (36, 1e-6)]
 )
 def test_layerscale_init_by_depth(layers, want):
-    model = build_model(dict(arch="encoder", scheme="layerscale", layers=layers, width=16, heads=2, ffn=32,
-                             max_len=8))
+    model = build_model(dict(arch="encoder", scheme="layerscale", layers=layers, width=16, heads=2, ffn=32, max_len=8))
     for layer in model.encoder.layers:
         for res in layer.sublayers():
             assert res.gain.shape == (16,)
@@ -381,11 +393,22 @@ def test_layerscale_init_by_depth(layers, want):
 
 
 def test_layerscale_explicit_init_and_encoder_decoder_depth():
-    model = build_model(dict(arch="encoder", scheme="layerscale", layers=30, layerscale_init=0.3, width=16,
-                             heads=2, ffn=32, max_len=8))
+    model = build_model(
+        dict(arch="encoder", scheme="layerscale", layers=30, layerscale_init=0.3, width=16, heads=2, ffn=32, max_len=8)
+    )
     assert torch.allclose(model.encoder.layers[5].ffn.gain, torch.full((16,), 0.3))
-    model = build_model(dict(arch="encoder_decoder", scheme="layerscale", layers=6, decoder_layers=20, width=16,
-                             heads=2, ffn=32, max_len=8))
+    model = build_model(
+        dict(
+            arch="encoder_decoder",
+            scheme="layerscale",
+            layers=6,
+            decoder_layers=20,
+            width=16,
+            heads=2,
+            ffn=32,
+            max_len=8,
+        )
+    )
     gains = torch.cat([r.gain for s in model.stacks() for l in s.layers for r in l.sublayers()])
     assert torch.allclose(gains, torch.full_like(gains, 1e-5))  # depth = the deeper side (20 layers)
 

@@ -8,7 +8,7 @@ self-attention, decoder self-attention, and cross-attention to padded memory).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -23,8 +23,7 @@ SCHEME_NAMES = sorted(SCHEMES)
 examples = settings(max_examples=12, deadline=None)
 
 
-
-@lru_cache(maxsize=None)
+@cache
 def model(scheme: str, arch: str):
     torch.manual_seed(0)
     cfg = dict(arch=arch, scheme=scheme, layers=2, width=32, heads=4, ffn=64, vocab_size=V, max_len=16)

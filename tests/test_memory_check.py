@@ -22,8 +22,17 @@ from kilolayer.train.memory import GIB, available_memory, check_memory, estimate
 DEC = {"arch": "decoder", "layers": 2, "width": 64, "heads": 4, "ffn": 256, "max_len": 64, "vocab_size": 300}
 ENC = {**DEC, "arch": "encoder"}
 S2S = {**DEC, "arch": "encoder_decoder", "decoder_layers": 2}
-VIT = {"arch": "encoder", "input": "patches", "image_size": 16, "patch_size": 4, "channels": 3, "layers": 2,
-       "width": 64, "heads": 4, "ffn": 256}
+VIT = {
+    "arch": "encoder",
+    "input": "patches",
+    "image_size": 16,
+    "patch_size": 4,
+    "channels": 3,
+    "layers": 2,
+    "width": 64,
+    "heads": 4,
+    "ffn": 256,
+}
 MLM = {"name": "mlm", "options": {"mask_id": 4, "random_high": 300, "special_ids": [0, 1, 2, 3, 4]}}
 OBJECTIVES = {
     "causal_lm": (DEC, {"name": "causal_lm"}),
@@ -37,8 +46,9 @@ OBJECTIVES = {
 
 
 def config(model, objective, data="digits", **train):
-    return load_config({"model": model, "objective": objective, "data": {"name": data},
-                        "train": {"batch_size": 8, **train}})
+    return load_config(
+        {"model": model, "objective": objective, "data": {"name": data}, "train": {"batch_size": 8, **train}}
+    )
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
@@ -53,8 +63,13 @@ def test_parameter_counts_are_those_of_the_built_task(name):
 
 
 def test_frozen_backbone_and_fused_optimizer():
-    cfg = config(VIT, {"name": "classification", "options": {"num_classes": 10}}, init_from="unused",
-                 freeze_backbone=True, fused_optimizer=True)
+    cfg = config(
+        VIT,
+        {"name": "classification", "options": {"num_classes": 10}},
+        init_from="unused",
+        freeze_backbone=True,
+        fused_optimizer=True,
+    )
     est = estimate_memory(cfg)
     head = 64 * 10 + 10 + 2 * 64  # linear head + its LayerNorm
     assert est["n_trainable"] == head and est["gradients"] == 4 * head and est["optimizer"] == 8 * head
@@ -83,13 +98,21 @@ def _batch(cfg, B):
         return {"tokens": torch.randint(5, V, (B, T + 1), generator=g)}
     if name == "seq2seq":
         no_pad = torch.zeros(B, T, dtype=torch.bool)
-        return {"src": torch.randint(5, V, (B, T), generator=g), "tgt_in": torch.randint(5, V, (B, T), generator=g),
-                "tgt_out": torch.randint(5, V, (B, T), generator=g), "src_padding_mask": no_pad,
-                "tgt_padding_mask": no_pad}
+        return {
+            "src": torch.randint(5, V, (B, T), generator=g),
+            "tgt_in": torch.randint(5, V, (B, T), generator=g),
+            "tgt_out": torch.randint(5, V, (B, T), generator=g),
+            "src_padding_mask": no_pad,
+            "tgt_padding_mask": no_pad,
+        }
     if m.input == "patches":
         images = torch.randn(B, m.channels, m.image_size, m.image_size, generator=g)
-        return {"images": images, "tokens": torch.randint(5, 200, (B, 64), generator=g),
-                "padding_mask": torch.zeros(B, 64, dtype=torch.bool), "labels": torch.randint(0, 10, (B,), generator=g)}
+        return {
+            "images": images,
+            "tokens": torch.randint(5, 200, (B, 64), generator=g),
+            "padding_mask": torch.zeros(B, 64, dtype=torch.bool),
+            "labels": torch.randint(0, 10, (B,), generator=g),
+        }
     return {"tokens": torch.randint(5, V, (B, T), generator=g), "padding_mask": torch.zeros(B, T, dtype=torch.bool)}
 
 
@@ -104,8 +127,10 @@ def _kept_bytes(cfg) -> int:
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"),
+    ):
         task(_batch(cfg, cfg.train.batch_size))
     return sum(v for k, v in kept.items() if k not in params)
 
@@ -117,13 +142,17 @@ def test_activations_per_layer_match_what_autograd_keeps(arch, precision, scheme
     """Two more layers (per side) add what the estimate says they add, within 8% (measured: 0.965-1.066);
     the activation estimate is 0.95-1.3x the whole forward's kept tensors (measured: 1.00-1.25; it also
     counts the logits' gradient, alive at the start of backward)."""
-    model, objective = {"decoder": (DEC, {"name": "causal_lm"}), "encoder": (ENC, MLM),
-                        "encoder_decoder": (S2S, {"name": "seq2seq"})}[arch]
+    model, objective = {
+        "decoder": (DEC, {"name": "causal_lm"}),
+        "encoder": (ENC, MLM),
+        "encoder_decoder": (S2S, {"name": "seq2seq"}),
+    }[arch]
 
     def cfg(layers):
         extra = {"decoder_layers": layers} if arch == "encoder_decoder" else {}
-        return config({**model, "layers": layers, "scheme": scheme, **extra}, objective, data="synthetic",
-                      precision=precision)
+        return config(
+            {**model, "layers": layers, "scheme": scheme, **extra}, objective, data="synthetic", precision=precision
+        )
 
     small, big = cfg(2), cfg(4)
     measured = _kept_bytes(big) - _kept_bytes(small)
@@ -135,6 +164,7 @@ def test_activations_per_layer_match_what_autograd_keeps(arch, precision, scheme
 def test_dropout_on_cpu_keeps_noise_and_attention_probabilities():
     """On CPU, dropout > 0 sends attention through PyTorch's math path (T x S probabilities per head) and
     keeps fp32 noise: what the estimate adds for it is what autograd adds, within 10%."""
+
     def cfg(p):
         return config({**DEC, "layers": 4, "dropout": p}, {"name": "causal_lm"}, data="synthetic")
 
@@ -197,13 +227,21 @@ RSS_SCRIPT = textwrap.dedent("""
 MID_DEC = {"arch": "decoder", "layers": 8, "width": 512, "heads": 8, "ffn": 2048, "max_len": 256, "vocab_size": 300}
 MID_ENC = {**MID_DEC, "arch": "encoder"}
 MID_S2S = {**MID_DEC, "arch": "encoder_decoder", "layers": 4, "decoder_layers": 4, "max_len": 128}
-MID_VIT = {"arch": "encoder", "input": "patches", "image_size": 32, "patch_size": 4, "channels": 3, "layers": 8,
-           "width": 384, "heads": 6, "ffn": 1536}
+MID_VIT = {
+    "arch": "encoder",
+    "input": "patches",
+    "image_size": 32,
+    "patch_size": 4,
+    "channels": 3,
+    "layers": 8,
+    "width": 384,
+    "heads": 6,
+    "ffn": 1536,
+}
 
 
 def _run(model, objective, train, **model_options):
-    return {"model": {**model, **model_options}, "objective": objective, "data": {"name": "synthetic"},
-            "train": train}
+    return {"model": {**model, **model_options}, "objective": objective, "data": {"name": "synthetic"}, "train": train}
 
 
 # What the module docstring's numbers were measured on (`python tests/test_memory_check.py` reruns it all;
@@ -215,25 +253,33 @@ MATRIX = {
     "decoder accumulate 2": _run(MID_DEC, {"name": "causal_lm"}, {"batch_size": 8, "accumulate": 2}),
     "decoder fused AdamW": _run(MID_DEC, {"name": "causal_lm"}, {"batch_size": 4, "fused_optimizer": True}),
     "decoder dropout 0.1": _run(MID_DEC, {"name": "causal_lm"}, {"batch_size": 4}, dropout=0.1),
-    "decoder activation-heavy": _run({**MID_DEC, "layers": 4, "width": 256, "heads": 4, "ffn": 1024, "max_len": 512},
-                                     {"name": "causal_lm"}, {"batch_size": 16}),
-    "decoder parameter-heavy": _run({**MID_DEC, "layers": 4, "width": 1024, "ffn": 4096, "max_len": 32},
-                                    {"name": "causal_lm"}, {"batch_size": 1}),
+    "decoder activation-heavy": _run(
+        {**MID_DEC, "layers": 4, "width": 256, "heads": 4, "ffn": 1024, "max_len": 512},
+        {"name": "causal_lm"},
+        {"batch_size": 16},
+    ),
+    "decoder parameter-heavy": _run(
+        {**MID_DEC, "layers": 4, "width": 1024, "ffn": 4096, "max_len": 32}, {"name": "causal_lm"}, {"batch_size": 1}
+    ),
     "encoder mlm": _run(MID_ENC, MLM, {"batch_size": 4}),
     "encoder mlm checkpointed": _run(MID_ENC, MLM, {"batch_size": 4}, checkpoint_activations=True),
     "encoder mlm bf16": _run({**MID_ENC, "layers": 4}, MLM, {"batch_size": 2, "precision": "bf16"}),
     "encoder_decoder": _run(MID_S2S, {"name": "seq2seq"}, {"batch_size": 4}),
     "encoder_decoder checkpointed": _run(MID_S2S, {"name": "seq2seq"}, {"batch_size": 4}, checkpoint_activations=True),
-    "encoder_decoder bf16": _run({**MID_S2S, "layers": 2, "decoder_layers": 2}, {"name": "seq2seq"},
-                                 {"batch_size": 2, "precision": "bf16"}),
+    "encoder_decoder bf16": _run(
+        {**MID_S2S, "layers": 2, "decoder_layers": 2}, {"name": "seq2seq"}, {"batch_size": 2, "precision": "bf16"}
+    ),
     "encoder_decoder deepnorm": _run(MID_S2S, {"name": "seq2seq"}, {"batch_size": 4}, scheme="deepnorm"),
-    "vit classification": _run(MID_VIT, {"name": "classification", "options": {"num_classes": 10}},
-                               {"batch_size": 32}),
+    "vit classification": _run(MID_VIT, {"name": "classification", "options": {"num_classes": 10}}, {"batch_size": 32}),
     "vit mae": _run(MID_VIT, {"name": "mae"}, {"batch_size": 32}),
     "vit contrastive": _run(MID_VIT, {"name": "contrastive"}, {"batch_size": 32}),
 }
-SMALL_S2S = _run({**MID_S2S, "layers": 2, "decoder_layers": 2}, {"name": "seq2seq"},
-                 {"batch_size": 8, "accumulate": 2}, checkpoint_activations=True)
+SMALL_S2S = _run(
+    {**MID_S2S, "layers": 2, "decoder_layers": 2},
+    {"name": "seq2seq"},
+    {"batch_size": 8, "accumulate": 2},
+    checkpoint_activations=True,
+)
 
 
 def peak_rss(cfg: dict, steps: int = 2, mmap_threshold: bool = False) -> dict:
@@ -243,8 +289,9 @@ def peak_rss(cfg: dict, steps: int = 2, mmap_threshold: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    out = subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], capture_output=True, text=True,
-                         timeout=900, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cfg)], capture_output=True, text=True, timeout=900, env=env
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -291,15 +338,23 @@ OVERSIZED = textwrap.dedent("""
 
 def test_oversized_models_are_refused_fast_before_allocating():
     """The issue's two cases on the shipped byte-level GPT: 100,000 layers of width 256, and width 100,000."""
-    out = subprocess.run([sys.executable, "-c", OVERSIZED], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", OVERSIZED],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     for case in json.loads(out.stdout.strip().splitlines()[-1]):
         msg = case["message"]
         assert msg is not None and "\n" not in msg, case
-        assert re.match(r"model: needs about [\d.]+ GiB at peak \(params [\d.]+ \+ optimizer [\d.]+ \+ "
-                        r"max\(activations [\d.]+, grads [\d.]+ \+ AdamW temporaries [\d.]+\)\) but [\d.]+ GiB "
-                        r"is available on cpu; use a smaller model or batch, or set train.memory_check=false$", msg)
+        assert re.match(
+            r"model: needs about [\d.]+ GiB at peak \(params [\d.]+ \+ optimizer [\d.]+ \+ "
+            r"max\(activations [\d.]+, grads [\d.]+ \+ AdamW temporaries [\d.]+\)\) but [\d.]+ GiB "
+            r"is available on cpu; use a smaller model or batch, or set train.memory_check=false$",
+            msg,
+        )
         assert float(re.search(r"needs about ([\d.]+) GiB", msg).group(1)) > 1000
         assert case["cpu_seconds"] < 20, case  # 0.7 s for 100,000 layers (CPU time: the machine may be busy)
         assert case["rss_growth"] < 32 * 2**20 and case["hwm_growth"] < 32 * 2**20, case
@@ -362,5 +417,8 @@ if __name__ == "__main__":
     for name, cfg in MATRIX.items():
         for mmap_threshold in (False, True):
             r = peak_rss(cfg, mmap_threshold=mmap_threshold)
-            print(f"{name:30s} {'live' if mmap_threshold else 'glibc':5s} measured {r['measured'] / 2**20:6.0f} MiB  "
-                  f"estimate {r['estimate'] / 2**20:6.0f} MiB  ratio {r['measured'] / r['estimate']:.2f}", flush=True)
+            print(
+                f"{name:30s} {'live' if mmap_threshold else 'glibc':5s} measured {r['measured'] / 2**20:6.0f} MiB  "
+                f"estimate {r['estimate'] / 2**20:6.0f} MiB  ratio {r['measured'] / r['estimate']:.2f}",
+                flush=True,
+            )

@@ -16,8 +16,16 @@ from kilolayer.train import metrics as M
 from kilolayer.train.loop import train
 
 LM = {
-    "model": {"arch": "decoder", "scheme": "pre_ln", "layers": 2, "width": 32, "heads": 2, "ffn": 64,
-              "vocab_size": 262, "max_len": 32},
+    "model": {
+        "arch": "decoder",
+        "scheme": "pre_ln",
+        "layers": 2,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 262,
+        "max_len": 32,
+    },
     "objective": {"name": "causal_lm"},
     "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
     "train": {"steps": 6, "batch_size": 4, "lr": 1e-3, "log_every": 2},
@@ -43,20 +51,38 @@ def test_flops_per_token_is_the_formula():
     assert M.model_flops_per_token(cfg, 31, head=d * V) == 6 * matmul + 12 * L * d * 31 + 6 * d * V
     # a frozen backbone runs forward only: a third of its training FLOPs, the head still trains
     assert M.model_flops_per_token(cfg, 31, head=d * V, frozen_backbone=True) == pytest.approx(
-        (6 * matmul + 12 * L * d * 31) / 3 + 6 * d * V, rel=1e-12)
+        (6 * matmul + 12 * L * d * 31) / 3 + 6 * d * V, rel=1e-12
+    )
     task = build_task(load_config(LM))
     assert M.head_weights(task.objective) == d * V
 
 
 def test_flops_per_token_of_an_encoder_decoder_splits_the_tokens():
-    cfg = load_config({"model": {"arch": "encoder_decoder", "layers": 2, "decoder_layers": 3, "width": 32,
-                                 "heads": 2, "ffn": 64, "max_len": 16}}).model
+    cfg = load_config(
+        {
+            "model": {
+                "arch": "encoder_decoder",
+                "layers": 2,
+                "decoder_layers": 3,
+                "width": 32,
+                "heads": 2,
+                "ffn": 64,
+                "max_len": 16,
+            }
+        }
+    ).model
     d, f = 32, 64
     enc = 2 * (4 * d * d + 2 * d * f)
     dec = 3 * (4 * d * d + 2 * d * f) + 3 * 4 * d * d  # + cross-attention (Q, K, V, O)
     S = T = 10  # 20 tokens a sample: 10 source, 10 target
-    flops = 6 * enc * S + 12 * 2 * d * S * S + 6 * (dec - 3 * 2 * d * d) * T + 12 * 3 * d * T * T \
-        + 6 * (3 * 2 * d * d) * S + 12 * 3 * d * T * S
+    flops = (
+        6 * enc * S
+        + 12 * 2 * d * S * S
+        + 6 * (dec - 3 * 2 * d * d) * T
+        + 12 * 3 * d * T * T
+        + 6 * (3 * 2 * d * d) * S
+        + 12 * 3 * d * T * S
+    )
     assert M.model_flops_per_token(cfg, 20) == pytest.approx(flops / 20, rel=1e-12)
 
 
@@ -84,10 +110,12 @@ def test_meter_rates_over_a_known_time():
 
 
 def test_summarize_means_and_maximum():
-    recs = [{"step": 1, "split": "train", "tokens_per_s": 100.0, "mfu": 0.1, "peak_mem_gib": 1.0},
-            {"step": 1, "split": "eval", "loss": 3.0, "mfu": 9.0},
-            {"step": 2, "split": "train", "tokens_per_s": 300.0, "mfu": 0.3, "peak_mem_gib": 1.5},
-            {"step": 3, "split": "train", "loss": 2.0}]
+    recs = [
+        {"step": 1, "split": "train", "tokens_per_s": 100.0, "mfu": 0.1, "peak_mem_gib": 1.0},
+        {"step": 1, "split": "eval", "loss": 3.0, "mfu": 9.0},
+        {"step": 2, "split": "train", "tokens_per_s": 300.0, "mfu": 0.3, "peak_mem_gib": 1.5},
+        {"step": 3, "split": "train", "loss": 2.0},
+    ]
     assert M.summarize(recs) == pytest.approx({"tokens_per_s": 200.0, "mfu": 0.2, "peak_mem_gib": 1.5})
     assert M.summarize([]) == {}
 
@@ -211,8 +239,11 @@ def test_several_threads_count_at_least_threads_times_one(monkeypatch):
     torch.set_num_threads(3)  # the autouse fixture restores it
     assert M.cpu_peak(torch.float32) == (8e10, 512)  # 2 usable CPUs x 4e10
     assert seen == [3, 1] and torch.get_num_threads() == 3
-    monkeypatch.setattr(M, "quick_gemm_rate",
-                        lambda dtype, budget_s=1.5, **kw: (1.9e11, 2048) if torch.get_num_threads() > 1 else (9e10, 512))
+    monkeypatch.setattr(
+        M,
+        "quick_gemm_rate",
+        lambda dtype, budget_s=1.5, **kw: (1.9e11, 2048) if torch.get_num_threads() > 1 else (9e10, 512),
+    )
     assert M.cpu_peak(torch.float32) == (1.9e11, 2048)  # an idle machine: the measured rate itself
 
 

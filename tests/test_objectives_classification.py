@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from objective_helpers import config, evaluate, setup, train
 
 from kilolayer.errors import ConfigError
 from kilolayer.objectives.common import pool
-from objective_helpers import config, evaluate, setup, train
 
 
 def test_digits_test_accuracy_after_short_run():

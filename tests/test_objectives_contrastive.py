@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from objective_helpers import config, evaluate, setup, train
 
 from kilolayer.errors import ConfigError
-from objective_helpers import config, evaluate, setup, train
 
 SMALL = {"embed_dim": 32, "text_model": {"layers": 1, "width": 32}}
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from objective_helpers import config, fake_run, setup, train
 
 from kilolayer.errors import InputError
 from kilolayer.train.init_from import load_pretrained
-from objective_helpers import config, fake_run, setup, train
 
 
 def pretrained(tmp_path, model=None, steps=3, name="mae_run", step=10):

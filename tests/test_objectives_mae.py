@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from objective_helpers import config, evaluate, fake_run, setup, train
 from PIL import Image
 from torch import nn
 
 from kilolayer.errors import ConfigError
 from kilolayer.objectives.mae import random_masking, unpatchify
 from kilolayer.train.init_from import load_pretrained
-from objective_helpers import config, evaluate, fake_run, setup, train
 
 L = 16  # 8x8 digits, 2x2 patches
 

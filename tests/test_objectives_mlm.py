@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from objective_helpers import config, evaluate, setup, train
 
 from kilolayer.data.vocab import CLS, MASK, PAD
 from kilolayer.errors import ConfigError
-from objective_helpers import config, evaluate, setup, train
 
 PACKAGES = {"max_per_class": 40, "packages": ["asyncio", "email", "xml"]}
 

@@ -31,8 +31,16 @@ HARNESS = ROOT / "tests" / "train_harness.py"
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 LM = {
-    "model": {"arch": "decoder", "scheme": "pre_ln", "layers": 2, "width": 32, "heads": 2, "ffn": 64,
-              "vocab_size": 262, "max_len": 32},
+    "model": {
+        "arch": "decoder",
+        "scheme": "pre_ln",
+        "layers": 2,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 262,
+        "max_len": 32,
+    },
     "objective": {"name": "causal_lm"},
     "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
     "train": {"steps": 12, "batch_size": 4, "lr": 1e-3, "warmup": 2, "log_every": 1, "checkpoint_every": 4},
@@ -67,15 +75,27 @@ def one_line_error(err: str, *needles: str) -> str:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kilolayer", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env=ONE_THREAD)
+    return subprocess.run(
+        [sys.executable, "-m", "kilolayer", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=ONE_THREAD,
+    )
 
 
 def start_paused(gate: Path, at: int, *args: str) -> subprocess.Popen:
     """`kilolayer train ARGS` paused before step AT + 1 (see tests/train_harness.py); returns once it waits."""
     gate.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, str(HARNESS), str(gate), str(at), *args], cwd=ROOT, env=ONE_THREAD,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(HARNESS), str(gate), str(at), *args],
+        cwd=ROOT,
+        env=ONE_THREAD,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while not (gate / "waiting").exists():
         if proc.poll() is not None:
@@ -288,8 +308,10 @@ def _disk_full_at(monkeypatch, step: int) -> None:
     def save_file(tensors, path, *a, **kw):
         if f"step_{step:08d}" in str(path):
             Path(path).write_bytes(b"\0" * 100)  # a partial file, as a full disk leaves
-            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
-                                  '"No space left on device" })')
+            raise SafetensorError(
+                "Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                '"No space left on device" })'
+            )
         return real(tensors, path, *a, **kw)
 
     monkeypatch.setattr(ckpt, "save_file", save_file)
@@ -329,8 +351,12 @@ def _tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0 or not shutil.which("mount"):
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_a_really_full_small_tmpfs(tmp_path, capsys):
@@ -429,8 +455,23 @@ def test_a_run_without_a_checkpoint_is_replaced_only_with_overwrite(tmp_path, ca
     assert main(["train", wide, "--out", str(run), "--quiet", "--resume", "--overwrite"]) == 2
     one_line_error(capsys.readouterr().err, "--resume and --overwrite")
     # --overwrite replaces the run only once the new one has set up: a refused one leaves it as it was
-    assert main(["train", wide, "--out", str(run), "--quiet", "--overwrite", "--set", "data.name=text_bytes",
-                 "--set", f"data.path={tmp_path / 'nope.txt'}"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                wide,
+                "--out",
+                str(run),
+                "--quiet",
+                "--overwrite",
+                "--set",
+                "data.name=text_bytes",
+                "--set",
+                f"data.path={tmp_path / 'nope.txt'}",
+            ]
+        )
+        == 2
+    )
     one_line_error(capsys.readouterr().err, "nope.txt")
     assert load_config(run / "config.yaml").model.width == 32
     assert main(["train", wide, "--out", str(run), "--quiet", "--overwrite", "--set", "train.steps=2"]) == 0
@@ -454,8 +495,9 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
 
     spec_file = tmp_path / "spec.yaml"
     base = cfg_with(steps=8, checkpoint_every=2, keep_checkpoints=4)
-    spec_file.write_text(json.dumps({"name": "tiny", "groups": [
-        {"name": "g", "base": base, "grid": {"model.scheme": ["pre_ln"]}}]}))
+    spec_file.write_text(
+        json.dumps({"name": "tiny", "groups": [{"name": "g", "base": base, "grid": {"model.scheme": ["pre_ln"]}}]})
+    )
     (point,) = expand(load_spec(spec_file))
     out = tmp_path / "study"
     run = point.run_dir(out)
@@ -499,14 +541,19 @@ def test_random_kill9_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
     kills = 0
     for attempt in range(4):
         args = ["train", str(cfg_file), "--out", str(run), "--quiet"] + (["--resume"] if attempt else [])
-        proc = subprocess.Popen([sys.executable, "-m", "kilolayer", *args], cwd=ROOT, env=ONE_THREAD,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kilolayer", *args],
+            cwd=ROOT,
+            env=ONE_THREAD,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         if attempt == 2:
             time.sleep(rng.uniform(0.0, 3.0))  # anywhere, start-up included
         else:
             deadline = time.time() + 120  # during training: once this process has set up
-            while proc.poll() is None and time.time() < deadline and \
-                    rundir.read_status(run).get("pid") != proc.pid:
+            while proc.poll() is None and time.time() < deadline and rundir.read_status(run).get("pid") != proc.pid:
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.6))
         if proc.poll() is None:

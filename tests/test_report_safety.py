@@ -3,7 +3,6 @@ the study's own PNGs are embedded (issue 12, item 2)."""
 
 import base64
 import re
-import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
@@ -30,8 +29,17 @@ BLOCK = "\n\n".join(PAYLOADS)  # each also as a raw HTML block of its own
 MARKERS = ("data-pwned-img", "data-pwned-svg", "data-pwned-details", "data-pwned-iframe", "PWNED-script")
 
 BASE = {
-    "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 1, "decoder_layers": 1, "width": 32,
-              "heads": 2, "ffn": 64, "vocab_size": 13, "max_len": 12},
+    "model": {
+        "arch": "encoder_decoder",
+        "scheme": "deepnorm",
+        "layers": 1,
+        "decoder_layers": 1,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 13,
+        "max_len": 12,
+    },
     "objective": {"name": "seq2seq"},
     "data": {"name": "synthetic", "task": "reverse"},
     "train": {"steps": 4, "batch_size": 8},
@@ -60,29 +68,56 @@ def hostile_report(tmp_path, monkeypatch):
 
     def hostile(results, out_dir):
         return Finding(
-            name="hostile", title=f"title {SCRIPT}", claim=f"claim {IMG} [click](javascript:alert(1))",
-            reference=f"ref {SVG} [tab](java\tscript:alert(1))", rule=f"rule\n\n{BLOCK}\n\n",
-            verdict=Verdict(HELD, reason=f"reason {IFRAME}"), headers=["h", f"head {IMG}"],
+            name="hostile",
+            title=f"title {SCRIPT}",
+            claim=f"claim {IMG} [click](javascript:alert(1))",
+            reference=f"ref {SVG} [tab](java\tscript:alert(1))",
+            rule=f"rule\n\n{BLOCK}\n\n",
+            verdict=Verdict(HELD, reason=f"reason {IFRAME}"),
+            headers=["h", f"head {IMG}"],
             rows=[[f"cell {SCRIPT}", f"multi\n\n{DETAILS}"]],
-            scale_up=f"scale {SVG} ![remote](http://example.com/t.png)", notes=[f"note {IMG}", f"note {SCRIPT}"],
-            plots=[(str(inside), f"inside {IMG}"), (str(outside), "absolute, outside"),
-                   (str(out_dir / "report_files" / ".." / ".." / "outside.png"), "dot-dot, outside"),
-                   (str(out_dir / "report_files" / "link.png"), "symlink to outside"),
-                   (str(out_dir / "report_files" / "fake.png"), "not a PNG")],
+            scale_up=f"scale {SVG} ![remote](http://example.com/t.png)",
+            notes=[f"note {IMG}", f"note {SCRIPT}"],
+            plots=[
+                (str(inside), f"inside {IMG}"),
+                (str(outside), "absolute, outside"),
+                (str(out_dir / "report_files" / ".." / ".." / "outside.png"), "dot-dot, outside"),
+                (str(out_dir / "report_files" / "link.png"), "symlink to outside"),
+                (str(out_dir / "report_files" / "fake.png"), "not a PNG"),
+            ],
         )
 
     monkeypatch.setitem(FINDINGS, "hostile", hostile)
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump({
-        "name": f"study {SCRIPT}", "description": f"desc {IMG}\n\n{BLOCK}\n\n```\n{SCRIPT}\n```\n",
-        "groups": [{"name": "g", "description": f"group {SVG}", "base": BASE,
-                    "grid": {"data.path": [IMG, f"{SCRIPT}```\n{SVG}"]}}],
-        "findings": ["hostile"],
-    }))
+    spec_path.write_text(
+        yaml.safe_dump(
+            {
+                "name": f"study {SCRIPT}",
+                "description": f"desc {IMG}\n\n{BLOCK}\n\n```\n{SCRIPT}\n```\n",
+                "groups": [
+                    {
+                        "name": "g",
+                        "description": f"group {SVG}",
+                        "base": BASE,
+                        "grid": {"data.path": [IMG, f"{SCRIPT}```\n{SVG}"]},
+                    }
+                ],
+                "findings": ["hostile"],
+            }
+        )
+    )
     spec = load_spec(spec_path)
-    results = [Result(point=p, status="failed", reason=f"reason {DETAILS}", step=3, eval={f"k {SCRIPT}": 1.5},
-                      command=f"kilolayer train {p.name}")
-               for p in expand(spec)]
+    results = [
+        Result(
+            point=p,
+            status="failed",
+            reason=f"reason {DETAILS}",
+            step=3,
+            eval={f"k {SCRIPT}": 1.5},
+            command=f"kilolayer train {p.name}",
+        )
+        for p in expand(spec)
+    ]
     md, page, _ = write_report(spec, results, out, 1.0)
     return md, page, inside, outside
 
@@ -102,8 +137,33 @@ def _tags(page: str) -> list[tuple[str, dict]]:
     return parser.tags
 
 
-ALLOWED_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "p", "ul", "li", "strong", "em",
-                "table", "thead", "tbody", "tr", "th", "td", "code", "pre", "img", "a", "br", "hr"}
+ALLOWED_TAGS = {
+    "html",
+    "head",
+    "meta",
+    "title",
+    "style",
+    "body",
+    "h1",
+    "h2",
+    "p",
+    "ul",
+    "li",
+    "strong",
+    "em",
+    "table",
+    "thead",
+    "tbody",
+    "tr",
+    "th",
+    "td",
+    "code",
+    "pre",
+    "img",
+    "a",
+    "br",
+    "hr",
+}
 
 
 def test_hostile_strings_are_text_in_report_html(hostile_report):
@@ -142,8 +202,16 @@ def test_embeddable_image_rules(tmp_path):
     _png(tmp_path / "b.png", "red")
     assert embeddable_image("a.png", out) == png.resolve()
     assert embeddable_image("x/../a.png", out) == png.resolve()  # ".." that stays inside is fine
-    for src in ("../b.png", str(tmp_path / "b.png"), str(png), "file:a.png", "data:image/png;base64,AAAA",
-                "http://example.com/a.png", "", "missing.png"):
+    for src in (
+        "../b.png",
+        str(tmp_path / "b.png"),
+        str(png),
+        "file:a.png",
+        "data:image/png;base64,AAAA",
+        "http://example.com/a.png",
+        "",
+        "missing.png",
+    ):
         assert embeddable_image(src, out) is None, src
 
 
@@ -164,10 +232,11 @@ def test_hostile_strings_are_not_markup_in_report_md(hostile_report):
 
 
 def test_verdict_words_stay_coloured(tmp_path):
-    page = render_html("# t\n\n| a | b |\n|---|---|\n| x | **held** |\n\n**Verdict: did not hold.** because\n",
-                       tmp_path)
-    assert "<strong class=\"held\">held</strong>" in page
-    assert "<strong class=\"not-held\">Verdict: did not hold.</strong>" in page
+    page = render_html(
+        "# t\n\n| a | b |\n|---|---|\n| x | **held** |\n\n**Verdict: did not hold.** because\n", tmp_path
+    )
+    assert '<strong class="held">held</strong>' in page
+    assert '<strong class="not-held">Verdict: did not hold.</strong>' in page
     assert "<table>" in page and "<td>x</td>" in page
 
 
@@ -177,10 +246,23 @@ def test_verdict_words_stay_coloured(tmp_path):
 def _dom(page: Path, tmp_path: Path) -> str:
     profile = tmp_path / "chromium-profile"
     proc = subprocess.run(
-        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-         "--virtual-time-budget=2000", "--dump-dom", page.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120,
+        [
+            str(CHROMIUM),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--virtual-time-budget=2000",
+            "--dump-dom",
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
@@ -195,8 +277,10 @@ def _fired(dom: str) -> set[str]:
 
 
 @pytest.mark.slow  # starts Chromium three times: ~10 s
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
-                                                  "(apt-get install -y chromium; CI installs it)")
+@pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium; CI installs it)",
+)
 def test_no_script_runs_in_chromium(hostile_report, tmp_path):
     _, page, _, _ = hostile_report
     # the harness itself: the same payloads as raw HTML do fire in this browser

@@ -137,8 +137,10 @@ def test_lock_is_exclusive_and_names_its_holder(tmp_path):
 
 
 def test_lock_dies_with_a_killed_process(tmp_path):
-    code = ("import sys, time; from kilolayer.rundir import RunLock; RunLock(sys.argv[1]).acquire(); "
-            "print('held', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from kilolayer.rundir import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "held"

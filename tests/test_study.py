@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,21 +23,38 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------- a tiny study end to end
 
 BASE = {
-    "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 1, "decoder_layers": 1, "width": 32,
-              "heads": 2, "ffn": 64, "vocab_size": 13, "max_len": 12},
+    "model": {
+        "arch": "encoder_decoder",
+        "scheme": "deepnorm",
+        "layers": 1,
+        "decoder_layers": 1,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 13,
+        "max_len": 12,
+    },
     "objective": {"name": "seq2seq", "options": {"decode_samples": 8}},
     "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 6, "eval_size": 16}},
-    "train": {"steps": 4, "batch_size": 8, "lr": 1e-3, "warmup": 2, "eval_every": 2, "log_every": 1,
-              "diagnostics_every": 1},
+    "train": {
+        "steps": 4,
+        "batch_size": 8,
+        "lr": 1e-3,
+        "warmup": 2,
+        "eval_every": 2,
+        "log_every": 1,
+        "diagnostics_every": 1,
+    },
 }
 
 
 def tiny_spec(tmp_path: Path, grid=None, **extra) -> Path:
     spec = {
-        "name": "tiny", "description": "two points",
-        "groups": [{"name": "deepnet", "base": BASE,
-                    "grid": grid or {"model.scheme": ["post_ln", "deepnorm"]}}],
-        "findings": ["deepnet_postln", "deepnet_update"], **extra,
+        "name": "tiny",
+        "description": "two points",
+        "groups": [{"name": "deepnet", "base": BASE, "grid": grid or {"model.scheme": ["post_ln", "deepnorm"]}}],
+        "findings": ["deepnet_postln", "deepnet_update"],
+        **extra,
     }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -52,8 +69,16 @@ def test_tiny_study_end_to_end_and_rerun(tmp_path):
     assert all(r.ran for r in results)
     md, html, findings = write_report(spec, results, out, 1.0)
     text = md.read_text()
-    for section in ("# kilolayer study: tiny", "## Verdicts", "## DeepNorm trains where Post-LN fails at depth",
-                    "**Claim.**", "**Rule.**", "**Verdict:", "## Runs", "kilolayer train"):
+    for section in (
+        "# kilolayer study: tiny",
+        "## Verdicts",
+        "## DeepNorm trains where Post-LN fails at depth",
+        "**Claim.**",
+        "**Rule.**",
+        "**Verdict:",
+        "## Runs",
+        "kilolayer train",
+    ):
         assert section in text, section
     page = html.read_text()
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page
@@ -119,8 +144,10 @@ def test_builtin_studies_expand_and_validate():
         ({"name": "x", "groups": [{"name": "g", "base": BASE, "grid": {"model.layers": []}}]}, "empty list"),
         ({"name": "x", "groups": []}, "groups"),
         ({"name": "x", "groups": [{"name": "g", "base": BASE}], "findings": ["nope"]}, "unknown finding"),
-        ({"name": "x", "groups": [{"name": "g", "base": BASE, "grid": {"model.scheme": ["nope"]}}]},
-         "model.scheme='nope'"),
+        (
+            {"name": "x", "groups": [{"name": "g", "base": BASE, "grid": {"model.scheme": ["nope"]}}]},
+            "model.scheme='nope'",
+        ),
     ],
 )
 def test_bad_spec_is_one_line(tmp_path, spec, needle):
@@ -132,16 +159,19 @@ def test_bad_spec_is_one_line(tmp_path, spec, needle):
 
 
 def test_unknown_study_name_cli_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "nosuchstudy", "--out", str(tmp_path)],
-                       capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-m", "kilolayer", "study", "nosuchstudy", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "nosuchstudy" in lines[0] and "quick" in lines[0]
 
 
 def test_study_list():
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True,
-                       cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0
     assert all(name in p.stdout for name in ("quick", "deepnet", "bamboo"))
 
@@ -180,8 +210,9 @@ def test_estimate_counts_match_a_real_run(tmp_path):
         assert sum(x["split"] == "diagnostics" for x in recs) == diagnostic_steps(cfg)
 
 
-@pytest.mark.parametrize("steps, every, until, expected", [(200, 5, 50, 11), (200, 5, 0, 41), (4, 1, 0, 4), (0, 5, 0, 0),
-                                                           (10, 0, 0, 0)])
+@pytest.mark.parametrize(
+    "steps, every, until, expected", [(200, 5, 50, 11), (200, 5, 0, 41), (4, 1, 0, 4), (0, 5, 0, 0), (10, 0, 0, 0)]
+)
 def test_diagnostic_steps(steps, every, until, expected):
     from kilolayer.study.estimate import diagnostic_steps
 
@@ -213,8 +244,15 @@ def test_estimate_tiny_study(tmp_path, monkeypatch):
     for p in est["points"].values():
         assert p["step"] > 0 and p["seconds"] > est["startup_seconds"]
         # 4 steps, 2 evaluations, 1 checkpoint, 4 diagnostics
-        parts = est["startup_seconds"] + p["setup"] + 4 * p["step"] + 2 * p["evaluation"] + p["checkpoint"] \
-            + 4 * p["diagnostics"] + p["analyses"]
+        parts = (
+            est["startup_seconds"]
+            + p["setup"]
+            + 4 * p["step"]
+            + 2 * p["evaluation"]
+            + p["checkpoint"]
+            + 4 * p["diagnostics"]
+            + p["analyses"]
+        )
         assert p["seconds"] == pytest.approx(parts)
     assert est["wall_seconds"] == pytest.approx(est["compute_seconds"])  # one job: one after the other
     assert not list(tmp_path.glob("study*"))  # probing leaves nothing behind in the project
@@ -228,7 +266,9 @@ def test_still_improving_flags_unconverged_runs():
     p = expand(load_spec(tiny_spec(Path(tempfile.mkdtemp()))))[0]
 
     def run(values, key="accuracy"):
-        return Result(point=p, status="completed", evals=[{"step": 100 * (i + 1), key: v} for i, v in enumerate(values)])
+        return Result(
+            point=p, status="completed", evals=[{"step": 100 * (i + 1), key: v} for i, v in enumerate(values)]
+        )
 
     assert still_improving(run([0.5, 0.7, 0.8, 0.9]), "accuracy", 0.01)  # +0.1 over the last quarter
     assert not still_improving(run([0.5, 0.7, 0.9, 0.905]), "accuracy", 0.01)  # plateaued
@@ -264,27 +304,32 @@ def test_bamboo_study_runs_end_to_end_at_toy_size(tmp_path):
     md, _, findings = write_report(spec, results, out, 1.0)
     # one verdict per pair and modality: smoothing level x 4 pairs, smoothing trend x 3 sequence-level groups,
     # depth (absolute, relative) x 2, depth_tokens x 2 objectives
-    assert [f.name.split(":")[0] for f in findings] == (["bamboo_smoothing"] * 4 + ["bamboo_smoothing_trend"] * 3
-                                                        + ["bamboo_depth", "bamboo_depth_relative"] * 2
-                                                        + ["bamboo_depth_tokens"] * 2)
+    assert [f.name.split(":")[0] for f in findings] == (
+        ["bamboo_smoothing"] * 4
+        + ["bamboo_smoothing_trend"] * 3
+        + ["bamboo_depth", "bamboo_depth_relative"] * 2
+        + ["bamboo_depth_tokens"] * 2
+    )
     assert all(f.verdict.verdict == INCONCLUSIVE and "one seed" in f.verdict.reason for f in findings[:1])
     assert "text: text_classify vs next_token" in md.read_text()
 
 
 def test_study_list_says_how_times_were_obtained():
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True,
-                       cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True, cwd=ROOT)
     lines = {line.split()[0]: line for line in p.stdout.splitlines() if line and not line.startswith(" ")}
     assert "measured" in lines["quick"]
     assert "estimated" in lines["deepnet"] and "estimated" in lines["bamboo"]
 
 
 def test_estimate_cli_bad_input_is_one_line(tmp_path):
-    for args, needle in ((["quick", "--estimate", "--probe-steps", "0"], "--probe-steps=0"),
-                         (["--estimate"], "NAME|SPEC.yaml"),
-                         (["quick", "--out", str(tmp_path), "--jobs", "0"], "--jobs=0")):
-        p = subprocess.run([sys.executable, "-m", "kilolayer", "study", *args], capture_output=True, text=True,
-                           cwd=ROOT)
+    for args, needle in (
+        (["quick", "--estimate", "--probe-steps", "0"], "--probe-steps=0"),
+        (["--estimate"], "NAME|SPEC.yaml"),
+        (["quick", "--out", str(tmp_path), "--jobs", "0"], "--jobs=0"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "kilolayer", "study", *args], capture_output=True, text=True, cwd=ROOT
+        )
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], lines

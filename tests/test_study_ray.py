@@ -31,16 +31,39 @@ RAY = Path(sys.executable).with_name("ray")
 # executors); no telemetry; Ray keeps 127.0.0.1 instead of swapping in the machine's network address; Ray's
 # token authentication with a token of this test run's own (not ~/.ray/auth_token, whose presence would
 # otherwise switch it on for the head but not for a driver given an explicit --address)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-       "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": secrets.token_hex(32),
+}
 
 TINY = {
-    "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 1, "decoder_layers": 1, "width": 32,
-              "heads": 2, "ffn": 64, "vocab_size": 13, "max_len": 12},
+    "model": {
+        "arch": "encoder_decoder",
+        "scheme": "deepnorm",
+        "layers": 1,
+        "decoder_layers": 1,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 13,
+        "max_len": 12,
+    },
     "objective": {"name": "seq2seq", "options": {"decode_samples": 8}},
     "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 6, "eval_size": 16}},
-    "train": {"steps": 4, "batch_size": 8, "lr": 1e-3, "warmup": 2, "eval_every": 2, "log_every": 1,
-              "diagnostics_every": 1},
+    "train": {
+        "steps": 4,
+        "batch_size": 8,
+        "lr": 1e-3,
+        "warmup": 2,
+        "eval_every": 2,
+        "log_every": 1,
+        "diagnostics_every": 1,
+    },
 }
 
 
@@ -87,7 +110,7 @@ def listening(pids: list[int]) -> list[str]:
             f = line.split()
             if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
                 raw = bytes.fromhex(f[1].split(":")[0])
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
                 found.append(socket.inet_ntop(family, raw))
     return found
 
@@ -110,12 +133,44 @@ def ray_head():
     log = tmp / "head.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-             "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--temp-dir", str(tmp),
-             "--ray-client-server-port", str(client), "--node-manager-port", str(nm), "--object-manager-port",
-             str(om), "--runtime-env-agent-port", str(env_agent), "--dashboard-agent-grpc-port", str(grpc),
-             "--dashboard-agent-listen-port", str(listen), "--metrics-export-port", str(metrics)],
-            stdout=fh, stderr=subprocess.STDOUT, env=ENV, cwd=tmp, start_new_session=True)
+            [
+                str(RAY),
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num-cpus",
+                "2",
+                "--num-gpus",
+                "0",
+                "--include-dashboard",
+                "false",
+                "--temp-dir",
+                str(tmp),
+                "--ray-client-server-port",
+                str(client),
+                "--node-manager-port",
+                str(nm),
+                "--object-manager-port",
+                str(om),
+                "--runtime-env-agent-port",
+                str(env_agent),
+                "--dashboard-agent-grpc-port",
+                str(grpc),
+                "--dashboard-agent-listen-port",
+                str(listen),
+                "--metrics-export-port",
+                str(metrics),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            cwd=tmp,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 180
         while "Ray runtime started" not in log.read_text():
@@ -149,20 +204,37 @@ def write_spec(path: Path, data: dict) -> Path:
 def small_study(tmp: Path) -> Path:
     """5 points: Post-LN and DeepNorm x 2 seeds, then a fine-tuning point that starts from one of them
     (`after` + `init_from`) and is analysed (smoothness)."""
-    return write_spec(tmp / "small.yaml", {
-        "name": "small",
-        "groups": [
-            {"name": "deepnet", "base": TINY, "grid": {"model.scheme": ["post_ln", "deepnorm"]}, "seeds": [0, 1]},
-            {"name": "finetune", "after": "deepnet", "init_from": "deepnet", "base": TINY,
-             "grid": {"model.scheme": ["deepnorm"]}, "seeds": [0], "analyses": ["smoothness"]},
-        ],
-        "findings": ["deepnet_postln", "deepnet_update"],
-    })
+    return write_spec(
+        tmp / "small.yaml",
+        {
+            "name": "small",
+            "groups": [
+                {"name": "deepnet", "base": TINY, "grid": {"model.scheme": ["post_ln", "deepnorm"]}, "seeds": [0, 1]},
+                {
+                    "name": "finetune",
+                    "after": "deepnet",
+                    "init_from": "deepnet",
+                    "base": TINY,
+                    "grid": {"model.scheme": ["deepnorm"]},
+                    "seeds": [0],
+                    "analyses": ["smoothness"],
+                },
+            ],
+            "findings": ["deepnet_postln", "deepnet_update"],
+        },
+    )
 
 
 def study(*args, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kilolayer", "study", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kilolayer", "study", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        **kw,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
@@ -171,8 +243,11 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]
 
 
 def records(run: Path, split: str) -> list[tuple]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if r["split"] == split]
+    return [
+        (r["step"], r["loss"])
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == split
+    ]
 
 
 def verdicts(report: Path) -> str:
@@ -193,14 +268,21 @@ def both(ray_head, tmp_path_factory):
     spec = small_study(tmp)
     t0 = time.perf_counter()
     local = study(spec, "--out", tmp / "local", "--jobs", "2")
-    remote = study(spec, "--out", tmp / "ray", "--executor", "ray", "--address", ray_head.address,
-                   "--cpus-per-run", "1")
+    remote = study(
+        spec, "--out", tmp / "ray", "--executor", "ray", "--address", ray_head.address, "--cpus-per-run", "1"
+    )
     r_rc, r_out, r_err = finish(remote)
     l_rc, l_out, l_err = finish(local)
     assert l_rc == 0, l_out + l_err
     assert r_rc == 0, r_out + r_err
-    return {"spec": spec, "local": tmp / "local", "ray": tmp / "ray", "local_out": l_out, "ray_out": r_out,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "spec": spec,
+        "local": tmp / "local",
+        "ray": tmp / "ray",
+        "local_out": l_out,
+        "ray_out": r_out,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 @pytest.mark.slow
@@ -217,8 +299,10 @@ def test_ray_gives_the_same_losses_and_verdicts_as_local(both):
     ft = "runs/finetune/scheme=deepnorm_seed=0"
     cfg = yaml.safe_load((both["ray"] / ft / "config.yaml").read_text())
     assert cfg["train"]["init_from"] == str((both["ray"] / "runs/deepnet/scheme=deepnorm_seed=0").resolve())
-    smooth = [json.loads((d / ft / "analysis/smoothness/smoothness.json").read_text())["cosine"]
-              for d in (both["local"], both["ray"])]
+    smooth = [
+        json.loads((d / ft / "analysis/smoothness/smoothness.json").read_text())["cosine"]
+        for d in (both["local"], both["ray"])
+    ]
     assert smooth[0] == smooth[1]
     # the same verdicts, with the same numbers, in the report and on the command line
     assert verdicts(both["local"] / "report.md") == verdicts(both["ray"] / "report.md")
@@ -232,8 +316,7 @@ def test_ray_gives_the_same_losses_and_verdicts_as_local(both):
 @pytest.mark.slow
 def test_rerun_through_ray_trains_nothing(both, ray_head):
     before = files_state(both["ray"] / "runs")
-    rc, out, err = finish(study(both["spec"], "--out", both["ray"], "--executor", "ray", "--address",
-                                ray_head.address))
+    rc, out, err = finish(study(both["spec"], "--out", both["ray"], "--executor", "ray", "--address", ray_head.address))
     assert rc == 0, err
     assert "(0 trained now)" in out
     assert files_state(both["ray"] / "runs") == before  # no run directory was touched
@@ -263,16 +346,37 @@ def test_out_not_shared_with_the_workers_is_refused_in_one_line(ray_head, tmp_pa
     private = tmp_path / "private"
     private.mkdir()
     spec = small_study(tmp_path)
-    script = 'mount -t tmpfs tmpfs "$1" && exec "$2" -m kilolayer study "$3" --out "$1/study" --executor ray ' \
-             '--address "$4"'
-    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(private),
-                        sys.executable, str(spec), ray_head.address], capture_output=True, text=True, env=ENV,
-                       cwd=ROOT, timeout=300)
+    script = (
+        'mount -t tmpfs tmpfs "$1" && exec "$2" -m kilolayer study "$3" --out "$1/study" --executor ray --address "$4"'
+    )
+    p = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            str(private),
+            sys.executable,
+            str(spec),
+            ray_head.address,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
-    assert lines[0].startswith(f"kilolayer: error: --out {private}/study is not on a shared file system: "
-                               f"a Ray task on node 127.0.0.1 cannot read "), lines[0]
+    assert lines[0].startswith(
+        f"kilolayer: error: --out {private}/study is not on a shared file system: "
+        f"a Ray task on node 127.0.0.1 cannot read "
+    ), lines[0]
     assert not any(private.iterdir())  # nothing trained: nothing reached the real directory
 
 
@@ -285,24 +389,30 @@ def test_executor_ray_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert err.strip().splitlines() == [
-        "kilolayer: error: --executor ray: Ray is not installed; install it with pip install 'kilolayer[ray]'"]
+        "kilolayer: error: --executor ray: Ray is not installed; install it with pip install 'kilolayer[ray]'"
+    ]
     assert not (tmp_path / "out" / "runs").exists() and not (tmp_path / "out" / "configs").exists()
 
 
 def test_importing_kilolayer_does_not_import_ray():
-    code = ("import sys, kilolayer, kilolayer.cli, kilolayer.study.cli, kilolayer.study.runner, "
-            "kilolayer.study.ray_executor; print('ray' in sys.modules)")
+    code = (
+        "import sys, kilolayer, kilolayer.cli, kilolayer.study.cli, kilolayer.study.runner, "
+        "kilolayer.study.ray_executor; print('ray' in sys.modules)"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT)
     assert p.stdout.strip() == "False", p.stderr
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--address", "127.0.0.1:1"], "--address: only with --executor ray"),
-    (["--gpus-per-run", "1", "--nproc-per-run", "2"], "--gpus-per-run, --nproc-per-run: only with --executor ray"),
-    (["--executor", "ray", "--jobs", "2"], "--jobs: only with --executor local"),
-    (["--executor", "ray", "--nproc-per-run", "0"], "--nproc-per-run=0: expected an integer >= 1"),
-    (["--executor", "ray", "--cpus-per-run", "0.5"], "--cpus-per-run=0.5: expected a number >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--address", "127.0.0.1:1"], "--address: only with --executor ray"),
+        (["--gpus-per-run", "1", "--nproc-per-run", "2"], "--gpus-per-run, --nproc-per-run: only with --executor ray"),
+        (["--executor", "ray", "--jobs", "2"], "--jobs: only with --executor local"),
+        (["--executor", "ray", "--nproc-per-run", "0"], "--nproc-per-run=0: expected an integer >= 1"),
+        (["--executor", "ray", "--cpus-per-run", "0.5"], "--cpus-per-run=0.5: expected a number >= 1"),
+    ],
+)
 def test_executor_options_misused_are_one_line(tmp_path, capsys, args, needle):
     from kilolayer.cli import main
 
@@ -318,18 +428,44 @@ def test_train_command_under_torchrun(tmp_path):
 
     point = expand(load_spec(small_study(tmp_path)))[0]
     one, two = train_command(point, tmp_path, 1), train_command(point, tmp_path, 2)
-    assert one[1:] == ["-m", "kilolayer", "train", str(tmp_path / "configs/deepnet/scheme=post_ln_seed=0.yaml"),
-                       "--out", str(tmp_path / "runs/deepnet/scheme=post_ln_seed=0"), "--resume", "--quiet"]
+    assert one[1:] == [
+        "-m",
+        "kilolayer",
+        "train",
+        str(tmp_path / "configs/deepnet/scheme=post_ln_seed=0.yaml"),
+        "--out",
+        str(tmp_path / "runs/deepnet/scheme=post_ln_seed=0"),
+        "--resume",
+        "--quiet",
+    ]
     # torchrun is torch.distributed.run; --standalone picks a free rendezvous port per point
-    assert two == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                   *one[2:]]
+    assert two == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        *one[2:],
+    ]
 
 
 # ---------------------------------------------------------------- faults
 
 
-FAULT = {**TINY, "train": {"steps": 800, "batch_size": 8, "lr": 1e-3, "warmup": 2, "eval_every": 400,
-                           "log_every": 1, "checkpoint_every": 100}}
+FAULT = {
+    **TINY,
+    "train": {
+        "steps": 800,
+        "batch_size": 8,
+        "lr": 1e-3,
+        "warmup": 2,
+        "eval_every": 400,
+        "log_every": 1,
+        "checkpoint_every": 100,
+    },
+}
 
 
 def last_step(run: Path) -> int:
@@ -374,12 +510,27 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
     mid-run. Ray retries both, and both end with the losses of the same run trained uninterrupted (a plain
     `kilolayer train`, alongside), step for step."""
     groups = ("kill_train", "kill_worker")
-    spec = write_spec(tmp_path / "fault.yaml", {"name": "fault", "groups": [{"name": g, "base": FAULT}
-                                                                          for g in groups]})
+    spec = write_spec(
+        tmp_path / "fault.yaml", {"name": "fault", "groups": [{"name": g, "base": FAULT} for g in groups]}
+    )
     reference = tmp_path / "reference"
-    alone = subprocess.Popen([sys.executable, "-m", "kilolayer", "train", write_spec(tmp_path / "run.yaml", FAULT),
-                              "--out", reference, "--quiet"], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    alone = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kilolayer",
+            "train",
+            write_spec(tmp_path / "run.yaml", FAULT),
+            "--out",
+            reference,
+            "--quiet",
+        ],
+        env=ENV,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out = tmp_path / "study"
     runs = {g: out / "runs" / g / "seed=0" for g in groups}
     cmd = (spec, "--out", out, "--executor", "ray", "--address", ray_head.address)
@@ -387,8 +538,7 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
     # 1. Ctrl-C on the driver while both train: the tasks are cancelled, each forwards the interrupt to its
     # training process, which saves a checkpoint and records `interrupted`
     driver = study(*cmd)
-    wait_until(lambda: last_step(runs["kill_train"]) > 120 and last_step(runs["kill_worker"]) > 120, "training",
-               driver)
+    wait_until(lambda: last_step(runs["kill_train"]) > 120 and last_step(runs["kill_worker"]) > 120, "training", driver)
     driver.send_signal(signal.SIGINT)
     rc, _, err = finish(driver, timeout=180)
     assert rc == 130 and err.strip().splitlines()[-1] == "kilolayer: interrupted", err
@@ -404,12 +554,18 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
     past = {"kill_train": stopped["kill_train"] // 100 * 100 + 110, "kill_worker": stopped["kill_worker"] + 30}
     assert max(past.values()) < 700, (stopped, "the two ran too far apart to be killed mid-run")
     driver = study(*cmd)
-    wait_until(lambda: train_pid(runs["kill_train"]) and last_step(runs["kill_train"]) > past["kill_train"],
-               "kill_train to train on", driver)
+    wait_until(
+        lambda: train_pid(runs["kill_train"]) and last_step(runs["kill_train"]) > past["kill_train"],
+        "kill_train to train on",
+        driver,
+    )
     victim = train_pid(runs["kill_train"])
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: train_pid(runs["kill_worker"]) and last_step(runs["kill_worker"]) > past["kill_worker"],
-               "kill_worker to train on", driver)
+    wait_until(
+        lambda: train_pid(runs["kill_worker"]) and last_step(runs["kill_worker"]) > past["kill_worker"],
+        "kill_worker to train on",
+        driver,
+    )
     trainer = train_pid(runs["kill_worker"])
     worker, what = parent(trainer)
     assert what.startswith("ray::train_task"), what
@@ -444,13 +600,32 @@ def test_nproc_per_run_trains_under_torchrun_like_torchrun_itself(ray_head, tmp_
     base = {**TINY, "train": {**TINY["train"], "steps": 6, "eval_every": 3, "diagnostics_every": 0}}
     spec = write_spec(tmp_path / "ddp.yaml", {"name": "ddp", "groups": [{"name": "ddp", "base": base}]})
     ref = tmp_path / "torchrun"
-    alone = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              "-m", "kilolayer", "train", write_spec(tmp_path / "run.yaml", base), "--out", ref,
-                              "--quiet"], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
+    alone = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kilolayer",
+            "train",
+            write_spec(tmp_path / "run.yaml", base),
+            "--out",
+            ref,
+            "--quiet",
+        ],
+        env=ENV,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out = tmp_path / "study"
-    rc, text, err = finish(study(spec, "--out", out, "--executor", "ray", "--address", ray_head.address,
-                                 "--nproc-per-run", "2"))
+    rc, text, err = finish(
+        study(spec, "--out", out, "--executor", "ray", "--address", ray_head.address, "--nproc-per-run", "2")
+    )
     assert rc == 0, err
     assert "each 2 CPU, 0 GPU, 2 process(es)" in text  # --cpus-per-run defaults to --nproc-per-run
     assert alone.wait(timeout=600) == 0, alone.stderr.read()
@@ -478,9 +653,15 @@ ray.shutdown()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     scratch = tempfile.mkdtemp(prefix="klray", dir="/tmp")
     try:
-        p = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True,
-                           text=True, cwd=tmp_path, timeout=300, start_new_session=True,
-                           env={**env, "HOME": str(tmp_path), "RAY_TMPDIR": scratch})
+        p = subprocess.run(
+            [sys.executable, "-c", code, str(Path(__file__).parent)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+            start_new_session=True,
+            env={**env, "HOME": str(tmp_path), "RAY_TMPDIR": scratch},
+        )
         assert p.returncode == 0, p.stderr
         assert list(Path(scratch).glob("ray/session_*"))  # the session lived here, not in /tmp/ray
     finally:

@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import math
 
+import peers  # noqa: F401  (installs the timm stand-in before torchscale is imported)
 import pytest
 import torch
-
-import peers  # noqa: F401  (installs the timm stand-in before torchscale is imported)
-from kilolayer import build_model, deepnorm_constants
 from peers import (
-    DecoderConfig, EncoderConfig, copy_stack, run_decoder, run_encoder, torchscale_decoder, torchscale_encoder,
+    DecoderConfig,
+    EncoderConfig,
+    copy_stack,
+    run_decoder,
+    run_encoder,
+    torchscale_decoder,
+    torchscale_encoder,
     torchscale_encoder_decoder,
 )
 
+from kilolayer import build_model, deepnorm_constants
+
 TOL = {torch.float32: 1e-5, torch.float64: 1e-6}
 D, H, F = 64, 4, 128
-
 
 
 def padding(batch: int, length: int, lengths: list[int]) -> torch.Tensor:
@@ -45,8 +50,11 @@ def assert_close(ours, theirs, keep, dtype, what):
 def test_encoder_only(scheme, activation, dtype):
     torch.manual_seed(0)
     layers = 4
-    ours = build_model(dict(arch="encoder", scheme=scheme, layers=layers, width=D, heads=H, ffn=F,
-                            activation=activation)).to(dtype).eval()
+    ours = (
+        build_model(dict(arch="encoder", scheme=scheme, layers=layers, width=D, heads=H, ffn=F, activation=activation))
+        .to(dtype)
+        .eval()
+    )
     theirs = torchscale_encoder(D, H, F, layers, deepnorm=scheme == "deepnorm", activation=activation)
     theirs = theirs.to(dtype).eval()
     want_alpha = (2 * layers) ** 0.25 if scheme == "deepnorm" else 1.0
@@ -70,8 +78,9 @@ def test_decoder_only(scheme, dtype):
     ours = build_model(dict(arch="decoder", scheme=scheme, layers=layers, width=D, heads=H, ffn=F)).to(dtype).eval()
     theirs = torchscale_decoder(D, H, F, layers, deepnorm=scheme == "deepnorm").to(dtype).eval()
     want_alpha = (2 * layers) ** 0.25 if scheme == "deepnorm" else 1.0
-    assert theirs.layers[0].alpha == pytest.approx(want_alpha) and ours.decoder.layers[0].self_attn.alpha == \
-        pytest.approx(want_alpha)
+    assert theirs.layers[0].alpha == pytest.approx(want_alpha) and ours.decoder.layers[
+        0
+    ].self_attn.alpha == pytest.approx(want_alpha)
     copy_stack(theirs.layers, ours.decoder)
     y = torch.randn(3, 8, D, dtype=dtype)
     pad = padding(3, 8, [8, 5, 2])
@@ -102,8 +111,13 @@ def test_encoder_gradients_match():
 @pytest.mark.parametrize("n, m", [(2, 3), (3, 1)])
 def test_encoder_decoder_deepnorm(n, m, dtype):
     torch.manual_seed(0)
-    ours = build_model(dict(arch="encoder_decoder", scheme="deepnorm", layers=n, decoder_layers=m, width=D,
-                            heads=H, ffn=F)).to(dtype).eval()
+    ours = (
+        build_model(
+            dict(arch="encoder_decoder", scheme="deepnorm", layers=n, decoder_layers=m, width=D, heads=H, ffn=F)
+        )
+        .to(dtype)
+        .eval()
+    )
     theirs = torchscale_encoder_decoder(D, H, F, n, m, deepnorm=True).to(dtype).eval()
     consts = deepnorm_constants("encoder_decoder", n, m)
     assert theirs.encoder.layers[0].alpha == pytest.approx(consts["encoder"][0])
@@ -148,8 +162,9 @@ def test_torchscale_init_deviates_from_the_paper():
     torch.manual_seed(0)
     n, m, d = 2, 2, 256
     theirs = torchscale_encoder_decoder(d, 4, 4 * d, n, m, deepnorm=True)
-    ours = build_model(dict(arch="encoder_decoder", scheme="deepnorm", layers=n, decoder_layers=m, width=d,
-                            heads=4, ffn=4 * d))
+    ours = build_model(
+        dict(arch="encoder_decoder", scheme="deepnorm", layers=n, decoder_layers=m, width=d, heads=4, ffn=4 * d)
+    )
     paper_beta = 0.87 * (n**4 * m) ** (-1 / 16)
     torchscale_beta = 1.15 * (n**4 * m) ** (-1 / 16)
     assert deepnorm_constants("encoder_decoder", n, m)["encoder"][1] == pytest.approx(paper_beta)

@@ -23,17 +23,43 @@ from kilolayer.train.optim import lr_factor, param_groups
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY_S2S = {
-    "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 2, "decoder_layers": 2, "width": 32,
-              "heads": 2, "ffn": 64, "vocab_size": 16, "max_len": 16, "dropout": 0.1},
+    "model": {
+        "arch": "encoder_decoder",
+        "scheme": "deepnorm",
+        "layers": 2,
+        "decoder_layers": 2,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 16,
+        "max_len": 16,
+        "dropout": 0.1,
+    },
     "objective": {"name": "seq2seq", "options": {"decode_samples": 16}},
     "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 8, "eval_size": 32}},
-    "train": {"steps": 12, "batch_size": 8, "lr": 1e-3, "warmup": 4, "eval_every": 4, "checkpoint_every": 4,
-              "log_every": 1, "keep_checkpoints": 10},
+    "train": {
+        "steps": 12,
+        "batch_size": 8,
+        "lr": 1e-3,
+        "warmup": 4,
+        "eval_every": 4,
+        "checkpoint_every": 4,
+        "log_every": 1,
+        "keep_checkpoints": 10,
+    },
 }
 
 TINY_LM = {
-    "model": {"arch": "decoder", "scheme": "pre_ln", "layers": 2, "width": 32, "heads": 2, "ffn": 64,
-              "vocab_size": 262, "max_len": 32},
+    "model": {
+        "arch": "decoder",
+        "scheme": "pre_ln",
+        "layers": 2,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 262,
+        "max_len": 32,
+    },
     "objective": {"name": "causal_lm"},
     "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
     "train": {"steps": 6, "batch_size": 4, "lr": 1e-3, "log_every": 1},
@@ -55,8 +81,14 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def cli(*args: str) -> tuple[int, str, str]:
-    p = subprocess.run([sys.executable, "-m", "kilolayer", *args], capture_output=True, text=True, cwd=ROOT,
-                       timeout=600, env=ONE_THREAD)
+    p = subprocess.run(
+        [sys.executable, "-m", "kilolayer", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=ONE_THREAD,
+    )
     return p.returncode, p.stdout, p.stderr
 
 
@@ -110,8 +142,13 @@ def test_resume_after_sigkill_mid_run(tmp_path):
 
     cfg_file.write_text(dump_yaml(load_config(cfg)))
     run = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "kilolayer", "train", str(cfg_file), "--out", str(run), "--quiet"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ONE_THREAD)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kilolayer", "train", str(cfg_file), "--out", str(run), "--quiet"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ONE_THREAD,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and len(complete_checkpoints(run)) < 2:
         time.sleep(0.05)
@@ -166,11 +203,35 @@ def test_existing_run_is_never_overwritten(tmp_path):
 
 def test_divergence_is_recorded_with_exit_code_3(tmp_path):
     out = tmp_path / "run"
-    rc, stdout, err = cli("train", str(ROOT / "configs" / "stdlib_gpt.yaml"), "--out", str(out), "--quiet",
-                          "--set", "model.layers=2", "--set", "model.width=32", "--set", "model.heads=2",
-                          "--set", "model.ffn=64", "--set", "model.scheme=post_ln", "--set", "train.lr=1e4",
-                          "--set", "train.warmup=0", "--set", "train.clip=0", "--set", "train.steps=50",
-                          "--set", "train.checkpoint_every=1", "--set", "data.options.max_bytes=200000")
+    rc, stdout, err = cli(
+        "train",
+        str(ROOT / "configs" / "stdlib_gpt.yaml"),
+        "--out",
+        str(out),
+        "--quiet",
+        "--set",
+        "model.layers=2",
+        "--set",
+        "model.width=32",
+        "--set",
+        "model.heads=2",
+        "--set",
+        "model.ffn=64",
+        "--set",
+        "model.scheme=post_ln",
+        "--set",
+        "train.lr=1e4",
+        "--set",
+        "train.warmup=0",
+        "--set",
+        "train.clip=0",
+        "--set",
+        "train.steps=50",
+        "--set",
+        "train.checkpoint_every=1",
+        "--set",
+        "data.options.max_bytes=200000",
+    )
     assert rc == 3, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kilolayer: error: ") and "Traceback" not in err
@@ -219,18 +280,57 @@ def test_accumulation_matches_full_batch(tmp_path):
     "args, needles",
     [
         (["train", "missing.yaml", "--out", "{tmp}/r"], ["missing.yaml"]),
-        (["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "train.nonsense=1"],
-         ["train.nonsense", "unknown key"]),
-        (["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "train.steps=many"],
-         ["train.steps", "many"]),
-        (["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "data.name=text_bytes",
-          "--set", "data.path={tmp}/nope.txt"], ["nope.txt"]),
-        (["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "data.name=text_bytes",
-          "--set", "data.path={tmp}/empty.txt"], ["empty.txt", "empty"]),
-        (["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "data.name=text_bytes",
-          "--set", "data.path={tmp}"], ["cannot read"]),
-        (["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "objective.name=seq2seq"],
-         ["model.arch", "seq2seq"]),
+        (
+            ["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "train.nonsense=1"],
+            ["train.nonsense", "unknown key"],
+        ),
+        (
+            ["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "train.steps=many"],
+            ["train.steps", "many"],
+        ),
+        (
+            [
+                "train",
+                "configs/stdlib_gpt.yaml",
+                "--out",
+                "{tmp}/r",
+                "--set",
+                "data.name=text_bytes",
+                "--set",
+                "data.path={tmp}/nope.txt",
+            ],
+            ["nope.txt"],
+        ),
+        (
+            [
+                "train",
+                "configs/stdlib_gpt.yaml",
+                "--out",
+                "{tmp}/r",
+                "--set",
+                "data.name=text_bytes",
+                "--set",
+                "data.path={tmp}/empty.txt",
+            ],
+            ["empty.txt", "empty"],
+        ),
+        (
+            [
+                "train",
+                "configs/stdlib_gpt.yaml",
+                "--out",
+                "{tmp}/r",
+                "--set",
+                "data.name=text_bytes",
+                "--set",
+                "data.path={tmp}",
+            ],
+            ["cannot read"],
+        ),
+        (
+            ["train", "configs/stdlib_gpt.yaml", "--out", "{tmp}/r", "--set", "objective.name=seq2seq"],
+            ["model.arch", "seq2seq"],
+        ),
         (["train", "--resume", "--out", "{tmp}/none"], ["nothing to resume"]),
     ],
 )
@@ -248,8 +348,17 @@ def test_parallel_text_files(tmp_path):
     src.write_text("\n".join(words) + "\n")
     tgt.write_text("\n".join(w.replace("ein", "a").replace("der", "the") for w in words) + "\n")
     cfg = {
-        "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "layers": 1, "decoder_layers": 1, "width": 32,
-                  "heads": 2, "ffn": 64, "vocab_size": 262, "max_len": 24},
+        "model": {
+            "arch": "encoder_decoder",
+            "scheme": "deepnorm",
+            "layers": 1,
+            "decoder_layers": 1,
+            "width": 32,
+            "heads": 2,
+            "ffn": 64,
+            "vocab_size": 262,
+            "max_len": 24,
+        },
         "objective": {"name": "seq2seq", "options": {"decode_samples": 4}},
         "data": {"name": "parallel", "options": {"source": str(src), "target": str(tgt), "valid_percent": 10}},
         "train": {"steps": 2, "batch_size": 4},
@@ -263,8 +372,9 @@ def test_parallel_text_files(tmp_path):
 
 
 def test_cli_main_returns_exit_code(tmp_path, capsys):
-    rc = main(["train", str(ROOT / "configs" / "stdlib_gpt.yaml"), "--out", str(tmp_path / "r"),
-               "--set", "model.scheme=nope"])
+    rc = main(
+        ["train", str(ROOT / "configs" / "stdlib_gpt.yaml"), "--out", str(tmp_path / "r"), "--set", "model.scheme=nope"]
+    )
     assert rc == 2
     assert "model.scheme='nope'" in capsys.readouterr().err
 
@@ -273,8 +383,9 @@ def test_synthetic_tasks_are_what_they_say():
     from kilolayer.data import load_source
 
     for task in ("copy", "reverse", "sort", "add"):
-        cfg = load_config({**TINY_S2S, "data": {"name": "synthetic", "task": task},
-                           "model": {**TINY_S2S["model"], "max_len": 40}})
+        cfg = load_config(
+            {**TINY_S2S, "data": {"name": "synthetic", "task": task}, "model": {**TINY_S2S["model"], "max_len": 40}}
+        )
         src = load_source(cfg)
         b = src.train_batch(3, 6)
         for i in range(6):

@@ -24,9 +24,18 @@ def records(run: Path, split: str) -> list[dict]:
 def test_deepnorm_encoder_decoder_learns_reverse(tmp_path):
     """Chance exact match on length 4-8 reversal is ~0 (10^-4 at best); 0.5 means the model learned the
     task for most lengths. Measured: 0.8-0.95 after 300 steps of this config; 0.5 leaves room for noise."""
-    cfg = load_config(ROOT / "configs" / "reverse_deepnorm.yaml", [
-        "model.layers=3", "model.decoder_layers=3", "data.options.max_len=8", "train.steps=300",
-        "train.eval_every=300", "train.checkpoint_every=300", "objective.options.decode_samples=128"])
+    cfg = load_config(
+        ROOT / "configs" / "reverse_deepnorm.yaml",
+        [
+            "model.layers=3",
+            "model.decoder_layers=3",
+            "data.options.max_len=8",
+            "train.steps=300",
+            "train.eval_every=300",
+            "train.checkpoint_every=300",
+            "objective.options.decode_samples=128",
+        ],
+    )
     train(cfg, tmp_path / "run", quiet=True)
     ev = records(tmp_path / "run", "eval")[-1]
     assert ev["exact_match"] > 0.5, ev
@@ -36,10 +45,22 @@ def test_deepnorm_encoder_decoder_learns_reverse(tmp_path):
 def test_byte_lm_beats_unigram_entropy(tmp_path):
     """A context-free model cannot beat the unigram entropy of the bytes; a Transformer that uses context
     must end clearly below it (margin 0.3 nats; measured about 0.8-1.0 below after 300 steps)."""
-    cfg = load_config(ROOT / "configs" / "stdlib_gpt.yaml", [
-        "model.layers=2", "model.width=64", "model.heads=2", "model.ffn=256", "model.max_len=64",
-        "data.options.seq_len=64", "train.steps=300", "train.eval_every=300", "train.checkpoint_every=300",
-        "train.batch_size=16", "train.eval_batches=8"])
+    cfg = load_config(
+        ROOT / "configs" / "stdlib_gpt.yaml",
+        [
+            "model.layers=2",
+            "model.width=64",
+            "model.heads=2",
+            "model.ffn=256",
+            "model.max_len=64",
+            "data.options.seq_len=64",
+            "train.steps=300",
+            "train.eval_every=300",
+            "train.checkpoint_every=300",
+            "train.batch_size=16",
+            "train.eval_batches=8",
+        ],
+    )
     train(cfg, tmp_path / "run", quiet=True)
     entropy = load_source(cfg).unigram_entropy()
     loss = records(tmp_path / "run", "eval")[-1]["loss"]
@@ -50,25 +71,66 @@ def test_byte_lm_beats_unigram_entropy(tmp_path):
 def test_two_process_gloo_matches_one_process(tmp_path, parallel):
     """Same global batch of fixed-length sequences: per-process mean losses average to the global mean,
     and gradients are averaged, so the runs agree up to float32 reduction order (rel. 1e-5)."""
-    sets = ["model.layers=2", "model.decoder_layers=2", "train.steps=5", "train.log_every=1",
-            "train.batch_size=8", "train.checkpoint_every=5", "objective.options.decode_samples=0",
-            "data.options.min_len=8", "data.options.max_len=8", "model.dropout=0.0"]
+    sets = [
+        "model.layers=2",
+        "model.decoder_layers=2",
+        "train.steps=5",
+        "train.log_every=1",
+        "train.batch_size=8",
+        "train.checkpoint_every=5",
+        "objective.options.decode_samples=0",
+        "data.options.min_len=8",
+        "data.options.max_len=8",
+        "model.dropout=0.0",
+    ]
     cfg = load_config(ROOT / "configs" / "reverse_deepnorm.yaml", sets)
     path = tmp_path / "cfg.yaml"
     path.write_text(dump_yaml(cfg))
     train(cfg, tmp_path / "one", quiet=True)
     torchrun = Path(sys.executable).with_name("torchrun")
     p = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "-m", "kilolayer", "train", str(path), "--out", str(tmp_path / "two"),
-         "--quiet", "--set", f"train.parallel={parallel}"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kilolayer",
+            "train",
+            str(path),
+            "--out",
+            str(tmp_path / "two"),
+            "--quiet",
+            "--set",
+            f"train.parallel={parallel}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     one = [r["loss"] for r in records(tmp_path / "one", "train")]
     two = [r["loss"] for r in records(tmp_path / "two", "train")]
     assert len(one) == len(two) == 5
     assert two == pytest.approx(one, rel=1e-5)
     # the multi-process checkpoint is an ordinary one: it resumes in one process
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "train", "--resume", "--out", str(tmp_path / "two"),
-                        "--quiet", "--set", "train.steps=6"], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kilolayer",
+            "train",
+            "--resume",
+            "--out",
+            str(tmp_path / "two"),
+            "--quiet",
+            "--set",
+            "train.steps=6",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -78,14 +140,32 @@ def test_deepnet_diagnostics_postln_vs_deepnorm(tmp_path):
     and DeepNorm's stays bounded while it grows. Asserted: at least 3x at step 1."""
     runs = {}
     for scheme in ("post_ln", "deepnorm"):
-        cfg = load_config({
-            "model": {"arch": "decoder", "scheme": scheme, "layers": 24, "width": 64, "heads": 4, "ffn": 256,
-                      "vocab_size": 262, "max_len": 64},
-            "objective": {"name": "causal_lm"},
-            "data": {"name": "stdlib_bytes", "options": {"seq_len": 64, "max_bytes": 500_000}},
-            "train": {"steps": 3, "batch_size": 8, "lr": 1e-3, "warmup": 0, "schedule": "constant", "clip": 0.0,
-                      "diagnostics_every": 1, "diverge_factor": 1e9},
-        })
+        cfg = load_config(
+            {
+                "model": {
+                    "arch": "decoder",
+                    "scheme": scheme,
+                    "layers": 24,
+                    "width": 64,
+                    "heads": 4,
+                    "ffn": 256,
+                    "vocab_size": 262,
+                    "max_len": 64,
+                },
+                "objective": {"name": "causal_lm"},
+                "data": {"name": "stdlib_bytes", "options": {"seq_len": 64, "max_bytes": 500_000}},
+                "train": {
+                    "steps": 3,
+                    "batch_size": 8,
+                    "lr": 1e-3,
+                    "warmup": 0,
+                    "schedule": "constant",
+                    "clip": 0.0,
+                    "diagnostics_every": 1,
+                    "diverge_factor": 1e9,
+                },
+            }
+        )
         train(cfg, tmp_path / scheme, quiet=True)
         runs[scheme] = records(tmp_path / scheme, "diagnostics")
     post, deep = runs["post_ln"], runs["deepnorm"]

@@ -39,8 +39,9 @@ def test_reverse_task_chance_is_the_target_entropy_not_ln_vocab():
 def test_classification_chance_is_the_label_entropy_and_majority_class():
     cfg = load_config(ROOT / "configs/digits_vit.yaml")
     src = load_source(cfg)
-    labels = torch.cat([b["labels"] for b in src.eval_batches(cfg.train.batch_size,
-                                                               cfg.train.eval_batches * cfg.train.batch_size)])
+    labels = torch.cat(
+        [b["labels"] for b in src.eval_batches(cfg.train.batch_size, cfg.train.eval_batches * cfg.train.batch_size)]
+    )
     p = torch.bincount(labels).double() / len(labels)
     p = p[p > 0]
     c = chance_level(cfg)
@@ -92,9 +93,24 @@ def test_constant_patch_fraction():
 
 
 def test_mae_guard_refuses_upscaled_digits_in_one_line():
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "train", "configs/digits_mae.yaml", "--set",
-                        "data.options.upscale=2", "--set", "model.image_size=16", "--out", "/nonexistent/never"],
-                       capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kilolayer",
+            "train",
+            "configs/digits_mae.yaml",
+            "--set",
+            "data.options.upscale=2",
+            "--set",
+            "model.image_size=16",
+            "--out",
+            "/nonexistent/never",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert p.returncode == 2 and p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "100% of the 2x2 patches" in lines[0] and "norm_pix_loss" in lines[0]
@@ -102,8 +118,10 @@ def test_mae_guard_refuses_upscaled_digits_in_one_line():
 
 
 def test_mae_guard_needs_norm_pix_loss_to_trip():
-    cfg = load_config(ROOT / "configs/digits_mae.yaml", ["data.options.upscale=2", "model.image_size=16",
-                                                        "objective.options.norm_pix_loss=false"])
+    cfg = load_config(
+        ROOT / "configs/digits_mae.yaml",
+        ["data.options.upscale=2", "model.image_size=16", "objective.options.norm_pix_loss=false"],
+    )
     build_task(cfg).objective.attach_data(load_source(cfg))  # raw pixels: a constant patch still has a target
 
 
@@ -137,9 +155,21 @@ def test_every_shipped_mae_config_and_study_passes_the_guard():
 
 def _vit(final_norm_scheme="pre_ln"):
     torch.manual_seed(0)
-    return build_model({"arch": "encoder", "scheme": final_norm_scheme, "input": "patches", "image_size": 8,
-                        "patch_size": 2, "channels": 1, "cls_token": True, "layers": 2, "width": 32, "heads": 2,
-                        "ffn": 64})
+    return build_model(
+        {
+            "arch": "encoder",
+            "scheme": final_norm_scheme,
+            "input": "patches",
+            "image_size": 8,
+            "patch_size": 2,
+            "channels": 1,
+            "cls_token": True,
+            "layers": 2,
+            "width": 32,
+            "heads": 2,
+            "ffn": 64,
+        }
+    )
 
 
 def test_before_final_norm_observes_the_last_block_output():
@@ -172,9 +202,10 @@ def test_run_smoothness_excludes_cls_and_special_tokens_by_default(tmp_path):
     from kilolayer.analysis.smoothness import smoothness_of_run
     from kilolayer.train.loop import train
 
-    cfg = load_config(ROOT / "configs/digits_vit.yaml", ["train.steps=2", "train.eval_every=0",
-                                                        "model.layers=1", "model.width=32", "model.heads=2",
-                                                        "model.ffn=64"])
+    cfg = load_config(
+        ROOT / "configs/digits_vit.yaml",
+        ["train.steps=2", "train.eval_every=0", "model.layers=1", "model.width=32", "model.heads=2", "model.ffn=64"],
+    )
     train(cfg, tmp_path / "run", quiet=True)
     default = smoothness_of_run(tmp_path / "run", samples=16)
     assert default["exclude_special"] is True and default["after_final_norm"] is False
@@ -219,8 +250,12 @@ def test_no_weight_decay_on_cls_mask_token_and_positions():
     names = {id(p): n for n, p in task.named_parameters()}
     exempt = {names[id(p)] for p in no_decay["params"]}
     decayed = {names[id(p)] for p in decay["params"]}
-    for name in ("backbone.embed.cls", "backbone.embed.positions", "objective.mask_token",
-                 "objective.decoder_positions"):
+    for name in (
+        "backbone.embed.cls",
+        "backbone.embed.positions",
+        "objective.mask_token",
+        "objective.decoder_positions",
+    ):
         assert name in exempt, name
     assert "backbone.embed.proj.weight" in decayed or any(n.endswith("weight") for n in decayed)
     assert all(not n.endswith(("bias", "cls", "positions", "mask_token")) for n in decayed)

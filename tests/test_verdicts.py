@@ -109,8 +109,14 @@ def _deepnet(loss: dict, status: dict | None = None, update: dict | None = None,
         st_ = status.get(scheme, lambda *_: "completed")(layers, seed)
         ev = {"loss": loss[scheme](layers, seed)} if st_ == "completed" else {}
         diag = [{"step": 1, "update": update.get(scheme, lambda *_: 1.0)(layers, seed)}]
-        r = Result(point=p, status=st_, eval=ev, diagnostics=diag, step=30 if st_ == "diverged" else 200,
-                   reason="" if st_ == "completed" else "boom")
+        r = Result(
+            point=p,
+            status=st_,
+            eval=ev,
+            diagnostics=diag,
+            step=30 if st_ == "diverged" else 200,
+            reason="" if st_ == "completed" else "boom",
+        )
         r.chance = dict(CHANCE)
         results.append(r)
     return results
@@ -140,8 +146,15 @@ def test_deepnet_failed_run_on_either_side_is_not_evidence(tmp_path, side):
 
 
 def test_deepnet_missing_run_is_not_evidence(tmp_path):
-    results = [r for r in _deepnet(GOOD) if not (r.point.values["model.scheme"] == "post_ln"
-                                                 and r.point.config.model.layers == 18 and r.point.values["train.seed"] == 1)]
+    results = [
+        r
+        for r in _deepnet(GOOD)
+        if not (
+            r.point.values["model.scheme"] == "post_ln"
+            and r.point.config.model.layers == 18
+            and r.point.values["train.seed"] == 1
+        )
+    ]
     f = deepnet_postln(results, tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and "post_ln seed 1 (missing)" in f.verdict.reason
 
@@ -202,8 +215,13 @@ def _bamboo(cosine=None, accuracy=None, loss=None, status=None):
         smooth = None
         if p.group in cosine and st_ == "completed":
             c = cosine[p.group](layers, seed)
-            smooth = {"cosine": [0.1, c], "cosine_centred": [0.0, c / 2], "hc_ratio": [1.0, 1 - c],
-                      "exclude_special": True, "after_final_norm": False}
+            smooth = {
+                "cosine": [0.1, c],
+                "cosine_centred": [0.0, c / 2],
+                "hc_ratio": [1.0, 1 - c],
+                "exclude_special": True,
+                "after_final_norm": False,
+            }
         r = Result(point=p, status=st_, eval=ev, smoothness=smooth, reason="" if st_ == "completed" else "boom")
         r.chance = dict(CHANCE)
         results.append(r)
@@ -236,8 +254,11 @@ def test_smoothing_gives_one_verdict_per_modality_and_pair(tmp_path):
 
 
 def test_smoothing_images_and_text_disagreeing_are_reported_separately(tmp_path):
-    cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "contrastive": lambda l, s: 0.8 + NOISE[s],
-           "text_classify": lambda l, s: 0.2 + NOISE[s]}
+    cos = {
+        "supervised": lambda l, s: 0.8 + NOISE[s],
+        "contrastive": lambda l, s: 0.8 + NOISE[s],
+        "text_classify": lambda l, s: 0.2 + NOISE[s],
+    }
     cos.update({g: (lambda l, s: 0.5) for g in TOK + ("untrained", "text_untrained")})
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
     assert _by_title(found, "more than token-level (images: supervised vs mae)").verdict.verdict == HELD
@@ -247,8 +268,11 @@ def test_smoothing_images_and_text_disagreeing_are_reported_separately(tmp_path)
 
 def test_smoothing_trend_over_every_shape(tmp_path):
     # the supervised - MAE gap grows by 0.05 per doubling of depth (measured from the untrained model's level)
-    cos = {"supervised": lambda l, s: 0.5 + 0.05 * math.log2(l) + NOISE[s] / 10, "mae": lambda l, s: 0.3,
-           "untrained": lambda l, s: 0.6}
+    cos = {
+        "supervised": lambda l, s: 0.5 + 0.05 * math.log2(l) + NOISE[s] / 10,
+        "mae": lambda l, s: 0.3,
+        "untrained": lambda l, s: 0.6,
+    }
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
     trend = _by_title(found, "grows with depth (images: supervised, relative to the untrained model)")
     assert trend.verdict.verdict == HELD and trend.verdict.mean == pytest.approx(0.05, abs=1e-9)
@@ -266,17 +290,22 @@ def test_smoothing_trend_over_every_shape(tmp_path):
 def test_smoothing_diverged_or_unlearned_models_cannot_hold(tmp_path):
     cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.3}
     status = {"mae": lambda l, s: "diverged" if l == 43 else "completed"}
-    level = _by_title(bamboo_smoothing(_bamboo(cos, status=status), tmp_path),
-                      "more than token-level (images: supervised vs mae)")
+    level = _by_title(
+        bamboo_smoothing(_bamboo(cos, status=status), tmp_path), "more than token-level (images: supervised vs mae)"
+    )
     assert level.verdict.verdict == INCONCLUSIVE and "diverged" in level.verdict.reason
     # the supervised models stayed at chance loss: their token similarity says nothing about training
-    level = _by_title(bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
-                      "more than token-level (images: supervised vs mae)")
+    level = _by_title(
+        bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
+        "more than token-level (images: supervised vs mae)",
+    )
     assert level.verdict.verdict == INCONCLUSIVE and "learned nothing" in level.verdict.reason
     # nor can it decide against the claim
     cos = {"supervised": lambda l, s: 0.2 + NOISE[s], "mae": lambda l, s: 0.5}
-    level = _by_title(bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
-                      "more than token-level (images: supervised vs mae)")
+    level = _by_title(
+        bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
+        "more than token-level (images: supervised vs mae)",
+    )
     assert level.verdict.mean == pytest.approx(-0.3) and level.verdict.verdict == INCONCLUSIVE
     assert "learned nothing" in level.verdict.reason
 
@@ -286,7 +315,9 @@ def test_non_finite_or_missing_metrics_are_named_not_dropped(tmp_path):
     nt = _by_title(bamboo_depth_tokens(_bamboo(loss=loss), tmp_path), "(next_token)")
     assert nt.verdict.verdict == INCONCLUSIVE and "evaluation loss nan" in nt.verdict.reason
     acc = _acc(lambda l, s: 0.8, lambda l, s: float("nan") if (l == 24 and s == 0) else 0.8 + 0.05 * math.log2(l))
-    absolute = _by_title(bamboo_depth(_bamboo(accuracy=acc), tmp_path), "pays off after token-level pre-training (images")
+    absolute = _by_title(
+        bamboo_depth(_bamboo(accuracy=acc), tmp_path), "pays off after token-level pre-training (images"
+    )
     assert absolute.verdict.verdict == INCONCLUSIVE and "no finite accuracy" in absolute.verdict.reason
     update = {"post_ln": lambda l, s: float("nan") if s == 1 else 3.0, "deepnorm": lambda l, s: 0.1}
     f = deepnet_update(_deepnet(GOOD, update=update), tmp_path)
@@ -343,7 +374,9 @@ def test_depth_diverged_deep_shapes_count_against_depth(tmp_path):
 def test_depth_failed_run_is_inconclusive_and_named(tmp_path):
     status = {"finetune": lambda l, s: "failed" if (l == 24 and s == 1) else "completed"}
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l))
-    absolute = _by_title(bamboo_depth(_bamboo(accuracy=acc, status=status), tmp_path), "pays off after token-level pre-training (images")
+    absolute = _by_title(
+        bamboo_depth(_bamboo(accuracy=acc, status=status), tmp_path), "pays off after token-level pre-training (images"
+    )
     assert absolute.verdict.verdict == INCONCLUSIVE and "failed: boom" in absolute.verdict.reason
 
 

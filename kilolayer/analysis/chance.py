@@ -46,7 +46,7 @@ def data_key(config: Config) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-def chance_of_run(run_dir: "str | Path", config: Config) -> dict:
+def chance_of_run(run_dir: str | Path, config: Config) -> dict:
     """:func:`chance_level` of a run's config, cached in ``RUN/analysis/chance/chance.json`` (and in memory
     for configs that differ only in the backbone's shape, which the targets do not depend on)."""
     path = Path(run_dir) / "analysis" / "chance" / "chance.json"

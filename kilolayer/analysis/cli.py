@@ -1,8 +1,8 @@
 """``kilolayer analyze``: over-smoothing curves and DeepNet's stability plots.
 
-    kilolayer analyze smoothness (--run DIR | --hf MODEL_DIR) [--text FILE | --images DIR | --data NAME] --out DIR
-    kilolayer analyze smoothness --compare A.json B.json ... --out DIR
-    kilolayer analyze stability --run DIR [--run DIR2 ...] --out DIR
+kilolayer analyze smoothness (--run DIR | --hf MODEL_DIR) [--text FILE | --images DIR | --data NAME] --out DIR
+kilolayer analyze smoothness --compare A.json B.json ... --out DIR
+kilolayer analyze stability --run DIR [--run DIR2 ...] --out DIR
 """
 
 from __future__ import annotations
@@ -62,22 +62,42 @@ def cmd_smoothness(args) -> int:
         from kilolayer.analysis.hf import smoothness_of_hf
 
         if args.data:
-            raise InputError("--data NAME names a kilolayer data source and works with --run; "
-                             "for --hf give --text FILE or --images DIR")
+            raise InputError(
+                "--data NAME names a kilolayer data source and works with --run; "
+                "for --hf give --text FILE or --images DIR"
+            )
         if args.include_special or args.after_final_norm:
-            raise InputError("--include-special / --after-final-norm work with --run; for --hf use --exclude-cls "
-                             "(a Hugging Face model's last hidden state is what the model returns)")
-        result = smoothness_of_hf(args.hf, text=args.text, images=args.images, samples=args.samples,
-                                  batch_size=args.batch_size, exclude_first=args.exclude_cls, device=args.device)
+            raise InputError(
+                "--include-special / --after-final-norm work with --run; for --hf use --exclude-cls "
+                "(a Hugging Face model's last hidden state is what the model returns)"
+            )
+        result = smoothness_of_hf(
+            args.hf,
+            text=args.text,
+            images=args.images,
+            samples=args.samples,
+            batch_size=args.batch_size,
+            exclude_first=args.exclude_cls,
+            device=args.device,
+        )
     else:
         from kilolayer.analysis.smoothness import smoothness_of_run
 
         if args.text or args.images:
-            raise InputError("--run analyses a kilolayer data source: use --data NAME (default: the run's own "
-                             "data); --text/--images work with --hf")
-        result = smoothness_of_run(args.run, data=args.data, samples=args.samples, batch_size=args.batch_size,
-                                   exclude_first=args.exclude_cls, exclude_special=not args.include_special,
-                                   after_final_norm=args.after_final_norm, device=args.device)
+            raise InputError(
+                "--run analyses a kilolayer data source: use --data NAME (default: the run's own "
+                "data); --text/--images work with --hf"
+            )
+        result = smoothness_of_run(
+            args.run,
+            data=args.data,
+            samples=args.samples,
+            batch_size=args.batch_size,
+            exclude_first=args.exclude_cls,
+            exclude_special=not args.include_special,
+            after_final_norm=args.after_final_norm,
+            device=args.device,
+        )
     if args.name:
         result["name"] = args.name
     # what was left out of the metrics: --exclude-cls, or (for --run, by default) CLS and special tokens
@@ -89,7 +109,7 @@ def cmd_smoothness(args) -> int:
     return 0
 
 
-def save_smoothness(result: dict, out: "str | Path", depth: str = "auto", svg: bool = False) -> list[Path]:
+def save_smoothness(result: dict, out: str | Path, depth: str = "auto", svg: bool = False) -> list[Path]:
     """Write OUT/smoothness.json and its plot; returns the paths written."""
     from kilolayer.analysis.plots import plot_smoothness
 
@@ -110,8 +130,10 @@ def cmd_stability(args) -> int:
     json_path = out / "stability.json"
     json_path.write_text(json.dumps(_json_safe(summary(runs)), indent=1) + "\n")
     for name, s in summary(runs).items():
-        print(f"{name}: diagnostics at {len(s['steps'])} steps, update {s['update'][0]:.4g} (step "
-              f"{s['steps'][0]}) -> {s['update'][-1]:.4g} (step {s['steps'][-1]})")
+        print(
+            f"{name}: diagnostics at {len(s['steps'])} steps, update {s['update'][0]:.4g} (step "
+            f"{s['steps'][0]}) -> {s['update'][-1]:.4g} (step {s['steps'][-1]})"
+        )
     print("wrote " + ", ".join(map(str, [*paths, json_path])))
     return 0
 
@@ -124,7 +146,7 @@ def register(subparsers) -> None:
     s = sub.add_parser(
         "smoothness",
         help="token similarity, rank collapse and Fourier metrics per layer (a run, a Hugging Face model, "
-             "or --compare saved results)",
+        "or --compare saved results)",
     )
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="DIR", help="a kilolayer training run directory (newest checkpoint)")
@@ -137,13 +159,23 @@ def register(subparsers) -> None:
     s.add_argument("--samples", type=int, default=128, help="samples to analyse (default 128)")
     s.add_argument("--batch-size", type=int, default=32, help="samples per forward pass (default 32)")
     s.add_argument("--exclude-cls", action="store_true", help="leave token 0 (CLS) out of the token metrics")
-    s.add_argument("--include-special", action="store_true",
-                   help="with --run: keep the CLS token and special-token ids in the metrics (default: left out)")
-    s.add_argument("--after-final-norm", action="store_true",
-                   help="with --run: take the last layer after the stack's final LayerNorm (default: the last "
-                        "block's output before it)")
-    s.add_argument("--depth", choices=["auto", "layer", "relative"], default="auto",
-                   help="x axis: layer index, or depth / L (auto: relative when depths differ)")
+    s.add_argument(
+        "--include-special",
+        action="store_true",
+        help="with --run: keep the CLS token and special-token ids in the metrics (default: left out)",
+    )
+    s.add_argument(
+        "--after-final-norm",
+        action="store_true",
+        help="with --run: take the last layer after the stack's final LayerNorm (default: the last "
+        "block's output before it)",
+    )
+    s.add_argument(
+        "--depth",
+        choices=["auto", "layer", "relative"],
+        default="auto",
+        help="x axis: layer index, or depth / L (auto: relative when depths differ)",
+    )
     s.add_argument("--name", help="the name in legends and smoothness.json (default: the directory's name)")
     s.add_argument("--device", default="cpu", help="torch device (default cpu)")
     s.add_argument("--svg", action="store_true", help="also write SVG")
@@ -151,10 +183,20 @@ def register(subparsers) -> None:
     s.set_defaults(func=cmd_smoothness)
 
     t = sub.add_parser("stability", help="DeepNet's gradient-norm, model-update and LayerNorm-input plots")
-    t.add_argument("--run", action="append", required=True, metavar="DIR",
-                   help="a run directory with diagnostics in metrics.jsonl; repeat to overlay runs")
-    t.add_argument("--steps", type=int, nargs="+", metavar="STEP",
-                   help="steps for the per-layer panels (default: first, middle, last diagnostics)")
+    t.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        metavar="DIR",
+        help="a run directory with diagnostics in metrics.jsonl; repeat to overlay runs",
+    )
+    t.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        metavar="STEP",
+        help="steps for the per-layer panels (default: first, middle, last diagnostics)",
+    )
     t.add_argument("--svg", action="store_true", help="also write SVG")
     t.add_argument("--out", required=True, metavar="DIR", help="output directory")
     t.set_defaults(func=cmd_stability)

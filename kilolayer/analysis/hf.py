@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 # Before transformers/huggingface_hub read it: never reach for a hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -53,8 +53,8 @@ class HFSubject:
     model_type: str
     kind: str  # "text" | "images"
     preprocess: object
-    patch_size: Optional[int] = None
-    max_length: Optional[int] = None
+    patch_size: int | None = None
+    max_length: int | None = None
 
     @property
     def name(self) -> str:
@@ -65,7 +65,7 @@ def _accepts(model: torch.nn.Module, argument: str) -> bool:
     return argument in inspect.signature(model.forward).parameters
 
 
-def load_hf(model_dir: "str | Path", kind: str, device: str = "cpu") -> HFSubject:
+def load_hf(model_dir: str | Path, kind: str, device: str = "cpu") -> HFSubject:
     """Load the model in ``model_dir`` for ``kind`` ("text" or "images") inputs, in eval mode."""
     t = _transformers()
     path = Path(model_dir)
@@ -109,8 +109,9 @@ def load_hf(model_dir: "str | Path", kind: str, device: str = "cpu") -> HFSubjec
     if tokenizer.pad_token is None:  # GPT-2, OPT-style tokenizers: padding is masked anyway
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     # the shortest real limit; tokenizers without one report a huge model_max_length
-    limits = [tokenizer.model_max_length] + [getattr(tower_config, k, None) for k in ("max_position_embeddings",
-                                                                                       "n_positions")]
+    limits = [tokenizer.model_max_length] + [
+        getattr(tower_config, k, None) for k in ("max_position_embeddings", "n_positions")
+    ]
     limits = [int(x) for x in limits if isinstance(x, int) and 0 < x < 1_000_000]
     max_length = min(limits) if limits else None
     return HFSubject(path, model.to(device).eval(), config.model_type, kind, tokenizer, max_length=max_length)
@@ -119,7 +120,7 @@ def load_hf(model_dir: "str | Path", kind: str, device: str = "cpu") -> HFSubjec
 # ---------------------------------------------------------------- inputs
 
 
-def read_lines(path: "str | Path", limit: Optional[int] = None) -> list[str]:
+def read_lines(path: str | Path, limit: int | None = None) -> list[str]:
     """The non-blank lines of a UTF-8 text file (at most ``limit``)."""
     path = Path(path)
     if not path.is_file():
@@ -136,7 +137,7 @@ def read_lines(path: "str | Path", limit: Optional[int] = None) -> list[str]:
     return lines[:limit] if limit else lines
 
 
-def read_images(path: "str | Path", limit: Optional[int] = None) -> tuple[list, list[str]]:
+def read_images(path: str | Path, limit: int | None = None) -> tuple[list, list[str]]:
     """(RGB PIL images, names of files skipped as unreadable) from a directory, searched recursively in
     sorted order; stops after ``limit`` images."""
     from PIL import Image, UnidentifiedImageError
@@ -163,10 +164,15 @@ def batches(subject: HFSubject, samples: list, batch_size: int, device: str = "c
     """``(model kwargs, padding mask or None)`` for each batch of text lines or images."""
     model = subject.model
     for start in range(0, len(samples), batch_size):
-        chunk = samples[start:start + batch_size]
+        chunk = samples[start : start + batch_size]
         if subject.kind == "text":
-            enc = subject.preprocess(chunk, padding=True, truncation=subject.max_length is not None,
-                                     max_length=subject.max_length, return_tensors="pt")
+            enc = subject.preprocess(
+                chunk,
+                padding=True,
+                truncation=subject.max_length is not None,
+                max_length=subject.max_length,
+                return_tensors="pt",
+            )
             kwargs = {k: v.to(device) for k, v in enc.items() if _accepts(model, k)}
             yield kwargs, (enc["attention_mask"] == 0).to(device)
         else:
@@ -179,7 +185,7 @@ def batches(subject: HFSubject, samples: list, batch_size: int, device: str = "c
             yield kwargs, None
 
 
-def image_grid(subject: HFSubject, samples: list) -> Optional[int]:
+def image_grid(subject: HFSubject, samples: list) -> int | None:
     """Patches per side for a square patch grid, from the processor's actual output size."""
     if subject.kind != "images" or not subject.patch_size:
         return None
@@ -189,9 +195,16 @@ def image_grid(subject: HFSubject, samples: list) -> Optional[int]:
     return h // subject.patch_size
 
 
-def smoothness_of_hf(model_dir: "str | Path", *, text: "str | Path | None" = None,
-                     images: "str | Path | None" = None, samples: int = 128, batch_size: int = 32,
-                     exclude_first: bool = False, device: str = "cpu") -> dict:
+def smoothness_of_hf(
+    model_dir: str | Path,
+    *,
+    text: str | Path | None = None,
+    images: str | Path | None = None,
+    samples: int = 128,
+    batch_size: int = 32,
+    exclude_first: bool = False,
+    device: str = "cpu",
+) -> dict:
     """:func:`kilolayer.analysis.smoothness.smoothness` of a Hugging Face model directory on a text file
     or an image directory, with metadata (``source``, ``path``, ``name``, ``input``, ``depth``, ``grid``)."""
     from kilolayer.analysis.smoothness import smoothness
@@ -209,11 +222,18 @@ def smoothness_of_hf(model_dir: "str | Path", *, text: "str | Path | None" = Non
         data, skipped = read_images(images, samples)
     subject = load_hf(model_dir, kind, device)
     grid = image_grid(subject, data)
-    result = smoothness(subject.model, batches(subject, data, batch_size, device), grid=grid,
-                        exclude_first=exclude_first)
-    result.update(source="hf", path=str(Path(model_dir).resolve()), name=subject.name,
-                  input=f"{kind}:{Path(text if text is not None else images).resolve()}",
-                  depth=len(result["layers"]) - 1, grid=grid, model=subject.model_type)
+    result = smoothness(
+        subject.model, batches(subject, data, batch_size, device), grid=grid, exclude_first=exclude_first
+    )
+    result.update(
+        source="hf",
+        path=str(Path(model_dir).resolve()),
+        name=subject.name,
+        input=f"{kind}:{Path(text if text is not None else images).resolve()}",
+        depth=len(result["layers"]) - 1,
+        grid=grid,
+        model=subject.model_type,
+    )
     if skipped:
         result["skipped_files"] = len(skipped)
     return result

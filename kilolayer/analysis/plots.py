@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional
 
 import matplotlib
 
@@ -51,7 +50,7 @@ def _finite(values) -> list[float]:
 # ---------------------------------------------------------------- smoothness
 
 
-def read_smoothness(path: "str | Path") -> dict:
+def read_smoothness(path: str | Path) -> dict:
     """A ``smoothness.json``, checked: ``layers`` and a same-length ``cosine`` list at least."""
     path = Path(path)
     try:
@@ -69,8 +68,9 @@ def read_smoothness(path: "str | Path") -> dict:
     return data
 
 
-def plot_smoothness(results: list[dict], stem: "str | Path", *, depth: str = "auto", svg: bool = False,
-                    title: Optional[str] = None) -> list[Path]:
+def plot_smoothness(
+    results: list[dict], stem: str | Path, *, depth: str = "auto", svg: bool = False, title: str | None = None
+) -> list[Path]:
     """One panel per metric against layer, one line per result (legend: each result's ``name``).
 
     ``depth``: "layer" (layer index), "relative" (layer / L, in [0, 1]) or "auto"
@@ -95,8 +95,15 @@ def plot_smoothness(results: list[dict], stem: "str | Path", *, depth: str = "au
             L = max(len(layers) - 1, 1)
             x = [layer / L for layer in layers] if relative else layers
             marker = "o" if len(layers) <= 40 else None
-            ax.plot(x, _finite(r[metric]), marker=marker, markersize=3.5, linewidth=1.6,
-                    color=colours[i % len(colours)], label=f"{r.get('name', f'run {i + 1}')} ({L} layers)")
+            ax.plot(
+                x,
+                _finite(r[metric]),
+                marker=marker,
+                markersize=3.5,
+                linewidth=1.6,
+                color=colours[i % len(colours)],
+                label=f"{r.get('name', f'run {i + 1}')} ({L} layers)",
+            )
         ax.set_title(METRICS[metric], fontsize=10)
         ax.set_xlabel("relative depth (layer / number of layers)" if relative else "layer (0 = embeddings)")
         ax.set_ylabel(Y_LABELS[metric], fontsize=9)
@@ -114,8 +121,9 @@ def plot_smoothness(results: list[dict], stem: "str | Path", *, depth: str = "au
     if spare:  # the legend fills the empty panel
         axes[-1][-1].legend(handles, labels, loc="center", frameon=False, title="model / run")
     else:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), frameon=False,
-                   bbox_to_anchor=(0.5, -0.01))
+        fig.legend(
+            handles, labels, loc="lower center", ncol=min(len(labels), 4), frameon=False, bbox_to_anchor=(0.5, -0.01)
+        )
     if title is None:
         if len(results) == 1:
             r = results[0]
@@ -127,7 +135,7 @@ def plot_smoothness(results: list[dict], stem: "str | Path", *, depth: str = "au
     return _save(fig, Path(stem), svg)
 
 
-def compare(paths: list["str | Path"], stem: "str | Path", *, depth: str = "auto", svg: bool = False) -> list[Path]:
+def compare(paths: list[str | Path], stem: str | Path, *, depth: str = "auto", svg: bool = False) -> list[Path]:
     """Overlay several ``smoothness.json`` files."""
     results = [read_smoothness(p) for p in paths]
     names = [r["name"] for r in results]
@@ -161,9 +169,17 @@ def _side_ticks(ax, names: list[str]) -> None:
     elif len(starts) > 1:
         for i, start in enumerate(starts):
             end = starts[i + 1] if i + 1 < len(starts) else len(names)
-            ax.text((start + end - 1) / 2, 0.03, sides[start], transform=ax.get_xaxis_transform(), ha="center",
-                    va="bottom", fontsize=9, color="dimgrey",
-                    bbox=dict(facecolor="white", edgecolor="none", alpha=0.8))
+            ax.text(
+                (start + end - 1) / 2,
+                0.03,
+                sides[start],
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                va="bottom",
+                fontsize=9,
+                color="dimgrey",
+                bbox=dict(facecolor="white", edgecolor="none", alpha=0.8),
+            )
 
 
 def _log_if_positive(ax, values: list[float]) -> None:
@@ -172,8 +188,9 @@ def _log_if_positive(ax, values: list[float]) -> None:
         ax.set_yscale("log")
 
 
-def plot_stability(runs: list[StabilityRun], stem: "str | Path", *, steps: Optional[list[int]] = None,
-                   svg: bool = False) -> list[Path]:
+def plot_stability(
+    runs: list[StabilityRun], stem: str | Path, *, steps: list[int] | None = None, svg: bool = False
+) -> list[Path]:
     """DeepNet's diagnostics, runs overlaid (one colour each): gradient norm per layer and LayerNorm
     input size per LayerNorm at a few steps (one line style per step), model update and loss vs step."""
     if not runs:
@@ -188,8 +205,13 @@ def plot_stability(runs: list[StabilityRun], stem: "str | Path", *, steps: Optio
         colour = colours[i % len(colours)]
         for j, step in enumerate(steps):
             d = run.at(step)
-            style = dict(linestyle=LINESTYLES[j % len(LINESTYLES)], marker=MARKERS[j % len(MARKERS)],
-                         markersize=3.5, color=colour, label=f"{run.name}, step {d.step}")
+            style = dict(
+                linestyle=LINESTYLES[j % len(LINESTYLES)],
+                marker=MARKERS[j % len(MARKERS)],
+                markersize=3.5,
+                color=colour,
+                label=f"{run.name}, step {d.step}",
+            )
             ax_grad.plot(range(len(d.grad_norm)), _finite(d.grad_norm), **style)
             grads += _finite(d.grad_norm)
             if d.ln_input:
@@ -202,8 +224,15 @@ def plot_stability(runs: list[StabilityRun], stem: "str | Path", *, steps: Optio
             series = run.losses.get(split, [])
             if series:
                 ys = _finite(v for _, v in series)
-                ax_loss.plot([s for s, _ in series], ys, style, color=colour, label=f"{run.name} ({split})",
-                             marker="o" if split == "eval" or len(series) <= 40 else None, markersize=3)
+                ax_loss.plot(
+                    [s for s, _ in series],
+                    ys,
+                    style,
+                    color=colour,
+                    label=f"{run.name} ({split})",
+                    marker="o" if split == "eval" or len(series) <= 40 else None,
+                    markersize=3,
+                )
                 losses += ys
 
     longest = max(runs, key=lambda r: len(r.diagnostics[0].layers)).diagnostics[0]
@@ -225,8 +254,15 @@ def plot_stability(runs: list[StabilityRun], stem: "str | Path", *, steps: Optio
     if longest_ln.ln_names:
         _side_ticks(ax_ln, longest_ln.ln_names)
     else:
-        ax_ln.text(0.5, 0.5, "no LayerNorm inputs logged\n(e.g. ReZero, T-Fixup)", ha="center", va="center",
-                   transform=ax_ln.transAxes, color="grey")
+        ax_ln.text(
+            0.5,
+            0.5,
+            "no LayerNorm inputs logged\n(e.g. ReZero, T-Fixup)",
+            ha="center",
+            va="center",
+            transform=ax_ln.transAxes,
+            color="grey",
+        )
     _log_if_positive(ax_ln, lns)
 
     ax_loss.set_title("(d) loss")
@@ -235,8 +271,7 @@ def plot_stability(runs: list[StabilityRun], stem: "str | Path", *, steps: Optio
     if losses:
         _log_if_positive(ax_loss, losses)
     else:
-        ax_loss.text(0.5, 0.5, "no loss lines", ha="center", va="center", transform=ax_loss.transAxes,
-                     color="grey")
+        ax_loss.text(0.5, 0.5, "no loss lines", ha="center", va="center", transform=ax_loss.transAxes, color="grey")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

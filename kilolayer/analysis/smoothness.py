@@ -13,8 +13,8 @@ each layer's hidden states to these numbers at once, so analysing a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -45,8 +45,9 @@ def _as_float(hidden: torch.Tensor) -> torch.Tensor:
     return hidden if hidden.dtype == torch.float64 else hidden.float()
 
 
-def keep_mask(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-              exclude: Sequence[int] = ()) -> torch.Tensor:
+def keep_mask(
+    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+) -> torch.Tensor:
     """(B, T) bool, True = a token the metrics use: not padding and not at an excluded position."""
     B, T = hidden.shape[:2]
     if padding_mask is None:
@@ -77,8 +78,9 @@ def _token_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- metrics
 
 
-def token_cosine(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                 exclude: Sequence[int] = ()) -> torch.Tensor:
+def token_cosine(
+    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+) -> torch.Tensor:
     """Per sample: mean of cos(h_i, h_j) over ordered pairs i != j of its kept tokens (NaN if fewer than 2)."""
     x = _as_float(hidden)
     keep = keep_mask(x, padding_mask, exclude)
@@ -90,8 +92,9 @@ def token_cosine(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = No
     return torch.where(pairs > 0, off_diagonal / pairs.clamp_min(1), torch.full_like(n, math.nan))
 
 
-def centred_token_cosine(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                         exclude: Sequence[int] = ()) -> torch.Tensor:
+def centred_token_cosine(
+    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+) -> torch.Tensor:
     """Token cosine after subtracting the mean token of the whole batch (all samples' kept tokens).
 
     Removes the direction every token shares (e.g. a large common bias), which plain
@@ -109,8 +112,9 @@ def _composite_norm(a: torch.Tensor) -> torch.Tensor:
     return (one * inf).sqrt()
 
 
-def rank_collapse_residual(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                           exclude: Sequence[int] = ()) -> torch.Tensor:
+def rank_collapse_residual(
+    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+) -> torch.Tensor:
     """Per sample: ||X - 1 mean(X)|| / ||X|| with Dong et al.'s norm sqrt(||.||_1 ||.||_inf); 0 = rank one."""
     x = _as_float(hidden)
     keep = keep_mask(x, padding_mask, exclude)
@@ -119,8 +123,9 @@ def rank_collapse_residual(hidden: torch.Tensor, padding_mask: Optional[torch.Te
     return torch.where(norm > 0, _composite_norm(residual) / norm.clamp_min(1e-30), torch.full_like(norm, math.nan))
 
 
-def effective_rank(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                   exclude: Sequence[int] = ()) -> torch.Tensor:
+def effective_rank(
+    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+) -> torch.Tensor:
     """Per sample: exp(entropy of p_k = s_k / sum s), s the singular values of the kept tokens (T x D)."""
     x = _as_float(hidden)
     keep = keep_mask(x, padding_mask, exclude)
@@ -131,8 +136,9 @@ def effective_rank(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = 
     return torch.where(total[:, 0] > 0, entropy.exp(), torch.full_like(entropy, math.nan))
 
 
-def hc_ratio(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-             exclude: Sequence[int] = ()) -> torch.Tensor:
+def hc_ratio(
+    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+) -> torch.Tensor:
     """Per sample: ||HC|| / ||X|| (Frobenius), HC = X - DC and DC = the mean token; 0 = all tokens equal."""
     x = _as_float(hidden)
     keep = keep_mask(x, padding_mask, exclude)
@@ -171,8 +177,12 @@ def high_frequency(hidden: torch.Tensor, grid: int) -> torch.Tensor:
     return relative_log_amplitude(hidden, grid)[:, -1]
 
 
-def layer_metrics(hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                  exclude: Sequence[int] = (), grid: Optional[int] = None) -> dict[str, torch.Tensor]:
+def layer_metrics(
+    hidden: torch.Tensor,
+    padding_mask: torch.Tensor | None = None,
+    exclude: Sequence[int] = (),
+    grid: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Every metric that applies, each ``(B,)``. ``high_freq`` only with a grid (images: no padding)."""
     out = {
         "cosine": token_cosine(hidden, padding_mask, exclude),
@@ -199,17 +209,17 @@ class SmoothnessObserver:
     length), across all batches.
     """
 
-    def __init__(self, grid: Optional[int] = None, exclude_first: bool = False, before_final_norm: bool = False):
+    def __init__(self, grid: int | None = None, exclude_first: bool = False, before_final_norm: bool = False):
         self.grid = grid
         self.exclude = (0,) if exclude_first else ()
         # read by kilolayer stacks: observe the last layer before their final norm
         self.before_final_norm = before_final_norm
-        self.padding_mask: Optional[torch.Tensor] = None
+        self.padding_mask: torch.Tensor | None = None
         self.samples = 0
         self._sums: dict[str, list[float]] = {}
         self._counts: dict[str, list[int]] = {}
 
-    def begin_batch(self, padding_mask: Optional[torch.Tensor] = None) -> "SmoothnessObserver":
+    def begin_batch(self, padding_mask: torch.Tensor | None = None) -> SmoothnessObserver:
         self.padding_mask = padding_mask
         return self
 
@@ -256,7 +266,7 @@ def hidden_states_of(output) -> list[torch.Tensor]:
     return states
 
 
-def _split_batch(batch, kilolayer_model: bool) -> tuple[dict, Optional[torch.Tensor]]:
+def _split_batch(batch, kilolayer_model: bool) -> tuple[dict, torch.Tensor | None]:
     if isinstance(batch, tuple):
         return batch
     if kilolayer_model:
@@ -265,8 +275,14 @@ def _split_batch(batch, kilolayer_model: bool) -> tuple[dict, Optional[torch.Ten
     return batch, (mask == 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
 
 
-def smoothness(model: torch.nn.Module, batches: Iterable, *, grid: Optional[int] = None,
-               exclude_first: bool = False, before_final_norm: bool = False) -> dict:
+def smoothness(
+    model: torch.nn.Module,
+    batches: Iterable,
+    *,
+    grid: int | None = None,
+    exclude_first: bool = False,
+    before_final_norm: bool = False,
+) -> dict:
     """Over-smoothing metrics per layer of ``model`` over ``batches``.
 
     ``model`` is a kilolayer backbone (run with ``observe=``; memory stays at one
@@ -320,9 +336,17 @@ def special_token_ids(config, source) -> list[int]:
     return sorted({int(i) for i in ids})
 
 
-def smoothness_of_run(run_dir: "str | Path", *, data: Optional[str] = None, samples: int = 128,
-                      batch_size: int = 32, exclude_first: bool = False, exclude_special: bool = True,
-                      after_final_norm: bool = False, device: str = "cpu") -> dict:
+def smoothness_of_run(
+    run_dir: str | Path,
+    *,
+    data: str | None = None,
+    samples: int = 128,
+    batch_size: int = 32,
+    exclude_first: bool = False,
+    exclude_special: bool = True,
+    after_final_norm: bool = False,
+    device: str = "cpu",
+) -> dict:
     """:func:`smoothness` of a kilolayer run's newest checkpoint on its evaluation data (or source ``data``).
 
     Measurement choices (Bamboo's over-smoothing is about the content tokens of the last block):
@@ -344,8 +368,9 @@ def smoothness_of_run(run_dir: "str | Path", *, data: Optional[str] = None, samp
     m = config.model
     grid = m.image_size // m.patch_size if m.input == "patches" else None
 
-    special = torch.tensor(special_token_ids(config, source) if exclude_special else [], dtype=torch.long,
-                           device=device)
+    special = torch.tensor(
+        special_token_ids(config, source) if exclude_special else [], dtype=torch.long, device=device
+    )
     exclude_first = exclude_first or (exclude_special and m.input == "patches" and m.cls_token)
 
     def batches():
@@ -359,10 +384,18 @@ def smoothness_of_run(run_dir: "str | Path", *, data: Optional[str] = None, samp
                 mask = is_special if mask is None else (mask | is_special)
             yield kwargs, mask
 
-    result = smoothness(task.backbone, batches(), grid=grid, exclude_first=exclude_first,
-                        before_final_norm=not after_final_norm)
-    result.update(source="run", path=str(run_dir.resolve()), name=run_dir.resolve().name,
-                  input=f"data:{config.data.name}", depth=len(result["layers"]) - 1, grid=grid,
-                  model=f"{m.arch} {m.scheme} {config.objective.name}", exclude_special=exclude_special,
-                  after_final_norm=after_final_norm)
+    result = smoothness(
+        task.backbone, batches(), grid=grid, exclude_first=exclude_first, before_final_norm=not after_final_norm
+    )
+    result.update(
+        source="run",
+        path=str(run_dir.resolve()),
+        name=run_dir.resolve().name,
+        input=f"data:{config.data.name}",
+        depth=len(result["layers"]) - 1,
+        grid=grid,
+        model=f"{m.arch} {m.scheme} {config.objective.name}",
+        exclude_special=exclude_special,
+        after_final_norm=after_final_norm,
+    )
     return result

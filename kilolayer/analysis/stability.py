@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from kilolayer.errors import InputError
 from kilolayer.rundir import METRICS, read_metrics
@@ -65,7 +64,7 @@ def _diagnostics(record: dict, where: str) -> Diagnostics:
     return d
 
 
-def read_run(run: "str | Path", name: Optional[str] = None) -> StabilityRun:
+def read_run(run: str | Path, name: str | None = None) -> StabilityRun:
     """A run directory (or its ``metrics.jsonl``) as a :class:`StabilityRun`; the name defaults to the
     directory's name."""
     run = Path(run)
@@ -92,7 +91,7 @@ def read_run(run: "str | Path", name: Optional[str] = None) -> StabilityRun:
     return StabilityRun(name or run_dir.resolve().name, run_dir, diagnostics, losses)
 
 
-def read_runs(runs: list["str | Path"]) -> list[StabilityRun]:
+def read_runs(runs: list[str | Path]) -> list[StabilityRun]:
     """Several runs; names that collide get their parent directory prefixed."""
     out = [read_run(r) for r in runs]
     names = [r.name for r in out]
@@ -119,7 +118,6 @@ def summary(runs: list[StabilityRun]) -> dict:
             "path": str(r.path.resolve()),
             "steps": [d.step for d in r.diagnostics],
             "update": [d.update for d in r.diagnostics],
-            "max_ln_input": max((v for d in r.diagnostics for v in d.ln_input if math.isfinite(v)),
-                                default=math.nan),
+            "max_ln_input": max((v for d in r.diagnostics for v in d.ln_input if math.isfinite(v)), default=math.nan),
         }
     return out

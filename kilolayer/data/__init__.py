@@ -9,8 +9,14 @@ from kilolayer.errors import ConfigError
 
 # Importing a module registers its sources.
 MODULES = [
-    "kilolayer.data.stdlib", "kilolayer.data.synthetic", "kilolayer.data.digits", "kilolayer.data.images",
-    "kilolayer.data.text", "kilolayer.data.hf_dataset", "kilolayer.data.mnist", "kilolayer.data.ptb",
+    "kilolayer.data.stdlib",
+    "kilolayer.data.synthetic",
+    "kilolayer.data.digits",
+    "kilolayer.data.images",
+    "kilolayer.data.text",
+    "kilolayer.data.hf_dataset",
+    "kilolayer.data.mnist",
+    "kilolayer.data.ptb",
 ]
 
 

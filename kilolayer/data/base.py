@@ -9,7 +9,7 @@ would. Adding a source is one module with one ``@register_source`` function.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

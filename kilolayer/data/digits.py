@@ -16,8 +16,6 @@ is ``model.image_size / 8``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from pydantic import Field
 
@@ -45,7 +43,7 @@ TEMPLATES = [
 
 
 class DigitsOptions(SplitOptions):
-    upscale: Optional[int] = Field(None, ge=1, description="integer nearest-neighbour factor; default image_size/8")
+    upscale: int | None = Field(None, ge=1, description="integer nearest-neighbour factor; default image_size/8")
     test_fraction: float = Field(0.2, ge=0.0, lt=1.0)
 
 

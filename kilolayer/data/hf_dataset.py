@@ -18,7 +18,6 @@ label values map to ids by sorted value. Images and text are prepared as in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -34,17 +33,17 @@ from kilolayer.errors import ConfigError, InputError
 
 
 class HFDatasetOptions(SplitOptions):
-    image: Optional[str] = None
-    text: Optional[str] = None
-    label: Optional[str] = None
+    image: str | None = None
+    text: str | None = None
+    label: str | None = None
     train_split: str = "train"
-    tokenizer: Optional[str] = None
-    max_len: Optional[int] = Field(None, ge=1, description="default: model.max_len for text-only data, else 64")
+    tokenizer: str | None = None
+    max_len: int | None = Field(None, ge=1, description="default: model.max_len for text-only data, else 64")
     add_cls: bool = False
     normalize: bool = True
 
 
-def load_dataset_dir(path: Optional[str]):
+def load_dataset_dir(path: str | None):
     if path is None:
         raise ConfigError("data.path: data.name='hf_dataset' needs a folder written by Dataset.save_to_disk")
     p = Path(path)

@@ -20,7 +20,6 @@ class for ``image_folder``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -99,7 +98,7 @@ class ImageFolderOptions(SplitOptions):
 class ImageCaptionOptions(SplitOptions):
     normalize: bool = True
     captions: str = "captions.txt"
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     max_len: int = Field(64, ge=1, description="longest caption in tokens (the text tower's max_len)")
 
 

@@ -9,7 +9,8 @@ examples; the train order is shuffled by ``train.seed`` as in :class:`Source`.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,7 +33,7 @@ class SplitOptions(BaseModel):
 
 
 def split_indices(
-    n: int, seed: int, val_fraction: float, test_fraction: float, labels: Optional[torch.Tensor] = None
+    n: int, seed: int, val_fraction: float, test_fraction: float, labels: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Disjoint sorted index sets ``train``/``validation``/``test`` covering ``range(n)``.
 
@@ -83,11 +84,11 @@ class MemorySource(Source):
     def __init__(
         self,
         seed: int,
-        columns: dict[str, "torch.Tensor | list[list[int]]"],
+        columns: dict[str, torch.Tensor | list[list[int]]],
         splits: dict[str, torch.Tensor],
         eval_split: str = "validation",
         pad_id: int = 0,
-        num_classes: Optional[int] = None,
+        num_classes: int | None = None,
         where: str = "data",
     ):
         super().__init__(seed)

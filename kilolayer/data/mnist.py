@@ -38,7 +38,7 @@ import struct
 import zlib
 from math import prod
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -85,11 +85,28 @@ MNIST_TEMPLATES = [
     "digit {digit} ({word})",
 ]
 FASHION_CLASSES = [
-    "t-shirt", "trousers", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot",
+    "t-shirt",
+    "trousers",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle boot",
 ]
 FASHION_THINGS = [
-    "a t-shirt", "a pair of trousers", "a pullover", "a dress", "a coat",
-    "a sandal", "a shirt", "a sneaker", "a bag", "an ankle boot",
+    "a t-shirt",
+    "a pair of trousers",
+    "a pullover",
+    "a dress",
+    "a coat",
+    "a sandal",
+    "a shirt",
+    "a sneaker",
+    "a bag",
+    "an ankle boot",
 ]
 FASHION_TEMPLATES = [
     "a photo of {thing}",
@@ -122,7 +139,7 @@ class IdxOptions(BaseModel):
 
     split_seed: int = 0
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="of the official training set, stratified")
-    train_size: Optional[int] = Field(None, ge=1, description="a stratified subset of the training split")
+    train_size: int | None = Field(None, ge=1, description="a stratified subset of the training split")
     eval_split: Literal["validation", "test"] = "validation"
     normalize: bool = True
 
@@ -173,13 +190,17 @@ def check_arrays(arrays: dict[str, torch.Tensor], where: str) -> dict[str, torch
     for part in ("train", "test"):
         images, labels = arrays[f"{part}_images"], arrays[f"{part}_labels"]
         if images.dim() != 3 or labels.dim() != 1:
-            raise InputError(f"{where}: {part} images must be N x H x W and labels N (got {list(images.shape)}, "
-                             f"{list(labels.shape)})")
+            raise InputError(
+                f"{where}: {part} images must be N x H x W and labels N (got {list(images.shape)}, "
+                f"{list(labels.shape)})"
+            )
         if len(images) != len(labels):
             raise InputError(f"{where}: {len(images)} {part} images but {len(labels)} {part} labels")
     if arrays["train_images"].shape[1:] != arrays["test_images"].shape[1:]:
-        raise InputError(f"{where}: training images are {tuple(arrays['train_images'].shape[1:])}, "
-                         f"test images {tuple(arrays['test_images'].shape[1:])}")
+        raise InputError(
+            f"{where}: training images are {tuple(arrays['train_images'].shape[1:])}, "
+            f"test images {tuple(arrays['test_images'].shape[1:])}"
+        )
     return arrays
 
 
@@ -221,7 +242,7 @@ def read_pureml(path: Path) -> dict[str, torch.Tensor]:
         store.close()
 
 
-def load_mnist(path: Optional[str]) -> dict[str, torch.Tensor]:
+def load_mnist(path: str | None) -> dict[str, torch.Tensor]:
     if path is not None:
         return load_idx_folder(Path(path))
     zipped = pureml_zip()
@@ -229,7 +250,7 @@ def load_mnist(path: Optional[str]) -> dict[str, torch.Tensor]:
     return check_arrays(cached(key, lambda: read_pureml(zipped)), str(zipped))
 
 
-def load_fashion(path: Optional[str]) -> dict[str, torch.Tensor]:
+def load_fashion(path: str | None) -> dict[str, torch.Tensor]:
     folder = Path(path or FASHION_DIR)
     if not folder.is_dir():
         raise InputError(NEEDS_FASHION.format(path=folder))

@@ -77,7 +77,7 @@ class PTBWords:
         self.special_ids = (self.pad_id, self.mask_id, self.cls_id, self.eos_id)
         self.random_high = n
 
-    def encode(self, text: "str | bytes") -> list[int]:
+    def encode(self, text: str | bytes) -> list[int]:
         """Ids of the words of ``text`` (unknown words are <unk>; no <eos> is added)."""
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
@@ -157,8 +157,9 @@ class TokenWindows(Source):
         super().__init__(seed)
         for split, stream in streams.items():
             if len(stream) < seq_len + 1:
-                raise InputError(f"{where}: the {split} split has {len(stream)} tokens, too few for one window "
-                                 f"of {seq_len + 1}")
+                raise InputError(
+                    f"{where}: the {split} split has {len(stream)} tokens, too few for one window of {seq_len + 1}"
+                )
         self.streams, self.seq_len, self.eval_split, self.eval_windows = streams, seq_len, eval_split, eval_windows
         self.train = streams["train"]
 
@@ -224,8 +225,11 @@ def ptb(config: Config) -> TokenWindows:
     data = load_ptb(opts.level)
     tok = ptb_tokenizer(config)
     if m.vocab_size < tok.vocab_size:
-        what = (f"{len(data['words']):,} words + <pad>, <mask>, <cls>" if opts.level == "word"
-                else "256 bytes + special ids")
+        what = (
+            f"{len(data['words']):,} words + <pad>, <mask>, <cls>"
+            if opts.level == "word"
+            else "256 bytes + special ids"
+        )
         raise ConfigError(
             f"model.vocab_size={m.vocab_size}: data.name='ptb' at level {opts.level!r} has {tok.vocab_size} ids "
             f"({what}); set model.vocab_size: {tok.vocab_size}"
@@ -233,8 +237,9 @@ def ptb(config: Config) -> TokenWindows:
     streams = {s: data[s] for s in SPLITS}
     if opts.train_tokens:
         streams["train"] = streams["train"][: opts.train_tokens]
-    source = TokenWindows(streams, seq, opts.eval_split, opts.eval_windows, config.train.seed,
-                          f"data.name='ptb' (level {opts.level!r})")
+    source = TokenWindows(
+        streams, seq, opts.eval_split, opts.eval_windows, config.train.seed, f"data.name='ptb' (level {opts.level!r})"
+    )
     source.tokenizer, source.vocab_size = tok, tok.vocab_size
     return source
 

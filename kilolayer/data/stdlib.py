@@ -60,8 +60,10 @@ class ByteWindows(Source):
     def __init__(self, train: bytes, valid: bytes, seq_len: int, eval_windows: int, seed: int, where: str):
         super().__init__(seed)
         if len(train) <= seq_len + 1 or len(valid) <= seq_len + 1:
-            raise InputError(f"{where}: corpus too small for windows of {seq_len + 1} bytes "
-                             f"(train {len(train)} bytes, validation {len(valid)} bytes)")
+            raise InputError(
+                f"{where}: corpus too small for windows of {seq_len + 1} bytes "
+                f"(train {len(train)} bytes, validation {len(valid)} bytes)"
+            )
         self.train = torch.frombuffer(bytearray(train), dtype=torch.uint8)
         self.valid = torch.frombuffer(bytearray(valid), dtype=torch.uint8)
         self.seq_len = seq_len

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kilolayer.data import vocab
 from kilolayer.data.base import Source, register_source
 from kilolayer.data.options import parse_options
-from kilolayer.data import vocab
 from kilolayer.data.vocab import BYTE_VOCAB
 from kilolayer.errors import ConfigError, InputError
 
@@ -32,7 +32,9 @@ class SyntheticOptions(BaseModel):
     @model_validator(mode="after")
     def _lens(self):
         if self.min_len > self.max_len:
-            raise ValueError(f"data.options.min_len={self.min_len}: must not exceed data.options.max_len={self.max_len}")
+            raise ValueError(
+                f"data.options.min_len={self.min_len}: must not exceed data.options.max_len={self.max_len}"
+            )
         return self
 
 
@@ -50,8 +52,13 @@ def seq2seq_batch(pairs: list[tuple[list[int], list[int]]], bos: int, eos: int, 
     src, src_mask = pad_batch([s for s, _ in pairs], pad)
     tgt_in, tgt_mask = pad_batch([[bos] + t for _, t in pairs], pad)
     tgt_out, _ = pad_batch([t + [eos] for _, t in pairs], pad)
-    return {"src": src, "src_padding_mask": src_mask, "tgt_in": tgt_in, "tgt_out": tgt_out,
-            "tgt_padding_mask": tgt_mask}
+    return {
+        "src": src,
+        "src_padding_mask": src_mask,
+        "tgt_in": tgt_in,
+        "tgt_out": tgt_out,
+        "tgt_padding_mask": tgt_mask,
+    }
 
 
 class Seq2SeqSource(Source):
@@ -170,8 +177,11 @@ class Parallel(Seq2SeqSource):
         return bytes([i]).decode("latin-1")
 
     def detokenize(self, ids) -> str:
-        raw = bytes(int(i) for i in ids[: next((k for k, i in enumerate(ids) if int(i) == self.eos), len(ids))]
-                    if 0 <= int(i) < 256)
+        raw = bytes(
+            int(i)
+            for i in ids[: next((k for k, i in enumerate(ids) if int(i) == self.eos), len(ids))]
+            if 0 <= int(i) < 256
+        )
         return raw.decode("utf-8", errors="replace")
 
     def __len__(self):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
 
 import torch
 from pydantic import Field
@@ -38,7 +37,7 @@ class ByteTokenizer:
     special_ids = (vocab.PAD, vocab.BOS, vocab.EOS, vocab.MASK, vocab.CLS, vocab.SEP)
     random_high = 256  # MLM's random replacements are real bytes
 
-    def encode(self, text: "str | bytes") -> list[int]:
+    def encode(self, text: str | bytes) -> list[int]:
         return list(text) if isinstance(text, bytes) else vocab.encode(text)
 
 
@@ -68,7 +67,7 @@ class HFTokenizer:
         self.special_ids = tuple(tok.all_special_ids)
         self.random_high = self.vocab_size
 
-    def encode(self, text: "str | bytes") -> list[int]:
+    def encode(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self.tok.encode(text, add_special_tokens=False)
@@ -79,7 +78,7 @@ def _hf_tokenizer(path: str) -> HFTokenizer:
     return HFTokenizer(path)
 
 
-def make_tokenizer(path: Optional[str] = None) -> "ByteTokenizer | HFTokenizer":
+def make_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
     """Bytes, or the Hugging Face tokenizer in the local directory ``path``."""
     return ByteTokenizer() if not path else _hf_tokenizer(str(path))
 
@@ -105,13 +104,13 @@ def check_vocab(size: int, tok, field: str = "model.vocab_size") -> None:
 
 
 class TextOptions(SplitOptions):
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     labels: bool = False
-    max_len: Optional[int] = Field(None, ge=1)
+    max_len: int | None = Field(None, ge=1)
     add_cls: bool = False
 
 
-def read_lines(path: "str | Path", labelled: bool, tokenizer) -> tuple[list[bytes | str], list[str]]:
+def read_lines(path: str | Path, labelled: bool, tokenizer) -> tuple[list[bytes | str], list[str]]:
     """(texts, labels) of the non-empty lines of ``path``; one clear line on any problem."""
     p = Path(path)
     if not p.is_file():
@@ -199,7 +198,7 @@ STDLIB_PACKAGES = ("asyncio", "email", "http", "importlib", "logging", "multipro
 
 class StdlibPackagesOptions(SplitOptions):
     packages: list[str] = Field(default_factory=lambda: list(STDLIB_PACKAGES), min_length=2)
-    seq_len: Optional[int] = Field(None, ge=1, description="window length in bytes; default model.max_len")
+    seq_len: int | None = Field(None, ge=1, description="window length in bytes; default model.max_len")
     max_per_class: int = Field(1000, ge=3)
     add_cls: bool = False
 

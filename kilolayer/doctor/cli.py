@@ -1,7 +1,7 @@
 """``kilolayer doctor``: diagnose a run, or forecast a config before training it.
 
-    kilolayer doctor RUN_DIR [--json]
-    kilolayer doctor CONFIG [--set key=value ...] --forecast [--steps K] [--json]
+kilolayer doctor RUN_DIR [--json]
+kilolayer doctor CONFIG [--set key=value ...] --forecast [--steps K] [--json]
 """
 
 from __future__ import annotations
@@ -57,22 +57,35 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "doctor",
         help="say why a run stalled, diverged or trained (RUN_DIR), or forecast a config before training it "
-             "(CONFIG --forecast)",
+        "(CONFIG --forecast)",
         description="Diagnose a training run from its status, losses and DeepNet's diagnostics (logged, or "
-                    "measured from its seed and checkpoints): vanishing bottom gradients, the first update "
-                    "against DeepNorm's, LayerNorm inputs growing with layer, over-smoothed tokens, a loss that "
-                    "never beat the data's chance level. With --forecast, replay the first steps of a config in "
-                    "memory and forecast trains / stalls / diverges by a stated rule. Writes nothing.",
+        "measured from its seed and checkpoints): vanishing bottom gradients, the first update "
+        "against DeepNorm's, LayerNorm inputs growing with layer, over-smoothed tokens, a loss that "
+        "never beat the data's chance level. With --forecast, replay the first steps of a config in "
+        "memory and forecast trains / stalls / diverges by a stated rule. Writes nothing.",
     )
     p.add_argument("target", metavar="RUN_DIR|CONFIG", help="a run directory, or (with --forecast) a config or preset")
     p.add_argument("--forecast", action="store_true", help="forecast the config instead of diagnosing a run")
-    p.add_argument("--set", action="append", default=[], metavar="key.path=value",
-                   help="with --forecast: override a config key (repeatable)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="with --forecast: optimiser steps to replay (default: through the warm-up and 10 steps "
-                        "at the peak learning rate; at least 40, at most 200)")
-    p.add_argument("--samples", type=int, default=128,
-                   help="samples for token similarity when the run has no smoothness analysis (0 = skip)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="key.path=value",
+        help="with --forecast: override a config key (repeatable)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="with --forecast: optimiser steps to replay (default: through the warm-up and 10 steps "
+        "at the peak learning rate; at least 40, at most 200)",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=128,
+        help="samples for token similarity when the run has no smoothness analysis (0 = skip)",
+    )
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     p.set_defaults(func=cmd_doctor)

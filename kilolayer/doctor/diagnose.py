@@ -35,7 +35,6 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from kilolayer.config import Config, load_config
 from kilolayer.errors import InputError, KilolayerError
@@ -70,7 +69,7 @@ class Diagnosis:
     run: str
     summary: str
     status: dict
-    outcome: Optional[dict]
+    outcome: dict | None
     findings: list[Finding]
     fine: list[str]
     measurements: dict
@@ -167,9 +166,16 @@ def _diagnostics(records: list[dict]) -> list[dict]:
         ln_names, ln_input = r.get("ln_names") or [], r.get("ln_input") or []
         if len(layers) != len(grads) or len(ln_names) != len(ln_input):
             raise InputError(f"metrics.jsonl (diagnostics at step {r.get('step')}): names and values differ in length")
-        out.append({"step": int(r["step"]), "layers": [str(x) for x in layers],
-                    "grad_norm": [_number(x) for x in grads], "update": _number(r.get("update")),
-                    "ln_names": [str(x) for x in ln_names], "ln_input": [_number(x) for x in ln_input]})
+        out.append(
+            {
+                "step": int(r["step"]),
+                "layers": [str(x) for x in layers],
+                "grad_norm": [_number(x) for x in grads],
+                "update": _number(r.get("update")),
+                "ln_names": [str(x) for x in ln_names],
+                "ln_input": [_number(x) for x in ln_input],
+            }
+        )
     return sorted(out, key=lambda d: d["step"])
 
 
@@ -200,21 +206,27 @@ def gradient_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]
         if not finite:
             continue
         worst = min(finite, key=lambda p: p["ratio"])
-        steps = ", ".join(f"{_e(p['ratio'])} at step {p['step']}{' (checkpoint)' * (p['source'] == 'checkpoint')}"
-                          for p in finite)
+        steps = ", ".join(
+            f"{_e(p['ratio'])} at step {p['step']}{' (checkpoint)' * (p['source'] == 'checkpoint')}" for p in finite
+        )
         if worst["ratio"] < GRAD_RATIO:
             pattern = " (Post-LN's vanishing pattern)" if scheme in POST_LN_FORM else ""
             if scheme in POST_LN_FORM:
-                fix = (f"set model.scheme=deepnorm ({_alpha_text(config)}): DeepNet up-weights the shortcut so "
-                       f"the gradient reaches the bottom layers; or model.scheme=pre_ln")
+                fix = (
+                    f"set model.scheme=deepnorm ({_alpha_text(config)}): DeepNet up-weights the shortcut so "
+                    f"the gradient reaches the bottom layers; or model.scheme=pre_ln"
+                )
             else:
                 fix = "fewer layers, or a scheme whose shortcut carries the gradient (deepnorm, pre_ln)"
-            findings.append(Finding(
-                "vanishing_gradients",
-                f"gradients at the bottom of the {side} are {_e(worst['ratio'])} of the top's at step "
-                f"{worst['step']}{pattern}; bottom/top per measured step: {steps} (flagged below {GRAD_RATIO:g})",
-                fix + f": the bottom {side} layers barely learn while the ratio is {_e(worst['ratio'])}",
-                {"side": side, "points": finite}))
+            findings.append(
+                Finding(
+                    "vanishing_gradients",
+                    f"gradients at the bottom of the {side} are {_e(worst['ratio'])} of the top's at step "
+                    f"{worst['step']}{pattern}; bottom/top per measured step: {steps} (flagged below {GRAD_RATIO:g})",
+                    fix + f": the bottom {side} layers barely learn while the ratio is {_e(worst['ratio'])}",
+                    {"side": side, "points": finite},
+                )
+            )
         else:
             fine.append(f"{side} bottom/top gradient {steps}")
     return findings, fine
@@ -228,23 +240,31 @@ def update_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
     bound = m.get("bound")
     bound_text = ""
     if bound and bound.get("ratio") is not None and config.model.scheme != "deepnorm":
-        bound_text = (f"; DeepNet's bound for this scheme at {_shape(config)} is {bound['ratio']:.0f}x DeepNorm's "
-                      f"({bound['coefficient']:.4g} vs {bound['deepnorm_coefficient']:.3g} x lr: a bound, "
-                      f"not a prediction)")
+        bound_text = (
+            f"; DeepNet's bound for this scheme at {_shape(config)} is {bound['ratio']:.0f}x DeepNorm's "
+            f"({bound['coefficient']:.4g} vs {bound['deepnorm_coefficient']:.3g} x lr: a bound, "
+            f"not a prediction)"
+        )
     if config.model.scheme == "deepnorm" or not ref or not ref.get("value"):
         if config.model.scheme == "deepnorm" and bound:
-            return [], [f"first update {_e(first['value'])} at lr {_e(first['lr'])} (DeepNorm: its bound is "
-                        f"{bound['deepnorm_coefficient']:.3g} x lr at any depth)"]
+            return [], [
+                f"first update {_e(first['value'])} at lr {_e(first['lr'])} (DeepNorm: its bound is "
+                f"{bound['deepnorm_coefficient']:.3g} x lr at any depth)"
+            ]
         return [], [f"first update {_e(first['value'])} at lr {_e(first['lr'])}"]
     ratio = first["value"] / ref["value"]
-    text = (f"the first update ||F(x,θ1) - F(x,θ0)|| is {_e(first['value'])}, {ratio:.3g}x that of a DeepNorm model "
-            f"of this shape at the same lr {_e(first['lr'])} ({_e(ref['value'])}, measured: an empirical "
-            f"reference){bound_text}")
+    text = (
+        f"the first update ||F(x,θ1) - F(x,θ0)|| is {_e(first['value'])}, {ratio:.3g}x that of a DeepNorm model "
+        f"of this shape at the same lr {_e(first['lr'])} ({_e(ref['value'])}, measured: an empirical "
+        f"reference){bound_text}"
+    )
     evidence = {"update": first["value"], "deepnorm": ref["value"], "ratio": ratio, "lr": first["lr"]}
     if ratio >= UPDATE_RATIO:
-        fix = (f"set model.scheme=deepnorm (bounded update at any depth), or divide train.lr by about "
-               f"{ratio:.0f} / lengthen train.warmup (now {config.train.warmup}) so early updates stay near "
-               f"DeepNorm's size")
+        fix = (
+            f"set model.scheme=deepnorm (bounded update at any depth), or divide train.lr by about "
+            f"{ratio:.0f} / lengthen train.warmup (now {config.train.warmup}) so early updates stay near "
+            f"DeepNorm's size"
+        )
         return [Finding("large_update", text + f" (flagged at {UPDATE_RATIO:g}x)", fix, evidence)], []
     return [], [f"first update {_e(first['value'])} = {ratio:.2g}x DeepNorm's at this shape and lr"]
 
@@ -259,18 +279,26 @@ def ln_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
         per = ", ".join(_e(v) for v in worst["per_layer"])
         if worst["growth"] >= LN_GROWTH:
             if config.model.scheme in ("pre_ln", "sub_ln", "sandwich_ln", "normformer", "layerscale"):
-                why = ("the residual stream outgrows what each layer adds, so the top layers change it little "
-                       "(Pre-LN's weakness at depth)")
-                fix = ("model.scheme=deepnorm keeps every LayerNorm input at the alpha-scaled level; or fewer, "
-                       "wider layers")
+                why = (
+                    "the residual stream outgrows what each layer adds, so the top layers change it little "
+                    "(Pre-LN's weakness at depth)"
+                )
+                fix = (
+                    "model.scheme=deepnorm keeps every LayerNorm input at the alpha-scaled level; or fewer, "
+                    "wider layers"
+                )
             else:
                 why = "the branch outputs grow relative to the shortcut"
                 fix = f"lower train.lr or lengthen train.warmup (now {config.train.warmup})"
-            findings.append(Finding(
-                "ln_growth",
-                f"LayerNorm inputs grow layer by layer in the {side}: {worst['growth']:.3g}x from the first layer to "
-                f"the last at step {worst['step']} (per layer: {per}; flagged at {LN_GROWTH:g}x): {why}",
-                fix, {"side": side, **worst}))
+            findings.append(
+                Finding(
+                    "ln_growth",
+                    f"LayerNorm inputs grow layer by layer in the {side}: {worst['growth']:.3g}x from the first "
+                    f"layer to the last at step {worst['step']} (per layer: {per}; flagged at {LN_GROWTH:g}x): {why}",
+                    fix,
+                    {"side": side, **worst},
+                )
+            )
         else:
             fine.append(f"{side} LayerNorm inputs {worst['growth']:.2g}x first to last layer")
     return findings, fine
@@ -283,14 +311,23 @@ def smoothing_findings(config: Config, m: dict) -> tuple[list[Finding], list[str
     if s["last"] >= COSINE:
         seq_level = config.objective.name in ("classification", "contrastive")
         why = " (a sequence-level objective: Bamboo's over-smoothing)" if seq_level else ""
-        fix = ("a token-level objective (MAE / MLM pre-training, then fine-tune) or fewer, wider layers: "
-               "extra depth adds little while the last layers' tokens are this alike") if seq_level else \
-              "fewer, wider layers: the last layers' tokens are nearly identical, so extra depth adds little"
-        return [Finding(
-            "oversmoothing",
-            f"last-layer tokens are {s['last']:.3f} similar (mean token cosine; {s['first']:.2f} after the "
-            f"embedding; flagged at {COSINE:g}): over-smoothing{why}",
-            fix, dict(s))], []
+        fix = (
+            (
+                "a token-level objective (MAE / MLM pre-training, then fine-tune) or fewer, wider layers: "
+                "extra depth adds little while the last layers' tokens are this alike"
+            )
+            if seq_level
+            else "fewer, wider layers: the last layers' tokens are nearly identical, so extra depth adds little"
+        )
+        return [
+            Finding(
+                "oversmoothing",
+                f"last-layer tokens are {s['last']:.3f} similar (mean token cosine; {s['first']:.2f} after the "
+                f"embedding; flagged at {COSINE:g}): over-smoothing{why}",
+                fix,
+                dict(s),
+            )
+        ], []
     return [], [f"last-layer token cosine {s['last']:.3f} (embedding {s['first']:.2f})"]
 
 
@@ -308,23 +345,38 @@ def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[lis
     elif "vanishing_gradients" in codes:
         fix = "the vanishing gradients above are the likely cause: fix those first"
     elif moved.get("relative") is not None and moved["relative"] < BARELY_MOVED:
-        fix = (f"the weights barely moved (output changed by {moved['relative']:.2g} of its size by step "
-               f"{moved['step']}, flagged below {BARELY_MOVED:g}): raise train.lr (now {_e(config.train.lr)}) "
-               f"or train longer")
+        fix = (
+            f"the weights barely moved (output changed by {moved['relative']:.2g} of its size by step "
+            f"{moved['step']}, flagged below {BARELY_MOVED:g}): raise train.lr (now {_e(config.train.lr)}) "
+            f"or train longer"
+        )
     elif "large_update" in codes or (moved.get("relative") or 0) > 1.0:
-        fix = ("the model moved far but to no use: updates this large throw it back to chance; lower "
-               f"train.lr (now {_e(config.train.lr)}) or lengthen train.warmup")
+        fix = (
+            "the model moved far but to no use: updates this large throw it back to chance; lower "
+            f"train.lr (now {_e(config.train.lr)}) or lengthen train.warmup"
+        )
     else:
         fix = "train longer, or check that the targets depend on the inputs"
     if best >= level:
-        return [Finding("never_below_chance",
-                        f"loss never went below the data's chance level: best eval loss {best:.4g} >= chance "
-                        f"{level:.4g} (the best input-independent predictor on these evaluation targets)",
-                        fix, dict(c))], []
+        return [
+            Finding(
+                "never_below_chance",
+                f"loss never went below the data's chance level: best eval loss {best:.4g} >= chance "
+                f"{level:.4g} (the best input-independent predictor on these evaluation targets)",
+                fix,
+                dict(c),
+            )
+        ], []
     if final > 0.9 * level:
-        return [Finding("learned_nothing",
-                        f"final eval loss {final:.4g} is {final / level:.2f} x the chance level {level:.4g}: learned "
-                        f"almost nothing (the study report's rule: above 0.9 x chance)", fix, dict(c))], []
+        return [
+            Finding(
+                "learned_nothing",
+                f"final eval loss {final:.4g} is {final / level:.2f} x the chance level {level:.4g}: learned "
+                f"almost nothing (the study report's rule: above 0.9 x chance)",
+                fix,
+                dict(c),
+            )
+        ], []
     return [], [f"final eval loss {final:.4g} = {final / level:.2f} x chance {level:.4g}"]
 
 
@@ -333,20 +385,36 @@ def status_findings(config: Config, status: dict, m: dict) -> list[Finding]:
     if st == "diverged":
         lr = m.get("lr_at_end")
         warm = config.train.warmup
-        where = f" (lr {_e(lr)}, {'after' if status.get('step', 0) > warm else 'during'} the {warm}-step warm-up)" \
-            if lr is not None else ""
+        where = (
+            f" (lr {_e(lr)}, {'after' if status.get('step', 0) > warm else 'during'} the {warm}-step warm-up)"
+            if lr is not None
+            else ""
+        )
         first = m.get("first_update") or {}
         ref = (m.get("deepnorm_first_update") or {}).get("value")
         tie = f"; its first update was {first['value'] / ref:.3g}x DeepNorm's" if first and ref else ""
-        return [Finding("diverged", f"diverged at step {status.get('step')}{where}: {status.get('reason', '')}",
-                        f"lower train.lr (peak {_e(config.train.lr)}) or lengthen train.warmup{tie}"
-                        + ("; continue from the last good checkpoint with kilolayer train --resume --set train.lr=..."
-                           if m.get("has_checkpoint") else ""),
-                        {"step": status.get("step"), "reason": status.get("reason", "")})]
+        return [
+            Finding(
+                "diverged",
+                f"diverged at step {status.get('step')}{where}: {status.get('reason', '')}",
+                f"lower train.lr (peak {_e(config.train.lr)}) or lengthen train.warmup{tie}"
+                + (
+                    "; continue from the last good checkpoint with kilolayer train --resume --set train.lr=..."
+                    if m.get("has_checkpoint")
+                    else ""
+                ),
+                {"step": status.get("step"), "reason": status.get("reason", "")},
+            )
+        ]
     if st == "failed":
-        return [Finding("failed", f"failed at step {status.get('step')}: {status.get('reason', '')}",
-                        "not a training outcome: fix the cause above and continue with kilolayer train --resume",
-                        {"step": status.get("step"), "reason": status.get("reason", "")})]
+        return [
+            Finding(
+                "failed",
+                f"failed at step {status.get('step')}: {status.get('reason', '')}",
+                "not a training outcome: fix the cause above and continue with kilolayer train --resume",
+                {"step": status.get("step"), "reason": status.get("reason", "")},
+            )
+        ]
     return []
 
 
@@ -363,8 +431,16 @@ def _config_of(run: Path) -> Config:
     return load_config(run / CONFIG)
 
 
-def measure(run: Path, config: Config, records: list[dict], status: dict, *, replay_steps: int = 1,
-            smoothness_samples: int = 128, device: str = "cpu") -> tuple[dict, list[str]]:
+def measure(
+    run: Path,
+    config: Config,
+    records: list[dict],
+    status: dict,
+    *,
+    replay_steps: int = 1,
+    smoothness_samples: int = 128,
+    device: str = "cpu",
+) -> tuple[dict, list[str]]:
     """Every measurement the rules read, with its source, and notes on what could not be measured."""
     from kilolayer.doctor.measure import at_checkpoint, deepnorm_first_update, replay
     from kilolayer.doctor.outcome import chance
@@ -384,9 +460,19 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
     # gradients and LayerNorm inputs: every logged step, or the replayed first step(s)
     points = [dict(d, source="logged") for d in logged]
     if not points and start is not None:
-        points = [{"step": s.step, "layers": s.layers, "grad_norm": s.grad_norm, "update": s.update,
-                   "ln_names": s.ln_names, "ln_input": s.ln_input, "source": "replayed"} for s in start.steps]
-        notes.append(f"no diagnostics in metrics.jsonl (train.diagnostics_every=0): step 1 replayed from the seed")
+        points = [
+            {
+                "step": s.step,
+                "layers": s.layers,
+                "grad_norm": s.grad_norm,
+                "update": s.update,
+                "ln_names": s.ln_names,
+                "ln_input": s.ln_input,
+                "source": "replayed",
+            }
+            for s in start.steps
+        ]
+        notes.append("no diagnostics in metrics.jsonl (train.diagnostics_every=0): step 1 replayed from the seed")
     ckpt = None
     if start is not None:
         try:
@@ -397,8 +483,17 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
             notes.append("no complete checkpoint: nothing measured at the end of training")
     m["has_checkpoint"] = ckpt is not None
     if ckpt is not None and not any(p["step"] == ckpt.step for p in points):
-        points.append({"step": ckpt.step, "layers": ckpt.layers, "grad_norm": ckpt.grad_norm, "update": ckpt.update,
-                       "ln_names": ckpt.ln_names, "ln_input": ckpt.ln_input, "source": "checkpoint"})
+        points.append(
+            {
+                "step": ckpt.step,
+                "layers": ckpt.layers,
+                "grad_norm": ckpt.grad_norm,
+                "update": ckpt.update,
+                "ln_names": ckpt.ln_names,
+                "ln_input": ckpt.ln_input,
+                "source": "checkpoint",
+            }
+        )
     if ckpt is not None:
         rel = ckpt.update / start.output_norm if start.output_norm else None
         m["final_update"] = {"value": ckpt.update, "step": ckpt.step, "relative": rel}
@@ -412,7 +507,8 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
         per = ln_per_layer(p["ln_names"], p["ln_input"])
         for side, g in ln_growth(p["ln_names"], p["ln_input"]).items():
             m["ln_growth"].setdefault(side, []).append(
-                {"step": p["step"], "growth": g, "per_layer": per[side], "source": p["source"]})
+                {"step": p["step"], "growth": g, "per_layer": per[side], "source": p["source"]}
+            )
 
     # the first update, against DeepNorm's at the same shape and lr (empirical) and DeepNet's bound (theory)
     first = next((p for p in points if p["step"] == 1 and math.isfinite(p["update"])), None)
@@ -430,16 +526,18 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
             m["deepnorm_first_update"] = {"value": ref, "source": "replayed (model.scheme=deepnorm, same seed)"}
     own, dn = update_coefficient(config.model), update_coefficient(config.model, "deepnorm")
     if dn is not None:
-        m["bound"] = {"coefficient": own, "deepnorm_coefficient": dn,
-                      "ratio": own / dn if own is not None else None}
+        m["bound"] = {"coefficient": own, "deepnorm_coefficient": dn, "ratio": own / dn if own is not None else None}
 
     # tokens: the study's cached analysis, or measured through the observer
     m["smoothness"] = _smoothness(run, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
 
     # losses against the chance level
     evals = [_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
-    trains = [(int(r["step"]), _number(r.get("loss")), _number(r.get("lr"))) for r in records
-              if r.get("split") == "train" and "loss" in r]
+    trains = [
+        (int(r["step"]), _number(r.get("loss")), _number(r.get("lr")))
+        for r in records
+        if r.get("split") == "train" and "loss" in r
+    ]
     if trains:
         m["lr_at_end"] = next((lr for _, _, lr in reversed(trains) if math.isfinite(lr)), None)
     try:
@@ -449,14 +547,18 @@ def measure(run: Path, config: Config, records: list[dict], status: dict, *, rep
         notes.append(f"chance level not computed: {err}")
     finite_evals = [e for e in evals if math.isfinite(e)]
     if finite_evals:
-        m["losses"] = {"chance": level, "best_eval": min(finite_evals), "final_eval": evals[-1],
-                       "evaluations": len(evals)}
+        m["losses"] = {
+            "chance": level,
+            "best_eval": min(finite_evals),
+            "final_eval": evals[-1],
+            "evaluations": len(evals),
+        }
     elif math.isfinite(level):
         notes.append("no evaluation loss logged: the chance check needs one")
     return m, notes
 
 
-def _smoothness(run: Path, samples: int, device: str, notes: list[str], has_checkpoint: bool) -> Optional[dict]:
+def _smoothness(run: Path, samples: int, device: str, notes: list[str], has_checkpoint: bool) -> dict | None:
     cached = read_json(run / "analysis" / "smoothness" / "smoothness.json")
     if isinstance(cached, dict) and cached.get("cosine"):
         result, source = cached, "RUN/analysis/smoothness/smoothness.json"
@@ -474,8 +576,9 @@ def _smoothness(run: Path, samples: int, device: str, notes: list[str], has_chec
     return {"last": cos[-1], "first": cos[0], "per_layer": cos, "source": source}
 
 
-def diagnose(run_dir: "str | Path", *, replay_steps: int = 1, smoothness_samples: int = 128,
-             device: str = "cpu") -> Diagnosis:
+def diagnose(
+    run_dir: str | Path, *, replay_steps: int = 1, smoothness_samples: int = 128, device: str = "cpu"
+) -> Diagnosis:
     """Diagnose the run in ``run_dir`` (see the module docstring for what is measured and the rules).
 
     ``replay_steps=0`` and ``smoothness_samples=0`` skip the measurements that build the model (then only
@@ -487,8 +590,9 @@ def diagnose(run_dir: "str | Path", *, replay_steps: int = 1, smoothness_samples
     config = _config_of(run)
     records = read_metrics(run)
     status = read_status(run)
-    m, notes = measure(run, config, records, status, replay_steps=replay_steps,
-                       smoothness_samples=smoothness_samples, device=device)
+    m, notes = measure(
+        run, config, records, status, replay_steps=replay_steps, smoothness_samples=smoothness_samples, device=device
+    )
     found, fine = [], []
     for rule in (gradient_findings, update_findings, ln_findings, smoothing_findings):
         f, ok = rule(config, m)
@@ -505,8 +609,18 @@ def diagnose(run_dir: "str | Path", *, replay_steps: int = 1, smoothness_samples
         notes.append(f"outcome not decided: {err}")
     mc = config.model
     st = status.get("status", "no status.json")
-    summary = (f"{run}: {mc.scheme} {mc.arch} {_shape(config)} x {mc.width}, {config.objective.name} on "
-               f"{config.data.name}; {st} at step {status.get('step', '?')} of {config.train.steps} "
-               f"(lr {_e(config.train.lr)}, warm-up {config.train.warmup}, {config.train.schedule})")
-    return Diagnosis(str(run), summary, {k: status.get(k) for k in ("status", "step", "reason") if k in status},
-                     out, found, fine, m, notes)
+    summary = (
+        f"{run}: {mc.scheme} {mc.arch} {_shape(config)} x {mc.width}, {config.objective.name} on "
+        f"{config.data.name}; {st} at step {status.get('step', '?')} of {config.train.steps} "
+        f"(lr {_e(config.train.lr)}, warm-up {config.train.warmup}, {config.train.schedule})"
+    )
+    return Diagnosis(
+        str(run),
+        summary,
+        {k: status.get(k) for k in ("status", "step", "reason") if k in status},
+        out,
+        found,
+        fine,
+        m,
+        notes,
+    )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from kilolayer.config import Config
 
@@ -34,14 +33,13 @@ def lr_sum(config: Config, first: int, last: int) -> float:
     return sum(tc.lr * lr_factor(s - 1, tc) for s in range(first, last + 1))
 
 
-def measure(config: Config, steps: Optional[int] = None, device: str = "cpu") -> dict:
+def measure(config: Config, steps: int | None = None, device: str = "cpu") -> dict:
     """Replay ``steps`` steps (default :func:`auto_steps`) and return every measurement :func:`decide`
     reads, as plain JSON-able data."""
     from kilolayer.doctor.diagnose import ln_growth, side_ratios
     from kilolayer.doctor.measure import deepnorm_first_update, replay
     from kilolayer.doctor.outcome import chance
     from kilolayer.doctor.theory import update_coefficient
-
     from kilolayer.errors import ConfigError
 
     if config.train.steps < 1:
@@ -54,23 +52,40 @@ def measure(config: Config, steps: Optional[int] = None, device: str = "cpu") ->
     ran = len(r.steps)
     ok = [s for s in r.steps if math.isfinite(s.update)]
     m = {
-        "version": VERSION, "steps_requested": k, "steps_run": ran, "stopped": r.stopped, "ungated": r.ungated,
-        "schedule": {"lr": tc.lr, "warmup": tc.warmup, "steps": tc.steps, "schedule": tc.schedule,
-                     "lr_seen_max": max((s.lr for s in r.steps), default=0.0),
-                     "lr_sum_seen": lr_sum(config, 1, ran), "lr_sum_total": lr_sum(config, 1, tc.steps)},
-        "scheme": config.model.scheme, "output_norm": r.output_norm, "eval_loss0": r.eval_loss0,
+        "version": VERSION,
+        "steps_requested": k,
+        "steps_run": ran,
+        "stopped": r.stopped,
+        "ungated": r.ungated,
+        "schedule": {
+            "lr": tc.lr,
+            "warmup": tc.warmup,
+            "steps": tc.steps,
+            "schedule": tc.schedule,
+            "lr_seen_max": max((s.lr for s in r.steps), default=0.0),
+            "lr_sum_seen": lr_sum(config, 1, ran),
+            "lr_sum_total": lr_sum(config, 1, tc.steps),
+        },
+        "scheme": config.model.scheme,
+        "output_norm": r.output_norm,
+        "eval_loss0": r.eval_loss0,
         "has_layernorm": bool(r.ln_names),
         "per_step": {
-            "step": [s.step for s in r.steps], "lr": [s.lr for s in r.steps], "loss": [s.loss for s in r.steps],
-            "update": [s.update for s in r.steps], "change": [s.change for s in r.steps],
+            "step": [s.step for s in r.steps],
+            "lr": [s.lr for s in r.steps],
+            "loss": [s.loss for s in r.steps],
+            "update": [s.update for s in r.steps],
+            "change": [s.change for s in r.steps],
             "eval_loss": [s.eval_loss for s in r.steps],
             "grad_ratio": [side_ratios(s.layers, s.grad_norm) for s in r.steps],
             "ln_growth": [ln_growth(s.ln_names, s.ln_input) if s.ln_names else {} for s in r.steps],
         },
         "update1": ok[0].update if ok and ok[0].step == 1 else None,
         "deepnorm_update1": None,
-        "bound": {"coefficient": update_coefficient(config.model),
-                  "deepnorm_coefficient": update_coefficient(config.model, "deepnorm")},
+        "bound": {
+            "coefficient": update_coefficient(config.model),
+            "deepnorm_coefficient": update_coefficient(config.model, "deepnorm"),
+        },
     }
     if config.model.scheme == "deepnorm":
         m["deepnorm_update1"] = m["update1"]
@@ -136,35 +151,64 @@ def decide(m: dict) -> tuple[str, str, dict]:
     if m["stopped"]:
         return "diverges", f"the replay diverged: {m['stopped']}", {}
     if m["ungated"] is not None:
-        return "diverges", (f"the smoothed loss passed train.diverge_factor x its running minimum at step "
-                            f"{m['ungated']}, during warm-up: the trainer will stop it when warm-up ends"), {}
+        return (
+            "diverges",
+            (
+                f"the smoothed loss passed train.diverge_factor x its running minimum at step "
+                f"{m['ungated']}, during warm-up: the trainer will stop it when warm-up ends"
+            ),
+            {},
+        )
     evals = [(s, e) for s, e in zip(ps["step"], ps["eval_loss"]) if e is not None and math.isfinite(e)]
     if not evals or not math.isfinite(level):
         return "trains", "no evaluation loss or chance level to judge by", {}
     e0 = m["eval_loss0"]
     lowest = min(_finite([e for _, e in evals] + [e0]))
     last_step, last = evals[-1]
-    numbers = {"chance": level, "eval_loss0": e0, "eval_loss_lowest": lowest, "eval_loss_last": last,
-               "step_last": last_step}
+    numbers = {
+        "chance": level,
+        "eval_loss0": e0,
+        "eval_loss_lowest": lowest,
+        "eval_loss_last": last,
+        "step_last": last_step,
+    }
     if last - lowest > THROWN_BACK * level and last > LEARNED_NOTHING * level:
-        return "stalls", (f"the evaluation loss fell to {lowest / level:.2f} x chance and was thrown back to "
-                          f"{last / level:.2f} x chance by step {last_step} (lr {ps['lr'][-1]:.2g})"), numbers
+        return (
+            "stalls",
+            (
+                f"the evaluation loss fell to {lowest / level:.2f} x chance and was thrown back to "
+                f"{last / level:.2f} x chance by step {last_step} (lr {ps['lr'][-1]:.2g})"
+            ),
+            numbers,
+        )
     ratios = ps["grad_ratio"][-1] if ps["grad_ratio"] else {}
     cut = {side: r for side, r in ratios.items() if math.isfinite(r) and r < VANISHED}
     numbers["grad_ratio_last"] = ratios
     if cut:
         side, r = min(cut.items(), key=lambda kv: kv[1])
-        return "stalls", (f"at step {ps['step'][-1]} the gradient at the bottom of the {side} is {r:.1e} of the "
-                          f"top's: the bottom layers are cut off (DeepNet's vanishing pattern)"), numbers
+        return (
+            "stalls",
+            (
+                f"at step {ps['step'][-1]} the gradient at the bottom of the {side} is {r:.1e} of the "
+                f"top's: the bottom layers are cut off (DeepNet's vanishing pattern)"
+            ),
+            numbers,
+        )
     if sched["lr_seen_max"] < 0.999 * sched["lr"]:
         r = peak_change(m)
         numbers["peak_change"] = r
         if r >= PEAK_CHANGE:
             has_ln = m.get("has_layernorm", any(ps["ln_growth"]))
             verdict = "stalls" if has_ln else "diverges"
-            return verdict, (f"one step at the peak lr {sched['lr']:.2g} would move the output by {r:.2f} x its size "
-                             f"(projected from step {ps['step'][-1]}, lr {ps['lr'][-1]:.2g}): it will blow up"
-                             f"{' and be thrown back to chance' if verdict == 'stalls' else ''}"), numbers
+            return (
+                verdict,
+                (
+                    f"one step at the peak lr {sched['lr']:.2g} would move the output by {r:.2f} x its size "
+                    f"(projected from step {ps['step'][-1]}, lr {ps['lr'][-1]:.2g}): it will blow up"
+                    f"{' and be thrown back to chance' if verdict == 'stalls' else ''}"
+                ),
+                numbers,
+            )
     half = [(s, e) for s, e in evals if s >= last_step / 2]
     s1, e1 = half[0]
     spent = sum(lr for s, lr in zip(ps["step"], ps["lr"]) if s1 < s <= last_step)
@@ -173,15 +217,33 @@ def decide(m: dict) -> tuple[str, str, dict]:
     projected = last - SLOW_DOWN * rate * remaining
     numbers.update(rate=rate, remaining_lr=remaining, projected=projected)
     if projected > LEARNED_NOTHING * level:
-        return "stalls", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and, at half its "
-                          f"recent pace, would reach only {projected / level:.2f} x chance by step "
-                          f"{sched['steps']}"), numbers
+        return (
+            "stalls",
+            (
+                f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and, at half its "
+                f"recent pace, would reach only {projected / level:.2f} x chance by step "
+                f"{sched['steps']}"
+            ),
+            numbers,
+        )
     if last <= LEARNED_NOTHING * level:
-        return "trains", (f"the evaluation loss is already {last / level:.2f} x chance at step {last_step}, below "
-                          f"{LEARNED_NOTHING:g} x chance, with no setback"), numbers
-    return "trains", (f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading below "
-                      f"{LEARNED_NOTHING:g} x chance by step {sched['steps']} (projected "
-                      f"{max(projected, 0) / level:.2f}, linear at half its recent pace)"), numbers
+        return (
+            "trains",
+            (
+                f"the evaluation loss is already {last / level:.2f} x chance at step {last_step}, below "
+                f"{LEARNED_NOTHING:g} x chance, with no setback"
+            ),
+            numbers,
+        )
+    return (
+        "trains",
+        (
+            f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading below "
+            f"{LEARNED_NOTHING:g} x chance by step {sched['steps']} (projected "
+            f"{max(projected, 0) / level:.2f}, linear at half its recent pace)"
+        ),
+        numbers,
+    )
 
 
 def warnings(m: dict) -> list[str]:
@@ -192,13 +254,17 @@ def warnings(m: dict) -> list[str]:
     ratios = ps["grad_ratio"][-1] if ps["grad_ratio"] else {}
     for side, r in sorted(ratios.items()):
         if math.isfinite(r) and r < VANISHED:
-            out.append(f"at step {ps['step'][-1]} the bottom of the {side} gets {r:.1e} of the top's gradient "
-                       f"(DeepNet's vanishing pattern, flagged below {VANISHED:g}): only its top layers learn; "
-                       f"model.scheme=deepnorm keeps the bottom ones")
+            out.append(
+                f"at step {ps['step'][-1]} the bottom of the {side} gets {r:.1e} of the top's gradient "
+                f"(DeepNet's vanishing pattern, flagged below {VANISHED:g}): only its top layers learn; "
+                f"model.scheme=deepnorm keeps the bottom ones"
+            )
     u1, dn = m.get("update1"), m.get("deepnorm_update1")
     if u1 and dn and u1 / dn >= UPDATE_RATIO:
-        out.append(f"the first update is {u1 / dn:.3g}x a DeepNorm model's of this shape (flagged at "
-                   f"{UPDATE_RATIO:g}x): model.scheme=deepnorm, or a lower train.lr / longer train.warmup")
+        out.append(
+            f"the first update is {u1 / dn:.3g}x a DeepNorm model's of this shape (flagged at "
+            f"{UPDATE_RATIO:g}x): model.scheme=deepnorm, or a lower train.lr / longer train.warmup"
+        )
     return out
 
 
@@ -219,9 +285,11 @@ class Forecast:
         out = [f"{self.config}", f"forecast: {self.verdict} — {self.reason}"]
         out += [f"warning: {line}" for line in warnings(m)]
         out += [f"evidence: {line}" for line in evidence_lines(m)]
-        out.append(f"replayed {m['steps_run']} of {m['schedule']['steps']} steps in memory in {m['seconds']:.0f} s "
-                   f"(lr up to {m['schedule']['lr_seen_max']:.2g} of peak {m['schedule']['lr']:.2g}); nothing "
-                   f"written")
+        out.append(
+            f"replayed {m['steps_run']} of {m['schedule']['steps']} steps in memory in {m['seconds']:.0f} s "
+            f"(lr up to {m['schedule']['lr_seen_max']:.2g} of peak {m['schedule']['lr']:.2g}); nothing "
+            f"written"
+        )
         out.append("rule (first that holds): " + "; ".join(RULE))
         out += [f"note: {n}" for n in self.notes]
         return out
@@ -229,10 +297,19 @@ class Forecast:
     def to_dict(self) -> dict:
         from kilolayer.doctor.diagnose import _json_safe
 
-        return _json_safe({"config": self.config, "verdict": self.verdict, "reason": self.reason,
-                           "warnings": warnings(self.measurements), "rule": RULE, "numbers": self.numbers,
-                           "measurements": self.measurements,
-                           "notes": self.notes, "lines": self.lines})
+        return _json_safe(
+            {
+                "config": self.config,
+                "verdict": self.verdict,
+                "reason": self.reason,
+                "warnings": warnings(self.measurements),
+                "rule": RULE,
+                "numbers": self.numbers,
+                "measurements": self.measurements,
+                "notes": self.notes,
+                "lines": self.lines,
+            }
+        )
 
 
 def evidence_lines(m: dict) -> list[str]:
@@ -241,15 +318,18 @@ def evidence_lines(m: dict) -> list[str]:
     u1, dn = m.get("update1"), m.get("deepnorm_update1")
     b = m.get("bound") or {}
     if u1 is not None and m.get("scheme") == "deepnorm":
-        out.append(f"first update {u1:.3g} (DeepNorm: DeepNet bounds it by {b['deepnorm_coefficient']:.3g} x lr at "
-                   f"any depth)")
+        out.append(
+            f"first update {u1:.3g} (DeepNorm: DeepNet bounds it by {b['deepnorm_coefficient']:.3g} x lr at any depth)"
+        )
     elif u1 is not None:
         text = f"first update {u1:.3g}"
         if dn:
             text += f" = {u1 / dn:.3g}x a DeepNorm model's of this shape at the same lr ({dn:.3g}; measured)"
         if b.get("coefficient") is not None and b.get("deepnorm_coefficient"):
-            text += (f"; DeepNet's bound {b['coefficient']:.4g} x lr vs DeepNorm's {b['deepnorm_coefficient']:.3g} "
-                     f"x lr (a bound, not a prediction)")
+            text += (
+                f"; DeepNet's bound {b['coefficient']:.4g} x lr vs DeepNorm's {b['deepnorm_coefficient']:.3g} "
+                f"x lr (a bound, not a prediction)"
+            )
         out.append(text)
     ratios = m["per_step"]["grad_ratio"]
     if ratios:
@@ -257,24 +337,33 @@ def evidence_lines(m: dict) -> list[str]:
         out.append("bottom/top gradient at step 1: " + ", ".join(f"{side} {v:.2g}" for side, v in first.items()))
     growth = [g for g in m["per_step"]["ln_growth"] if g]
     if growth:
-        out.append("LayerNorm input growth first to last layer at the last step: "
-                   + ", ".join(f"{side} {v:.2g}x" for side, v in growth[-1].items()))
+        out.append(
+            "LayerNorm input growth first to last layer at the last step: "
+            + ", ".join(f"{side} {v:.2g}x" for side, v in growth[-1].items())
+        )
     return out
 
 
-def forecast(config: Config, steps: Optional[int] = None, device: str = "cpu", name: str = "") -> Forecast:
+def forecast(config: Config, steps: int | None = None, device: str = "cpu", name: str = "") -> Forecast:
     """Forecast ``config`` (see module docstring): replay ``steps`` steps (default :func:`auto_steps`)
     and decide trains / stalls / diverges by :func:`decide`."""
     m = measure(config, steps, device)
     verdict, reason, numbers = decide(m)
     mc = config.model
-    shape = (f"{mc.encoder_layers}L-{mc.n_decoder_layers}L" if mc.arch == "encoder_decoder"
-             else f"{mc.encoder_layers or mc.n_decoder_layers}L")
-    title = (f"{name + ': ' if name else ''}{mc.scheme} {mc.arch} {shape} x {mc.width}, {config.objective.name} on "
-             f"{config.data.name}, lr {config.train.lr:.2g}, warm-up {config.train.warmup}, "
-             f"{config.train.schedule}, {config.train.steps} steps")
+    shape = (
+        f"{mc.encoder_layers}L-{mc.n_decoder_layers}L"
+        if mc.arch == "encoder_decoder"
+        else f"{mc.encoder_layers or mc.n_decoder_layers}L"
+    )
+    title = (
+        f"{name + ': ' if name else ''}{mc.scheme} {mc.arch} {shape} x {mc.width}, {config.objective.name} on "
+        f"{config.data.name}, lr {config.train.lr:.2g}, warm-up {config.train.warmup}, "
+        f"{config.train.schedule}, {config.train.steps} steps"
+    )
     notes = []
     if m["steps_run"] < m["schedule"]["steps"] and m["schedule"]["lr_seen_max"] < 0.999 * m["schedule"]["lr"]:
-        notes.append(f"the replay ended before the peak learning rate ({m['schedule']['lr_seen_max']:.2g} of "
-                     f"{m['schedule']['lr']:.2g}): give --steps {config.train.warmup + 10} to see it")
+        notes.append(
+            f"the replay ended before the peak learning rate ({m['schedule']['lr_seen_max']:.2g} of "
+            f"{m['schedule']['lr']:.2g}): give --steps {config.train.warmup + 10} to see it"
+        )
     return Forecast(title, verdict, reason, numbers, m, notes)

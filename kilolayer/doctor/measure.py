@@ -16,7 +16,6 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -51,10 +50,10 @@ class Replay:
     ln_input: list[float]
     seconds: float
     stopped: str = ""
-    reference: Optional[torch.Tensor] = None  # F(x, theta_0) on the probe batch
-    probe_batch: Optional[dict] = None
+    reference: torch.Tensor | None = None  # F(x, theta_0) on the probe batch
+    probe_batch: dict | None = None
     eval_loss0: float = math.nan  # the loss on the fixed evaluation batch at initialisation
-    ungated: Optional[int] = None  # first step the divergence ratio test held during warm-up (not applied there)
+    ungated: int | None = None  # first step the divergence ratio test held during warm-up (not applied there)
 
     def losses(self) -> list[float]:
         return [s.loss for s in self.steps]
@@ -89,7 +88,7 @@ class DivergenceRule:
         self.tc = tc
         self.ema = self.weight = 0.0
         self.best = math.inf
-        self.ungated: Optional[int] = None
+        self.ungated: int | None = None
 
     def __call__(self, step: int, loss: float) -> str:
         tc = self.tc
@@ -100,8 +99,10 @@ class DivergenceRule:
         smooth = self.ema / self.weight
         if smooth > tc.diverge_factor * self.best and smooth > self.best + tc.diverge_increase:
             if step > tc.warmup:
-                return (f"smoothed loss {smooth:.4g} at step {step} exceeds {tc.diverge_factor:g} x its running "
-                        f"minimum {self.best:.4g}")
+                return (
+                    f"smoothed loss {smooth:.4g} at step {step} exceeds {tc.diverge_factor:g} x its running "
+                    f"minimum {self.best:.4g}"
+                )
             if self.ungated is None:
                 self.ungated = step
         self.best = min(self.best, smooth)
@@ -172,8 +173,9 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
             lr = scheduler.get_last_lr()[0]
             record = Step(step, lr, loss_sum, names, norms)
             out.append(record)
-            torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
-                                           tc.clip if tc.clip > 0 else float("inf"))
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in params if p.grad is not None], tc.clip if tc.clip > 0 else float("inf")
+            )
             stopped = diverged(step, loss_sum)
             if stopped:
                 break
@@ -190,8 +192,18 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
             if not math.isfinite(record.update):
                 stopped = f"non-finite output after step {step}"
                 break
-    return Replay(out, output_norm, ln_names, ln_input, time.perf_counter() - t0, stopped, reference, probe_batch,
-                  eval_loss0 if eval_loss0 is not None else math.nan, diverged.ungated)
+    return Replay(
+        out,
+        output_norm,
+        ln_names,
+        ln_input,
+        time.perf_counter() - t0,
+        stopped,
+        reference,
+        probe_batch,
+        eval_loss0 if eval_loss0 is not None else math.nan,
+        diverged.ungated,
+    )
 
 
 def with_scheme(config: Config, scheme: str) -> Config:
@@ -201,7 +213,7 @@ def with_scheme(config: Config, scheme: str) -> Config:
     return load_config(data)
 
 
-def deepnorm_first_update(config: Config, device: str = "cpu") -> Optional[float]:
+def deepnorm_first_update(config: Config, device: str = "cpu") -> float | None:
     """The step-1 model update of a DeepNorm model of ``config``'s shape, seed, batch and learning rate: the
     empirical reference a first update is compared with. None if the replay could not take the step, or
     if the run starts from pretrained weights (``train.init_from``: no DeepNorm twin of those exists)."""
@@ -223,7 +235,7 @@ class AtCheckpoint:
     ln_input: list[float]
 
 
-def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -> Optional[AtCheckpoint]:
+def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -> AtCheckpoint | None:
     """Measure the newest intact checkpoint of ``run_dir`` against ``start`` (a replay of the same config,
     which holds F(x, theta_0)); None if the run has no complete checkpoint."""
     from kilolayer.data import load_source

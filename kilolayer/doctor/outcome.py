@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 from kilolayer.config import Config
 from kilolayer.rundir import read_json, read_metrics, read_status
@@ -32,7 +31,7 @@ def _data_key(config: Config) -> str:
     return data_key(config)
 
 
-def chance(config: Config, run_dir: "str | Path | None" = None) -> dict:
+def chance(config: Config, run_dir: str | Path | None = None) -> dict:
     """``chance_level(config)`` (loss, and accuracy where the objective has one). Read from
     RUN/analysis/chance/chance.json when a study cached it there; otherwise computed and kept in memory
     only — this never writes into a run directory."""
@@ -59,7 +58,7 @@ def _number(value) -> float:
 class Outcome:
     """``label`` (one of OUTCOMES, or None), the evidence, and one line saying why."""
 
-    label: Optional[str]
+    label: str | None
     status: str
     final_loss: float
     chance: float
@@ -69,7 +68,7 @@ class Outcome:
         return asdict(self)
 
 
-def outcome(run_dir: "str | Path", config: Config, records: Optional[list[dict]] = None) -> Outcome:
+def outcome(run_dir: str | Path, config: Config, records: list[dict] | None = None) -> Outcome:
     """The outcome of the run in ``run_dir`` (see module docstring)."""
     st = read_status(run_dir)
     status = st.get("status", "missing")
@@ -79,13 +78,28 @@ def outcome(run_dir: "str | Path", config: Config, records: Optional[list[dict]]
     final = evals[-1] if evals else (trains[-1] if trains else math.nan)
     level = chance(config, run_dir)["loss"]
     if status == "diverged":
-        return Outcome("diverges", status, final, level, f"diverged at step {st.get('step', '?')}: "
-                                                         f"{st.get('reason', '')}".rstrip(": "))
+        return Outcome(
+            "diverges",
+            status,
+            final,
+            level,
+            f"diverged at step {st.get('step', '?')}: {st.get('reason', '')}".rstrip(": "),
+        )
     if status != "completed":
         return Outcome(None, status, final, level, f"{status} at step {st.get('step', 0)}: no outcome yet")
     frac = final / level if level > 0 else math.nan
     if not math.isfinite(final) or not frac <= LEARNED_NOTHING:
-        return Outcome("stalls", status, final, level,
-                       f"final eval loss {final:.3g} = {frac:.2f} x chance {level:.3g} (> {LEARNED_NOTHING})")
-    return Outcome("trains", status, final, level,
-                   f"final eval loss {final:.3g} = {frac:.2f} x chance {level:.3g} (<= {LEARNED_NOTHING})")
+        return Outcome(
+            "stalls",
+            status,
+            final,
+            level,
+            f"final eval loss {final:.3g} = {frac:.2f} x chance {level:.3g} (> {LEARNED_NOTHING})",
+        )
+    return Outcome(
+        "trains",
+        status,
+        final,
+        level,
+        f"final eval loss {final:.3g} = {frac:.2f} x chance {level:.3g} (<= {LEARNED_NOTHING})",
+    )

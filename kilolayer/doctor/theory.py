@@ -29,8 +29,6 @@ measured first update of a DeepNorm model of the same shape), never in place of 
 
 from __future__ import annotations
 
-from typing import Optional
-
 from kilolayer.config import ModelConfig
 
 # schemes of the form x <- LN(alpha x + G(x)) with no other norm, which the theorem covers
@@ -41,14 +39,20 @@ def _side_sum(scheme, side: str, depth) -> float:
     from kilolayer.nn.residual import Site
 
     total = 0.0
-    kinds = ("self_attn", "cross_attn", "ffn") if side == "decoder" and depth.arch == "encoder_decoder" \
+    kinds = (
+        ("self_attn", "cross_attn", "ffn")
+        if side == "decoder" and depth.arch == "encoder_decoder"
         else ("self_attn", "ffn")
+    )
     for layer in range(depth.layers(side)):
         for kind in kinds:
             site = Site(side, layer, kind)
             alpha = scheme.shortcut_init(site) if scheme.learned_shortcut else scheme.alpha(site)
-            v, w = (scheme.gain(site, "w1"), scheme.gain(site, "w2")) if kind == "ffn" else \
-                (scheme.gain(site, "v"), scheme.gain(site, "o"))
+            v, w = (
+                (scheme.gain(site, "w1"), scheme.gain(site, "w2"))
+                if kind == "ffn"
+                else (scheme.gain(site, "v"), scheme.gain(site, "o"))
+            )
             total += (v * v + w * w) / alpha**2
     return total
 
@@ -64,7 +68,7 @@ def _cross_factor(scheme, depth) -> float:
     return total
 
 
-def update_coefficient(model: ModelConfig, scheme_name: Optional[str] = None) -> Optional[float]:
+def update_coefficient(model: ModelConfig, scheme_name: str | None = None) -> float | None:
     """The bound's coefficient C in ``||dF|| <= C eta`` for ``model`` (or the same shape with
     ``scheme_name``); None for schemes the theorem does not cover (Pre-LN and other pre-norm schemes,
     ReZero, T-Fixup)."""
@@ -74,8 +78,7 @@ def update_coefficient(model: ModelConfig, scheme_name: Optional[str] = None) ->
     if name not in POST_LN_FORM:
         return None
     depth = Depth(model.arch, model.encoder_layers, model.n_decoder_layers)
-    scheme = make_scheme(name, depth, layerscale_init=model.layerscale_init,
-                         ds_init_variant=model.ds_init_variant)
+    scheme = make_scheme(name, depth, layerscale_init=model.layerscale_init, ds_init_variant=model.ds_init_variant)
     if model.arch == "encoder":
         return _side_sum(scheme, "encoder", depth)
     if model.arch == "decoder":
@@ -83,7 +86,7 @@ def update_coefficient(model: ModelConfig, scheme_name: Optional[str] = None) ->
     return _side_sum(scheme, "decoder", depth) + _cross_factor(scheme, depth) * _side_sum(scheme, "encoder", depth)
 
 
-def bound_ratio(model: ModelConfig) -> Optional[float]:
+def bound_ratio(model: ModelConfig) -> float | None:
     """How many times DeepNorm's bound at this depth the model's own bound is (None if not covered)."""
     own = update_coefficient(model)
     ref = update_coefficient(model, "deepnorm")

@@ -9,7 +9,7 @@ in fp32: faster there, and the softmax is computed in fp32.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(width, width, bias=bias)
         self.dropout = dropout
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+    def weights(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
         """(name, weight slice, bias slice) for q, k, v, o; slices are views into the fused matrices."""
         d = self.width
         if self.cross:
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         yield "o", self.out.weight, self.out.bias
 
     def forward(
-        self, x: torch.Tensor, memory: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, memory: torch.Tensor | None = None, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``mask``: bool, broadcastable to (B, heads, T, S), True where attention is allowed.
 

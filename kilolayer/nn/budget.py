@@ -11,7 +11,6 @@ not counted, as in the PaLM/nanoGPT MFU convention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from kilolayer.config import ModelConfig, model_config
 from kilolayer.nn.residual import Depth, Site, make_scheme
@@ -63,19 +62,21 @@ class Budget:
     tokens_per_sample: int
 
 
-def count_parameters(cfg: "ModelConfig | dict") -> int:
+def count_parameters(cfg: ModelConfig | dict) -> int:
     """Exact number of parameters of ``build_model(cfg)``."""
     return _counts(model_config(cfg))[0]
 
 
 def _scheme(cfg: ModelConfig):
     return make_scheme(
-        cfg.scheme, Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
-        layerscale_init=cfg.layerscale_init, ds_init_variant=cfg.ds_init_variant,
+        cfg.scheme,
+        Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
+        layerscale_init=cfg.layerscale_init,
+        ds_init_variant=cfg.ds_init_variant,
     )
 
 
-def training_flops(cfg: "ModelConfig | dict", src_len: Optional[int] = None, tgt_len: Optional[int] = None) -> float:
+def training_flops(cfg: ModelConfig | dict, src_len: int | None = None, tgt_len: int | None = None) -> float:
     """Model FLOPs of one training step (forward + backward) for ONE sample.
 
     ``src_len`` is the encoder's length (tokens, or patches + CLS), ``tgt_len``
@@ -105,7 +106,7 @@ def training_flops(cfg: "ModelConfig | dict", src_len: Optional[int] = None, tgt
     return float(flops)
 
 
-def budget(cfg: "ModelConfig | dict", seq_len: Optional[int] = None) -> Budget:
+def budget(cfg: ModelConfig | dict, seq_len: int | None = None) -> Budget:
     """Parameters and training FLOPs per token at ``seq_len`` (default: the model's full length).
 
     For an encoder-decoder, source and target both have ``seq_len`` tokens and
@@ -156,8 +157,8 @@ def _with(cfg: ModelConfig, layers: int, width: int, head_dim: int, ffn_ratio: f
 
 
 def matched_configs(
-    cfg: "ModelConfig | dict",
-    params: Optional[int] = None,
+    cfg: ModelConfig | dict,
+    params: int | None = None,
     tolerance: float = 0.03,
     head_dim: int = 64,
     max_depth_factor: int = 8,

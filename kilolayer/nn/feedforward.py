@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +13,15 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 class FeedForward(nn.Module):
     def __init__(
-        self, width: int, ffn: int, *, activation: str = "gelu", bias: bool = True, inner_norm: bool = False,
-        dropout: float = 0.0, eps: float = 1e-5,
+        self,
+        width: int,
+        ffn: int,
+        *,
+        activation: str = "gelu",
+        bias: bool = True,
+        inner_norm: bool = False,
+        dropout: float = 0.0,
+        eps: float = 1e-5,
     ):
         super().__init__()
         self.fc1 = nn.Linear(width, ffn, bias=bias)
@@ -23,7 +30,7 @@ class FeedForward(nn.Module):
         self.inner_norm = nn.LayerNorm(ffn, eps=eps) if inner_norm else None
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+    def weights(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
         yield "w1", self.fc1.weight, self.fc1.bias
         yield "w2", self.fc2.weight, self.fc2.bias
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -26,8 +24,15 @@ class Layer(nn.Module):
         def attention(kind):
             s = site(kind)
             return Attention(
-                d, cfg.heads, cross=kind == "cross_attn", causal=causal and kind == "self_attn", bias=cfg.bias,
-                inner_norm=scheme.attn_inner_norm(s), head_scale=scheme.head_scale(s), dropout=cfg.dropout, eps=eps,
+                d,
+                cfg.heads,
+                cross=kind == "cross_attn",
+                causal=causal and kind == "self_attn",
+                bias=cfg.bias,
+                inner_norm=scheme.attn_inner_norm(s),
+                head_scale=scheme.head_scale(s),
+                dropout=cfg.dropout,
+                eps=eps,
                 fp32_on_cpu=cfg.attention_fp32_cpu,
             )
 
@@ -39,8 +44,13 @@ class Layer(nn.Module):
             self.cross_attn = Residual(attention("cross_attn"), d, s, scheme, eps, cfg.dropout)
         s = site("ffn")
         ff = FeedForward(
-            d, cfg.ffn, activation=cfg.activation, bias=cfg.bias, inner_norm=scheme.ffn_inner_norm(s),
-            dropout=cfg.dropout, eps=eps,
+            d,
+            cfg.ffn,
+            activation=cfg.activation,
+            bias=cfg.bias,
+            inner_norm=scheme.ffn_inner_norm(s),
+            dropout=cfg.dropout,
+            eps=eps,
         )
         self.ffn = Residual(ff, d, s, scheme, eps, cfg.dropout)
         # ReZero: one scalar per layer, shared by its sublayers, starting at 0
@@ -62,9 +72,9 @@ class Layer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: Optional[torch.Tensor] = None,
-        memory: Optional[torch.Tensor] = None,
-        memory_mask: Optional[torch.Tensor] = None,
+        mask: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         g = self.resweight
         x = self.self_attn(x, None, mask, gain=g)

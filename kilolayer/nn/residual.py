@@ -17,15 +17,15 @@ The formulas are REFERENCE.md section 2 (DeepNorm: section 1).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from kilolayer.nn.deepnorm import deepnorm_constants
 
-SCHEMES: dict[str, type["Scheme"]] = {}
+SCHEMES: dict[str, type[Scheme]] = {}
 
 
 def register(cls):
@@ -344,9 +344,9 @@ class Residual(nn.Module):
         )
         self.gain = nn.Parameter(torch.full((width,), scheme.channel_gain_init())) if scheme.channel_gain else None
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
-        self._profile: Optional[dict] = None  # Admin profiling state, set by admin_profile()
+        self._profile: dict | None = None  # Admin profiling state, set by admin_profile()
 
-    def forward(self, x: torch.Tensor, *args, gain: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args, gain: torch.Tensor | None = None) -> torch.Tensor:
         h = self.pre_norm(x) if self.pre_norm is not None else x
         y = self.branch(h, *args)
         if self.out_norm is not None:

@@ -10,7 +10,7 @@ it so that a 1,000-layer model never holds more than one layer's activations.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -116,7 +116,7 @@ class PatchEmbedding(nn.Module):
         x = images.reshape(B, C, g, p, g, p).permute(0, 2, 4, 3, 5, 1)
         return x.reshape(B, g * g, p * p * C)
 
-    def forward(self, images: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``keep`` (B, K) patch indices to embed (MAE's visible patches); all patches if None."""
         self.check(images)
         x = self.proj(self.patchify(images))
@@ -133,7 +133,7 @@ class PatchEmbedding(nn.Module):
 # ---------------------------------------------------------------- masks
 
 
-def check_padding_mask(mask: Optional[torch.Tensor], shape: tuple, name: str) -> None:
+def check_padding_mask(mask: torch.Tensor | None, shape: tuple, name: str) -> None:
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(shape):
@@ -141,9 +141,7 @@ def check_padding_mask(mask: Optional[torch.Tensor], shape: tuple, name: str) ->
         raise InputError(f"{name}: expected a bool tensor of shape {tuple(shape)} (True = padding), got {got}")
 
 
-def attention_mask(
-    padding: Optional[torch.Tensor], causal: bool, length: int, device
-) -> Optional[torch.Tensor]:
+def attention_mask(padding: torch.Tensor | None, causal: bool, length: int, device) -> torch.Tensor | None:
     """Bool (B or 1, 1, T, S) mask, True = may attend; None when SDPA needs none (or does causal itself)."""
     if padding is None:
         return None
@@ -170,10 +168,10 @@ class Stack(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        padding_mask: Optional[torch.Tensor] = None,
-        memory: Optional[torch.Tensor] = None,
-        memory_padding_mask: Optional[torch.Tensor] = None,
-        observe: Optional[Observer] = None,
+        padding_mask: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_padding_mask: torch.Tensor | None = None,
+        observe: Observer | None = None,
     ) -> torch.Tensor:
         mask = attention_mask(padding_mask, self.causal, x.shape[1], x.device)
         memory_mask = None if memory_padding_mask is None else ~memory_padding_mask[:, None, None, :]
@@ -230,7 +228,7 @@ class EncoderModel(Backbone):
         self.encoder = Stack(cfg, self.scheme, "encoder", cfg.layers)
 
     def forward(
-        self, inputs: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, observe: Optional[Observer] = None
+        self, inputs: torch.Tensor, padding_mask: torch.Tensor | None = None, observe: Observer | None = None
     ) -> torch.Tensor:
         x = self.embed(inputs)
         check_padding_mask(padding_mask, x.shape[:2], "padding_mask")
@@ -246,7 +244,7 @@ class DecoderModel(Backbone):
         self.decoder = Stack(cfg, self.scheme, "decoder", cfg.layers)
 
     def forward(
-        self, tokens: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, observe: Optional[Observer] = None
+        self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None, observe: Observer | None = None
     ) -> torch.Tensor:
         x = self.embed(tokens)
         check_padding_mask(padding_mask, tokens.shape, "padding_mask")
@@ -264,7 +262,7 @@ class EncoderDecoderModel(Backbone):
         self.decoder = Stack(cfg, self.scheme, "decoder", cfg.decoder_layers, cross=True)
 
     def encode(
-        self, src: torch.Tensor, src_padding_mask: Optional[torch.Tensor] = None, observe: Optional[Observer] = None
+        self, src: torch.Tensor, src_padding_mask: torch.Tensor | None = None, observe: Observer | None = None
     ) -> torch.Tensor:
         x = self.src_embed(src)
         check_padding_mask(src_padding_mask, src.shape, "src_padding_mask")
@@ -274,9 +272,9 @@ class EncoderDecoderModel(Backbone):
         self,
         tgt: torch.Tensor,
         memory: torch.Tensor,
-        tgt_padding_mask: Optional[torch.Tensor] = None,
-        src_padding_mask: Optional[torch.Tensor] = None,
-        observe: Optional[Observer] = None,
+        tgt_padding_mask: torch.Tensor | None = None,
+        src_padding_mask: torch.Tensor | None = None,
+        observe: Observer | None = None,
     ) -> torch.Tensor:
         y = self.tgt_embed(tgt)
         check_padding_mask(tgt_padding_mask, tgt.shape, "tgt_padding_mask")
@@ -286,10 +284,10 @@ class EncoderDecoderModel(Backbone):
         self,
         src: torch.Tensor,
         tgt: torch.Tensor,
-        src_padding_mask: Optional[torch.Tensor] = None,
-        tgt_padding_mask: Optional[torch.Tensor] = None,
-        observe: Optional[Observer] = None,
-        observe_decoder: Optional[Observer] = None,
+        src_padding_mask: torch.Tensor | None = None,
+        tgt_padding_mask: torch.Tensor | None = None,
+        observe: Observer | None = None,
+        observe_decoder: Observer | None = None,
     ) -> torch.Tensor:
         memory = self.encode(src, src_padding_mask, observe)
         return self.decode(tgt, memory, tgt_padding_mask, src_padding_mask, observe_decoder)
@@ -298,7 +296,7 @@ class EncoderDecoderModel(Backbone):
 BACKBONES = {"encoder": EncoderModel, "decoder": DecoderModel, "encoder_decoder": EncoderDecoderModel}
 
 
-def build_model(cfg: "ModelConfig | dict") -> Backbone:
+def build_model(cfg: ModelConfig | dict) -> Backbone:
     """Build the backbone that the ``model`` config section describes (a dict or a ModelConfig)."""
     cfg = model_config(cfg)
     return BACKBONES[cfg.arch](cfg)

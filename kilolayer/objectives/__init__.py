@@ -9,8 +9,12 @@ from kilolayer.objectives.base import OBJECTIVES, Objective, Task, register_obje
 
 # Importing a module registers its objective.
 MODULES = [
-    "kilolayer.objectives.causal_lm", "kilolayer.objectives.seq2seq", "kilolayer.objectives.classification",
-    "kilolayer.objectives.contrastive", "kilolayer.objectives.mae", "kilolayer.objectives.mlm",
+    "kilolayer.objectives.causal_lm",
+    "kilolayer.objectives.seq2seq",
+    "kilolayer.objectives.classification",
+    "kilolayer.objectives.contrastive",
+    "kilolayer.objectives.mae",
+    "kilolayer.objectives.mlm",
 ]
 
 

@@ -7,12 +7,12 @@ Adding an objective is one module with one ``@register_objective`` class.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-OBJECTIVES: dict[str, type["Objective"]] = {}
+OBJECTIVES: dict[str, type[Objective]] = {}
 
 
 def register_objective(cls):
@@ -61,7 +61,7 @@ class Objective(nn.Module):
     def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
         """F(x, theta) on a probe batch."""
 
-    def analysis_inputs(self, batch: dict) -> tuple[dict, "torch.Tensor | None"]:
+    def analysis_inputs(self, batch: dict) -> tuple[dict, torch.Tensor | None]:
         """(keyword arguments for ``backbone(**kwargs, observe=fn)`` — for an encoder-decoder, for
         ``backbone.encode(**kwargs, observe=fn)``, its encoder being what is analysed — and the padding mask
         (B, T) of the observed sequence, True = padding). Default: the batch's ``inputs``/``tokens`` and
@@ -74,7 +74,7 @@ class Objective(nn.Module):
     def tokens(self, batch: dict) -> int:
         """Tokens the backbone processes in ``batch``."""
 
-    def eval_targets(self, batch: dict, index: int) -> "torch.Tensor | None":
+    def eval_targets(self, batch: dict, index: int) -> torch.Tensor | None:
         """The class ids evaluation batch ``index`` is scored on (1-D, long), or None if the targets are
         not categorical. ``index`` fixes any random masking exactly as ``evaluate`` does."""
         return None

@@ -17,24 +17,25 @@ Evaluation reports ``loss`` and ``accuracy`` over the evaluation split.
 
 from __future__ import annotations
 
-from typing import Iterable, Literal, Optional
+from collections.abc import Iterable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError
 from kilolayer.objectives.base import Objective, register_objective
-from kilolayer.data.options import parse_options
 from kilolayer.objectives.common import batch_inputs, pool, token_count
 
 
 class ClassificationOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    pool: Optional[Literal["cls", "mean"]] = None
-    num_classes: Optional[int] = Field(None, ge=2)
+    pool: Literal["cls", "mean"] | None = None
+    num_classes: int | None = Field(None, ge=2)
     head_norm: bool = True
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from kilolayer.errors import InputError
@@ -17,9 +15,7 @@ def batch_inputs(batch: dict, *keys: str) -> torch.Tensor:
     raise InputError(f"batch: expected one of the keys {', '.join(keys)}; got {', '.join(batch) or 'none'}")
 
 
-def pool(
-    hidden: torch.Tensor, padding_mask: Optional[torch.Tensor], how: str, skip_first: bool = False
-) -> torch.Tensor:
+def pool(hidden: torch.Tensor, padding_mask: torch.Tensor | None, how: str, skip_first: bool = False) -> torch.Tensor:
     """(B, T, D) -> (B, D): the first token (``cls``) or the mean over non-padding tokens (``mean``).
 
     ``skip_first`` leaves a CLS token out of the mean (a ViT/MAE "global pool").
@@ -48,5 +44,5 @@ def eval_generator(index: int, base: int = 1234) -> torch.Generator:
     return torch.Generator().manual_seed(base + index)
 
 
-def token_count(x: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> int:
+def token_count(x: torch.Tensor, padding_mask: torch.Tensor | None) -> int:
     return int(x.numel() if padding_mask is None else (~padding_mask).sum())

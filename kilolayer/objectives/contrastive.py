@@ -22,7 +22,8 @@ has the same label; meaningful when many captions are alike, as for digits).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Literal, Optional
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ class ContrastiveOptions(BaseModel):
 
     text_model: dict[str, Any] = Field(default_factory=dict)
     embed_dim: int = Field(128, ge=1)
-    image_pool: Optional[Literal["cls", "mean"]] = None
+    image_pool: Literal["cls", "mean"] | None = None
     text_pool: Literal["cls", "mean"] = "mean"
     logit_scale_init: float = Field(math.log(1 / 0.07), description="log of the initial inverse temperature")
     max_logit_scale: float = Field(100.0, gt=0, description="the scale exp(logit_scale) is clamped to at most this")
@@ -134,7 +135,7 @@ class Contrastive(Objective):
         h = pool(backbone(images), None, self.image_pool, skip_first=self.image_cls)
         return F.normalize(self.image_proj(h).float(), dim=-1)
 
-    def embed_text(self, tokens: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def embed_text(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
         h = pool(self.text(tokens, padding_mask), padding_mask, self.text_pool)
         return F.normalize(self.text_proj(h).float(), dim=-1)
 

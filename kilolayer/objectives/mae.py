@@ -19,8 +19,8 @@ writes a PNG grid: original | masked | reconstruction, one row per sample.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,14 +41,17 @@ class MAEOptions(BaseModel):
     mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)
     norm_pix_loss: bool = True
     decoder_layers: int = Field(2, ge=1)
-    decoder_width: Optional[int] = Field(None, ge=1, description="default: half the encoder width, at least 32")
+    decoder_width: int | None = Field(None, ge=1, description="default: half the encoder width, at least 32")
     decoder_heads: int = Field(4, ge=1)
-    decoder_ffn: Optional[int] = Field(None, ge=1, description="default: 4 x decoder_width")
+    decoder_ffn: int | None = Field(None, ge=1, description="default: 4 x decoder_width")
     decoder_scheme: str = "pre_ln"
     max_constant_patches: float = Field(
-        0.5, ge=0.0, le=1.0,
+        0.5,
+        ge=0.0,
+        le=1.0,
         description="with norm_pix_loss, refuse data whose first training batch has a larger share of constant "
-                    "patches (their normalised target is 0: nothing to learn)")
+        "patches (their normalised target is 0: nothing to learn)",
+    )
 
 
 def unpatchify(patches: torch.Tensor, channels: int, patch: int) -> torch.Tensor:
@@ -227,7 +230,7 @@ class MAE(Objective):
         return batch_inputs(batch, "inputs", "images").shape[0] * (self.keep + self.cls)
 
     @torch.no_grad()
-    def save_samples(self, backbone: nn.Module, batch: dict, path: "str | Path", count: int = 8) -> Path:
+    def save_samples(self, backbone: nn.Module, batch: dict, path: str | Path, count: int = 8) -> Path:
         """Write a PNG grid, one row per sample: original | masked (hidden patches grey) | reconstruction
         (visible patches from the original, hidden ones predicted, de-normalised with the patch's statistics)."""
         from PIL import Image

@@ -22,7 +22,7 @@ accepted for ``tokens``; no padding mask means no padding).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +44,9 @@ class MLMOptions(BaseModel):
     mask_prob: float = Field(0.15, gt=0.0, le=1.0)
     mask_fraction: float = Field(0.8, ge=0.0, le=1.0)
     random_fraction: float = Field(0.1, ge=0.0, le=1.0)
-    mask_id: Optional[int] = Field(None, ge=0, description="default: the data tokenizer's MASK id")
-    random_high: Optional[int] = Field(None, ge=1, description="random replacements come from [0, random_high)")
-    special_ids: Optional[list[int]] = Field(None, description="ids never selected; default: the tokenizer's")
+    mask_id: int | None = Field(None, ge=0, description="default: the data tokenizer's MASK id")
+    random_high: int | None = Field(None, ge=1, description="random replacements come from [0, random_high)")
+    special_ids: list[int] | None = Field(None, description="ids never selected; default: the tokenizer's")
 
 
 @register_objective
@@ -92,7 +92,7 @@ class MLM(Objective):
                 lin.bias.zero_()
 
     def corrupt(
-        self, tokens: torch.Tensor, padding_mask: Optional[torch.Tensor], generator: torch.Generator
+        self, tokens: torch.Tensor, padding_mask: torch.Tensor | None, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(model inputs, targets): targets hold the original id at selected positions and -100 elsewhere."""
         shape, device = tokens.shape, tokens.device
@@ -152,8 +152,9 @@ class MLM(Objective):
         return {"inputs": batch_inputs(batch, "tokens", "inputs"), "padding_mask": mask}, mask
 
     def eval_targets(self, batch: dict, index: int) -> torch.Tensor:
-        _, targets = self.corrupt(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"),
-                                  eval_generator(index))
+        _, targets = self.corrupt(
+            batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"), eval_generator(index)
+        )
         return targets[targets != IGNORE]
 
     def tokens(self, batch: dict) -> int:

@@ -41,8 +41,12 @@ class Seq2Seq(Objective):
         h = backbone(batch["src"], batch["tgt_in"], batch["src_padding_mask"], batch["tgt_padding_mask"])
         logits = self.head(h).float()
         y = batch["tgt_out"].masked_fill(batch["tgt_padding_mask"], -100)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
-                               label_smoothing=self.opts.label_smoothing)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            y.reshape(-1),
+            ignore_index=-100,
+            label_smoothing=self.opts.label_smoothing,
+        )
         return loss, {}
 
     @torch.no_grad()

@@ -13,33 +13,83 @@ import copy
 
 def _deepnet_base(steps: int, width: int, eval_every: int, diag_until: int) -> dict:
     return {
-        "model": {"arch": "encoder_decoder", "width": width, "heads": 4, "ffn": 4 * width, "vocab_size": 13,
-                  "max_len": 16},
+        "model": {
+            "arch": "encoder_decoder",
+            "width": width,
+            "heads": 4,
+            "ffn": 4 * width,
+            "vocab_size": 13,
+            "max_len": 16,
+        },
         "objective": {"name": "seq2seq", "options": {"decode_samples": 32}},
-        "data": {"name": "synthetic", "task": "reverse", "options": {"vocab": 10, "min_len": 4, "max_len": 12,
-                                                                     "eval_size": 128}},
+        "data": {
+            "name": "synthetic",
+            "task": "reverse",
+            "options": {"vocab": 10, "min_len": 4, "max_len": 12, "eval_size": 128},
+        },
         # one learning rate and warm-up for every scheme and depth: that is the comparison
-        "train": {"steps": steps, "batch_size": 32, "lr": 1e-3, "warmup": 100, "schedule": "inverse_sqrt",
-                  "clip": 0.0, "eval_every": eval_every, "eval_batches": 4, "checkpoint_every": steps,
-                  "log_every": 10, "diagnostics_every": 5, "diagnostics_until": diag_until},
+        "train": {
+            "steps": steps,
+            "batch_size": 32,
+            "lr": 1e-3,
+            "warmup": 100,
+            "schedule": "inverse_sqrt",
+            "clip": 0.0,
+            "eval_every": eval_every,
+            "eval_batches": 4,
+            "checkpoint_every": steps,
+            "log_every": 10,
+            "diagnostics_every": 5,
+            "diagnostics_until": diag_until,
+        },
     }
 
 
 def _image_model(layers: int, width: int, heads: int, image_size: int, patch_size: int) -> dict:
-    return {"arch": "encoder", "scheme": "pre_ln", "input": "patches", "image_size": image_size,
-            "patch_size": patch_size, "channels": 1, "cls_token": True, "layers": layers, "width": width,
-            "heads": heads, "ffn": 4 * width}
+    return {
+        "arch": "encoder",
+        "scheme": "pre_ln",
+        "input": "patches",
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "channels": 1,
+        "cls_token": True,
+        "layers": layers,
+        "width": width,
+        "heads": heads,
+        "ffn": 4 * width,
+    }
 
 
 def _text_model(arch: str, layers: int, width: int, heads: int) -> dict:
-    return {"arch": arch, "scheme": "pre_ln", "input": "tokens", "vocab_size": 262, "max_len": 128,
-            "layers": layers, "width": width, "heads": heads, "ffn": 4 * width}
+    return {
+        "arch": arch,
+        "scheme": "pre_ln",
+        "input": "tokens",
+        "vocab_size": 262,
+        "max_len": 128,
+        "layers": layers,
+        "width": width,
+        "heads": heads,
+        "ffn": 4 * width,
+    }
 
 
 def _train(steps: int, lr: float, batch_size: int) -> dict:
-    return {"steps": steps, "batch_size": batch_size, "lr": lr, "warmup": max(1, steps // 20), "schedule": "cosine",
-            "min_lr_ratio": 0.05, "weight_decay": 0.05, "eval_every": max(1, steps // 4), "eval_batches": 3,
-            "checkpoint_every": steps, "log_every": 25, "betas": [0.9, 0.95]}
+    return {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "warmup": max(1, steps // 20),
+        "schedule": "cosine",
+        "min_lr_ratio": 0.05,
+        "weight_decay": 0.05,
+        "eval_every": max(1, steps // 4),
+        "eval_batches": 3,
+        "checkpoint_every": steps,
+        "log_every": 25,
+        "betas": [0.9, 0.95],
+    }
 
 
 def _shape_grid(shapes) -> dict:
@@ -67,37 +117,84 @@ def _bamboo_image_groups(shapes, images, seeds, steps: dict, mask_ratio, contras
     classify_data, caption_data, image_size, patch_size, norm_pix = images
 
     def base(objective: dict, data: str, n: int, lr: float) -> dict:
-        return {"model": _image_model(l0, w0, h0, image_size, patch_size), "objective": objective,
-                "data": {"name": data, "options": {}}, "train": _train(n, lr, 64)}
+        return {
+            "model": _image_model(l0, w0, h0, image_size, patch_size),
+            "objective": objective,
+            "data": {"name": data, "options": {}},
+            "train": _train(n, lr, 64),
+        }
 
     grid = _shape_grid(shapes)
     classify = {"name": "classification", "options": {"pool": "cls"}}
     groups = [
-        {"name": "untrained", "description": "the image encoders before training: the smoothness baseline",
-         "base": _untrained(base(classify, classify_data, 1, 1e-3)), "grid": grid, "seeds": seeds[:1],
-         "analyses": ["smoothness"]},
-        {"name": "supervised", "description": "sequence-level: classification from scratch (ViT)",
-         "base": base(classify, classify_data, steps["supervised"], 1e-3), "grid": grid, "seeds": seeds,
-         "analyses": ["smoothness"]},
+        {
+            "name": "untrained",
+            "description": "the image encoders before training: the smoothness baseline",
+            "base": _untrained(base(classify, classify_data, 1, 1e-3)),
+            "grid": grid,
+            "seeds": seeds[:1],
+            "analyses": ["smoothness"],
+        },
+        {
+            "name": "supervised",
+            "description": "sequence-level: classification from scratch (ViT)",
+            "base": base(classify, classify_data, steps["supervised"], 1e-3),
+            "grid": grid,
+            "seeds": seeds,
+            "analyses": ["smoothness"],
+        },
     ]
     if contrastive:
-        clip = {"name": "contrastive", "options": {
-            "embed_dim": 64, "text_model": {"layers": 2, "width": 64, "heads": 4, "ffn": 256, "max_len": 48}}}
+        clip = {
+            "name": "contrastive",
+            "options": {
+                "embed_dim": 64,
+                "text_model": {"layers": 2, "width": 64, "heads": 4, "ffn": 256, "max_len": 48},
+            },
+        }
         groups.append(
-            {"name": "contrastive", "description": "sequence-level: CLIP on the images and generated captions",
-             "base": base(clip, caption_data, steps["contrastive"], 1e-3), "grid": grid, "seeds": seeds,
-             "analyses": ["smoothness"]})
+            {
+                "name": "contrastive",
+                "description": "sequence-level: CLIP on the images and generated captions",
+                "base": base(clip, caption_data, steps["contrastive"], 1e-3),
+                "grid": grid,
+                "seeds": seeds,
+                "analyses": ["smoothness"],
+            }
+        )
     groups += [
-        {"name": "mae", "description": "token-level: masked autoencoding (MAE)",
-         "base": base({"name": "mae", "options": {"mask_ratio": mask_ratio, "decoder_layers": 2,
-                                                  "decoder_width": 64, "decoder_heads": 2,
-                                                  "norm_pix_loss": norm_pix}},
-                      classify_data, steps["mae"], 1.5e-3),
-         "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
-        {"name": "finetune", "description": "the MAE encoders fine-tuned for classification",
-         "after": "mae", "init_from": "mae",
-         "base": base(classify, classify_data, steps["finetune"], 5e-4), "grid": grid, "seeds": seeds,
-         "analyses": ["smoothness"]},
+        {
+            "name": "mae",
+            "description": "token-level: masked autoencoding (MAE)",
+            "base": base(
+                {
+                    "name": "mae",
+                    "options": {
+                        "mask_ratio": mask_ratio,
+                        "decoder_layers": 2,
+                        "decoder_width": 64,
+                        "decoder_heads": 2,
+                        "norm_pix_loss": norm_pix,
+                    },
+                },
+                classify_data,
+                steps["mae"],
+                1.5e-3,
+            ),
+            "grid": grid,
+            "seeds": seeds,
+            "analyses": ["smoothness"],
+        },
+        {
+            "name": "finetune",
+            "description": "the MAE encoders fine-tuned for classification",
+            "after": "mae",
+            "init_from": "mae",
+            "base": base(classify, classify_data, steps["finetune"], 5e-4),
+            "grid": grid,
+            "seeds": seeds,
+            "analyses": ["smoothness"],
+        },
     ]
     return groups
 
@@ -109,8 +206,12 @@ def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
     grid = _shape_grid(shapes)
 
     def base(arch: str, objective: dict, data: dict, n: int, lr: float) -> dict:
-        return {"model": _text_model(arch, l0, w0, h0), "objective": objective, "data": data,
-                "train": _train(n, lr, 32)}
+        return {
+            "model": _text_model(arch, l0, w0, h0),
+            "objective": objective,
+            "data": data,
+            "train": _train(n, lr, 32),
+        }
 
     classify = {"name": "classification", "options": {"pool": "mean"}}
     packages = {"name": "stdlib_packages", "options": {"seq_len": 128, "max_per_class": 1000}}
@@ -120,21 +221,60 @@ def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
     finetune = base("encoder", classify, packages, steps["mlm_finetune"], 5e-4)
     finetune["train"].update(text_eval)
     return [
-        {"name": "text_untrained", "description": "the text encoders before training: the smoothness baseline",
-         "base": _untrained(scratch), "grid": grid, "seeds": seeds[:1], "analyses": ["smoothness"]},
-        {"name": "text_classify", "description": "sequence-level: which stdlib package a 128-byte window is from",
-         "base": scratch, "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
-        {"name": "mlm", "description": "token-level: masked-byte prediction (BERT's 80/10/10)",
-         "base": base("encoder", {"name": "mlm", "options": {"mask_prob": 0.15}},
-                      {"name": "stdlib_bytes", "options": {"seq_len": 127}}, steps["mlm"], 1e-3),
-         "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
-        {"name": "mlm_finetune", "description": "the MLM encoders fine-tuned for package classification",
-         "after": "mlm", "init_from": "mlm", "base": finetune, "grid": grid, "seeds": seeds,
-         "analyses": ["smoothness"]},
-        {"name": "next_token", "description": "token-level: next-byte prediction with a causal decoder (GPT)",
-         "base": base("decoder", {"name": "causal_lm"}, {"name": "stdlib_bytes", "options": {"seq_len": 128}},
-                      steps["next_token"], 1e-3),
-         "grid": grid, "seeds": seeds, "analyses": ["smoothness"]},
+        {
+            "name": "text_untrained",
+            "description": "the text encoders before training: the smoothness baseline",
+            "base": _untrained(scratch),
+            "grid": grid,
+            "seeds": seeds[:1],
+            "analyses": ["smoothness"],
+        },
+        {
+            "name": "text_classify",
+            "description": "sequence-level: which stdlib package a 128-byte window is from",
+            "base": scratch,
+            "grid": grid,
+            "seeds": seeds,
+            "analyses": ["smoothness"],
+        },
+        {
+            "name": "mlm",
+            "description": "token-level: masked-byte prediction (BERT's 80/10/10)",
+            "base": base(
+                "encoder",
+                {"name": "mlm", "options": {"mask_prob": 0.15}},
+                {"name": "stdlib_bytes", "options": {"seq_len": 127}},
+                steps["mlm"],
+                1e-3,
+            ),
+            "grid": grid,
+            "seeds": seeds,
+            "analyses": ["smoothness"],
+        },
+        {
+            "name": "mlm_finetune",
+            "description": "the MLM encoders fine-tuned for package classification",
+            "after": "mlm",
+            "init_from": "mlm",
+            "base": finetune,
+            "grid": grid,
+            "seeds": seeds,
+            "analyses": ["smoothness"],
+        },
+        {
+            "name": "next_token",
+            "description": "token-level: next-byte prediction with a causal decoder (GPT)",
+            "base": base(
+                "decoder",
+                {"name": "causal_lm"},
+                {"name": "stdlib_bytes", "options": {"seq_len": 128}},
+                steps["next_token"],
+                1e-3,
+            ),
+            "grid": grid,
+            "seeds": seeds,
+            "analyses": ["smoothness"],
+        },
     ]
 
 
@@ -153,14 +293,25 @@ def quick() -> dict:
         "expected_minutes": 10,
         "expected_basis": "extrapolated: 6.8 min measured with --jobs 2 before the second DeepNet seed (+9 runs)",
         "groups": [
-            {"name": "deepnet", "description": "schemes x depths, same lr/warm-up",
-             "base": deep,
-             "grid": {"model.scheme": ["post_ln", "pre_ln", "deepnorm"],
-                      "model.layers,model.decoder_layers": [[2, 2], [6, 6], [18, 18]]},
-             # two seeds: one cannot decide a verdict (the seed is the unit of replication)
-             "seeds": [0, 1]},
-            *_bamboo_image_groups([(4, 128, 2), (16, 64, 1)], DIGITS, seeds=[0, 1], mask_ratio=0.5,
-                                  steps={"supervised": 300, "mae": 400, "finetune": 200}, contrastive=False),
+            {
+                "name": "deepnet",
+                "description": "schemes x depths, same lr/warm-up",
+                "base": deep,
+                "grid": {
+                    "model.scheme": ["post_ln", "pre_ln", "deepnorm"],
+                    "model.layers,model.decoder_layers": [[2, 2], [6, 6], [18, 18]],
+                },
+                # two seeds: one cannot decide a verdict (the seed is the unit of replication)
+                "seeds": [0, 1],
+            },
+            *_bamboo_image_groups(
+                [(4, 128, 2), (16, 64, 1)],
+                DIGITS,
+                seeds=[0, 1],
+                mask_ratio=0.5,
+                steps={"supervised": 300, "mae": 400, "finetune": 200},
+                contrastive=False,
+            ),
         ],
         "findings": ["deepnet_postln", "deepnet_preln", "deepnet_update", "bamboo_smoothing", "bamboo_depth"],
     }
@@ -169,25 +320,31 @@ def quick() -> dict:
 def deepnet() -> dict:
     base = _deepnet_base(steps=1000, width=64, eval_every=100, diag_until=200)
     thousand = copy.deepcopy(base)
-    thousand["model"].update(scheme="deepnorm", layers=500, decoder_layers=500, width=64, heads=4, ffn=256,
-                             checkpoint_activations=True)
+    thousand["model"].update(
+        scheme="deepnorm", layers=500, decoder_layers=500, width=64, heads=4, ffn=256, checkpoint_activations=True
+    )
     thousand["train"].update(steps=50, batch_size=16, eval_every=25, checkpoint_every=25, diagnostics_every=0)
     return {
         "name": "deepnet",
         "description": (
             "DeepNet's depth sweep: seven residual schemes from 6L-6L to 100L-100L, 2 seeds, and a 1,000-layer "
             "DeepNorm model. Encoder-decoders (width 64) with post_ln, pre_ln, deepnorm, ds_init, admin, rezero and "
-            "sub_ln learn to reverse digit strings at one learning rate and warm-up (1,000 steps), with stability diagnostics "
-            "for the first 200 steps; plus a 1,000-layer (500L-500L) DeepNorm model trained for 50 steps with "
-            "activation checkpointing."
+            "sub_ln learn to reverse digit strings at one learning rate and warm-up (1,000 steps), with stability "
+            "diagnostics for the first 200 steps; plus a 1,000-layer (500L-500L) DeepNorm model trained for 50 "
+            "steps with activation checkpointing."
         ),
         "expected_minutes": 348,
         "expected_basis": "estimated with --estimate --jobs 2; the 1,000-layer run alone measured 9.8 min",
         "groups": [
-            {"name": "deepnet", "base": base,
-             "grid": {"model.scheme": ["post_ln", "pre_ln", "deepnorm", "ds_init", "admin", "rezero", "sub_ln"],
-                      "model.layers,model.decoder_layers": [[6, 6], [18, 18], [50, 50], [100, 100]]},
-             "seeds": [0, 1]},
+            {
+                "name": "deepnet",
+                "base": base,
+                "grid": {
+                    "model.scheme": ["post_ln", "pre_ln", "deepnorm", "ds_init", "admin", "rezero", "sub_ln"],
+                    "model.layers,model.decoder_layers": [[6, 6], [18, 18], [50, 50], [100, 100]],
+                },
+                "seeds": [0, 1],
+            },
             {"name": "thousand_layers", "base": thousand, "seeds": [0]},
         ],
         "findings": ["deepnet_postln", "deepnet_preln", "deepnet_update"],
@@ -209,8 +366,13 @@ def deepnet_1000() -> dict:
         "expected_minutes": 60,
         "expected_basis": "estimated from one 500L-500L run measured at 12.5 min with 2 threads; --jobs 2",
         "groups": [
-            {"name": "deepnet", "description": "Post-LN vs DeepNorm at 1,000 layers, same lr/warm-up",
-             "base": base, "grid": {"model.scheme": ["post_ln", "deepnorm"]}, "seeds": [0, 1]},
+            {
+                "name": "deepnet",
+                "description": "Post-LN vs DeepNorm at 1,000 layers, same lr/warm-up",
+                "base": base,
+                "grid": {"model.scheme": ["post_ln", "deepnorm"]},
+                "seeds": [0, 1],
+            },
         ],
         "findings": ["deepnet_postln", "deepnet_update"],
     }
@@ -230,18 +392,27 @@ def bamboo() -> dict:
             "6 x 128, 11 x 96, 24 x 64 and 43 x 48 Pre-LN Transformers (layers x width^2 equal within 3.1%, head "
             "size 16 throughout) are trained with every objective the paper discusses. Images (MNIST, 28x28, 4x4 "
             "patches = 49 tokens, so MAE at mask ratio 0.75 still sees 12 patches; raw-pixel targets): supervised "
-            "classification and CLIP (sequence-level) vs MAE + fine-tuning (token-level). Text (Python standard-library bytes, 128-byte windows): package classification "
+            "classification and CLIP (sequence-level) vs MAE + fine-tuning (token-level). Text (Python "
+            "standard-library bytes, 128-byte windows): package classification "
             "(sequence-level) vs masked-byte MLM + fine-tuning and next-byte prediction (token-level). "
             "Over-smoothing curves per objective against the untrained baselines, accuracy and loss vs depth."
         ),
         "expected_minutes": 1807,
         "expected_basis": "estimated with --estimate --jobs 2: a GPU or cluster study",
         "groups": [
-            *_bamboo_image_groups(BAMBOO_SHAPES, MNIST, seeds=seeds, mask_ratio=0.75, contrastive=True,
-                                  steps={"supervised": 3000, "contrastive": 1000, "mae": 6000, "finetune": 2000}),
-            *_bamboo_text_groups(BAMBOO_SHAPES, seeds=seeds,
-                                 steps={"text_classify": 2000, "mlm": 4000, "mlm_finetune": 1000,
-                                        "next_token": 4000}),
+            *_bamboo_image_groups(
+                BAMBOO_SHAPES,
+                MNIST,
+                seeds=seeds,
+                mask_ratio=0.75,
+                contrastive=True,
+                steps={"supervised": 3000, "contrastive": 1000, "mae": 6000, "finetune": 2000},
+            ),
+            *_bamboo_text_groups(
+                BAMBOO_SHAPES,
+                seeds=seeds,
+                steps={"text_classify": 2000, "mlm": 4000, "mlm_finetune": 1000, "next_token": 4000},
+            ),
         ],
         "findings": ["bamboo_smoothing", "bamboo_depth", "bamboo_depth_tokens"],
     }

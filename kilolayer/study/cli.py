@@ -68,8 +68,10 @@ def study_lock(out: Path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            raise ConfigError(f"--out {out}: another kilolayer study (PID {who}) is running on this directory; "
-                              "wait for it to finish or choose another --out") from None
+            raise ConfigError(
+                f"--out {out}: another kilolayer study (PID {who}) is running on this directory; "
+                "wait for it to finish or choose another --out"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}".encode())
         yield
@@ -82,9 +84,14 @@ def _run(spec, args):
         from kilolayer.study.ray_executor import run_study_ray
 
         nproc = args.nproc_per_run or 1
-        return run_study_ray(spec, Path(args.out), address=args.address,
-                             cpus_per_run=args.cpus_per_run if args.cpus_per_run is not None else nproc,
-                             gpus_per_run=args.gpus_per_run or 0, nproc_per_run=nproc)
+        return run_study_ray(
+            spec,
+            Path(args.out),
+            address=args.address,
+            cpus_per_run=args.cpus_per_run if args.cpus_per_run is not None else nproc,
+            gpus_per_run=args.gpus_per_run or 0,
+            nproc_per_run=nproc,
+        )
     from kilolayer.study.runner import run_study
 
     return run_study(spec, Path(args.out), jobs=args.jobs)
@@ -106,8 +113,10 @@ def _check_executor(args) -> None:
             raise ConfigError(f"{', '.join(given)}: only with --executor ray")
         return
     if args.jobs is not None:
-        raise ConfigError("--jobs: only with --executor local; Ray runs as many points at once as the cluster's "
-                          "CPUs and GPUs allow (size each with --cpus-per-run and --gpus-per-run)")
+        raise ConfigError(
+            "--jobs: only with --executor local; Ray runs as many points at once as the cluster's "
+            "CPUs and GPUs allow (size each with --cpus-per-run and --gpus-per-run)"
+        )
     if args.estimate:
         raise ConfigError("--estimate times points on this machine; use it without --executor ray")
     if args.nproc_per_run is not None and args.nproc_per_run < 1:
@@ -136,9 +145,11 @@ def _estimate(args) -> int:
     est = estimate(spec, jobs=args.jobs, probe_steps=args.probe_steps)
     for name, seconds in est["groups"].items():
         print(f"{name:16s} {seconds / 60:8.1f} min of compute")
-    print(f"{spec.name}: about {est['wall_seconds'] / 60:.0f} min wall-clock with --jobs {args.jobs} "
-          f"({est['compute_seconds'] / 60:.0f} min of compute, {len(est['points'])} runs, "
-          f"{est['threads_per_point']} thread(s) per run); probing took {(time.perf_counter() - t0) / 60:.1f} min")
+    print(
+        f"{spec.name}: about {est['wall_seconds'] / 60:.0f} min wall-clock with --jobs {args.jobs} "
+        f"({est['compute_seconds'] / 60:.0f} min of compute, {len(est['points'])} runs, "
+        f"{est['threads_per_point']} thread(s) per run); probing took {(time.perf_counter() - t0) / 60:.1f} min"
+    )
     if args.out:
         path = Path(args.out) / "estimate.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,27 +163,54 @@ def register(sub) -> None:
         "study",
         help="run a grid of training runs that tests DeepNet's and Bamboo's claims, and write a report",
         description="Run a study (a built-in NAME or a SPEC.yaml): every grid point is an ordinary `kilolayer train` "
-                    "run under DIR/runs/; DIR/report.md and DIR/report.html say what each paper claims, what was "
-                    "measured and a verdict. Re-running skips finished points and resumes failed ones.",
+        "run under DIR/runs/; DIR/report.md and DIR/report.html say what each paper claims, what was "
+        "measured and a verdict. Re-running skips finished points and resumes failed ones.",
     )
     p.add_argument("spec", nargs="?", metavar="NAME|SPEC.yaml", help="a built-in study (see --list) or a spec file")
     p.add_argument("--out", metavar="DIR", help="the study directory")
     p.add_argument("--jobs", type=int, metavar="K", help="local executor: train K points at once (default 1)")
-    p.add_argument("--executor", choices=("local", "ray"), default="local",
-                   help="local (default): subprocesses on this machine; ray: one Ray task per point, on a cluster "
-                        "(pip install 'kilolayer[ray]'); results never depend on which")
-    p.add_argument("--address", metavar="ADDR",
-                   help="ray: the cluster to join (auto, HOST:PORT); omitted: start Ray on this machine (127.0.0.1)")
-    p.add_argument("--cpus-per-run", type=float, metavar="C",
-                   help="ray: CPUs each point reserves, and its torch threads (default: --nproc-per-run)")
-    p.add_argument("--gpus-per-run", type=float, metavar="G",
-                   help="ray: GPUs each point reserves (default 0); train.device auto then uses CUDA")
-    p.add_argument("--nproc-per-run", type=int, metavar="N",
-                   help="ray: train each point with torchrun --nproc-per-node N on its node (default 1)")
+    p.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="local (default): subprocesses on this machine; ray: one Ray task per point, on a cluster "
+        "(pip install 'kilolayer[ray]'); results never depend on which",
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="ray: the cluster to join (auto, HOST:PORT); omitted: start Ray on this machine (127.0.0.1)",
+    )
+    p.add_argument(
+        "--cpus-per-run",
+        type=float,
+        metavar="C",
+        help="ray: CPUs each point reserves, and its torch threads (default: --nproc-per-run)",
+    )
+    p.add_argument(
+        "--gpus-per-run",
+        type=float,
+        metavar="G",
+        help="ray: GPUs each point reserves (default 0); train.device auto then uses CUDA",
+    )
+    p.add_argument(
+        "--nproc-per-run",
+        type=int,
+        metavar="N",
+        help="ray: train each point with torchrun --nproc-per-node N on its node (default 1)",
+    )
     p.add_argument("--list", action="store_true", help="list the built-in studies with their expected run time")
-    p.add_argument("--estimate", action="store_true",
-                   help="train nothing: time a few steps of each distinct point here and print how long the study "
-                        "would take with --jobs K (writes DIR/estimate.json when --out is given)")
-    p.add_argument("--probe-steps", type=int, default=5, metavar="N",
-                   help="with --estimate: timed steps per point, after 2 warm-up steps (default 5)")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="train nothing: time a few steps of each distinct point here and print how long the study "
+        "would take with --jobs K (writes DIR/estimate.json when --out is given)",
+    )
+    p.add_argument(
+        "--probe-steps",
+        type=int,
+        default=5,
+        metavar="N",
+        help="with --estimate: timed steps per point, after 2 warm-up steps (default 5)",
+    )
     p.set_defaults(func=cmd_study)

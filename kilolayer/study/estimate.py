@@ -23,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -67,15 +67,28 @@ def extrapolate(cfg: Config, cost: PointCost, startup: float) -> float:
     tc = cfg.train
     if tc.steps == 0:  # an untrained point: build, save once, analyse
         return startup + cost.setup + cost.checkpoint + cost.analyses
-    return (startup + cost.setup + tc.steps * cost.step + _count(tc.steps, tc.eval_every) * cost.evaluation
-            + _count(tc.steps, tc.checkpoint_every) * cost.checkpoint + diagnostic_steps(cfg) * cost.diagnostics
-            + cost.analyses)
+    return (
+        startup
+        + cost.setup
+        + tc.steps * cost.step
+        + _count(tc.steps, tc.eval_every) * cost.evaluation
+        + _count(tc.steps, tc.checkpoint_every) * cost.checkpoint
+        + diagnostic_steps(cfg) * cost.diagnostics
+        + cost.analyses
+    )
 
 
 def _probe_config(cfg: Config, steps: int) -> Config:
     data = cfg.model_dump()
-    data["train"].update(steps=steps, eval_every=0, checkpoint_every=0, log_every=1, init_from=None,
-                         freeze_backbone=False, diagnostics_until=1 if cfg.train.diagnostics_every else 0)
+    data["train"].update(
+        steps=steps,
+        eval_every=0,
+        checkpoint_every=0,
+        log_every=1,
+        init_from=None,
+        freeze_backbone=False,
+        diagnostics_until=1 if cfg.train.diagnostics_every else 0,
+    )
     return load_config(data)
 
 
@@ -154,8 +167,7 @@ def schedule(groups: list[list[float]], jobs: int) -> float:
     return total
 
 
-def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5,
-             log: Callable[[str], None] = print) -> dict:
+def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable[[str], None] = print) -> dict:
     """Probe every distinct point of ``spec`` and return per-point and total estimates (seconds)."""
     points = expand(spec)
     threads = threads_per_job(jobs) or torch.get_num_threads()
@@ -173,14 +185,16 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5,
             c.total = extrapolate(p.config, c, startup)
             costs[sig] = c
             rate = f"{c.step * 1000:.0f} ms/step" if c.step else "no training"
-            log(f"[estimate] {p.key}: {rate}, {c.total / 60:.1f} min "
-                f"(probed in {time.perf_counter() - t0:.0f}s)")
+            log(f"[estimate] {p.key}: {rate}, {c.total / 60:.1f} min (probed in {time.perf_counter() - t0:.0f}s)")
     finally:
         torch.set_num_threads(old)
     per_point = {p.key: costs[_signature(p)].total for p in points}
     groups = [[per_point[p.key] for p in points if p.group == g.name] for g in spec.groups]
     return {
-        "study": spec.name, "jobs": jobs, "threads_per_point": threads, "probe_steps": probe_steps,
+        "study": spec.name,
+        "jobs": jobs,
+        "threads_per_point": threads,
+        "probe_steps": probe_steps,
         "startup_seconds": startup,
         "points": {p.key: {"seconds": per_point[p.key], **asdict(costs[_signature(p)])} for p in points},
         "groups": {g.name: sum(c) for g, c in zip(spec.groups, groups)},

@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
 LEVEL = 0.95  # one-sided confidence of each bound
@@ -76,8 +76,16 @@ def _num(x: float, unit: str = "") -> str:
     return f"{x:+.3g}{unit}"
 
 
-def decide(per_seed: "dict | list", margin: float, unit: str = "", *, not_evidence: tuple = (),
-           unlearned: tuple = (), unlearned_decides_against: bool = False, level: float = LEVEL) -> Verdict:
+def decide(
+    per_seed: dict | list,
+    margin: float,
+    unit: str = "",
+    *,
+    not_evidence: tuple = (),
+    unlearned: tuple = (),
+    unlearned_decides_against: bool = False,
+    level: float = LEVEL,
+) -> Verdict:
     """The verdict of the module docstring from one difference per seed (a dict seed -> d, or a list).
 
     ``not_evidence``: runs that failed or are missing (named in the reason; the verdict is inconclusive).
@@ -92,8 +100,10 @@ def decide(per_seed: "dict | list", margin: float, unit: str = "", *, not_eviden
     if n >= 2:
         half = t_quantile(n - 1, level) * statistics.stdev(values) / math.sqrt(n)
         v.lower, v.upper = m - half, m + half
-        desc = (f"mean d {_num(m, unit)} over {n} seeds, one-sided {level:.0%} bounds [{v.lower:+.3g}, {v.upper:+.3g}]"
-                f"{unit}, margin {margin:.3g}{unit}")
+        desc = (
+            f"mean d {_num(m, unit)} over {n} seeds, one-sided {level:.0%} bounds [{v.lower:+.3g}, {v.upper:+.3g}]"
+            f"{unit}, margin {margin:.3g}{unit}"
+        )
         if v.lower > margin:
             v.verdict = HELD
         elif v.upper < -margin:
@@ -195,7 +205,7 @@ def _fmt(x, nd=3):
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def not_evidence(r, what: str) -> Optional[str]:
+def not_evidence(r, what: str) -> str | None:
     """Why run ``r`` (the ``what`` of a comparison) cannot be evidence, or None if it can: completed with an
     evaluation, or diverged (a result)."""
     if r is None:
@@ -234,7 +244,7 @@ def loss_of(r, out) -> float:
     return float(r.eval["loss"])
 
 
-def accuracy_of(r, out) -> Optional[float]:
+def accuracy_of(r, out) -> float | None:
     """Final validation accuracy; a diverged run scores its data's chance accuracy (the majority class)."""
     if r.status == "diverged":
         return chance(r, out).get("accuracy")
@@ -285,7 +295,7 @@ class Evidence:
                 self.unlearned.append(r.point.key)
         return True
 
-    def add(self, seed, value: "float | None", what: str = "") -> None:
+    def add(self, seed, value: float | None, what: str = "") -> None:
         """Add one part of seed ``seed``'s difference; a missing or non-finite value (e.g. an evaluation
         without the metric) makes the seed not evidence, named by ``what``."""
         if value is None or not math.isfinite(value):
@@ -301,8 +311,14 @@ class Evidence:
         return {s: statistics.fmean(v) for s, v in self.parts.items() if v and not any(math.isnan(x) for x in v)}
 
     def decide(self, margin: float, unit: str = "") -> Verdict:
-        v = decide(self.per_seed(), margin, unit, not_evidence=tuple(self.excluded),
-                   unlearned=tuple(self.unlearned), unlearned_decides_against=self.unlearned_decides_against)
+        v = decide(
+            self.per_seed(),
+            margin,
+            unit,
+            not_evidence=tuple(self.excluded),
+            unlearned=tuple(self.unlearned),
+            unlearned_decides_against=self.unlearned_decides_against,
+        )
         v.per_seed = self.per_seed()
         return v
 
@@ -338,8 +354,9 @@ def _scheme_depth_table(rs, out):
             parts = []
             for r in sorted((r for r in rs if _val(r, "model.scheme") == s and _depth(r) == d), key=_seed):
                 em = r.eval.get("exact_match")
-                value = (f"{r.eval['loss']:.3f}" + (f" (EM {em:.2f})" if em is not None else "")
-                         if "loss" in r.eval else "-")
+                value = (
+                    f"{r.eval['loss']:.3f}" + (f" (EM {em:.2f})" if em is not None else "") if "loss" in r.eval else "-"
+                )
                 parts.append(_status_cell(r, value))
             row.append(", ".join(parts) or "-")
         rows.append(row)
@@ -356,8 +373,9 @@ def _chance_note(runs, out, unit=" nats") -> list[str]:
     levels: dict[tuple, list] = {}
     for r in runs:
         c = chance(r, out)
-        text = f"loss {c['loss']:.3f}{unit}" + (f", accuracy {c['accuracy']:.3f}" if c.get("accuracy") is not None
-                                               else "")
+        text = f"loss {c['loss']:.3f}{unit}" + (
+            f", accuracy {c['accuracy']:.3f}" if c.get("accuracy") is not None else ""
+        )
         seeds = levels.setdefault((r.point.group if several_groups else "", text), [])
         if _seed(r) not in seeds:
             seeds.append(_seed(r))
@@ -368,8 +386,9 @@ def _chance_note(runs, out, unit=" nats") -> list[str]:
         if len(texts) > len({g for g, _ in levels}):  # the same group has different levels by seed
             label.append(f"seed {', '.join(map(str, sorted(seeds)))}")
         parts.append(f"{text}" + (f" ({', '.join(label)})" if label else ""))
-    return [f"Chance level (the best predictor that ignores the input, on these evaluation targets): "
-            f"{'; '.join(parts)}."]
+    return [
+        f"Chance level (the best predictor that ignores the input, on these evaluation targets): {'; '.join(parts)}."
+    ]
 
 
 def _scheme_vs(results, out, loser: str, winner: str, name: str, title: str, claim: str, margin: float):
@@ -386,18 +405,33 @@ def _scheme_vs(results, out, loser: str, winner: str, name: str, title: str, cla
             ev.add(seed, loss_of(a, out) - loss_of(b, out), f"seed {seed}")
     v = ev.decide(margin, " nats")
     at = _depth_label(rs[0], deepest)
-    rule = (f"d = final validation loss of {loser} minus that of {winner} at the deepest setting ({at}), per seed; "
-            f"a diverged run scores the chance loss; {winner} must have learned (loss ≤ {LEARNED:g} x chance). "
-            f"Margin {margin} nats.")
+    rule = (
+        f"d = final validation loss of {loser} minus that of {winner} at the deepest setting ({at}), per seed; "
+        f"a diverged run scores the chance loss; {winner} must have learned (loss ≤ {LEARNED:g} x chance). "
+        f"Margin {margin} nats."
+    )
     deep = [r for r in rs if _depth(r) == deepest]
-    return Finding(name, title, claim, "Wang et al. 2022, DeepNet (arXiv 2203.00555)", rule, v, headers, rows,
-                   notes=_chance_note(deep, out))
+    return Finding(
+        name,
+        title,
+        claim,
+        "Wang et al. 2022, DeepNet (arXiv 2203.00555)",
+        rule,
+        v,
+        headers,
+        rows,
+        notes=_chance_note(deep, out),
+    )
 
 
 @register_finding("deepnet_postln")
 def deepnet_postln(results, out):
     f = _scheme_vs(
-        results, out, "post_ln", "deepnorm", "deepnet_postln",
+        results,
+        out,
+        "post_ln",
+        "deepnorm",
+        "deepnet_postln",
         "DeepNorm trains where Post-LN fails at depth",
         "At the same learning rate and warm-up, Post-LN's training degrades or diverges as depth grows, while "
         "DeepNorm (x <- LN(alpha x + G(x)) with its beta-scaled init) trains stably to a lower loss.",
@@ -405,8 +439,10 @@ def deepnet_postln(results, out):
     )
     if f is None:
         return None
-    f.scale_up = ("More depth (50L-50L, 100L-100L: the `deepnet` study), a real translation task, and 3+ seeds. "
-                  "The paper's effect grows with depth; at 18L-18L on a toy task it can be small.")
+    f.scale_up = (
+        "More depth (50L-50L, 100L-100L: the `deepnet` study), a real translation task, and 3+ seeds. "
+        "The paper's effect grows with depth; at 18L-18L on a toy task it can be small."
+    )
     f.plots = _curves(results, "deepnet", out, "deepnet_loss.png")
     return f
 
@@ -414,7 +450,11 @@ def deepnet_postln(results, out):
 @register_finding("deepnet_preln")
 def deepnet_preln(results, out):
     f = _scheme_vs(
-        results, out, "pre_ln", "deepnorm", "deepnet_preln",
+        results,
+        out,
+        "pre_ln",
+        "deepnorm",
+        "deepnet_preln",
         "DeepNorm matches or beats Pre-LN at depth",
         "DeepNorm keeps Post-LN's better quality: at depth it reaches a lower loss than Pre-LN "
         "(paper: BLEU 28.9 vs about 27.4 at 100L-100L on WMT-17 En-De, secondary source).",
@@ -422,13 +462,15 @@ def deepnet_preln(results, out):
     )
     if f is None:
         return None
-    f.scale_up = ("The paper's Pre-LN gap appears in final quality after long training on real MT data; "
-                  "a few hundred steps on a synthetic task mostly measure optimisation speed. Train longer and "
-                  "compare BLEU on held-out data.")
+    f.scale_up = (
+        "The paper's Pre-LN gap appears in final quality after long training on real MT data; "
+        "a few hundred steps on a synthetic task mostly measure optimisation speed. Train longer and "
+        "compare BLEU on held-out data."
+    )
     return f
 
 
-def _first_update(r) -> Optional[float]:
+def _first_update(r) -> float | None:
     ups = [d.get("update") for d in r.diagnostics if d.get("step") == 1] or [d.get("update") for d in r.diagnostics[:1]]
     return float(ups[0]) if ups and ups[0] is not None else None
 
@@ -443,15 +485,19 @@ def deepnet_update(results, out):
     rows = []
     for r in sorted(rs, key=lambda r: (_val(r, "model.scheme"), _depth(r), _seed(r))):
         ups = [d["update"] for d in r.diagnostics]
-        rows.append([_val(r, "model.scheme"), _depth(r), _seed(r), _fmt(max(ups) if ups else None),
-                     _fmt(_first_update(r))])
+        rows.append(
+            [_val(r, "model.scheme"), _depth(r), _seed(r), _fmt(max(ups) if ups else None), _fmt(_first_update(r))]
+        )
     ev = Evidence()
     for seed in _seeds(everything):
         a, b = _run(everything, "post_ln", deepest, seed), _run(everything, "deepnorm", deepest, seed)
         # the first update is measured at step 1, before any divergence: a diverged run still has it
         runs = {f"post_ln seed {seed}": a, f"deepnorm seed {seed}": b}
-        missing = [f"{what} (no diagnostics)" for what, r in runs.items()
-                   if r is not None and r.status in ("completed", "diverged") and _first_update(r) is None]
+        missing = [
+            f"{what} (no diagnostics)"
+            for what, r in runs.items()
+            if r is not None and r.status in ("completed", "diverged") and _first_update(r) is None
+        ]
         if missing:
             ev.excluded += missing
             continue
@@ -460,16 +506,23 @@ def deepnet_update(results, out):
             ok = ua > 0 and ub > 0 and math.isfinite(ua) and math.isfinite(ub)
             ev.add(seed, math.log(ua / ub) if ok else None, f"first updates of seed {seed} ({ua:g}, {ub:g})")
     v = ev.decide(math.log(1.5), " (ln ratio)")
-    rule = ("d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "
-            f"on a fixed probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 "
-            "(post_ln's update at least 1.5x DeepNorm's). The table also shows how it grows with depth.")
+    rule = (
+        "d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "
+        f"on a fixed probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 "
+        "(post_ln's update at least 1.5x DeepNorm's). The table also shows how it grows with depth."
+    )
     plots = _update_plot(rs, out, "deepnet_update.png") + _stability_plot(rs, out)
     return Finding(
-        "deepnet_update", "Post-LN's early updates are large; DeepNorm's stay bounded",
+        "deepnet_update",
+        "Post-LN's early updates are large; DeepNorm's stay bounded",
         "DeepNorm bounds the model update in the first steps by a constant, whereas Post-LN's update grows with "
         "depth and destabilises training (DeepNet, section 3 and its Figure 3).",
-        "Wang et al. 2022, DeepNet (arXiv 2203.00555)", rule, v,
-        ["scheme", "layers", "seed", "max update", "update at step 1"], rows, plots,
+        "Wang et al. 2022, DeepNet (arXiv 2203.00555)",
+        rule,
+        v,
+        ["scheme", "layers", "seed", "max update", "update at step 1"],
+        rows,
+        plots,
         "Log diagnostics every step over the first few hundred steps at 18L-18L and deeper.",
     )
 
@@ -484,8 +537,12 @@ def _pick(rs, layers, seed):
 
 # (sequence-level group, token-level group, modality) pairs compared for over-smoothing, and each
 # modality's untrained baseline group
-SMOOTHING_PAIRS = [("supervised", "mae", "images"), ("contrastive", "mae", "images"),
-                   ("text_classify", "mlm", "text"), ("text_classify", "next_token", "text")]
+SMOOTHING_PAIRS = [
+    ("supervised", "mae", "images"),
+    ("contrastive", "mae", "images"),
+    ("text_classify", "mlm", "text"),
+    ("text_classify", "next_token", "text"),
+]
 UNTRAINED = {"images": "untrained", "text": "text_untrained"}
 # (trained from scratch, pre-trained then fine-tuned, what the pre-training was, modality) on one downstream task
 DEPTH_PAIRS = [("supervised", "finetune", "MAE", "images"), ("text_classify", "mlm_finetune", "MLM", "text")]
@@ -494,7 +551,7 @@ LOSS_GROUPS = ["next_token", "mlm"]
 PAPER = "Xue et al. 2023, A Study on Transformer Configuration and Training Objective (arXiv 2205.10505)"
 
 
-def _last(r, metric: str) -> Optional[float]:
+def _last(r, metric: str) -> float | None:
     if r is None or not r.smoothness or not r.smoothness.get(metric):
         return None
     return float(r.smoothness[metric][-1])
@@ -520,8 +577,10 @@ def _convergence_note(runs: list, key: str, tol: float, lower_is_better: bool = 
     if not moving:
         return ""
     by = f"{tol:.0%}" if relative else f"{tol:g}"
-    return (f"; {len(moving)} of {len(runs)} runs were still improving {key} by more than {by} over their last "
-            "quarter of steps, so they had not converged: train longer before trusting this comparison")
+    return (
+        f"; {len(moving)} of {len(runs)} runs were still improving {key} by more than {by} over their last "
+        "quarter of steps, so they had not converged: train longer before trusting this comparison"
+    )
 
 
 def _shape(r) -> str:
@@ -541,17 +600,28 @@ def _measurement_note(runs) -> list[str]:
             choices.add((s.get("exclude_special"), s.get("after_final_norm")))
     notes = []
     for special, after in sorted(choices, key=str):
-        tokens = ("CLS and special tokens excluded" if special else
-                  "all tokens, CLS and special tokens included" if special is False else "token set not recorded")
-        state = ("the last layer's state after the final LayerNorm" if after else
-                 "the last block's output before the final LayerNorm" if after is False else
-                 "last-layer state not recorded")
-        notes.append(f"Token similarity: {tokens}; 'last layer' is {state} "
-                     "(`kilolayer analyze smoothness --include-special / --after-final-norm` switch these).")
+        tokens = (
+            "CLS and special tokens excluded"
+            if special
+            else "all tokens, CLS and special tokens included"
+            if special is False
+            else "token set not recorded"
+        )
+        state = (
+            "the last layer's state after the final LayerNorm"
+            if after
+            else "the last block's output before the final LayerNorm"
+            if after is False
+            else "last-layer state not recorded"
+        )
+        notes.append(
+            f"Token similarity: {tokens}; 'last layer' is {state} "
+            "(`kilolayer analyze smoothness --include-special / --after-final-norm` switch these)."
+        )
     return notes
 
 
-def _cosine_evidence(ev: Evidence, r, what: str, out) -> Optional[float]:
+def _cosine_evidence(ev: Evidence, r, what: str, out) -> float | None:
     """The last-layer cosine of ``r`` if it can be evidence (recording why not in ``ev`` otherwise)."""
     if not ev.check({what: r}, out, must_learn=[what]):
         return None
@@ -565,7 +635,7 @@ def _cosine_evidence(ev: Evidence, r, what: str, out) -> Optional[float]:
     return c
 
 
-def _untrained_cosine(ev: Evidence, base, layers: int, seed) -> Optional[float]:
+def _untrained_cosine(ev: Evidence, base, layers: int, seed) -> float | None:
     u = _pick(base, layers, seed) or next((r for r in base if _depth(r) == layers), None)
     c = _last(u, "cosine") if u is not None and u.ok else None
     if c is None:
@@ -586,27 +656,48 @@ def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding
             if ca is not None and cb is not None:
                 level.add(seed, ca - cb)
             cu = _last(u, "cosine")
-            rows.append([_shape(a or b), seed, _fmt(cu), _status_cell(a, _fmt(_last(a, "cosine"))),
-                         _status_cell(b, _fmt(_last(b, "cosine"))), _fmt(_last(a, "cosine_centred")),
-                         _fmt(_last(b, "cosine_centred"))])
+            rows.append(
+                [
+                    _shape(a or b),
+                    seed,
+                    _fmt(cu),
+                    _status_cell(a, _fmt(_last(a, "cosine"))),
+                    _status_cell(b, _fmt(_last(b, "cosine"))),
+                    _fmt(_last(a, "cosine_centred")),
+                    _fmt(_last(b, "cosine_centred")),
+                ]
+            )
     v = level.decide(0.05)
     v.reason += _convergence_note(a_rs + b_rs, "loss", 0.02, lower_is_better=True, relative=True)
     shapes = ", ".join(_shape(r) for r in sorted({_depth(r): r for r in a_rs + b_rs}.values(), key=_depth))
     notes = _measurement_note(a_rs + b_rs + base) + _chance_note(
-        [next((r for r in g if r.ok), None) for g in (a_rs, b_rs)], out, "")
+        [next((r for r in g if r.ok), None) for g in (a_rs, b_rs)], out, ""
+    )
     return Finding(
         f"bamboo_smoothing:{seq}:{tok}",
         f"Sequence-level training over-smooths tokens more than token-level ({modality}: {seq} vs {tok})",
         "A sequence-level objective (supervised classification, CLIP) makes token representations converge in "
         "the top layers (token cosine high); a token-level objective (MAE, masked tokens, next token) keeps them "
-        "distinct (cosine low).", PAPER,
+        "distinct (cosine low).",
+        PAPER,
         f"d = last-layer mean token cosine of {seq} minus that of {tok}, same shape, seed and validation inputs, "
         f"averaged over the shapes ({shapes}) within each seed; both models must have learned (a model that did "
         "not, or diverged and has no representation, leaves the verdict inconclusive). Margin 0.05.",
-        v, ["layers x width", "seed", "cosine untrained", f"cosine {seq}", f"cosine {tok}", f"centred {seq}",
-            f"centred {tok}"], rows, notes=notes,
+        v,
+        [
+            "layers x width",
+            "seed",
+            "cosine untrained",
+            f"cosine {seq}",
+            f"cosine {tok}",
+            f"centred {seq}",
+            f"centred {tok}",
+        ],
+        rows,
+        notes=notes,
         scale_up="Compare at matched convergence (train the token-level model until its fine-tuning accuracy "
-                 "plateaus), with more tokens per input and 3+ seeds.")
+        "plateaus), with more tokens per input and 3+ seeds.",
+    )
 
 
 def _excess_slopes(results, out, group: str, modality: str, ev: Evidence) -> tuple[dict, list]:
@@ -651,12 +742,16 @@ def _smoothing_trend(results, out, seq: str, toks: list[str], modality: str) -> 
         f"Sequence-level over-smoothing grows with depth ({modality}: {seq}, relative to the untrained model)",
         "Over-smoothing is what makes depth stop paying off for sequence-level objectives: as the same "
         "parameters are spread over more, narrower layers, training makes the last layer's tokens more similar "
-        "than the same untrained network has them, while token-level objectives do not.", PAPER,
+        "than the same untrained network has them, while token-level objectives do not.",
+        PAPER,
         f"d = least-squares slope, per doubling of depth, of (last-layer token cosine of {seq} - that of the "
         f"untrained model of the same shape) over every shape ({', '.join(shape_of[d] for d in depths)}), per "
         f"seed; the model must have learned, and a missing untrained baseline leaves it inconclusive. Margin 0.02 "
         "per doubling. The token-level groups' slopes are shown for comparison.",
-        v, ["group", "seed"] + [f"{shape_of[d]}: cosine - untrained" for d in depths], rows)
+        v,
+        ["group", "seed"] + [f"{shape_of[d]}: cosine - untrained" for d in depths],
+        rows,
+    )
 
 
 @register_finding("bamboo_smoothing")
@@ -683,10 +778,16 @@ def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str)
         for layers in depths:
             s, f = _pick(sup, layers, seed), _pick(ft, layers, seed)
             deepest = layers == depths[-1]
-            rel_ok = relative.check({f"{scratch} {layers} layers seed {seed}": s, f"{tuned} {layers} layers seed {seed}": f},
-                                    out, must_learn=[f"{tuned} {layers} layers seed {seed}"] if deepest else [])
-            abs_ok = absolute.check({f"{tuned} {layers} layers seed {seed}": f}, out,
-                                    must_learn=[f"{tuned} {layers} layers seed {seed}"] if deepest else [])
+            rel_ok = relative.check(
+                {f"{scratch} {layers} layers seed {seed}": s, f"{tuned} {layers} layers seed {seed}": f},
+                out,
+                must_learn=[f"{tuned} {layers} layers seed {seed}"] if deepest else [],
+            )
+            abs_ok = absolute.check(
+                {f"{tuned} {layers} layers seed {seed}": f},
+                out,
+                must_learn=[f"{tuned} {layers} layers seed {seed}"] if deepest else [],
+            )
             a_s = accuracy_of(s, out) if rel_ok else None
             a_f = accuracy_of(f, out) if abs_ok else None
             for ok, r, value, evs in ((rel_ok, s, a_s, [relative]), (abs_ok, f, a_f, [absolute, relative])):
@@ -711,23 +812,41 @@ def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str)
     headers = ["seed"] + [f"{shape_of[d]}: scratch / {pre} + FT" for d in depths]
     label = f"{modality}: {pre} + fine-tuning vs {scratch}"
     shapes = ", ".join(shape_of[d] for d in depths)
-    common = (f"Accuracy on the same downstream task; a diverged run scores the chance accuracy (majority class); "
-              f"the deepest fine-tuned model must have learned. Slopes are least-squares fits against log2(depth) "
-              f"over every shape ({shapes}), per seed. Margin 0.005 accuracy per doubling.")
-    scale = ("Real images at ImageNet scale are where the paper measured +0.9 points; small data saturates and hides "
-             "depth effects. Use a larger data set, and pre-train until the fine-tuned accuracy plateaus.")
+    common = (
+        f"Accuracy on the same downstream task; a diverged run scores the chance accuracy (majority class); "
+        f"the deepest fine-tuned model must have learned. Slopes are least-squares fits against log2(depth) "
+        f"over every shape ({shapes}), per seed. Margin 0.005 accuracy per doubling."
+    )
+    scale = (
+        "Real images at ImageNet scale are where the paper measured +0.9 points; small data saturates and hides "
+        "depth effects. Use a larger data set, and pre-train until the fine-tuned accuracy plateaus."
+    )
     notes = _chance_note([r for r in ft if r.ok][:1], out, "")
     return [
-        Finding(f"bamboo_depth:{tuned}", f"Deeper-narrower pays off after token-level pre-training ({label})",
-                f"At matched parameters, a deeper, narrower model pre-trained with {pre} and fine-tuned beats a "
-                "shallower, wider one (Bamboo-B 84.2% vs MAE ViT-B 83.3% ImageNet top-1).", PAPER,
-                f"d = slope of the {pre} + fine-tuned accuracy per doubling of depth. " + common,
-                v_abs, headers, rows, notes=notes, scale_up=scale),
-        Finding(f"bamboo_depth_relative:{tuned}", f"Depth helps token-level pre-training more than training from scratch ({label})",
-                f"Going deeper and narrower helps the {pre}-pre-trained model more than the same model trained on the "
-                "task from scratch, whose tokens over-smooth with depth.", PAPER,
-                f"d = (slope of the {pre} + fine-tuned accuracy) minus (slope of the from-scratch accuracy), per "
-                "doubling of depth. " + common, v_rel, scale_up=scale),
+        Finding(
+            f"bamboo_depth:{tuned}",
+            f"Deeper-narrower pays off after token-level pre-training ({label})",
+            f"At matched parameters, a deeper, narrower model pre-trained with {pre} and fine-tuned beats a "
+            "shallower, wider one (Bamboo-B 84.2% vs MAE ViT-B 83.3% ImageNet top-1).",
+            PAPER,
+            f"d = slope of the {pre} + fine-tuned accuracy per doubling of depth. " + common,
+            v_abs,
+            headers,
+            rows,
+            notes=notes,
+            scale_up=scale,
+        ),
+        Finding(
+            f"bamboo_depth_relative:{tuned}",
+            f"Depth helps token-level pre-training more than training from scratch ({label})",
+            f"Going deeper and narrower helps the {pre}-pre-trained model more than the same model trained on the "
+            "task from scratch, whose tokens over-smooth with depth.",
+            PAPER,
+            f"d = (slope of the {pre} + fine-tuned accuracy) minus (slope of the from-scratch accuracy), per "
+            "doubling of depth. " + common,
+            v_rel,
+            scale_up=scale,
+        ),
     ]
 
 
@@ -769,16 +888,24 @@ def bamboo_depth_tokens(results, out):
         if len(depths) < 2:
             v = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
         shape_of = {_depth(r): _shape(r) for r in rs}
-        found.append(Finding(
-            f"bamboo_depth_tokens:{name}", f"Token-level objectives reach a lower loss deeper and narrower ({name})",
-            "Token-level objectives do not over-smooth, so at matched parameters a deeper, narrower Transformer "
-            "reaches a lower loss (Bamboo's argument for next-token and masked-token pre-training).", PAPER,
-            "d = minus the least-squares slope of the final validation loss per doubling of depth, over every shape "
-            f"({', '.join(shape_of[d] for d in depths)}), per seed; a diverged run scores the chance loss; the deepest "
-            "model must have learned. Margin 0.01 nats per doubling.",
-            v, ["seed"] + [shape_of[d] for d in depths], rows, notes=_chance_note([r for r in rs if r.ok][:1], out),
-            scale_up="Token-level gains from depth show up with enough data and steps for the deep model to "
-                     "converge; train to a plateau and report tokens seen."))
+        found.append(
+            Finding(
+                f"bamboo_depth_tokens:{name}",
+                f"Token-level objectives reach a lower loss deeper and narrower ({name})",
+                "Token-level objectives do not over-smooth, so at matched parameters a deeper, narrower Transformer "
+                "reaches a lower loss (Bamboo's argument for next-token and masked-token pre-training).",
+                PAPER,
+                "d = minus the least-squares slope of the final validation loss per doubling of depth, over every "
+                f"shape ({', '.join(shape_of[d] for d in depths)}), per seed; a diverged run scores the chance loss; "
+                "the deepest model must have learned. Margin 0.01 nats per doubling.",
+                v,
+                ["seed"] + [shape_of[d] for d in depths],
+                rows,
+                notes=_chance_note([r for r in rs if r.ok][:1], out),
+                scale_up="Token-level gains from depth show up with enough data and steps for the deep model to "
+                "converge; train to a plateau and report tokens seen.",
+            )
+        )
     return found or None
 
 
@@ -813,15 +940,29 @@ def _stability_plot(rs, out):
     depths = sorted({_depth(r) for r in rs})
     depth = 18 if 18 in depths else max([d for d in depths if d < 18] or depths)
     seed = _seeds(rs)[0]
-    chosen = sorted((r for r in rs if _depth(r) == depth and _val(r, "train.seed") == seed
-                     and (r.point.run_dir(out) / "metrics.jsonl").is_file()),
-                    key=lambda r: _val(r, "model.scheme") or "")
+    chosen = sorted(
+        (
+            r
+            for r in rs
+            if _depth(r) == depth
+            and _val(r, "train.seed") == seed
+            and (r.point.run_dir(out) / "metrics.jsonl").is_file()
+        ),
+        key=lambda r: _val(r, "model.scheme") or "",
+    )
     if not chosen:
         return []
     runs = [read_run(r.point.run_dir(out), name=str(_val(r, "model.scheme"))) for r in chosen]
     paths = plot_stability(runs, out / "report_files" / "deepnet_stability")
-    return [(str(p), f"{depth}-layer models (seed {seed}): gradient norm per layer and LayerNorm input size at "
-                     "three steps, model update and loss vs step") for p in paths if str(p).endswith(".png")]
+    return [
+        (
+            str(p),
+            f"{depth}-layer models (seed {seed}): gradient norm per layer and LayerNorm input size at "
+            "three steps, model update and loss vs step",
+        )
+        for p in paths
+        if str(p).endswith(".png")
+    ]
 
 
 def _smoothness_plot(results, out, fname):

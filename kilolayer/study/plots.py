@@ -11,9 +11,19 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SCHEME_COLORS = {"post_ln": "tab:red", "pre_ln": "tab:blue", "deepnorm": "tab:green", "ds_init": "tab:orange",
-                 "admin": "tab:purple", "rezero": "tab:brown", "sub_ln": "tab:pink", "sandwich_ln": "tab:gray",
-                 "normformer": "tab:olive", "layerscale": "tab:cyan", "t_fixup": "black"}
+SCHEME_COLORS = {
+    "post_ln": "tab:red",
+    "pre_ln": "tab:blue",
+    "deepnorm": "tab:green",
+    "ds_init": "tab:orange",
+    "admin": "tab:purple",
+    "rezero": "tab:brown",
+    "sub_ln": "tab:pink",
+    "sandwich_ln": "tab:gray",
+    "normformer": "tab:olive",
+    "layerscale": "tab:cyan",
+    "t_fixup": "black",
+}
 
 
 def _save(fig, path: Path) -> bool:
@@ -58,9 +68,13 @@ def update_curves(results, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for r in sorted(rs, key=lambda r: (r.point.config.model.scheme, r.point.config.model.layers)):
         m = r.point.config.model
-        ax.plot([d["step"] for d in r.diagnostics], [d["update"] for d in r.diagnostics],
-                color=SCHEME_COLORS.get(m.scheme), alpha=0.35 + 0.65 * m.layers / max(x.point.config.model.layers for x in rs),
-                label=f"{m.scheme} {m.layers}L")
+        ax.plot(
+            [d["step"] for d in r.diagnostics],
+            [d["update"] for d in r.diagnostics],
+            color=SCHEME_COLORS.get(m.scheme),
+            alpha=0.35 + 0.65 * m.layers / max(x.point.config.model.layers for x in rs),
+            label=f"{m.scheme} {m.layers}L",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("||F(x, θ_t) − F(x, θ_0)|| (mean per token)")
@@ -78,23 +92,29 @@ def smoothness_curves(results, path: Path) -> bool:
         return False
     shapes = sorted({(r.point.config.model.layers, r.point.config.model.width) for r in rs})
     kinds = sorted({r.point.config.model.input for r in rs})
-    fig, axes = plt.subplots(len(kinds), len(shapes), figsize=(4.6 * len(shapes), 3.6 * len(kinds)), sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(kinds), len(shapes), figsize=(4.6 * len(shapes), 3.6 * len(kinds)), sharey=True, squeeze=False
+    )
     for row, kind in zip(axes, kinds):
         mine = [r for r in rs if r.point.config.model.input == kind]
         groups = sorted({r.point.group for r in mine})
         for ax, (layers, width) in zip(row, shapes):
             for g in groups:
-                curves = [r.smoothness["cosine"] for r in mine
-                          if r.point.group == g and (r.point.config.model.layers, r.point.config.model.width) == (layers, width)]
+                curves = [
+                    r.smoothness["cosine"]
+                    for r in mine
+                    if r.point.group == g
+                    and (r.point.config.model.layers, r.point.config.model.width) == (layers, width)
+                ]
                 if not curves:
                     continue
                 n = min(len(c) for c in curves)
                 mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
                 x = [i / (n - 1) if n > 1 else 0 for i in range(n)]
                 style = ":" if "untrained" in g else "-"
-                ax.plot(x, mean, style, marker="o", ms=3,
-                        label=f"{g} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+                ax.plot(
+                    x, mean, style, marker="o", ms=3, label=f"{g} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
+                )
             ax.set_title(f"{'images' if kind == 'patches' else 'text'}: {layers} layers x {width}")
             ax.set_xlabel("layer / depth (0 = embeddings)")
             ax.grid(alpha=0.3)
@@ -127,8 +147,11 @@ def depth_curves(results, path: Path) -> bool:
             base = [float(r.eval[key]) for r in rs if r.point.config.model.layers == depths[0] and key in r.eval]
             scale = statistics.fmean(base) if key == "loss" and base and statistics.fmean(base) else 1.0
             for d in depths:
-                vals = [float(r.eval[key]) / scale for r in rs if r.point.config.model.layers == d and key in r.eval
-                        and math.isfinite(float(r.eval[key]))]
+                vals = [
+                    float(r.eval[key]) / scale
+                    for r in rs
+                    if r.point.config.model.layers == d and key in r.eval and math.isfinite(float(r.eval[key]))
+                ]
                 if vals:
                     xs.append(d)
                     means.append(statistics.fmean(vals))
@@ -139,8 +162,10 @@ def depth_curves(results, path: Path) -> bool:
         plt.close(fig)
         return False
     loss_ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    for ax, title in ((acc_ax, "task metric (validation)"),
-                      (loss_ax, "token-level loss relative to the shallowest shape")):
+    for ax, title in (
+        (acc_ax, "task metric (validation)"),
+        (loss_ax, "token-level loss relative to the shallowest shape"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xticks(all_depths, [str(d) for d in all_depths])
         ax.minorticks_off()

@@ -28,7 +28,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from kilolayer import rundir
 from kilolayer.errors import ConfigError
@@ -48,7 +47,7 @@ class TrainingProcessDied(RuntimeError):
     not get from us: Ray retries the task, which resumes the run from its newest checkpoint."""
 
 
-def import_ray(address: Optional[str] = None):
+def import_ray(address: str | None = None):
     """The ``ray`` module, or one line naming the extra that installs it. Without ``address`` the Ray this
     process starts stays on loopback; no Ray this process touches sends usage statistics."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -76,7 +75,7 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def connect(ray, address: Optional[str]) -> None:
+def connect(ray, address: str | None) -> None:
     """Join the cluster at ``address`` (``auto``, ``HOST:PORT``), or start a Ray instance on this machine, on
     127.0.0.1 only, when it is None."""
     quiet = {"log_to_driver": False, "logging_level": logging.ERROR}  # task output lives in the points' logs
@@ -88,14 +87,16 @@ def connect(ray, address: Optional[str]) -> None:
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as err:
         first = (str(err).strip().splitlines() or [err.__class__.__name__])[0]
         where = f"--address {address}" if address else "a local Ray instance"
-        raise ConfigError(f"{where}: cannot connect to Ray ({first}); is it running, and if it uses token "
-                          f"authentication, is RAY_AUTH_MODE=token set here (with its token)?") from None
+        raise ConfigError(
+            f"{where}: cannot connect to Ray ({first}); is it running, and if it uses token "
+            f"authentication, is RAY_AUTH_MODE=token set here (with its token)?"
+        ) from None
 
 
 # ---------------------------------------------------------------- what runs on the nodes
 
 
-def read_token(path: str) -> Optional[str]:
+def read_token(path: str) -> str | None:
     """Task: the token the driver wrote, as this node sees it (None if it cannot read it)."""
     try:
         return Path(path).read_text()
@@ -117,8 +118,7 @@ def _wait_unlocked(run_dir: Path, seconds: float) -> None:
         time.sleep(0.5)
 
 
-def train_task(point: Point, out: str, token_path: str, token: str, threads: int, nproc: int,
-               cwd: str) -> dict:
+def train_task(point: Point, out: str, token_path: str, token: str, threads: int, nproc: int, cwd: str) -> dict:
     """Task: train one point (skipped if finished). Returns its status, seconds, whether it trained and the
     node; raises :class:`TrainingProcessDied` (Ray retries) when the training process was killed."""
     import ray
@@ -135,8 +135,16 @@ def train_task(point: Point, out: str, token_path: str, token: str, threads: int
         _wait_unlocked(point.run_dir(out_dir), LOCK_WAIT_S)
         # a point uses the GPUs it reserved, and none without (Ray leaves them all visible then)
         env = {} if context.get_accelerator_ids().get("GPU") else {"CUDA_VISIBLE_DEVICES": ""}
-        a = train_point(point, out_dir, log=lambda *_: None, threads=threads, nproc=nproc,
-                        cwd=Path(cwd) if os.path.isdir(cwd) else None, env=env, remote=True)
+        a = train_point(
+            point,
+            out_dir,
+            log=lambda *_: None,
+            threads=threads,
+            nproc=nproc,
+            cwd=Path(cwd) if os.path.isdir(cwd) else None,
+            env=env,
+            remote=True,
+        )
     finally:
         signal.signal(signal.SIGINT, previous)
     if a.trained and a.status not in FINISHED and (a.crashed or a.status == "interrupted"):
@@ -163,25 +171,39 @@ def check_shared(ray, out: Path, cpus: float, gpus: float) -> tuple[Path, str]:
     cannot. Returns (token path, token); the caller removes the file."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= cpus
-             and n["Resources"].get("GPU", 0) >= gpus]
+    nodes = [
+        n
+        for n in ray.nodes()
+        if n.get("Alive") and n["Resources"].get("CPU", 0) >= cpus and n["Resources"].get("GPU", 0) >= gpus
+    ]
     if not nodes:
-        have = ", ".join(f"{n['NodeManagerAddress']}: {n['Resources'].get('CPU', 0):g} CPU, "
-                         f"{n['Resources'].get('GPU', 0):g} GPU" for n in ray.nodes() if n.get("Alive"))
-        raise ConfigError(f"no Ray node has what one point asks for (--cpus-per-run {cpus:g}, --gpus-per-run "
-                          f"{gpus:g}); the nodes have {have or 'nothing'}")
+        have = ", ".join(
+            f"{n['NodeManagerAddress']}: {n['Resources'].get('CPU', 0):g} CPU, {n['Resources'].get('GPU', 0):g} GPU"
+            for n in ray.nodes()
+            if n.get("Alive")
+        )
+        raise ConfigError(
+            f"no Ray node has what one point asks for (--cpus-per-run {cpus:g}, --gpus-per-run "
+            f"{gpus:g}); the nodes have {have or 'nothing'}"
+        )
     token = secrets.token_hex(16)
     path = out / f".shared-check-{token[:12]}"
     path.write_text(token)
     reader = ray.remote(read_token)
-    refs = [reader.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            .remote(str(path)) for n in nodes]
+    refs = [
+        reader.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            str(path)
+        )
+        for n in nodes
+    ]
     try:
         seen = ray.get(refs, timeout=CHECK_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         path.unlink(missing_ok=True)
-        raise ConfigError(f"--out {out}: the Ray nodes did not report within {CHECK_TIMEOUT_S}s whether they see it "
-                          f"(is the cluster busy or its workers failing to start?)") from None
+        raise ConfigError(
+            f"--out {out}: the Ray nodes did not report within {CHECK_TIMEOUT_S}s whether they see it "
+            f"(is the cluster busy or its workers failing to start?)"
+        ) from None
     for node, got in zip(nodes, seen):
         if got != token:
             path.unlink(missing_ok=True)
@@ -190,8 +212,10 @@ def check_shared(ray, out: Path, cpus: float, gpus: float) -> tuple[Path, str]:
 
 
 def not_shared(out: Path, ip: str, path: Path) -> str:
-    return (f"--out {out} is not on a shared file system: a Ray task on node {ip} cannot read {path}, which "
-            f"the driver wrote; give --out a directory that every node mounts at the same path")
+    return (
+        f"--out {out} is not on a shared file system: a Ray task on node {ip} cannot read {path}, which "
+        f"the driver wrote; give --out a directory that every node mounts at the same path"
+    )
 
 
 class Progress:
@@ -200,14 +224,26 @@ class Progress:
 
     def __init__(self, total: int, log=print):
         self.total, self.log = total, log
-        self.counts: Optional[tuple] = None
+        self.counts: tuple | None = None
         self.bar = None
         if log is print and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
-                TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+            from rich.progress import (
+                Progress as RichProgress,
+            )
 
-            self.bar = RichProgress(TextColumn("points done"), MofNCompleteColumn(), BarColumn(),
-                                    TextColumn("{task.description}"), TimeElapsedColumn())
+            self.bar = RichProgress(
+                TextColumn("points done"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+            )
             self.bar.start()
             self.task = self.bar.add_task("", total=total)
 
@@ -250,8 +286,15 @@ def _dependencies(spec: StudySpec, points: list[Point]) -> dict[str, set[str]]:
     return deps
 
 
-def run_study_ray(spec: StudySpec, out: Path, address: Optional[str] = None, cpus_per_run: float = 1,
-                  gpus_per_run: float = 0, nproc_per_run: int = 1, log=print) -> list[Result]:
+def run_study_ray(
+    spec: StudySpec,
+    out: Path,
+    address: str | None = None,
+    cpus_per_run: float = 1,
+    gpus_per_run: float = 0,
+    nproc_per_run: int = 1,
+    log=print,
+) -> list[Result]:
     """Train every point of ``spec`` as a Ray task (see the module docstring), run analyses, return the
     results read back from ``out`` exactly as :func:`kilolayer.study.runner.run_study` does."""
     points = expand(spec)  # a bad spec is one line before any cluster is touched
@@ -264,8 +307,10 @@ def run_study_ray(spec: StudySpec, out: Path, address: Optional[str] = None, cpu
     try:
         token_path, token = check_shared(ray, root, cpus_per_run, gpus_per_run)
         res = ray.cluster_resources()
-        log(f"[study] Ray: {len(ray.nodes())} node(s), {res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU; "
-            f"{len(points)} points, each {cpus_per_run:g} CPU, {gpus_per_run:g} GPU, {nproc_per_run} process(es)")
+        log(
+            f"[study] Ray: {len(ray.nodes())} node(s), {res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU; "
+            f"{len(points)} points, each {cpus_per_run:g} CPU, {gpus_per_run:g} GPU, {nproc_per_run} process(es)"
+        )
         driver = _Driver(ray, spec, points, root, token_path, token, cpus_per_run, gpus_per_run, nproc_per_run, log)
         ran = driver.run()
     finally:
@@ -285,8 +330,9 @@ class _Driver:
         self.ray, self.root, self.token_path, self.token, self.nproc = ray, root, token_path, token, nproc
         self.affinity = NodeAffinitySchedulingStrategy
         self.threads = max(1, int(cpus) // nproc)  # torch threads per training process
-        self.trainer = ray.remote(train_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES,
-                                                      retry_exceptions=[TrainingProcessDied])
+        self.trainer = ray.remote(train_task).options(
+            num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES, retry_exceptions=[TrainingProcessDied]
+        )
         self.analyser = ray.remote(analysis_task)
         self.analysis_options = {"num_cpus": cpus, "max_retries": MAX_RETRIES}
         self.points = points
@@ -328,8 +374,7 @@ class _Driver:
             # Ctrl-C, or a refusal: cancel every task; each forwards the interrupt to its training process,
             # which saves a checkpoint and records ``interrupted``
             if self.pending:
-                self.progress.say(f"[study] cancelling {len(self.pending)} task(s); re-run the same command to "
-                                  f"resume")
+                self.progress.say(f"[study] cancelling {len(self.pending)} task(s); re-run the same command to resume")
                 for ref in self.pending:
                     ray.cancel(ref)
                 _, left = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=CANCEL_WAIT_S)
@@ -338,14 +383,17 @@ class _Driver:
             raise
         finally:
             self.progress.close()
-        self.log(f"[study] {len(self.points)} points: {len(self.points) - len(self.failed)} finished "
-                 f"({len(self.ran - self.failed)} trained now), {len(self.failed)} failed")
+        self.log(
+            f"[study] {len(self.points)} points: {len(self.points) - len(self.failed)} finished "
+            f"({len(self.ran - self.failed)} trained now), {len(self.failed)} failed"
+        )
         return self.ran
 
     def analyses_missing(self, p: Point) -> bool:
         run_dir = p.run_dir(self.root)
         return read_status(run_dir).get("status") == "completed" and any(
-            not (run_dir / "analysis" / a / f"{a}.json").exists() for a in p.analyses)
+            not (run_dir / "analysis" / a / f"{a}.json").exists() for a in p.analyses
+        )
 
     def submit_ready(self) -> None:
         while True:  # a point found finished may free the points that wait for it
@@ -363,12 +411,13 @@ class _Driver:
         elif status in FINISHED:
             self.analyse(p)
         else:
-            ref = self.trainer.remote(p, str(self.root), str(self.token_path), self.token, self.threads,
-                                      self.nproc, self.cwd)
+            ref = self.trainer.remote(
+                p, str(self.root), str(self.token_path), self.token, self.threads, self.nproc, self.cwd
+            )
             self.pending[ref] = ("train", p.key)
             self.submitted[ref] = time.time()
 
-    def analyse(self, p: Point, node: Optional[str] = None) -> None:
+    def analyse(self, p: Point, node: str | None = None) -> None:
         options = dict(self.analysis_options)
         if node is not None:
             options["scheduling_strategy"] = self.affinity(node, soft=True)
@@ -379,8 +428,11 @@ class _Driver:
     def show(self) -> None:
         # a training task runs once its process has written the run's status (Ray does not say when a queued
         # task starts); an analysis task counts as running
-        running = sum(1 for ref, (kind, key) in self.pending.items() if kind == "analyse" or self.submitted[ref]
-                      <= _mtime(self.by_key[key].run_dir(self.root) / rundir.STATUS))
+        running = sum(
+            1
+            for ref, (kind, key) in self.pending.items()
+            if kind == "analyse" or self.submitted[ref] <= _mtime(self.by_key[key].run_dir(self.root) / rundir.STATUS)
+        )
         queued = len(self.waiting) + len(self.pending) - running
         self.progress.update(len(self.ended) - len(self.failed), running, queued, len(self.failed))
 

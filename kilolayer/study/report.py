@@ -18,7 +18,6 @@ import os
 import platform
 import re
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlsplit
 
 from kilolayer.rundir import read_status
@@ -99,12 +98,15 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         "",
         "## Verdicts",
         "",
-        "Each verdict comes from the measured numbers by one rule, the same for every claim. " + RULE
+        "Each verdict comes from the measured numbers by one rule, the same for every claim. "
+        + RULE
         + " A claim measured on several modalities or pairs gets one verdict each; they are never pooled. "
         "Nothing here was written in advance.",
         "",
-        _table(["finding", "verdict", "measured"], [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason]
-                                                    for f in findings]),
+        _table(
+            ["finding", "verdict", "measured"],
+            [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason] for f in findings],
+        ),
     ]
     for f in findings:
         lines += [
@@ -126,8 +128,11 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         if f.scale_up:
             lines += [f"**To test this claim properly:** {_text(f.scale_up)}", ""]
     lines += ["## Runs", "", "Every grid point is an ordinary `kilolayer train` run directory under `runs/`.", ""]
-    lines += ["*ended*: a completed run either used its step budget or stopped early on a validation plateau "
-              "(`train.patience`); *MFU*: model FLOPs per second over the device's peak, the run's mean.", ""]
+    lines += [
+        "*ended*: a completed run either used its step budget or stopped early on a validation plateau "
+        "(`train.patience`); *MFU*: model FLOPs per second over the device's peak, the run's mean.",
+        "",
+    ]
     rows = []
     for r in results:
         ev = ", ".join(f"{k} {v:.4g}" for k, v in r.eval.items() if k not in ("step", "split") and isinstance(v, float))
@@ -135,15 +140,27 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         st = read_status(r.point.run_dir(out))
         ended = "-"
         if r.status == "completed":
-            ended = (f"plateau (best step {st.get('best_step')})" if st.get("stopped_early") else "step budget")
+            ended = f"plateau (best step {st.get('best_step')})" if st.get("stopped_early") else "step budget"
         mfu = st.get("mfu")
-        rows.append([r.point.key, status, ended, ev or "-", f"{mfu:.1%}" if isinstance(mfu, (int, float)) else "-",
-                     f"{r.seconds:.0f}"])
+        rows.append(
+            [
+                r.point.key,
+                status,
+                ended,
+                ev or "-",
+                f"{mfu:.1%}" if isinstance(mfu, (int, float)) else "-",
+                f"{r.seconds:.0f}",
+            ]
+        )
     lines.append(_table(["point", "status", "ended", "last evaluation", "MFU", "seconds"], rows))
-    lines += ["## Commands", "",
-              "One line per point, in order (a group with `after` needs its source group finished): each reruns "
-              "or resumes that point by hand, or can be sent to a cluster (write `torchrun --nproc-per-node N -m kilolayer` "
-              "in place of `kilolayer` for N processes per point).", ""]
+    lines += [
+        "## Commands",
+        "",
+        "One line per point, in order (a group with `after` needs its source group finished): each reruns "
+        "or resumes that point by hand, or can be sent to a cluster (write `torchrun --nproc-per-node N -m kilolayer` "
+        "in place of `kilolayer` for N processes per point).",
+        "",
+    ]
     lines += _fenced([r.command for r in results])
     return "\n".join(lines) + "\n"
 
@@ -162,7 +179,7 @@ LINK_SCHEMES = ("http", "https", "mailto")
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
 
 
-def embeddable_image(src: str, out: Path) -> Optional[Path]:
+def embeddable_image(src: str, out: Path) -> Path | None:
     """The PNG file that ``src`` names if it lies inside the study directory ``out``, else None.
 
     ``src`` must be a relative path (no scheme, not absolute) that still lies inside ``out`` once resolved
@@ -235,9 +252,11 @@ def render_html(markdown_text: str, out: Path) -> str:
     md.treeprocessors.register(_tree_processor(Path(out))(md), "kilolayer_safe_report", 5)
     body = md.convert(markdown_text)
     title = html.escape(html.unescape(markdown_text.splitlines()[0].lstrip("# ")))
-    return (f"<!doctype html><html><head><meta charset='utf-8'>"
-            f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\"><title>{title}</title>"
-            f"<style>{CSS}</style></head><body>{body}</body></html>\n")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'>"
+        f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\"><title>{title}</title>"
+        f"<style>{CSS}</style></head><body>{body}</body></html>\n"
+    )
 
 
 def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, Path, list[Finding]]:

@@ -24,11 +24,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from kilolayer import rundir
-from kilolayer.errors import KilolayerError
 from kilolayer.config import dump_yaml, load_config
+from kilolayer.errors import KilolayerError
 from kilolayer.rundir import FINISHED, read_metrics, read_status
 from kilolayer.study.spec import Point, StudySpec, expand
 
@@ -45,7 +44,7 @@ class Result:
     evals: list = field(default_factory=list)
     train_losses: list = field(default_factory=list)
     diagnostics: list = field(default_factory=list)
-    smoothness: Optional[dict] = None
+    smoothness: dict | None = None
     seconds: float = 0.0
     command: str = ""
     ran: bool = False  # trained in this invocation
@@ -62,8 +61,16 @@ def train_command(point: Point, out: Path, nproc: int = 1) -> list[str]:
     cfg = out / "configs" / point.group / f"{point.name}.yaml"
     train = ["kilolayer", "train", str(cfg), "--out", str(point.run_dir(out)), "--resume", "--quiet"]
     if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                "-m", *train]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            *train,
+        ]
     return [sys.executable, "-m", *train]
 
 
@@ -92,9 +99,11 @@ def _materialise(point: Point, out: Path) -> None:
 # instead of training on as an orphan that holds the run's lock (the retry resumes from the newest
 # checkpoint). Done in a tiny exec shim (the PID stays the child's), not in preexec_fn, which is unsafe in a
 # threaded parent such as a Ray worker.
-_REMOTE_SHIM = ("import ctypes, os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
-                "sys.platform.startswith('linux') and ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
-                "os.getppid() == int(sys.argv[1]) or os._exit(143); os.execv(sys.argv[2], sys.argv[2:])")
+_REMOTE_SHIM = (
+    "import ctypes, os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
+    "sys.platform.startswith('linux') and ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or os._exit(143); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def _wait(proc: subprocess.Popen, forward_interrupt: bool = False) -> int:
@@ -146,8 +155,16 @@ class Attempt:
     crashed: bool = False  # the process left no final status of its own; the runner recorded ``failed``
 
 
-def train_point(point: Point, out: Path, log=print, threads: Optional[int] = None, nproc: int = 1,
-                cwd: Optional[Path] = None, env: Optional[dict] = None, remote: bool = False) -> Attempt:
+def train_point(
+    point: Point,
+    out: Path,
+    log=print,
+    threads: int | None = None,
+    nproc: int = 1,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    remote: bool = False,
+) -> Attempt:
     """Train one point unless it already finished, in a subprocess (``nproc`` > 1: under torchrun) with
     ``threads`` torch threads per process and ``env`` added to its environment. ``remote``: the child is not
     in the driver's terminal process group (a Ray worker's child): forward an interrupt to it, and stop it
@@ -195,7 +212,7 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def run_point(point: Point, out: Path, log=print, threads: Optional[int] = None) -> tuple[str, float, bool]:
+def run_point(point: Point, out: Path, log=print, threads: int | None = None) -> tuple[str, float, bool]:
     """Train one point unless it already finished. Returns (status, seconds, trained now)."""
     a = train_point(point, out, log, threads)
     return a.status, a.seconds, a.trained
@@ -249,21 +266,27 @@ def collect(point: Point, out: Path) -> Result:
     except (OSError, ValueError):
         smooth = None
     return Result(
-        point=point, status=status, reason=reason, step=int(st.get("step", 0)),
-        eval=last, evals=evals,
+        point=point,
+        status=status,
+        reason=reason,
+        step=int(st.get("step", 0)),
+        eval=last,
+        evals=evals,
         train_losses=[(r["step"], r["loss"]) for r in records if r.get("split") == "train"],
-        diagnostics=[r for r in records if r.get("split") == "diagnostics"], smoothness=smooth,
-        seconds=float(st.get("seconds", 0.0)), command=shell_command(point, out),
+        diagnostics=[r for r in records if r.get("split") == "diagnostics"],
+        smoothness=smooth,
+        seconds=float(st.get("seconds", 0.0)),
+        command=shell_command(point, out),
     )
 
 
-def threads_per_job(jobs: int) -> Optional[int]:
+def threads_per_job(jobs: int) -> int | None:
     """Torch threads for each of ``jobs`` concurrent points (they share the cores); None for one job
     (torch's default)."""
     return max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
 
 
-def collect_all(points: list[Point], out: Path, ran: "set[str]") -> list[Result]:
+def collect_all(points: list[Point], out: Path, ran: set[str]) -> list[Result]:
     """Every point's result, read back from its run directory (``ran``: the keys trained in this invocation)."""
     results = [collect(p, out) for p in points]
     for r in results:

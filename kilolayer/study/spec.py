@@ -27,7 +27,7 @@ import copy
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -46,8 +46,8 @@ class GroupSpec(BaseModel):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     analyses: list[str] = Field(default_factory=list)
-    after: Optional[str] = None
-    init_from: Optional[str] = None
+    after: str | None = None
+    init_from: str | None = None
 
     @field_validator("grid")
     @classmethod
@@ -59,7 +59,9 @@ class GroupSpec(BaseModel):
             if width > 1:
                 for v in values:
                     if not isinstance(v, list) or len(v) != width:
-                        raise ValueError(f"grid.{key}: each value must be a list of {width} values (keys tied together)")
+                        raise ValueError(
+                            f"grid.{key}: each value must be a list of {width} values (keys tied together)"
+                        )
         return grid
 
     @field_validator("analyses")
@@ -75,7 +77,7 @@ class StudySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     description: str = ""
-    expected_minutes: Optional[float] = Field(None, description="wall-clock on a 2-core CPU machine")
+    expected_minutes: float | None = Field(None, description="wall-clock on a 2-core CPU machine")
     expected_basis: str = Field("", description="how expected_minutes was obtained: measured, or estimated")
     groups: list[GroupSpec] = Field(..., min_length=1)
     findings: list[str] = Field(default_factory=list)
@@ -89,7 +91,7 @@ class Point:
     name: str
     values: dict[str, Any]  # grid values (dotted keys) + train.seed
     config: Config
-    init_from_point: Optional[str] = None  # "<group>/<name>" whose run initialises this one
+    init_from_point: str | None = None  # "<group>/<name>" whose run initialises this one
     analyses: list[str] = field(default_factory=list)
 
     def run_dir(self, out: Path) -> Path:
@@ -137,8 +139,10 @@ def expand(spec: StudySpec) -> list[Point]:
                     for sk, sv in zip(subkeys, vals):
                         values[sk.strip()] = sv
                 values["train.seed"] = seed
-                sets = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-                        for k, v in values.items()]
+                sets = [
+                    f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                    for k, v in values.items()
+                ]
                 data = apply_sets(copy.deepcopy(g.base), sets)
                 try:
                     cfg = load_config(data)
@@ -164,7 +168,7 @@ def _match(p: Point, candidates: list[Point], group: str) -> str:
     return best[0].key
 
 
-def load_spec(source: "str | Path") -> StudySpec:
+def load_spec(source: str | Path) -> StudySpec:
     """A built-in study by name, or a YAML spec file."""
     from kilolayer.study.builtin import BUILTIN
 

@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch
 from safetensors import SafetensorError
@@ -99,7 +98,7 @@ def save_checkpoint(
     optimizer: dict,
     rng: dict,
     state: dict,
-    extra: Optional[dict[str, torch.Tensor]] = None,
+    extra: dict[str, torch.Tensor] | None = None,
     keep: int = 2,
 ) -> Path:
     """Write checkpoint ``step`` atomically (with its manifest of checksums) and keep only the newest
@@ -154,7 +153,9 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise InputError(f"{path}: missing") from None
     except (SafetensorError, OSError, ValueError) as err:
-        raise InputError(f"{path}: unreadable or truncated safetensors file ({str(err).splitlines()[0][:120]})") from None
+        raise InputError(
+            f"{path}: unreadable or truncated safetensors file ({str(err).splitlines()[0][:120]})"
+        ) from None
 
 
 def _torch_load(path: Path):

@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kilolayer.nn.layers import Layer
-
 
 def layer_names(backbone: nn.Module) -> list[tuple[str, nn.Module]]:
     """("encoder.0", layer), ... then ("decoder.0", layer), ... in forward order."""

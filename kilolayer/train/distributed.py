@@ -71,7 +71,11 @@ def wrap(task: nn.Module, mode: str, env: Dist) -> nn.Module:
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    return module.module if hasattr(module, "module") and isinstance(module, nn.parallel.DistributedDataParallel) else module
+    return (
+        module.module
+        if hasattr(module, "module") and isinstance(module, nn.parallel.DistributedDataParallel)
+        else module
+    )
 
 
 def _options():

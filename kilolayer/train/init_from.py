@@ -27,7 +27,7 @@ def _describe(model: dict) -> str:
     return " ".join(f"{k}={model[k]}" for k in _SHAPE_KEYS if k in model)
 
 
-def pretrained_checkpoint(run_dir: "str | Path") -> Path:
+def pretrained_checkpoint(run_dir: str | Path) -> Path:
     """``model.safetensors`` of the checkpoint that stands for the run at ``run_dir``: its newest intact one,
     or its best one if it trained with early stopping (a damaged one is reported in one line on stderr)."""
     run = Path(run_dir)
@@ -47,7 +47,7 @@ def pretrained_checkpoint(run_dir: "str | Path") -> Path:
     return found / "model.safetensors"
 
 
-def load_pretrained(task: nn.Module, run_dir: "str | Path", freeze: bool = False) -> dict:
+def load_pretrained(task: nn.Module, run_dir: str | Path, freeze: bool = False) -> dict:
     """Copy the backbone weights of the run at ``run_dir`` into ``task.backbone``; with ``freeze``,
     stop the backbone's gradients (``requires_grad=False``) so only the objective's heads train.
 

@@ -51,10 +51,15 @@ class Progress:
         self.t0, self.s0 = time.perf_counter(), start
         self.bar = None
         if self.tty:
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
 
-            self.bar = RichProgress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                    TextColumn("{task.description}"), TimeRemainingColumn())
+            self.bar = RichProgress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.description}"),
+                TimeRemainingColumn(),
+            )
             self.bar.start()
             self.task = self.bar.add_task("", total=total, completed=start)
 

@@ -45,7 +45,6 @@ from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.memory import check_memory
 from kilolayer.train.optim import build_optimizer, build_scheduler
 
-
 # early_stop_mode auto: these evaluation metrics are better higher, every other one lower
 HIGHER_IS_BETTER = ("accuracy", "exact_match", "bleu")
 
@@ -135,7 +134,7 @@ class StopSignals:
         self.armed = False
         self._previous: dict = {}
 
-    def install(self) -> "StopSignals":
+    def install(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._previous[s] = signal.signal(s, self._handle)
@@ -156,8 +155,15 @@ class StopSignals:
 
 
 class Trainer:
-    def __init__(self, config: Config, out_dir: Path, resume: bool = False, quiet: bool = False,
-                 overwrite: bool = False, signals: "StopSignals | None" = None):
+    def __init__(
+        self,
+        config: Config,
+        out_dir: Path,
+        resume: bool = False,
+        quiet: bool = False,
+        overwrite: bool = False,
+        signals: StopSignals | None = None,
+    ):
         self.config, self.out, self.resume, self.quiet = config, Path(out_dir), resume, quiet
         self.signals = signals
         tc = config.train
@@ -167,8 +173,8 @@ class Trainer:
                 f"train.batch_size={tc.batch_size}: must be divisible by processes x train.accumulate "
                 f"({self.env.world} x {tc.accumulate})"
             )
-        self.lock: "rundir.RunLock | None" = None
-        self.life: "rundir.Lifecycle | None" = None  # rank 0's status.json
+        self.lock: rundir.RunLock | None = None
+        self.life: rundir.Lifecycle | None = None  # rank 0's status.json
         self.started = False  # status.json says running: from here on every exit is recorded
         self.created = False
         self.replace = False
@@ -193,10 +199,18 @@ class Trainer:
         self.start_step = self.step = 0
         # ema: the smoothed training loss (bias-corrected, weight 0.9); running_min: its minimum;
         # early stopping: the best value of the metric, its step, evaluations since without improvement
-        self.state = {"running_min": math.inf, "ema": 0.0, "ema_weight": 0.0, "tokens": 0,
-                      "best": None, "best_step": None, "bad_evals": 0}
-        latest = rundir.intact_checkpoint(self.out, on_damaged=rundir.warn if self.env.main else _quiet) \
-            if resume else None
+        self.state = {
+            "running_min": math.inf,
+            "ema": 0.0,
+            "ema_weight": 0.0,
+            "tokens": 0,
+            "best": None,
+            "best_step": None,
+            "bad_evals": 0,
+        }
+        latest = (
+            rundir.intact_checkpoint(self.out, on_damaged=rundir.warn if self.env.main else _quiet) if resume else None
+        )
         if latest is None:
             self._fresh_start()
         self.task.to(self.env.device)
@@ -238,8 +252,10 @@ class Trainer:
                     if not overwrite:
                         st = rundir.read_status(self.out)
                         what = f" ({st['status']} at step {st.get('step', 0)})" if st.get("status") else ""
-                        raise ConfigError(f"{self.out}: already holds a run{what}; add --resume to continue it, "
-                                          f"--overwrite to replace it, or choose another --out")
+                        raise ConfigError(
+                            f"{self.out}: already holds a run{what}; add --resume to continue it, "
+                            f"--overwrite to replace it, or choose another --out"
+                        )
                     self.replace = True  # cleared once set-up has succeeded
             except KilolayerError as err:
                 error = err
@@ -290,8 +306,10 @@ class Trainer:
         ckpt.check_fits(path / "model.safetensors", data["model"], self.task.state_dict())
         st = data["state"]
         if tc.steps < int(st["step"]):
-            raise ConfigError(f"train.steps={tc.steps}: the run is already at step {st['step']} ({path}); "
-                              f"give train.steps >= {st['step']}")
+            raise ConfigError(
+                f"train.steps={tc.steps}: the run is already at step {st['step']} ({path}); "
+                f"give train.steps >= {st['step']}"
+            )
         D.load_model_state(self.model, data["model"])
         if tc.freeze_backbone:
             for p in self.task.backbone.parameters():
@@ -303,7 +321,9 @@ class Trainer:
             D.load_optimizer_state(self.model, self.optimizer, data["optimizer"]["optimizer"])
             self.scheduler.load_state_dict(data["optimizer"]["scheduler"])
         except (KeyError, ValueError, RuntimeError) as err:
-            raise InputError(f"{path / 'optimizer.pt'}: does not fit this run ({str(err).splitlines()[0][:100]})") from None
+            raise InputError(
+                f"{path / 'optimizer.pt'}: does not fit this run ({str(err).splitlines()[0][:100]})"
+            ) from None
         for group, plan in zip(self.optimizer.param_groups, planned):
             group.update(plan)
         sched = self.scheduler
@@ -319,7 +339,7 @@ class Trainer:
         if "reference" in data["extra"]:
             self.reference = data["extra"]["reference"].to(self.env.device)
 
-    def _begin(self, latest: "Path | None") -> None:
+    def _begin(self, latest: Path | None) -> None:
         """Set-up succeeded: from here on the run directory changes. status.json says running, config.yaml
         holds the config trained with now, and a resume is recorded in resume.json."""
         if self.env.main:
@@ -344,7 +364,7 @@ class Trainer:
         self.started = True
         D.barrier(self.env)
 
-    def _saved_config(self) -> "Config | None":
+    def _saved_config(self) -> Config | None:
         try:
             return load_config(self.out / rundir.CONFIG)
         except KilolayerError:
@@ -376,8 +396,14 @@ class Trainer:
             # early stopping keeps the best checkpoint too: rotation is rundir's, which spares it
             keep = 2**31 if tc.patience else tc.keep_checkpoints
             ckpt.save_checkpoint(
-                self.out, step, model_sd, {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()},
-                tensors, {"step": step, "rng": plain, "trainer": self.state}, extra, keep=keep,
+                self.out,
+                step,
+                model_sd,
+                {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict()},
+                tensors,
+                {"step": step, "rng": plain, "trainer": self.state},
+                extra,
+                keep=keep,
             )
             if tc.patience:
                 rundir.prune_checkpoints(self.out, tc.keep_checkpoints)
@@ -393,8 +419,10 @@ class Trainer:
         # evaluation must not consume the training RNG streams (bit-exact resume)
         with torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else []):
             with _full_params(self.model, self.env, tc.parallel), _autocast(tc.precision, self.env.device):
-                data = (to_device(b, self.env.device) for b in self.source.eval_batches(tc.batch_size,
-                                                                                        count * tc.batch_size))
+                data = (
+                    to_device(b, self.env.device)
+                    for b in self.source.eval_batches(tc.batch_size, count * tc.batch_size)
+                )
                 metrics = self.task.objective.evaluate(self.task.backbone, data)
                 save = getattr(self.task.objective, "save_samples", None)
                 if save is not None and self.env.main and not batches:
@@ -407,16 +435,25 @@ class Trainer:
     def diagnostics(self, step: int, names: list[str], norms: list[float]) -> dict:
         with torch.random.fork_rng(devices=[]), _full_params(self.model, self.env, self.config.train.parallel):
             out, ln_names, ln_values = diag.probe(self.task.objective, self.task.backbone, self.probe_batch)
-        return {"step": step, "split": "diagnostics", "layers": names, "grad_norm": norms,
-                "update": diag.update_size(out, self.reference), "ln_names": ln_names, "ln_input": ln_values}
+        return {
+            "step": step,
+            "split": "diagnostics",
+            "layers": names,
+            "grad_norm": norms,
+            "update": diag.update_size(out, self.reference),
+            "ln_names": ln_names,
+            "ln_input": ln_values,
+        }
 
     def _check_metric(self) -> None:
         """Early stopping's metric must be one the objective reports: one evaluation batch at set-up says."""
         tc = self.config.train
         names = self.evaluate(0, batches=1)
         if tc.early_stop_metric not in names:
-            raise ConfigError(f"train.early_stop_metric={tc.early_stop_metric!r}: not an evaluation metric of "
-                              f"{self.config.objective.name} (it reports {', '.join(sorted(names))})")
+            raise ConfigError(
+                f"train.early_stop_metric={tc.early_stop_metric!r}: not an evaluation metric of "
+                f"{self.config.objective.name} (it reports {', '.join(sorted(names))})"
+            )
 
     def _track(self, step: int, metrics: dict) -> bool:
         """Early stopping's bookkeeping after an evaluation; True if ``step`` is the new best."""
@@ -437,8 +474,9 @@ class Trainer:
     def _plateau_reason(self) -> str:
         tc, st = self.config.train, self.state
         best = f"; best {st['best']:.6g} at step {st['best_step']}" if st["best"] is not None else ""
-        return (f"plateau: no improvement of {tc.early_stop_metric} by {tc.min_delta:g} in {tc.patience} "
-                f"evaluations{best}")
+        return (
+            f"plateau: no improvement of {tc.early_stop_metric} by {tc.min_delta:g} in {tc.patience} evaluations{best}"
+        )
 
     def _smoothed(self, loss: float) -> float:
         st = self.state
@@ -455,8 +493,10 @@ class Trainer:
         smooth = self._smoothed(loss)
         best = self.state["running_min"]
         if step > tc.warmup and smooth > tc.diverge_factor * best and smooth > best + tc.diverge_increase:
-            return (f"smoothed loss {smooth:.4g} at step {step} exceeds {tc.diverge_factor:g} x its running minimum "
-                    f"{best:.4g}")
+            return (
+                f"smoothed loss {smooth:.4g} at step {step} exceeds {tc.diverge_factor:g} x its running minimum "
+                f"{best:.4g}"
+            )
         self.state["running_min"] = min(best, smooth)
         return ""
 
@@ -482,8 +522,11 @@ class Trainer:
         return signum
 
     def _interrupt(self, signum: int, step: int) -> Interrupted:
-        return Interrupted(f"interrupted by {signal.Signals(signum).name} at step {step} (checkpoint step {step} "
-                           f"saved); continue with: kilolayer train --resume --out {self.out}", signum)
+        return Interrupted(
+            f"interrupted by {signal.Signals(signum).name} at step {step} (checkpoint step {step} "
+            f"saved); continue with: kilolayer train --resume --out {self.out}",
+            signum,
+        )
 
     def _meter(self) -> M.Efficiency:
         """Rank 0's efficiency meter; the device's peak is given, a vendor figure, or measured once per machine
@@ -497,8 +540,9 @@ class Trainer:
         """Model FLOPs per token at the tokens per sample the first step showed (``tokens`` on this process)."""
         tc = self.config.train
         samples = max(1, tc.batch_size // self.env.world)
-        return M.model_flops_per_token(self.config.model, tokens / samples, M.head_weights(self.task.objective),
-                                       frozen_backbone=tc.freeze_backbone)
+        return M.model_flops_per_token(
+            self.config.model, tokens / samples, M.head_weights(self.task.objective), frozen_backbone=tc.freeze_backbone
+        )
 
     def _agree(self, flag: bool) -> bool:
         """True on every process if it is true on any (decisions that lead to collective work)."""
@@ -515,8 +559,9 @@ class Trainer:
         if self.env.main:
             fields = {"stopped_early": plateau, "tokens": self.state["tokens"]}
             if tc.patience:
-                fields.update(best_step=self.state["best_step"], best=self.state["best"],
-                              early_stop_metric=tc.early_stop_metric)
+                fields.update(
+                    best_step=self.state["best_step"], best=self.state["best"], early_stop_metric=tc.early_stop_metric
+                )
             fields.update(M.summarize(rundir.read_metrics(self.out)))
             fields.update(peak_flops=self.peak.flops, peak_flops_source=self.peak.source)
             self.life.finish("completed", step, self._plateau_reason() if plateau else "step budget", **fields)
@@ -554,8 +599,11 @@ class Trainer:
                     loss_sum += float(loss.detach()) / len(micro)
                     tokens += self.task.objective.tokens(mb)
                 loss_value = D.all_mean(loss_sum, env)
-                do_diag = diag_on and (step == 1 or step % tc.diagnostics_every == 0) and (
-                    not tc.diagnostics_until or step <= tc.diagnostics_until)
+                do_diag = (
+                    diag_on
+                    and (step == 1 or step % tc.diagnostics_every == 0)
+                    and (not tc.diagnostics_until or step <= tc.diagnostics_until)
+                )
                 layer_norms = diag.grad_norms(self.task.backbone, reduce) if do_diag else None
                 gnorm = torch.nn.utils.clip_grad_norm_(
                     [p for p in self.task.parameters() if p.grad is not None],
@@ -581,14 +629,28 @@ class Trainer:
                     eff = meter.report()
                     if eff.get("mfu", 0) > 1 and not self.peak_warned:
                         self.peak_warned = True
-                        rundir.warn(f"MFU {100 * eff['mfu']:.0f}% at step {step}: the peak of {self.peak.flops:.3g} "
-                                    f"FLOP/s ({self.peak.source}) is too low; set train.peak_flops, or delete the "
-                                    f"cached figure ({M.CACHE_FILE} in the cache folder) to measure it again")
+                        rundir.warn(
+                            f"MFU {100 * eff['mfu']:.0f}% at step {step}: the peak of {self.peak.flops:.3g} "
+                            f"FLOP/s ({self.peak.source}) is too low; set train.peak_flops, or delete the "
+                            f"cached figure ({M.CACHE_FILE} in the cache folder) to measure it again"
+                        )
                     lr = self.scheduler.get_last_lr()[0]
-                    log.write({"step": step, "split": "train", "loss": loss_value, "lr": lr,
-                               "grad_norm": float(gnorm), "tokens": self.state["tokens"], **eff})
-                    progress.update(step, f"loss {loss_value:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s "
-                                          f"MFU {100 * eff['mfu']:.1f}%")
+                    log.write(
+                        {
+                            "step": step,
+                            "split": "train",
+                            "loss": loss_value,
+                            "lr": lr,
+                            "grad_norm": float(gnorm),
+                            "tokens": self.state["tokens"],
+                            **eff,
+                        }
+                    )
+                    progress.update(
+                        step,
+                        f"loss {loss_value:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s "
+                        f"MFU {100 * eff['mfu']:.1f}%",
+                    )
                 improved = stop = False
                 with meter.paused() if meter is not None else contextlib.nullcontext():
                     if do_diag:
@@ -640,7 +702,7 @@ def _flatten(data: dict, prefix: str = "") -> dict:
     return out
 
 
-def _changes(old: "Config | None", new: Config) -> dict:
+def _changes(old: Config | None, new: Config) -> dict:
     """``{"train.lr": [old, new], ...}`` for every key whose value differs."""
     if old is None:
         return {}
@@ -664,7 +726,7 @@ def _all_sum(t: torch.Tensor, env: D.Dist) -> torch.Tensor:
     return t.cpu()
 
 
-def resolve_config(config, out_dir: Path, resume: bool, sets: "list[str] | None" = None) -> Config:
+def resolve_config(config, out_dir: Path, resume: bool, sets: list[str] | None = None) -> Config:
     """The config a run uses. Resuming a run that has a config.yaml: that file, plus ``sets``; a config
     given as well must agree with it on model, objective and data (the train section may change,
     e.g. more steps)."""
@@ -701,19 +763,28 @@ def check_early_stopping(config: Config) -> None:
     the config, so tools that probe a config with evaluations off, like the study estimator, still can.)"""
     tc = config.train
     if tc.patience and not tc.eval_every:
-        raise ConfigError(f"train.patience={tc.patience}: early stopping compares evaluations, but train.eval_every=0 "
-                          f"evaluates only at the end; set train.eval_every > 0")
+        raise ConfigError(
+            f"train.patience={tc.patience}: early stopping compares evaluations, but train.eval_every=0 "
+            f"evaluates only at the end; set train.eval_every > 0"
+        )
 
 
-def train(config: "Config | dict | str | Path | None", out_dir: "str | Path", resume: bool = False,
-          sets: "list[str] | None" = None, quiet: bool = False, overwrite: bool = False) -> dict:
+def train(
+    config: Config | dict | str | Path | None,
+    out_dir: str | Path,
+    resume: bool = False,
+    sets: list[str] | None = None,
+    quiet: bool = False,
+    overwrite: bool = False,
+) -> dict:
     """Train a config into ``out_dir`` (see module docstring), holding the directory's lock meanwhile.
 
     ``resume=True`` continues from the newest intact checkpoint (or starts, if there is none), with any
     ``train.*`` values given now. Without it, a directory that already holds a run is refused unless
     ``overwrite=True`` (which removes only what a run writes); a non-empty directory that is not a run
     is always refused. A config whose estimated memory exceeds what the device has free is refused in one
-    line before anything is allocated (:func:`kilolayer.train.memory.check_memory`). SIGINT and SIGTERM stop at the next step boundary with a checkpoint.
+    line before anything is allocated (:func:`kilolayer.train.memory.check_memory`). SIGINT and SIGTERM stop at
+    the next step boundary with a checkpoint.
     """
     out = Path(out_dir)
     if resume and overwrite:

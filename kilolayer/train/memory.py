@@ -60,7 +60,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 
@@ -90,8 +89,12 @@ class _Sublayer:
 def _config_layers(cfg: ModelConfig, side: str, n: int, cross: bool) -> Counter:
     """The layers of one side of ``cfg``, from the scheme alone (no modules built): how many layers have
     each distinct tuple of sublayers (a 100,000-layer stack is a handful of entries)."""
-    scheme = make_scheme(cfg.scheme, Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
-                         layerscale_init=cfg.layerscale_init, ds_init_variant=cfg.ds_init_variant)
+    scheme = make_scheme(
+        cfg.scheme,
+        Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
+        layerscale_init=cfg.layerscale_init,
+        ds_init_variant=cfg.ds_init_variant,
+    )
     kinds = ("self_attn", "cross_attn", "ffn") if cross else ("self_attn", "ffn")
     gains = int(scheme.channel_gain) + int(scheme.layer_gain)
     outer = int(scheme.pre_norm) + int(scheme.post_norm)
@@ -104,11 +107,15 @@ def _config_layers(cfg: ModelConfig, side: str, n: int, cross: bool) -> Counter:
             scale = kind != "ffn" and bool(scheme.head_scale(site))
             key.append((outer + int(scheme.out_norm(site)), bool(inner), scale))
         flags[tuple(key)] += 1
-    return Counter({
-        tuple(_Sublayer(kind, cfg.width, cfg.ffn, cfg.heads, norms, inner, scale, gains, cfg.dropout)
-              for kind, (norms, inner, scale) in zip(kinds, key)): count
-        for key, count in flags.items()
-    })
+    return Counter(
+        {
+            tuple(
+                _Sublayer(kind, cfg.width, cfg.ffn, cfg.heads, norms, inner, scale, gains, cfg.dropout)
+                for kind, (norms, inner, scale) in zip(kinds, key)
+            ): count
+            for key, count in flags.items()
+        }
+    )
 
 
 def _module_layers(stack) -> Counter:
@@ -119,13 +126,19 @@ def _module_layers(stack) -> Counter:
         for res in layer.sublayers():
             branch, kind = res.branch, res.site.kind
             width = branch.fc1.in_features if kind == "ffn" else branch.width
-            out.append(_Sublayer(
-                kind, width, branch.fc1.out_features if kind == "ffn" else 0, 0 if kind == "ffn" else branch.heads,
-                sum(m is not None for m in (res.pre_norm, res.out_norm, res.post_norm)), branch.inner_norm is not None,
-                getattr(branch, "head_scale", None) is not None,
-                int(res.gain is not None) + int(layer.resweight is not None),
-                res.dropout.p if res.dropout is not None else 0.0,
-            ))
+            out.append(
+                _Sublayer(
+                    kind,
+                    width,
+                    branch.fc1.out_features if kind == "ffn" else 0,
+                    0 if kind == "ffn" else branch.heads,
+                    sum(m is not None for m in (res.pre_norm, res.out_norm, res.post_norm)),
+                    branch.inner_norm is not None,
+                    getattr(branch, "head_scale", None) is not None,
+                    int(res.gain is not None) + int(layer.resweight is not None),
+                    res.dropout.p if res.dropout is not None else 0.0,
+                )
+            )
         layers[tuple(out)] += 1
     return layers
 
@@ -206,7 +219,7 @@ def _world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def estimate_memory(config: Config, device: "str | torch.device" = "cpu", world: Optional[int] = None) -> dict:
+def estimate_memory(config: Config, device: str | torch.device = "cpu", world: int | None = None) -> dict:
     """Bytes one training process of ``config`` needs on ``device`` (see the module docstring).
 
     Returns ``parameters``, ``gradients``, ``optimizer``, ``optimizer_temp``, ``activations`` and ``total``
@@ -225,8 +238,9 @@ def estimate_memory(config: Config, device: "str | torch.device" = "cpu", world:
     n_trainable = n_objective + (0 if tc.freeze_backbone else n_backbone)
 
     bf16 = tc.precision == "bf16"
-    prec = _Precision(matmul=2 if bf16 else 4, attention=4 if not bf16 or (cpu and m.attention_fp32_cpu) else 2,
-                      cpu=cpu)
+    prec = _Precision(
+        matmul=2 if bf16 else 4, attention=4 if not bf16 or (cpu and m.attention_fp32_cpu) else 2, cpu=cpu
+    )
     batch = max(1, tc.batch_size // tc.accumulate // world)
     ckpt = m.checkpoint_activations
     # the backbone's sequences: MAE's encoder sees only the visible patches (+ CLS)
@@ -240,8 +254,7 @@ def estimate_memory(config: Config, device: "str | torch.device" = "cpu", world:
         acts += _stack_bytes((_config_layers(m, "decoder", m.layers, False)), prec, batch, length, length, ckpt)
     else:
         acts += _stack_bytes((_config_layers(m, "encoder", m.layers, False)), prec, batch, length, length, ckpt)
-        acts += _stack_bytes((_config_layers(m, "decoder", m.decoder_layers, True)), prec, batch, length,
-                             length, ckpt)
+        acts += _stack_bytes((_config_layers(m, "decoder", m.decoder_layers, True)), prec, batch, length, length, ckpt)
         acts += 4 * m.width * batch * length  # the encoder output, read by every decoder layer
     if m.input == "patches":
         acts += 4 * m.channels * m.patch_size**2 * batch * m.num_patches  # the patch projection's input
@@ -273,9 +286,17 @@ def estimate_memory(config: Config, device: "str | torch.device" = "cpu", world:
         grads *= 2  # DDP's gradient buckets
     accumulating = tc.accumulate > 1  # gradients then live through the micro-batches' forward passes
     total = params + optim + (grads + max(acts, temp) if accumulating else max(acts, grads + temp))
-    return {"parameters": params, "gradients": grads, "optimizer": optim, "optimizer_temp": temp,
-            "activations": acts, "total": total, "n_parameters": n_params, "n_trainable": n_trainable,
-            "accumulating": accumulating}
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": optim,
+        "optimizer_temp": temp,
+        "activations": acts,
+        "total": total,
+        "n_parameters": n_params,
+        "n_trainable": n_trainable,
+        "accumulating": accumulating,
+    }
 
 
 def format_estimate(est: dict) -> str:
@@ -288,7 +309,7 @@ def format_estimate(est: dict) -> str:
     return f"{g['total']} GiB at peak (params {g['parameters']} + optimizer {g['optimizer']} + {rest})"
 
 
-def _meminfo_available() -> Optional[int]:
+def _meminfo_available() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -298,11 +319,12 @@ def _meminfo_available() -> Optional[int]:
     return None
 
 
-def _cgroup_available() -> Optional[int]:
+def _cgroup_available() -> int | None:
     """What this process's cgroup (v2, else v1) still allows, if it sets a limit."""
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             limit = Path(limit_file).read_text().strip()
             usage = int(Path(usage_file).read_text().strip())
@@ -314,7 +336,7 @@ def _cgroup_available() -> Optional[int]:
     return None
 
 
-def available_memory(device: "str | torch.device") -> Optional[int]:
+def available_memory(device: str | torch.device) -> int | None:
     """Bytes free for a new allocation on ``device``: the GPU's free memory, or for the CPU the smaller of
     /proc/meminfo's MemAvailable and the cgroup's remaining limit. None if unknown."""
     device = torch.device(device)
@@ -329,7 +351,7 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
-def _target(device: "str | torch.device") -> torch.device:
+def _target(device: str | torch.device) -> torch.device:
     """``device`` as the trainer will use it: ``auto`` resolved, a bare ``cuda`` as this process's GPU."""
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -339,7 +361,7 @@ def _target(device: "str | torch.device") -> torch.device:
     return device
 
 
-def check_memory(config: Config, device: "str | torch.device") -> Optional[dict]:
+def check_memory(config: Config, device: str | torch.device) -> dict | None:
     """Refuse ``config`` (one-line :class:`ConfigError`) if its estimated peak exceeds the memory ``device``
     has free; return the estimate with ``available`` (bytes, None if unknown). On the CPU the processes
     torchrun starts on this machine (LOCAL_WORLD_SIZE) share the memory. With ``train.memory_check: false``

@@ -39,9 +39,9 @@ import platform
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -73,8 +73,9 @@ def head_weights(objective: nn.Module) -> int:
     return sum(m.weight.numel() for m in objective.modules() if isinstance(m, nn.Linear))
 
 
-def model_flops_per_token(model, tokens_per_sample: Optional[float] = None, head: int = 0,
-                          frozen_backbone: bool = False) -> float:
+def model_flops_per_token(
+    model, tokens_per_sample: float | None = None, head: int = 0, frozen_backbone: bool = False
+) -> float:
     """Training FLOPs per token: the backbone's (``training_flops`` for one sample of ``tokens_per_sample``
     tokens, split evenly between source and target for an encoder-decoder; default the model's full length)
     plus ``6 x head`` for the objective's ``head`` matmul weights."""
@@ -111,8 +112,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def gemm_rate(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: int = 3,
-              device: "str | torch.device" = "cpu") -> float:
+def gemm_rate(
+    dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: int = 3, device: str | torch.device = "cpu"
+) -> float:
     """Best large-GEMM rate (FLOP/s) of ``dtype`` at size ``n``: max over ``rounds`` of the mean over ~``seconds``.
     The operands come from a private generator, so the global RNG streams do not move."""
     device = torch.device(device)
@@ -136,8 +138,9 @@ def gemm_rate(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: i
     return best
 
 
-def quick_gemm_rate(dtype: torch.dtype, budget_s: float = 1.5, n_max: int = 2048,
-                    device: "str | torch.device" = "cpu") -> tuple[float, int]:
+def quick_gemm_rate(
+    dtype: torch.dtype, budget_s: float = 1.5, n_max: int = 2048, device: str | torch.device = "cpu"
+) -> tuple[float, int]:
     """(FLOP/s, n): the fastest single ``n x n`` product of ``dtype``, over sizes 256, 512, ... up to ``n_max``,
     within about ``budget_s`` seconds. The best single product, not a mean: on a machine that other processes
     keep busy, some products still run undisturbed, and a peak is what the hardware can do. Bounded in time even
@@ -200,7 +203,7 @@ def cpu_peak(dtype: torch.dtype, budget_s: float = 1.5) -> tuple[float, int]:
     return (flops, n) if flops >= scaled else (scaled, n1)
 
 
-def vendor_peak(name: str, precision: str, tf32: bool) -> Optional[float]:
+def vendor_peak(name: str, precision: str, tf32: bool) -> float | None:
     """The vendor's dense figure for a GPU called ``name`` in ``precision`` (fp32 as TF32 if ``tf32``)."""
     for key, (bf16, tf32_peak, fp32) in VENDOR_PEAKS:
         if key.lower() in name.lower():
@@ -261,8 +264,7 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
         tmp.unlink(missing_ok=True)  # a read-only or full cache folder: measured again next time
 
 
-def measured_peak(device: torch.device, precision: str,
-                  measure: Optional[Callable[[], tuple[float, int]]] = None) -> Peak:
+def measured_peak(device: torch.device, precision: str, measure: Callable[[], tuple[float, int]] | None = None) -> Peak:
     """The GEMM peak of ``precision`` on ``device`` (CPU, or a GPU without a vendor figure) from the cache,
     measured and cached on the first call for this machine, thread count, dtype and torch version."""
     dtype = DTYPES[precision]
@@ -279,8 +281,11 @@ def measured_peak(device: torch.device, precision: str,
             entry = _read_cache(path).get(key)  # another process may have measured meanwhile
             if not isinstance(entry, dict) or not _positive(entry.get("flops")):
                 if measure is None:
-                    measure = (lambda: quick_gemm_rate(dtype, n_max=8192, device=device)) if device.type == "cuda" \
+                    measure = (
+                        (lambda: quick_gemm_rate(dtype, n_max=8192, device=device))
+                        if device.type == "cuda"
                         else (lambda: cpu_peak(dtype))
+                    )
                 flops, n = measure()
                 entry = {"flops": flops, "n": n, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                 _write_cache(path, key, entry)
@@ -292,7 +297,7 @@ def _tf32_allowed() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
-def device_peak(device: "str | torch.device", precision: str, given: Optional[float] = None) -> Peak:
+def device_peak(device: str | torch.device, precision: str, given: float | None = None) -> Peak:
     """Peak FLOP/s of one ``device`` for training in ``precision`` (fp32 | bf16): ``given`` (train.peak_flops)
     if set, else the vendor figure of a known GPU, else the measured (cached) GEMM peak."""
     if given:
@@ -315,7 +320,7 @@ def _positive(x) -> bool:
 # ---------------------------------------------------------------- peak memory
 
 
-def _proc_status(field: str) -> Optional[int]:
+def _proc_status(field: str) -> int | None:
     """A size field of /proc/self/status in bytes (None where there is no /proc)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -336,7 +341,7 @@ def peak_rss() -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
 
 
-def peak_memory(device: "str | torch.device") -> int:
+def peak_memory(device: str | torch.device) -> int:
     """Peak memory in bytes: ``max_memory_allocated`` on CUDA, the process's peak RSS on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -354,8 +359,14 @@ class Efficiency:
     :meth:`set_flops_per_token`); ``processes`` devices share the counted tokens. ``clock`` is for tests.
     """
 
-    def __init__(self, flops_per_token: Optional[float], peak: Peak, device: "str | torch.device" = "cpu",
-                 processes: int = 1, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        flops_per_token: float | None,
+        peak: Peak,
+        device: str | torch.device = "cpu",
+        processes: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.flops_per_token, self.peak, self.device = flops_per_token, peak, torch.device(device)
         self.processes, self.clock = processes, clock
         self.tokens = 0

@@ -7,7 +7,6 @@ import math
 import torch
 from torch import nn
 
-
 # learned tokens and positions, exempt from weight decay as in ViT/MAE (timm's ``no_weight_decay``)
 NO_DECAY_NAMES = frozenset({"cls", "mask_token", "positions", "decoder_positions"})
 
