@@ -118,6 +118,10 @@ class Scheme:
         """Per-side constants worth showing in a table (``kilolayer describe``)."""
         return {}
 
+    def data_dependent_init(self, model: nn.Module, run: Callable[[], object]) -> dict | None:
+        """Set any data-dependent initial values of ``model`` from one forward pass ``run()``; None if none."""
+        return None
+
 
 def xavier_(weight: torch.Tensor, gain: float, dist: str = "normal") -> None:
     """Xavier init of a (possibly sliced) Linear weight ``(fan_out, fan_in)`` in place."""
@@ -318,6 +322,11 @@ class Admin(Scheme):
 
     def describe(self):
         return {s: {"omega": self.omega(s)} for s in ("encoder", "decoder") if self.depth.layers(s)}
+
+    def data_dependent_init(self, model, run):
+        if self.options.get("admin_omega") != "profile":
+            return None
+        return admin_profile(model, run)
 
 
 def make_scheme(name: str, depth: Depth, **options) -> Scheme:

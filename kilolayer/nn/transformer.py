@@ -205,7 +205,11 @@ class Backbone(nn.Module):
         self.config = cfg
         self.depth = Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers)
         self.scheme = make_scheme(
-            cfg.scheme, self.depth, layerscale_init=cfg.layerscale_init, ds_init_variant=cfg.ds_init_variant
+            cfg.scheme,
+            self.depth,
+            layerscale_init=cfg.layerscale_init,
+            ds_init_variant=cfg.ds_init_variant,
+            admin_omega=cfg.admin_omega,
         )
 
     @property
@@ -300,3 +304,16 @@ def build_model(cfg: ModelConfig | dict) -> Backbone:
     """Build the backbone that the ``model`` config section describes (a dict or a ModelConfig)."""
     cfg = model_config(cfg)
     return BACKBONES[cfg.arch](cfg)
+
+
+def data_dependent_init(model: nn.Module, run: Callable[[], object]) -> dict | None:
+    """Finish the initialisation of a freshly built ``model`` that its scheme takes from data.
+
+    ``run`` runs one forward pass of the model on a representative batch. Schemes without a data-dependent
+    init (all but Admin with ``model.admin_omega: profile``) ignore it and return None, so callers call this
+    unconditionally after building (and before any training step); Admin returns its final ratio per side.
+    """
+    scheme = getattr(model, "scheme", None)
+    if not isinstance(scheme, Scheme):
+        return None
+    return scheme.data_dependent_init(model, run)

@@ -294,11 +294,13 @@ class Trainer:
             from kilolayer.train.init_from import load_pretrained
 
             load_pretrained(self.task, tc.init_from, freeze=tc.freeze_backbone)
-        if self.config.model.scheme == "admin" and self.config.model.admin_omega == "profile":
-            from kilolayer.nn.residual import admin_profile
+        from kilolayer.nn.transformer import data_dependent_init
 
-            batch = self.source.train_batch(0, self.config.train.batch_size)
-            admin_profile(self.task.backbone, lambda: self.task.objective(self.task.backbone, batch))
+        backbone = self.task.backbone
+        # the batch is drawn only if the scheme runs the pass (Admin's profiled omega)
+        data_dependent_init(
+            backbone, lambda: self.task.objective(backbone, self.source.train_batch(0, self.config.train.batch_size))
+        )
 
     def _restore(self, path: Path) -> None:
         tc = self.config.train

@@ -54,7 +54,6 @@ overrides).
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -132,15 +131,23 @@ def _module_layers(stack) -> Counter:
                     width,
                     branch.fc1.out_features if kind == "ffn" else 0,
                     0 if kind == "ffn" else branch.heads,
-                    sum(m is not None for m in (res.pre_norm, res.out_norm, res.post_norm)),
+                    # absent parts may be None or nn.Identity
+                    sum(isinstance(m, torch.nn.LayerNorm) for m in (res.pre_norm, res.out_norm, res.post_norm)),
                     branch.inner_norm is not None,
                     getattr(branch, "head_scale", None) is not None,
-                    int(res.gain is not None) + int(layer.resweight is not None),
-                    res.dropout.p if res.dropout is not None else 0.0,
+                    _branch_scales(res) + int(layer.resweight is not None),
+                    getattr(res.dropout, "p", 0.0),
                 )
             )
         layers[tuple(out)] += 1
     return layers
+
+
+def _branch_scales(res) -> int:
+    """Learned multipliers a Residual applies to its branch output (LayerScale): its parameters outside the
+    branch, the norms and the shortcut."""
+    skip = ("branch.", "pre_norm.", "out_norm.", "post_norm.", "shortcut")
+    return sum(1 for name, _ in res.named_parameters() if not name.startswith(skip))
 
 
 @dataclass(frozen=True)
@@ -196,15 +203,13 @@ def _stack_bytes(layers: Counter, p: _Precision, batch: int, length: int, source
 
 def _objective_on_meta(config: Config):
     """The objective's modules built on the meta device: exact sizes, nothing allocated."""
-    from kilolayer.data import MODULES, SOURCES
+    from kilolayer.data import SOURCES
     from kilolayer.objectives import build_objective
 
     opts = dict(config.objective.options)
     if config.objective.name == "classification" and not opts.get("num_classes"):
         # only the data knows the classes; do not load it here (the trainer will, and reports its errors):
         # the source's cheap count, else 2 (the head is width x classes, small beside the backbone)
-        for module in MODULES:
-            importlib.import_module(module)
         count = getattr(SOURCES.get(config.data.name), "count_classes", None)
         try:
             opts["num_classes"] = max(2, int(count(config))) if count is not None else 2
