@@ -231,6 +231,19 @@ def test_healthy_run_has_no_findings(tmp_path):
     assert data["lines"] == d.lines and json.dumps(data)  # JSON-safe
 
 
+def test_unreadable_status_and_no_losses(tmp_path):
+    """A status.json that cannot be read is said so (not "no status.json"); a completed run that logged no
+    loss has no outcome (it is not a stall)."""
+    run = fake_run(tmp_path / "run", tiny())
+    (run / "status.json").write_text("{cut")
+    d = diagnose(run, replay_steps=0, smoothness_samples=0)
+    assert "; status.json unreadable at step ?" in d.summary
+    run = fake_run(tmp_path / "quiet", tiny())
+    (run / "metrics.jsonl").unlink()
+    d = diagnose(run, replay_steps=0, smoothness_samples=0)
+    assert d.outcome["label"] is None and "holds no loss" in d.outcome["why"]
+
+
 def test_diverged_status(tmp_path):
     run = fake_run(tmp_path / "run", tiny(), status="diverged", reason="non-finite loss (nan) at step 7")
     d = diagnose(run, smoothness_samples=0)
@@ -316,6 +329,11 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("model: {width: [1, 2]}\n")
     assert "model.width" in _error(["doctor", str(tmp_path / "run")], capsys)
+    # a damaged metrics.jsonl (a bad line before the last) names the file and line
+    damaged = fake_run(tmp_path / "damaged", tiny())
+    lines = (damaged / "metrics.jsonl").read_text().splitlines()
+    (damaged / "metrics.jsonl").write_text("\n".join([lines[0], "{cut", *lines[2:]]) + "\n")
+    assert "metrics.jsonl:2: not a JSON object" in _error(["doctor", str(damaged)], capsys)
     with pytest.raises(SystemExit) as exit_:
         main(["doctor", str(cfg), "--forecast", "--bogus"])
     err = capsys.readouterr().err.strip()

@@ -93,9 +93,24 @@ class Diagnosis:
         out += [f"note: {n}" for n in self.notes]
         return out
 
+    @property
+    def paragraph(self) -> str:
+        """The diagnosis as one paragraph (what the study report shows next to a failed or diverged point):
+        each problem with its evidence and its fix, then what could not be measured."""
+        parts = []
+        for f in self.findings:
+            text = f.text[:1].upper() + f.text[1:]
+            parts.append(f"{text}; fix: {f.suggestion}." if f.suggestion else f"{text}.")
+        if not parts:
+            parts.append("No problem found by the doctor's rules.")
+        if self.notes:
+            parts.append("Notes: " + "; ".join(n.rstrip(".") for n in self.notes) + ".")
+        return " ".join(" ".join(p.split()) for p in parts)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["lines"] = self.lines
+        d["paragraph"] = self.paragraph
         return _json_safe(d)
 
 
@@ -472,7 +487,14 @@ def measure(
             }
             for s in start.steps
         ]
-        notes.append("no diagnostics in metrics.jsonl (train.diagnostics_every=0): step 1 replayed from the seed")
+        why = (
+            "train.diagnostics_every=0"
+            if not config.train.diagnostics_every
+            else "none logged before the run stopped"
+            if not records
+            else "none logged"
+        )
+        notes.append(f"no diagnostics in metrics.jsonl ({why}): step 1 replayed from the seed")
     ckpt = None
     if start is not None:
         try:
@@ -608,7 +630,7 @@ def diagnose(
     except (KilolayerError, NotImplementedError) as err:
         notes.append(f"outcome not decided: {err}")
     mc = config.model
-    st = status.get("status", "no status.json")
+    st = status.get("status") or ("status.json unreadable" if (run / "status.json").exists() else "no status.json")
     summary = (
         f"{run}: {mc.scheme} {mc.arch} {_shape(config)} x {mc.width}, {config.objective.name} on "
         f"{config.data.name}; {st} at step {status.get('step', '?')} of {config.train.steps} "

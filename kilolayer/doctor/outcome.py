@@ -7,7 +7,7 @@
   ignores the input, on the run's own evaluation targets);
 * **trains**: completed, with a final evaluation loss at or below 0.9 x chance.
 
-Failed, interrupted and running runs have no outcome yet (``None``).
+Failed, interrupted and running runs, and a run with no loss logged, have no outcome (``None``).
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ def outcome(run_dir: str | Path, config: Config, records: list[dict] | None = No
         )
     if status != "completed":
         return Outcome(None, status, final, level, f"{status} at step {st.get('step', 0)}: no outcome yet")
+    if not evals and not trains:
+        # nothing to judge (metrics.jsonl missing or empty): not a stall
+        return Outcome(None, status, final, level, "completed, but metrics.jsonl holds no loss: no outcome")
     frac = final / level if level > 0 else math.nan
     if not math.isfinite(final) or not frac <= LEARNED_NOTHING:
         return Outcome(

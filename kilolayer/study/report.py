@@ -153,6 +153,22 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
             ]
         )
     lines.append(_table(["point", "status", "ended", "last evaluation", "MFU", "seconds"], rows))
+    diagnosed = diagnoses(results, out)
+    if diagnosed:
+        lines += [
+            "## Why points failed or diverged",
+            "",
+            "The diagnosis `kilolayer doctor RUN_DIR` gives for each failed or diverged point, in one paragraph: "
+            "each problem its rules found, with the measurement behind it and the fix it suggests (the rules "
+            "and thresholds: docs/doctor.md). That command prints every measurement; `--json` gives them as data.",
+            "",
+        ]
+        for r in results:
+            if r.point.key in diagnosed:
+                lines += [
+                    f"- **{_text(r.point.key)}** ({_text(r.status)} at step {r.step}): {_text(diagnosed[r.point.key])}",
+                    "",
+                ]
     lines += [
         "## Commands",
         "",
@@ -163,6 +179,42 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
     ]
     lines += _fenced([r.command for r in results])
     return "\n".join(lines) + "\n"
+
+
+DIAGNOSED = ("failed", "diverged")  # the points whose doctor's diagnosis the report shows
+REPLAY_MAX_LAYERS = 64  # deeper points are diagnosed from what they logged (replaying them takes minutes)
+
+
+def diagnoses(results, out: Path) -> dict[str, str]:
+    """The doctor's one-paragraph diagnosis (:func:`kilolayer.doctor.diagnose`) of each failed or diverged
+    point, by point key. Step 1 is replayed and the newest checkpoint measured for points of at most
+    ``REPLAY_MAX_LAYERS`` layers; deeper ones are diagnosed from their status, metrics.jsonl (logged
+    diagnostics and losses) and cached analyses, and the paragraph says so. Nothing is written into the
+    run directories, and a run the doctor cannot read is one sentence, never the end of the report."""
+    from kilolayer.doctor import diagnose
+    from kilolayer.errors import KilolayerError
+
+    found = {}
+    for r in results:
+        if r.status not in DIAGNOSED:
+            continue
+        run = r.point.run_dir(out)
+        m = r.point.config.model
+        layers = (m.encoder_layers or 0) + (m.n_decoder_layers or 0)
+        replay = layers <= REPLAY_MAX_LAYERS
+        try:
+            text = diagnose(run, replay_steps=1 if replay else 0, smoothness_samples=0).paragraph
+            if not replay:
+                text += (
+                    f" (From what the run logged only: at {layers} layers, replaying its first step is left to "
+                    f"`kilolayer doctor {run}`.)"
+                )
+        except KilolayerError as err:
+            text = f"The doctor cannot diagnose this run: {' '.join(str(err).split())}"
+        except Exception as err:  # noqa: BLE001 - one point's diagnosis must not cost the report of the others
+            text = f"The doctor failed on this run ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
+        found[r.point.key] = text
+    return found
 
 
 CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;
