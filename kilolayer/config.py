@@ -63,7 +63,7 @@ class ModelConfig(_Section):
         from kilolayer.nn.residual import SCHEMES
 
         if self.scheme not in SCHEMES:
-            raise ValueError(f"model.scheme={self.scheme!r}: unknown scheme; allowed: {', '.join(sorted(SCHEMES))}")
+            raise ValueError(SCHEMES.unknown(self.scheme))
         if self.width % self.heads:
             raise ValueError(f"model.width={self.width}: must be divisible by model.heads={self.heads}")
         if self.arch == "encoder_decoder" and self.decoder_layers < 1:

@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import kilolayer
 from kilolayer import ConfigError, build_model, deepnorm_constants
@@ -138,7 +139,7 @@ def test_built_model_carries_each_sides_alpha(arch, n, m):
             for res in subs:
                 assert res.alpha == pytest.approx(want[stack.side], rel=1e-12)
                 # DeepNorm is Post-LN: one LN after the add, none before the branch, no final LN
-                assert res.pre_norm is None and res.post_norm is not None
+                assert isinstance(res.pre_norm, nn.Identity) and isinstance(res.post_norm, nn.LayerNorm)
                 seen += 1
         assert stack.final_norm is None
     assert seen == (2 * n + (3 if arch == "encoder_decoder" else 2) * m)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kilolayer import build_model
-from kilolayer.nn.residual import admin_profile
+from kilolayer.nn.admin import admin_profile
 
 D, H, F = 256, 4, 1024
 REL = 0.025
@@ -117,6 +117,11 @@ def layer_norms(model) -> list[nn.LayerNorm]:
     return [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
 
 
+def is_ln(module) -> bool:
+    """A sublayer's norm slot holds a LayerNorm (absent ones are nn.Identity)."""
+    return isinstance(module, nn.LayerNorm)
+
+
 # ---------------------------------------------------------------- DeepNorm
 
 
@@ -180,7 +185,7 @@ def test_subln_init_and_norms(arch):
             assert layer.ffn.branch.inner_norm is not None and layer.ffn.branch.inner_norm.normalized_shape == (F,)
             if layer.cross_attn is not None:
                 assert layer.cross_attn.branch.inner_norm is None  # self-attention only
-            assert all(r.pre_norm is not None and r.post_norm is None for r in layer.sublayers())
+            assert all(is_ln(r.pre_norm) and not is_ln(r.post_norm) for r in layer.sublayers())
 
 
 # ---------------------------------------------------------------- T-Fixup
@@ -233,7 +238,7 @@ def test_ds_init(arch, variant, power):
     check_gains(model, gain, dist="uniform")
     if arch == "encoder_decoder":  # counted separately per side: each restarts at 1
         assert {("encoder", 1), ("decoder", 1), ("decoder", 3)} <= seen
-    assert all(r.post_norm is not None for s in model.stacks() for l in s.layers for r in l.sublayers())
+    assert all(is_ln(r.post_norm) for s in model.stacks() for l in s.layers for r in l.sublayers())
 
 
 def test_ds_init_bound_by_hand():
@@ -266,9 +271,10 @@ def test_admin_default_omega(arch):
         want = admin_omega(sublayers[stack.side])
         for layer in stack.layers:
             for res in layer.sublayers():
-                assert res.shortcut is not None and res.shortcut.shape == (D,) and res.shortcut.requires_grad
-                assert torch.allclose(res.shortcut, torch.full((D,), want))
-                assert res.post_norm is not None and res.pre_norm is None
+                omega = res.shortcut.omega
+                assert omega.shape == (D,) and omega.requires_grad
+                assert torch.allclose(omega, torch.full((D,), want))
+                assert is_ln(res.post_norm) and not is_ln(res.pre_norm)
                 count += 1
     assert count == sum(sublayers.values())
     check_gains(model, lambda *a: 1.0)  # Admin keeps plain Xavier
@@ -277,8 +283,8 @@ def test_admin_default_omega(arch):
 def test_admin_omega_by_hand():
     # 6-layer encoder: n = 12, omega = sqrt(13 / ln 13 - 1)
     model = build_model(dict(arch="encoder", scheme="admin", layers=6, width=16, heads=2, ffn=32, max_len=8))
-    assert model.encoder.layers[0].self_attn.shortcut[0].item() == pytest.approx(math.sqrt(13 / math.log(13) - 1))
-    assert model.encoder.layers[0].self_attn.shortcut[0].item() == pytest.approx(2.01701, abs=1e-5)
+    assert model.encoder.layers[0].self_attn.shortcut.omega[0].item() == pytest.approx(math.sqrt(13 / math.log(13) - 1))
+    assert model.encoder.layers[0].self_attn.shortcut.omega[0].item() == pytest.approx(2.01701, abs=1e-5)
 
 
 @torch.no_grad()
@@ -330,8 +336,9 @@ def test_admin_profile_matches_hand_computation():
     assert len(expected) == 3 * 2 + 2 * 3
     assert expected[0][1] == 1.0 and expected[6][1] == 1.0
     for res, w in expected:
-        assert torch.allclose(res.shortcut, torch.full_like(res.shortcut, w), rtol=1e-3), (res.site, w)
-        assert res._profile is None  # profiling state cleared
+        omega = res.shortcut.omega
+        assert torch.allclose(omega, torch.full_like(omega, w), rtol=1e-3), (res.site, w)
+        assert not res.shortcut._forward_pre_hooks and not res.dropout._forward_hooks  # profiling hooks removed
     assert result["encoder"] == pytest.approx(final["encoder"], rel=1e-3)
     assert result["decoder"] == pytest.approx(final["decoder"], rel=1e-3)
     # after the first sublayer every input is a LayerNorm output (variance ~1), so the chain
@@ -387,16 +394,16 @@ def test_layerscale_init_by_depth(layers, want):
     model = build_model(dict(arch="encoder", scheme="layerscale", layers=layers, width=16, heads=2, ffn=32, max_len=8))
     for layer in model.encoder.layers:
         for res in layer.sublayers():
-            assert res.gain.shape == (16,)
-            assert torch.allclose(res.gain, torch.full((16,), want))
-            assert res.pre_norm is not None
+            assert res.branch_scale.weight.shape == (16,)
+            assert torch.allclose(res.branch_scale.weight, torch.full((16,), want))
+            assert is_ln(res.pre_norm)
 
 
 def test_layerscale_explicit_init_and_encoder_decoder_depth():
     model = build_model(
         dict(arch="encoder", scheme="layerscale", layers=30, layerscale_init=0.3, width=16, heads=2, ffn=32, max_len=8)
     )
-    assert torch.allclose(model.encoder.layers[5].ffn.gain, torch.full((16,), 0.3))
+    assert torch.allclose(model.encoder.layers[5].ffn.branch_scale.weight, torch.full((16,), 0.3))
     model = build_model(
         dict(
             arch="encoder_decoder",
@@ -409,7 +416,7 @@ def test_layerscale_explicit_init_and_encoder_decoder_depth():
             max_len=8,
         )
     )
-    gains = torch.cat([r.gain for s in model.stacks() for l in s.layers for r in l.sublayers()])
+    gains = torch.cat([r.branch_scale.weight for s in model.stacks() for l in s.layers for r in l.sublayers()])
     assert torch.allclose(gains, torch.full_like(gains, 1e-5))  # depth = the deeper side (20 layers)
 
 

@@ -30,7 +30,7 @@ def _sublayer_params(cfg: ModelConfig, scheme, site: Site) -> tuple[int, int]:
     norms = int(scheme.pre_norm) + int(scheme.out_norm(site)) + int(scheme.post_norm)
     total += 2 * d * norms
     total += d if scheme.learned_shortcut else 0
-    total += d if scheme.channel_gain else 0
+    total += d if scheme.branch_scale == "channel" else 0
     return total, matmul
 
 
@@ -42,7 +42,7 @@ def _side_params(cfg: ModelConfig, scheme, side: str, n: int, cross: bool) -> tu
         for kind in kinds:
             t, m = _sublayer_params(cfg, scheme, Site(side, i, kind))
             total, matmul = total + t, matmul + m
-        total += 1 if scheme.layer_gain else 0
+        total += 1 if scheme.branch_scale == "layer" else 0
     total += 2 * cfg.width if scheme.final_norm else 0
     cross_kv = 2 * cfg.width * cfg.width * n if cross else 0
     return total, matmul, cross_kv

@@ -1,12 +1,15 @@
-"""DeepNorm's constants (DeepNet, arXiv 2203.00555, Table 1).
+"""DeepNorm (DeepNet, arXiv 2203.00555): its constants (Table 1) and its residual scheme.
 
 Every attention and FFN sublayer computes ``x <- LN(alpha * x + G(x))``; the
-value, output and FFN weights start Xavier-normal with gain ``beta``.
+value, output and FFN weights start Xavier-normal with gain ``beta``
+(docs/deepnet.md).
 """
 
 from __future__ import annotations
 
 from kilolayer.errors import ConfigError
+from kilolayer.nn.residual import SCHEMES, Depth
+from kilolayer.nn.schemes import SCALED, PostLN
 
 ARCHS = ("encoder", "decoder", "encoder_decoder")
 
@@ -32,3 +35,23 @@ def deepnorm_constants(arch: str, encoder_layers: int = 0, decoder_layers: int =
         "encoder": (0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)),
         "decoder": ((3 * m) ** 0.25, (12 * m) ** -0.25),
     }
+
+
+@SCHEMES.register()
+class DeepNorm(PostLN):
+    """DeepNorm: x <- LN(alpha x + G(x)); Xavier gain beta on V, O, W1, W2 (self- and cross-attention)."""
+
+    name = "deepnorm"
+
+    def __init__(self, depth: Depth, **options):
+        super().__init__(depth, **options)
+        self.constants = deepnorm_constants(depth.arch, depth.N, depth.M)
+
+    def alpha(self, site):
+        return self.constants[site.side][0]
+
+    def init_gain(self, site, weight):
+        return self.constants[site.side][1] if weight in SCALED else 1.0
+
+    def describe(self):
+        return {side: {"alpha": alpha, "beta": beta} for side, (alpha, beta) in self.constants.items()}

@@ -36,12 +36,10 @@ class Layer(nn.Module):
                 fp32_on_cpu=cfg.attention_fp32_cpu,
             )
 
-        s = site("self_attn")
-        self.self_attn = Residual(attention("self_attn"), d, s, scheme, eps, cfg.dropout)
+        self.self_attn = Residual(attention("self_attn"), d, site("self_attn"), scheme, eps, cfg.dropout)
         self.cross_attn = None
         if cross:
-            s = site("cross_attn")
-            self.cross_attn = Residual(attention("cross_attn"), d, s, scheme, eps, cfg.dropout)
+            self.cross_attn = Residual(attention("cross_attn"), d, site("cross_attn"), scheme, eps, cfg.dropout)
         s = site("ffn")
         ff = FeedForward(
             d,
@@ -53,8 +51,9 @@ class Layer(nn.Module):
             eps=eps,
         )
         self.ffn = Residual(ff, d, s, scheme, eps, cfg.dropout)
-        # ReZero: one scalar per layer, shared by its sublayers, starting at 0
-        self.resweight = nn.Parameter(torch.zeros(1)) if scheme.layer_gain else None
+        # ReZero's branch scale: one scalar per layer (its code's name), shared by the sublayers
+        layer_scale = scheme.branch_scale == "layer"
+        self.resweight = nn.Parameter(torch.full((1,), scheme.branch_scale_init())) if layer_scale else None
         self.reset_parameters(scheme)
 
     def sublayers(self) -> list[Residual]:
@@ -62,10 +61,10 @@ class Layer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, scheme: Scheme) -> None:
-        """Each branch weight: Xavier with the scheme's gain for its site and name; biases zero."""
+        """Each branch weight: Xavier with the scheme's init gain for its site and name; biases zero."""
         for res in self.sublayers():
             for name, weight, bias in res.branch.weights():
-                xavier_(weight, scheme.gain(res.site, name), scheme.init_dist)
+                xavier_(weight, scheme.init_gain(res.site, name), scheme.init_dist)
                 if bias is not None:
                     bias.zero_()
 
@@ -76,8 +75,8 @@ class Layer(nn.Module):
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        g = self.resweight
-        x = self.self_attn(x, None, mask, gain=g)
+        scale = self.resweight
+        x = self.self_attn(x, mask=mask, shared_scale=scale)
         if self.cross_attn is not None:
-            x = self.cross_attn(x, memory, memory_mask, gain=g)
-        return self.ffn(x, gain=g)
+            x = self.cross_attn(x, memory=memory, mask=memory_mask, shared_scale=scale)
+        return self.ffn(x, shared_scale=scale)

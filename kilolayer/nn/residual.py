@@ -1,17 +1,23 @@
-"""Residual/normalisation schemes: one registry, one small class per scheme.
+"""The residual sublayer and the scheme that arranges it.
 
-A scheme decides, for one sublayer at a :class:`Site` (side, layer index,
-kind) of a model of a given :class:`Depth` (arch, N, M):
+Every sublayer of every scheme computes
 
-* where the LayerNorms go (before the branch, on its output, after the add,
-  inside attention/FFN, after the stack);
-* the shortcut scale ``alpha`` (or a learned per-channel shortcut, Admin);
-* any learned gain on the branch (ReZero, LayerScale);
-* how the branch weights start: every scheme here is "Xavier with a gain per
-  weight" (normal or uniform), so a scheme only states the gains.
+    x <- post_norm( shortcut(x) + dropout( branch_scale( out_norm( branch( pre_norm(x) ) ) ) ) )
 
-Adding a scheme is one class below plus ``@register``; nothing else changes.
-The formulas are REFERENCE.md section 2 (DeepNorm: section 1).
+and a part that a scheme does not use is ``nn.Identity``. DeepNorm, for example, keeps only a LayerNorm after
+the add and a fixed shortcut scale, so its sublayer reads ``x <- LN(alpha * x + G(x))`` (docs/deepnet.md).
+
+Three kinds of number, one name each:
+
+* the **shortcut scale** multiplies ``x``: 1 (most schemes), DeepNorm's fixed ``alpha``, or Admin's learned
+  per-channel ``omega`` (:meth:`Scheme.alpha` gives its value at initialisation);
+* the **branch scale** is a learned multiplier on the branch output: LayerScale's per-channel one
+  (``Residual.branch_scale``) or ReZero's one scalar per layer (``Layer.resweight``, passed in as ``shared_scale``);
+* the **init gain** is the Xavier gain a branch weight starts with (:meth:`Scheme.init_gain`; DeepNorm's beta).
+
+A scheme is a small class registered in :data:`SCHEMES` by decorator, in the module that defines it
+(``kilolayer/nn/deepnorm.py``, ``kilolayer/nn/admin.py``, ``kilolayer/nn/schemes.py``); ``kilolayer.nn``
+imports those modules, so the registry is full whenever this module is importable.
 """
 
 from __future__ import annotations
@@ -23,14 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kilolayer.nn.deepnorm import deepnorm_constants
+from kilolayer.registry import Registry
 
-SCHEMES: dict[str, type[Scheme]] = {}
-
-
-def register(cls):
-    SCHEMES[cls.name] = cls
-    return cls
+SCHEMES: Registry[type[Scheme]] = Registry("model.scheme", "residual scheme")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class Depth:
 
     def layers(self, side: str) -> int:
         return self.N if side == "encoder" else self.M
+
+    def sides(self) -> list[str]:
+        """The sides that have layers, encoder first."""
+        return [side for side in ("encoder", "decoder") if self.layers(side)]
 
     def sublayers(self, side: str) -> int:
         """Residual sublayers on one side (2 per encoder layer, 3 per decoder layer with cross-attention)."""
@@ -60,17 +65,66 @@ class Site:
     kind: str
 
 
+# ---------------------------------------------------------------- the parts of a sublayer
+
+
+class ScaledShortcut(nn.Module):
+    """``x -> alpha * x`` with a fixed ``alpha`` (DeepNorm)."""
+
+    def __init__(self, alpha: float):
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * x
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha:.6g}"
+
+
+class LearnedShortcut(nn.Module):
+    """``x -> omega * x`` with a learned per-channel ``omega`` (Admin)."""
+
+    def __init__(self, width: int, init: float):
+        super().__init__()
+        self.omega = nn.Parameter(torch.full((width,), float(init)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.omega
+
+
+class BranchScale(nn.Module):
+    """``y -> weight * y`` with a learned per-channel ``weight`` (LayerScale)."""
+
+    def __init__(self, width: int, init: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((width,), float(init)))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return y * self.weight
+
+
+def layer_norm(present: bool, width: int, eps: float) -> nn.Module:
+    return nn.LayerNorm(width, eps=eps) if present else nn.Identity()
+
+
+# ---------------------------------------------------------------- schemes
+
+
 class Scheme:
-    """Base class. Defaults: no norms, shortcut 1, Xavier-normal gain 1, zero biases."""
+    """Base class: where the norms go, the shortcut and branch scales, and the init gain of every branch weight.
+
+    The defaults are a plain residual ``x <- x + F(x)``: no norms, shortcut scale 1, no branch scale,
+    Xavier-normal with gain 1, zero biases. A scheme overrides only what differs.
+    """
 
     name = ""
     pre_norm = False  # LN(x) feeds the branch
     post_norm = False  # LN after the add
     final_norm = False  # LN after the last layer of a stack
     init_dist = "normal"  # Xavier-normal or Xavier-uniform
-    learned_shortcut = False  # Admin's per-channel omega
-    layer_gain = False  # ReZero: one scalar per layer, shared by its sublayers, starts at 0
-    channel_gain = False  # LayerScale: a per-channel gain on each branch
+    learned_shortcut = False  # the shortcut scale is a learned per-channel parameter (Admin)
+    branch_scale: str | None = None  # learned branch scale: "channel" (LayerScale) or "layer" (ReZero)
 
     def __init__(self, depth: Depth, **options):
         self.depth = depth
@@ -95,32 +149,64 @@ class Scheme:
 
     # -- scales
     def alpha(self, site: Site) -> float:
-        """The shortcut multiplier: x <- alpha * x + branch."""
+        """The shortcut scale at initialisation: ``x <- alpha * x + branch`` (fixed unless learned_shortcut)."""
         return 1.0
 
-    def shortcut_init(self, site: Site) -> float:
-        """Initial value of a learned shortcut (Admin)."""
+    def branch_scale_init(self) -> float:
+        """Initial value of the learned branch scale (when ``branch_scale`` is set)."""
         return 1.0
 
-    def channel_gain_init(self) -> float:
-        return 1.0
+    def shortcut(self, site: Site, width: int) -> nn.Module:
+        """The module that scales ``x`` on the shortcut of ``site``."""
+        alpha = self.alpha(site)
+        if self.learned_shortcut:
+            return LearnedShortcut(width, alpha)
+        return nn.Identity() if alpha == 1.0 else ScaledShortcut(alpha)
 
     # -- initialisation
-    def gain(self, site: Site, weight: str) -> float:
-        """Xavier gain for weight ``q|k|v|o`` (attention) or ``w1|w2`` (FFN)."""
+    def init_gain(self, site: Site, weight: str) -> float:
+        """Xavier gain for branch weight ``q|k|v|o`` (attention) or ``w1|w2`` (FFN) at ``site``."""
         return 1.0
 
     def embedding_std(self, side: str, width: int) -> float:
-        """Standard deviation of token/position embeddings."""
+        """Standard deviation of token embeddings."""
         return width**-0.5
 
     def describe(self) -> dict:
-        """Per-side constants worth showing in a table (``kilolayer describe``)."""
+        """Per-side constants worth showing in a table (``kilolayer describe``), read off the methods above."""
         return {}
+
+    # -- after building
+    def attach(self, model: nn.Module) -> None:
+        """Called once by the backbone built with this scheme (hooks that the scheme needs go here)."""
 
     def data_dependent_init(self, model: nn.Module, run: Callable[[], object]) -> dict | None:
         """Set any data-dependent initial values of ``model`` from one forward pass ``run()``; None if none."""
         return None
+
+    # -- old names, still read by kilolayer/train/memory.py, kilolayer/doctor/theory.py and cited by
+    #    docs/deepnet.md; remove when they move to the names above
+    @property
+    def channel_gain(self) -> bool:
+        return self.branch_scale == "channel"
+
+    @property
+    def layer_gain(self) -> bool:
+        return self.branch_scale == "layer"
+
+    def gain(self, site: Site, weight: str) -> float:
+        return self.init_gain(site, weight)
+
+    def shortcut_init(self, site: Site) -> float:
+        return self.alpha(site)
+
+    def channel_gain_init(self) -> float:
+        return self.branch_scale_init()
+
+
+def make_scheme(name: str, depth: Depth, **options) -> Scheme:
+    """The scheme called ``name`` set for ``depth``; a one-line ConfigError naming the choices if unknown."""
+    return SCHEMES.get(name)(depth, **options)
 
 
 def xavier_(weight: torch.Tensor, gain: float, dist: str = "normal") -> None:
@@ -135,275 +221,58 @@ def xavier_(weight: torch.Tensor, gain: float, dist: str = "normal") -> None:
             weight.uniform_(-bound, bound)
 
 
-@register
-class PostLN(Scheme):
-    """Post-LN (the original Transformer): x <- LN(x + F(x))."""
-
-    name = "post_ln"
-    post_norm = True
-
-
-@register
-class PreLN(Scheme):
-    """Pre-LN: x <- x + F(LN(x)), a final LN after the stack."""
-
-    name = "pre_ln"
-    pre_norm = True
-    final_norm = True
-
-
-@register
-class DeepNorm(Scheme):
-    """DeepNorm: x <- LN(alpha x + G(x)); Xavier gain beta on V, O, W1, W2 (self- and cross-attention)."""
-
-    name = "deepnorm"
-    post_norm = True
-    scaled = ("v", "o", "w1", "w2")
-
-    def __init__(self, depth: Depth, **options):
-        super().__init__(depth, **options)
-        self.constants = deepnorm_constants(depth.arch, depth.N, depth.M)
-
-    def alpha(self, site):
-        return self.constants[site.side][0]
-
-    def gain(self, site, weight):
-        return self.constants[site.side][1] if weight in self.scaled else 1.0
-
-    def describe(self):
-        return {side: {"alpha": a, "beta": b} for side, (a, b) in self.constants.items()}
-
-
-@register
-class SubLN(Scheme):
-    """Sub-LN / Magneto: Pre-LN plus LN before the self-attention output projection and after the FFN activation."""
-
-    name = "sub_ln"
-    pre_norm = True
-    final_norm = True
-
-    def attn_inner_norm(self, site):
-        return site.kind == "self_attn"
-
-    def ffn_inner_norm(self, site):
-        return site.kind == "ffn"
-
-    def gamma(self, side: str) -> float:
-        d = self.depth
-        if d.arch == "encoder":
-            return math.sqrt(math.log(2 * d.N))
-        if d.arch == "decoder":
-            return math.sqrt(math.log(2 * d.M))
-        if side == "encoder":
-            return math.sqrt(math.log(3 * d.M) * math.log(2 * d.N) / 3)
-        return math.sqrt(math.log(3 * d.M))
-
-    def gain(self, site, weight):
-        if site.kind == "cross_attn" or weight not in ("v", "o", "w1", "w2"):
-            return 1.0
-        return self.gamma(site.side)
-
-    def describe(self):
-        return {s: {"gamma": self.gamma(s)} for s in ("encoder", "decoder") if self.depth.layers(s)}
-
-
-@register
-class ReZero(Scheme):
-    """ReZero: x <- x + a F(x), one scalar a per layer starting at 0; no LayerNorm anywhere."""
-
-    name = "rezero"
-    layer_gain = True
-
-
-@register
-class SandwichLN(Scheme):
-    """Sandwich-LN: Pre-LN plus an LN on every sublayer's output before the add."""
-
-    name = "sandwich_ln"
-    pre_norm = True
-    final_norm = True
-
-    def out_norm(self, site):
-        return True
-
-
-@register
-class NormFormer(Scheme):
-    """NormFormer: Pre-LN, head scales and an LN after self-attention, LN(ffn) after the FFN activation."""
-
-    name = "normformer"
-    pre_norm = True
-    final_norm = True
-
-    def out_norm(self, site):
-        return site.kind == "self_attn"
-
-    def head_scale(self, site):
-        return site.kind == "self_attn"
-
-    def ffn_inner_norm(self, site):
-        return site.kind == "ffn"
-
-
-@register
-class LayerScale(Scheme):
-    """LayerScale (CaiT): Pre-LN with a per-channel branch gain that starts small (by depth unless set)."""
-
-    name = "layerscale"
-    pre_norm = True
-    final_norm = True
-    channel_gain = True
-
-    def channel_gain_init(self):
-        if self.options.get("layerscale_init") is not None:
-            return float(self.options["layerscale_init"])
-        depth = max(self.depth.N, self.depth.M)
-        # CaiT's rule: 0.1 up to 18 layers, 1e-5 up to 24, 1e-6 deeper
-        return 0.1 if depth <= 18 else 1e-5 if depth <= 24 else 1e-6
-
-    def describe(self):
-        return {"all": {"init": self.channel_gain_init()}}
-
-
-@register
-class DSInit(Scheme):
-    """DS-Init: Post-LN; layer l (1-based) weights ~ U(+-r/sqrt(l)); ``ds_init_variant=code`` uses l^(-1/4)."""
-
-    name = "ds_init"
-    post_norm = True
-    init_dist = "uniform"
-
-    def gain(self, site, weight):
-        l = site.layer + 1
-        return l**-0.25 if self.options.get("ds_init_variant") == "code" else l**-0.5
-
-
-@register
-class TFixup(Scheme):
-    """T-Fixup: no LayerNorm, Xavier-uniform, scaled V/O/W1/W2 and token embeddings."""
-
-    name = "t_fixup"
-    init_dist = "uniform"
-
-    def gain(self, site, weight):
-        if weight not in ("v", "o", "w1", "w2"):
-            return 1.0
-        if site.side == "encoder":
-            return 0.67 * self.depth.N**-0.25
-        return (9 * self.depth.M) ** -0.25
-
-    def embedding_std(self, side, width):
-        return width**-0.5 * (9 * self.depth.layers(side)) ** -0.25
-
-    def describe(self):
-        d = self.depth
-        out = {}
-        if d.N:
-            out["encoder"] = {"scale": 0.67 * d.N**-0.25, "embed": (9 * d.N) ** -0.25}
-        if d.M:
-            out["decoder"] = {"scale": (9 * d.M) ** -0.25, "embed": (9 * d.M) ** -0.25}
-        return out
-
-
-@register
-class Admin(Scheme):
-    """Admin: x <- LN(w * x + F(x)) with a per-channel learned w (profile-free default or profiled)."""
-
-    name = "admin"
-    post_norm = True
-    learned_shortcut = True
-
-    def omega(self, side: str) -> float:
-        n = self.depth.sublayers(side)
-        return math.sqrt((n + 1) / math.log(n + 1) - 1)
-
-    def shortcut_init(self, site):
-        return self.omega(site.side)
-
-    def describe(self):
-        return {s: {"omega": self.omega(s)} for s in ("encoder", "decoder") if self.depth.layers(s)}
-
-    def data_dependent_init(self, model, run):
-        if self.options.get("admin_omega") != "profile":
-            return None
-        return admin_profile(model, run)
-
-
-def make_scheme(name: str, depth: Depth, **options) -> Scheme:
-    return SCHEMES[name](depth, **options)
+# ---------------------------------------------------------------- the sublayer
 
 
 class Residual(nn.Module):
-    """One residual sublayer around ``branch``, arranged as its scheme says.
+    """One residual sublayer around ``branch`` (attention or FFN), with the parts its scheme uses at ``site``.
 
-    ``forward(x, *args, gain=None)``: ``gain`` is a per-layer scalar owned by
-    the layer (ReZero); everything else is held here.
+    ``dropout``'s output is the branch's contribution as added to the shortcut (Admin's profiling hooks read it
+    there).
     """
 
     def __init__(self, branch: nn.Module, width: int, site: Site, scheme: Scheme, eps: float, dropout: float = 0.0):
         super().__init__()
-        self.branch = branch
         self.site = site
-        self.pre_norm = nn.LayerNorm(width, eps=eps) if scheme.pre_norm else None
-        self.out_norm = nn.LayerNorm(width, eps=eps) if scheme.out_norm(site) else None
-        self.post_norm = nn.LayerNorm(width, eps=eps) if scheme.post_norm else None
-        self.alpha = scheme.alpha(site)
-        self.shortcut = (
-            nn.Parameter(torch.full((width,), scheme.shortcut_init(site))) if scheme.learned_shortcut else None
-        )
-        self.gain = nn.Parameter(torch.full((width,), scheme.channel_gain_init())) if scheme.channel_gain else None
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
-        self._profile: dict | None = None  # Admin profiling state, set by admin_profile()
+        # registered in the parameter order of earlier versions (optimizer state, summed gradient norms)
+        self.shortcut = scheme.shortcut(site, width)
+        channel = scheme.branch_scale == "channel"
+        self.branch_scale = BranchScale(width, scheme.branch_scale_init()) if channel else nn.Identity()
+        self.branch = branch
+        self.pre_norm = layer_norm(scheme.pre_norm, width, eps)
+        self.out_norm = layer_norm(scheme.out_norm(site), width, eps)
+        self.post_norm = layer_norm(scheme.post_norm, width, eps)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, *args, gain: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.pre_norm(x) if self.pre_norm is not None else x
-        y = self.branch(h, *args)
-        if self.out_norm is not None:
-            y = self.out_norm(y)
-        if self.gain is not None:
-            y = y * self.gain
-        if gain is not None:
-            y = y * gain
-        if self.dropout is not None:
-            y = self.dropout(y)
-        if self.shortcut is not None:
-            if self._profile is not None:
-                self._admin_profile_step(x, y)
-            out = x * self.shortcut + y
-        elif self.alpha != 1.0:
-            out = torch.add(y, x, alpha=self.alpha)  # alpha * x + y in one pass over memory
-        else:
-            out = x + y
-        return self.post_norm(out) if self.post_norm is not None else out
+    @property
+    def alpha(self) -> float:
+        """The fixed shortcut scale (DeepNorm's alpha); 1 when the shortcut is the identity or learned."""
+        return getattr(self.shortcut, "alpha", 1.0)
 
-    @torch.no_grad()
-    def _admin_profile_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        state = self._profile
-        ratio = state.get(self.site.side, 1.0)
-        self.shortcut.fill_(ratio)
-        state[self.site.side] = math.sqrt(float((x * ratio).var()) + float(y.var()))
+    def forward(self, x: torch.Tensor, *, shared_scale: torch.Tensor | None = None, **inputs) -> torch.Tensor:
+        """``inputs`` go to the branch by keyword; ``shared_scale`` is a branch scale the layer's sublayers
+        share (ReZero's one scalar per layer)."""
+        y = self.branch_scale(self.out_norm(self.branch(self.pre_norm(x), **inputs)))
+        if shared_scale is not None:
+            y = y * shared_scale
+        return self.post_norm(self.shortcut(x) + self.dropout(y))
 
 
-@torch.no_grad()
-def admin_profile(model: nn.Module, run: Callable[[], object]) -> dict:
-    """Admin's profiling pass: set every learned shortcut from measured variances.
+# names that moved out of this module: the schemes now live in the module that registers them
+MOVED = {
+    **dict.fromkeys(
+        ("PostLN", "PreLN", "SubLN", "SandwichLN", "NormFormer", "LayerScale", "ReZero", "DSInit", "TFixup"),
+        "kilolayer.nn.schemes",
+    ),
+    "DeepNorm": "kilolayer.nn.deepnorm",
+    "Admin": "kilolayer.nn.admin",
+    "admin_profile": "kilolayer.nn.admin",
+}
 
-    ``run`` runs one forward pass of ``model`` on a representative batch.
-    One chain per side, each starting at 1: at sublayer i, w_i = ratio, then
-    ratio = sqrt(Var(w_i x) + Var(F_i(x))). Returns the final ratio per side.
-    """
-    sites = [m for m in model.modules() if isinstance(m, Residual) and m.shortcut is not None]
-    if not sites:
-        return {}
-    state: dict = {}
-    was_training = model.training
-    model.eval()
-    for m in sites:
-        m._profile = state
-    try:
-        run()
-    finally:
-        for m in sites:
-            m._profile = None
-        model.train(was_training)
-    return state
+
+def __getattr__(name: str):
+    if name in MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

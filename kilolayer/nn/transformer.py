@@ -211,6 +211,7 @@ class Backbone(nn.Module):
             ds_init_variant=cfg.ds_init_variant,
             admin_omega=cfg.admin_omega,
         )
+        self.scheme.attach(self)
 
     @property
     def width(self) -> int:
@@ -307,13 +308,18 @@ def build_model(cfg: ModelConfig | dict) -> Backbone:
 
 
 def data_dependent_init(model: nn.Module, run: Callable[[], object]) -> dict | None:
-    """Finish the initialisation of a freshly built ``model`` that its scheme takes from data.
+    """Finish the initialisation that a scheme takes from data, for a freshly built ``model``.
 
-    ``run`` runs one forward pass of the model on a representative batch. Schemes without a data-dependent
-    init (all but Admin with ``model.admin_omega: profile``) ignore it and return None, so callers call this
-    unconditionally after building (and before any training step); Admin returns its final ratio per side.
+    ``model`` is a backbone or a module holding backbones (a task); ``run`` runs one forward pass of it on a
+    representative batch. Schemes without a data-dependent init (all but Admin with ``model.admin_omega:
+    profile``) leave the model alone and ``run`` uncalled, so callers call this unconditionally after building
+    and before training. Returns what the scheme measured (Admin: the final ratio per side), for a module
+    holding backbones ``{backbone name: that}``; None if nothing was measured.
     """
-    scheme = getattr(model, "scheme", None)
-    if not isinstance(scheme, Scheme):
-        return None
-    return scheme.data_dependent_init(model, run)
+    if isinstance(model, Backbone):
+        return model.scheme.data_dependent_init(model, run)
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Backbone) and (out := m.scheme.data_dependent_init(m, run)) is not None:
+            found[name] = out
+    return found or None
