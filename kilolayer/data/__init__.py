@@ -17,6 +17,7 @@ MODULES = [
     "kilolayer.data.hf_dataset",
     "kilolayer.data.mnist",
     "kilolayer.data.ptb",
+    "kilolayer.data.parallel",
 ]
 
 

@@ -1,0 +1,100 @@
+"""Debian packages as data: extract them into a folder without installing, and read their versions.
+
+``python -m kilolayer.data.debian fetch de_en fr_en [--root DIR]`` runs ``apt-get download`` for the packages
+the ``de_en``/``fr_en`` sources read (:mod:`kilolayer.data.parallel`), ``dpkg -x`` each into ``DIR`` (default
+``$KILOLAYER_PARALLEL_ROOT``, else ``$KILOLAYER_CACHE/parallel/root``) and records each package's version in
+``DIR/kilolayer-packages.json``. No root rights and no system install are needed; a package already recorded
+with its files present is not fetched again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MANIFEST = "kilolayer-packages.json"  # package -> version, written by fetch_packages
+
+
+def read_manifest(root: Path) -> dict[str, str]:
+    try:
+        manifest = json.loads((Path(root) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def package_versions(root: Path, names) -> dict[str, str]:
+    """Each package's version: from the manifest :func:`fetch_packages` writes, else the first line of its
+    Debian changelog under ``root`` (so ``/`` works for installed packages), else ``unknown``."""
+    manifest = read_manifest(root)
+    out = {}
+    for name in names:
+        version = manifest.get(name)
+        if version is None:
+            try:
+                with gzip.open(
+                    Path(root) / "usr/share/doc" / name / "changelog.Debian.gz", "rt", errors="replace"
+                ) as f:
+                    m = re.match(r"\S+ \(([^)]+)\)", f.readline())
+                version = m.group(1) if m else None
+            except OSError:
+                version = None
+        out[name] = version or "unknown"
+    return out
+
+
+def fetch_packages(wanted: dict[str, str], root: Path) -> dict[str, str]:
+    """``apt-get download`` the packages of ``wanted`` (package -> a path under ``root`` its files include) and
+    ``dpkg -x`` them into ``root``; those already recorded with that path present are skipped. Returns package ->
+    version."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(root)
+    todo = sorted(p for p, marker in wanted.items() if p not in manifest or not (root / marker).exists())
+    if todo:
+        with tempfile.TemporaryDirectory(dir=root.parent) as debs:
+            subprocess.run(["apt-get", "download", "-qq", *todo], cwd=debs, check=True)
+            for deb in sorted(Path(debs).glob("*.deb")):
+                fields = subprocess.run(
+                    ["dpkg-deb", "-f", str(deb), "Package", "Version"], capture_output=True, text=True, check=True
+                ).stdout
+                info = dict(line.split(": ", 1) for line in fields.splitlines() if ": " in line)
+                subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
+                manifest[info["Package"]] = info["Version"]
+        (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return {p: manifest.get(p, "unknown") for p in sorted(wanted)}
+
+
+def main(argv=None) -> int:
+    from kilolayer.data import parallel
+
+    ap = argparse.ArgumentParser(prog="python -m kilolayer.data.debian", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("fetch", help="download and extract the packages of parallel sources (no system install)")
+    f.add_argument("names", nargs="*", metavar="NAME", help=f"{' '.join(sorted(parallel.PAIRS))} (default: all)")
+    f.add_argument("--root", default=None, help=f"default: ${parallel.ENV_ROOT}, else {parallel.default_root()}")
+    args = ap.parse_args(argv)
+    bad = [n for n in args.names if n not in parallel.PAIRS]
+    if bad:
+        ap.error(f"unknown {', '.join(bad)}; allowed: {', '.join(sorted(parallel.PAIRS))}")
+    root = Path(args.root) if args.root else parallel.resolve_root(parallel.ParallelOptions())
+    wanted = {}
+    for name in args.names or sorted(parallel.PAIRS):
+        wanted.update(parallel.all_packages(name))
+    try:
+        versions = fetch_packages(wanted, root)
+    except (OSError, subprocess.CalledProcessError) as err:
+        print(f"kilolayer: error: fetching {' '.join(sorted(wanted))} into {root} failed: {err}", file=sys.stderr)
+        return 1
+    print(f"{root}: " + ", ".join(f"{p} {v}" for p, v in versions.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
