@@ -530,6 +530,7 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     one that stands for the run, :func:`chosen_checkpoint`: the newest intact one; with early stopping, the
     best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
     from kilolayer.config import load_config
+    from kilolayer.data import load_source
     from kilolayer.objectives import build_task
     from kilolayer.train.checkpoint import check_fits, read_weights
 
@@ -540,7 +541,7 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     ckpt = Path(checkpoint) if checkpoint is not None else chosen_checkpoint(run_dir, config.train.patience)
     if ckpt is None:
         raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
-    task = build_task(config)
+    task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
     weights = read_weights(ckpt / "model.safetensors")
     check_fits(ckpt / "model.safetensors", weights, task.state_dict())
     task.load_state_dict(weights)

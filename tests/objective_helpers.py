@@ -36,7 +36,7 @@ def setup(cfg: Config, seed: int = 0):
     """(task, source) with the global RNG seeded as the trainer does."""
     source = load_source(cfg)
     torch.manual_seed(seed)
-    return build_task(cfg), source
+    return build_task(cfg, source), source
 
 
 def train(task, source, steps: int, lr: float = 3e-3, batch_size: int = 32) -> list[float]:

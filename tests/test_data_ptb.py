@@ -147,7 +147,7 @@ def test_mlm_takes_ptb_ids():
     tok = tokenizer_for(cfg)
     assert (tok.mask_id, tok.pad_id, tok.random_high) == (10_001, 10_000, 10_000)
     s = load_source(cfg)
-    task = build_task(cfg)
+    task = build_task(cfg, s)
     assert task.objective.mask_id == 10_001 and task.objective.random_high == 10_000
     assert tok.eos_id in task.objective.special_ids.tolist()  # sentence ends are never selected
     torch.manual_seed(0)

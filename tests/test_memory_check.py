@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kilolayer.config import load_config
+from kilolayer.data import load_source
 from kilolayer.errors import ConfigError
 from kilolayer.objectives import build_task
 from kilolayer.train import memory
@@ -39,7 +40,8 @@ OBJECTIVES = {
     "seq2seq": (S2S, {"name": "seq2seq"}),
     "mlm": (ENC, MLM),
     "classification": (VIT, {"name": "classification", "options": {"num_classes": 10}}),
-    "classification_from_data": (VIT, {"name": "classification"}),  # digits: 10 classes, counted cheaply
+    # digits (8x8 grey images): 10 classes, from the source
+    "classification_from_data": ({**VIT, "channels": 1, "image_size": 8, "patch_size": 2}, {"name": "classification"}),
     "mae": (VIT, {"name": "mae"}),
     "contrastive": (VIT, {"name": "contrastive", "options": {"text_model": {"layers": 1, "width": 32}}}),
 }
@@ -55,8 +57,10 @@ def config(model, objective, data="digits", **train):
 def test_parameter_counts_are_those_of_the_built_task(name):
     model, objective = OBJECTIVES[name]
     cfg = config(model, objective)
-    est = estimate_memory(cfg)
-    n = sum(p.numel() for p in build_task(cfg).parameters())
+    # the classes of a classifier without num_classes come from its data; the other heads need none
+    source = load_source(cfg) if name == "classification_from_data" else None
+    est = estimate_memory(cfg, source=source)
+    n = sum(p.numel() for p in build_task(cfg, source).parameters())
     assert est["n_parameters"] == est["n_trainable"] == n
     assert est["parameters"] == est["gradients"] == 4 * n
     assert est["optimizer"] == 8 * n and est["optimizer_temp"] == 4 * n
@@ -119,7 +123,7 @@ def _batch(cfg, B):
 def _kept_bytes(cfg) -> int:
     """Bytes of the distinct tensors autograd saves in one forward pass, parameters excluded."""
     torch.manual_seed(0)
-    task = build_task(cfg).train()
+    task = build_task(cfg, None).train()  # the model alone: the batches are made here
     params = {p.untyped_storage().data_ptr() for p in task.parameters()}
     kept = {}
 
@@ -210,7 +214,7 @@ RSS_SCRIPT = textwrap.dedent("""
     est = estimate_memory(cfg)  # also imports everything the task needs, before the baseline
     base = status("VmRSS:")
     torch.manual_seed(0)
-    task = build_task(cfg).train()
+    task = build_task(cfg, None).train()  # the model alone: the batches are made above
     opt = build_optimizer(task, tc)
     for batch in batches:  # the trainer's step: micro-batches, autocast, clipping, AdamW
         micro = split_batch(batch, tc.accumulate)

@@ -11,6 +11,7 @@ import torch
 
 from kilolayer import rundir
 from kilolayer.config import load_config
+from kilolayer.data import load_source
 from kilolayer.objectives import build_task
 from kilolayer.train import metrics as M
 from kilolayer.train.loop import train
@@ -53,7 +54,8 @@ def test_flops_per_token_is_the_formula():
     assert M.model_flops_per_token(cfg, 31, head=d * V, frozen_backbone=True) == pytest.approx(
         (6 * matmul + 12 * L * d * 31) / 3 + 6 * d * V, rel=1e-12
     )
-    task = build_task(load_config(LM))
+    cfg = load_config(LM)
+    task = build_task(cfg, load_source(cfg))
     assert M.head_weights(task.objective) == d * V
 
 

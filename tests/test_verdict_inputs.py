@@ -53,7 +53,7 @@ def test_mae_chance_is_the_per_position_mean_predictor():
     """The decoder knows each hidden patch's position, so the best input-independent predictor is the mean
     target at each position; the chance loss is exactly its loss, and any other constant does worse."""
     cfg = load_config(ROOT / "configs/digits_mae.yaml")
-    task = build_task(cfg)
+    task = build_task(cfg, load_source(cfg))
     mae = task.objective
     batches = list(load_source(cfg).eval_batches(cfg.train.batch_size, cfg.train.eval_batches * cfg.train.batch_size))
     c = mae.chance(task.backbone, batches)["loss"]
@@ -122,7 +122,7 @@ def test_mae_guard_needs_norm_pix_loss_to_trip():
         ROOT / "configs/digits_mae.yaml",
         ["data.options.upscale=2", "model.image_size=16", "objective.options.norm_pix_loss=false"],
     )
-    build_task(cfg).objective.attach_data(load_source(cfg))  # raw pixels: a constant patch still has a target
+    build_task(cfg, load_source(cfg))  # raw pixels: a constant patch still has a target
 
 
 def _mae_configs():
@@ -145,7 +145,7 @@ def test_every_shipped_mae_config_and_study_passes_the_guard():
             source = load_source(cfg)
         except ConfigError as err:  # a dataset package not installed here
             pytest.skip(f"{name}: {err}")
-        build_task(cfg).objective.attach_data(source)
+        build_task(cfg, source)  # the guard runs as the objective is built
         seen += 1
     assert seen >= 3
 
@@ -230,7 +230,7 @@ def test_text_special_tokens_are_left_out_of_the_metrics():
 
 def test_clip_clamps_the_parameter_so_it_can_come_back():
     cfg = load_config(ROOT / "configs/digits_clip.yaml")
-    task = build_task(cfg)
+    task = build_task(cfg, load_source(cfg))
     obj = task.objective
     with torch.no_grad():
         obj.logit_scale.fill_(math.log(500.0))
@@ -245,7 +245,7 @@ def test_clip_clamps_the_parameter_so_it_can_come_back():
 
 def test_no_weight_decay_on_cls_mask_token_and_positions():
     cfg = load_config(ROOT / "configs/digits_mae.yaml")
-    task = build_task(cfg)
+    task = build_task(cfg, load_source(cfg))
     decay, no_decay = param_groups(task, 0.05)
     names = {id(p): n for n, p in task.named_parameters()}
     exempt = {names[id(p)] for p in no_decay["params"]}

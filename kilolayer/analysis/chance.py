@@ -28,7 +28,7 @@ def chance_level(config: Config) -> dict:
     tc = config.train
     source = load_source(config)
     torch.manual_seed(tc.seed)
-    task = build_task(config)
+    task = build_task(config, source)
     batches = source.eval_batches(tc.batch_size, tc.eval_batches * tc.batch_size)
     return {k: float(v) for k, v in task.objective.chance(task.backbone, batches).items()}
 

@@ -31,6 +31,8 @@ class Source(ABC):
     ``eval_size``.
     """
 
+    num_classes: int | None = None  # the number of label classes, for sources whose batches carry ``labels``
+
     def __init__(self, seed: int):
         self.seed = seed
 

@@ -119,7 +119,3 @@ def digit_captions(config: Config) -> MemorySource:
         num_classes=NUM_CLASSES,
         where="data.name='digit_captions'",
     )
-
-
-# the number of classes without loading the images (classification's default num_classes)
-digits.count_classes = digit_captions.count_classes = lambda config: NUM_CLASSES

@@ -140,10 +140,6 @@ def image_folder(config: Config) -> MemorySource:
     return source
 
 
-# the number of classes without reading the images (classification's default num_classes)
-image_folder.count_classes = lambda config: len(class_folders(image_folder_path(config)))
-
-
 def read_captions(root: Path, captions: str) -> tuple[list[Path], list[str]]:
     """(image files, captions) from the captions file, in either of its two formats."""
     cap = Path(captions) if Path(captions).is_absolute() else root / captions

@@ -405,9 +405,3 @@ def mnist_captions(config: Config) -> ImageSource:
 @register_source("fashion_mnist_captions")
 def fashion_mnist_captions(config: Config) -> ImageSource:
     return build_source(config, "fashion_mnist", captions=True)
-
-
-# the number of classes without building the source (classification's default num_classes)
-for _fn in (mnist, fashion_mnist, mnist_captions, fashion_mnist_captions):
-    _fn.count_classes = lambda config: NUM_CLASSES
-idx.count_classes = lambda config: int(load_arrays(config, "idx")["train_labels"].max()) + 1

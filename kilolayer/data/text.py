@@ -263,8 +263,3 @@ def stdlib_packages(config: Config) -> MemorySource:
     )
     source.classes = list(opts.packages)
     return source
-
-
-stdlib_packages.count_classes = lambda config: len(
-    parse_options(StdlibPackagesOptions, config.data.options, "data.options").packages
-)

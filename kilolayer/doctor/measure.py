@@ -119,6 +119,7 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
     from kilolayer.objectives import build_task
     from kilolayer.train.loop import seed_everything, split_batch, to_device
     from kilolayer.train.optim import build_optimizer, build_scheduler
+    from kilolayer.train.parallelize import checkpoint_layers
 
     t0 = time.perf_counter()
     dev = torch.device(device)
@@ -126,10 +127,8 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         source = load_source(config)
         seed_everything(tc.seed)
-        task = build_task(config)
+        task = build_task(config, source)
         objective = task.objective
-        if hasattr(objective, "attach_data"):
-            objective.attach_data(source)
         if tc.init_from:
             from kilolayer.train.init_from import load_pretrained
 
@@ -140,6 +139,8 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
             batch = source.train_batch(0, tc.batch_size)
             admin_profile(task.backbone, lambda: objective(task.backbone, batch))
         task.to(dev)
+        if config.model.checkpoint_activations:
+            checkpoint_layers(task.backbone)  # as the trainer's parallelize step does
         optimizer = build_optimizer(task, tc)
         scheduler = build_scheduler(optimizer, tc)
         # the trainer takes its probe batch and F(x, theta_0) in its own RNG stream only when it logs
@@ -252,8 +253,6 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
         current, ln_names, ln_input = diag.probe(task.objective, task.backbone, start.probe_batch)
         update = diag.update_size(current, start.reference)
         source = load_source(config)
-        if hasattr(task.objective, "attach_data"):
-            task.objective.attach_data(source)
         task.train()
         tc = config.train
         micro = split_batch(source.train_batch(step, tc.batch_size, 0, 1), tc.accumulate)

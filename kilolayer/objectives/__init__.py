@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+from kilolayer.data.base import Source
 from kilolayer.errors import ConfigError
 from kilolayer.objectives.base import OBJECTIVES, Objective, Task, register_objective
 
@@ -18,8 +19,10 @@ MODULES = [
 ]
 
 
-def build_objective(config, backbone) -> Objective:
-    """The objective ``config.objective.name`` with its heads, checked against ``model.arch``."""
+def build_objective(config, backbone, source: Source | None) -> Objective:
+    """The objective ``config.objective.name`` with its heads, checked against ``model.arch``, built for the data
+    ``source`` it will be trained on (its classes, special ids, ...); ``source=None``: for its shapes alone (see
+    :class:`Objective`)."""
     for m in MODULES:
         importlib.import_module(m)
     name = config.objective.name
@@ -28,15 +31,16 @@ def build_objective(config, backbone) -> Objective:
     cls = OBJECTIVES[name]
     if cls.archs and config.model.arch not in cls.archs:
         raise ConfigError(f"model.arch={config.model.arch!r}: objective {name!r} needs model.arch in {list(cls.archs)}")
-    return cls(config, backbone)
+    return cls(config, backbone, source)
 
 
-def build_task(config) -> Task:
-    """Backbone + objective for a full config."""
+def build_task(config, source: Source | None) -> Task:
+    """Backbone + objective for a full config, the objective built for ``source`` (``load_source(config)``, or
+    None for a task that only needs its shapes: see :class:`Objective`)."""
     from kilolayer.nn.transformer import build_model
 
     backbone = build_model(config.model)
-    return Task(backbone, build_objective(config, backbone))
+    return Task(backbone, build_objective(config, backbone, source))
 
 
 __all__ = ["OBJECTIVES", "Objective", "Task", "register_objective", "build_objective", "build_task"]

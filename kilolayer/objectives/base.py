@@ -6,11 +6,12 @@ Adding an objective is one module with one ``@register_objective`` class.
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from kilolayer.data.base import Source
 
 OBJECTIVES: dict[str, type[Objective]] = {}
 
@@ -21,7 +22,11 @@ def register_objective(cls):
 
 
 class Objective(nn.Module):
-    """Heads + loss. Subclasses set ``name`` and ``archs`` and implement forward/evaluate.
+    """Heads + loss. Subclasses set ``name`` and ``archs``, take what they need from the data source they are
+    built for (``__init__(config, backbone, source)``), and implement the methods in ``REQUIRED``; a subclass
+    missing one is refused when it is defined (``class Base(Objective, abstract=True)`` marks a shared base).
+    ``source`` is None where no data is at hand and only the shapes matter (the memory estimate, tests of the
+    model alone): the objective then takes its defaults and checks nothing about the data.
 
     * ``forward(backbone, batch) -> (loss, stats)``: ``loss`` a scalar tensor,
       ``stats`` floats worth logging (e.g. accuracy on the batch).
@@ -38,14 +43,24 @@ class Objective(nn.Module):
 
     name = ""
     archs: tuple[str, ...] = ()
+    REQUIRED = ("forward", "represent", "tokens")
 
-    def __init__(self, config, backbone: nn.Module):
+    def __init_subclass__(cls, abstract: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if abstract:
+            return
+        # nn.Module is not an ABC: without this, a missing method would surface mid-training
+        for method in cls.REQUIRED:
+            if getattr(cls, method) is getattr(Objective, method):
+                raise TypeError(f"objective {cls.__name__}: does not implement {method}() (see Objective.REQUIRED)")
+
+    def __init__(self, config, backbone: nn.Module, source: Source | None):
         super().__init__()
         self.config = config
 
-    @abstractmethod
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
         """(scalar loss, stats) for one batch."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
@@ -57,9 +72,9 @@ class Objective(nn.Module):
             total, weight = total + float(loss) * w, weight + w
         return {"loss": total / max(weight, 1)}
 
-    @abstractmethod
     def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
         """F(x, theta) on a probe batch."""
+        raise NotImplementedError
 
     def analysis_inputs(self, batch: dict) -> tuple[dict, torch.Tensor | None]:
         """(keyword arguments for ``backbone(**kwargs, observe=fn)`` — for an encoder-decoder, for
@@ -70,9 +85,9 @@ class Objective(nn.Module):
         mask = batch.get("padding_mask")
         return {"inputs" if "inputs" in batch else "tokens": x, "padding_mask": mask}, mask
 
-    @abstractmethod
     def tokens(self, batch: dict) -> int:
         """Tokens the backbone processes in ``batch``."""
+        raise NotImplementedError
 
     def eval_targets(self, batch: dict, index: int) -> torch.Tensor | None:
         """The class ids evaluation batch ``index`` is scored on (1-D, long), or None if the targets are

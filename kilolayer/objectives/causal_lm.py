@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kilolayer.data.base import Source
 from kilolayer.objectives.base import Objective, register_objective
 
 
@@ -20,8 +21,8 @@ class CausalLM(Objective):
     name = "causal_lm"
     archs = ("decoder",)
 
-    def __init__(self, config, backbone):
-        super().__init__(config, backbone)
+    def __init__(self, config, backbone, source: Source | None):
+        super().__init__(config, backbone, source)
         m = config.model
         self.head = nn.Linear(m.width, m.vocab_size, bias=False)
         nn.init.normal_(self.head.weight, std=m.width**-0.5)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError
 from kilolayer.objectives.base import Objective, register_objective
@@ -39,27 +40,13 @@ class ClassificationOptions(BaseModel):
     head_norm: bool = True
 
 
-def source_num_classes(config) -> int:
-    """The number of classes of ``config``'s data source: its cheap ``count_classes`` if it has one,
-    else the ``num_classes`` of the built source."""
-    from kilolayer.data import SOURCES, load_source
-
-    count = getattr(SOURCES.get(config.data.name), "count_classes", None)
-    n = count(config) if count is not None else getattr(load_source(config), "num_classes", None)
-    if not n:
-        raise ConfigError(
-            f"objective.options.num_classes: required; data.name={config.data.name!r} does not give class labels"
-        )
-    return int(n)
-
-
 @register_objective
 class Classification(Objective):
     name = "classification"
     archs = ("encoder",)
 
-    def __init__(self, config, backbone: nn.Module):
-        super().__init__(config, backbone)
+    def __init__(self, config, backbone: nn.Module, source: Source | None):
+        super().__init__(config, backbone, source)
         opts = parse_options(ClassificationOptions, config.objective.options, "objective.options")
         m = backbone.config  # model.arch is checked against ``archs`` by build_objective
         self.patches = m.input == "patches"
@@ -68,7 +55,10 @@ class Classification(Objective):
         self.pool = opts.pool or ("cls" if self.cls_token else "mean")
         if self.pool == "cls" and self.patches and not m.cls_token:
             raise ConfigError("objective.options.pool='cls': model.cls_token is false; use pool: mean")
-        self.num_classes = opts.num_classes or source_num_classes(config)
+        self.num_classes = opts.num_classes or (source.num_classes if source is not None else None)
+        if not self.num_classes:
+            given = "is not given" if source is None else "does not give class labels"
+            raise ConfigError(f"objective.options.num_classes: required; data.name={config.data.name!r} {given}")
         self.norm = nn.LayerNorm(m.width, eps=m.norm_eps) if opts.head_norm else nn.Identity()
         self.head = nn.Linear(m.width, self.num_classes)
         with torch.no_grad():

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
 from kilolayer.config import ModelConfig, format_validation_error
+from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.data.vocab import BYTE_VOCAB
 from kilolayer.errors import ConfigError
@@ -97,8 +98,8 @@ class Contrastive(Objective):
     name = "contrastive"
     archs = ("encoder",)
 
-    def __init__(self, config, backbone: nn.Module):
-        super().__init__(config, backbone)
+    def __init__(self, config, backbone: nn.Module, source: Source | None):
+        super().__init__(config, backbone, source)
         opts = parse_options(ContrastiveOptions, config.objective.options, "objective.options")
         m = backbone.config
         if m.input != "patches":

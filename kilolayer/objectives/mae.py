@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from kilolayer.config import ModelConfig
+from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError
 from kilolayer.nn.residual import SCHEMES, Depth, make_scheme
@@ -88,8 +89,8 @@ class MAE(Objective):
     name = "mae"
     archs = ("encoder",)
 
-    def __init__(self, config, backbone: nn.Module):
-        super().__init__(config, backbone)
+    def __init__(self, config, backbone: nn.Module, source: Source | None):
+        super().__init__(config, backbone, source)
         opts = parse_options(MAEOptions, config.objective.options, "objective.options")
         m = backbone.config
         if m.input != "patches":
@@ -132,15 +133,17 @@ class MAE(Objective):
             for lin in (self.decoder_embed, self.predict):
                 nn.init.xavier_uniform_(lin.weight)
                 lin.bias.zero_()
+        if source is not None:
+            self._check_data(source)
 
-    def attach_data(self, source) -> None:
+    def _check_data(self, source: Source) -> None:
         """Refuse, before training, data on which the normalised-pixel target is mostly 0: e.g. images
         upscaled by pixel repetition and cut into patches no larger than the repetition."""
         if not self.norm_pix_loss:
             return
-        batch = source.train_batch(0, min(64, self.config.train.batch_size))
-        images = batch_inputs(batch, "inputs", "images")
-        share = constant_patch_fraction(images, self.patch_size)
+        with torch.device("cpu"):  # the data, wherever the heads are built (the memory estimate: on meta)
+            batch = source.train_batch(0, min(64, self.config.train.batch_size))
+            share = constant_patch_fraction(batch_inputs(batch, "inputs", "images"), self.patch_size)
         if share > self.max_constant_patches:
             raise ConfigError(
                 f"objective.options.norm_pix_loss: {share:.0%} of the {self.patch_size}x{self.patch_size} patches "

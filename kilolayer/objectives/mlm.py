@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.data.text import tokenizer_for
 from kilolayer.errors import ConfigError
@@ -54,8 +55,8 @@ class MLM(Objective):
     name = "mlm"
     archs = ("encoder",)
 
-    def __init__(self, config, backbone: nn.Module):
-        super().__init__(config, backbone)
+    def __init__(self, config, backbone: nn.Module, source: Source | None):
+        super().__init__(config, backbone, source)
         opts = parse_options(MLMOptions, config.objective.options, "objective.options")
         m = backbone.config
         if m.input != "tokens":

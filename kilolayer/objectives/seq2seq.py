@@ -7,7 +7,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
+from kilolayer.data.synthetic import Seq2SeqSource
+from kilolayer.errors import ConfigError
 from kilolayer.objectives.base import Objective, register_objective
 
 
@@ -23,19 +26,22 @@ class Seq2Seq(Objective):
     name = "seq2seq"
     archs = ("encoder_decoder",)
 
-    def __init__(self, config, backbone):
-        super().__init__(config, backbone)
+    def __init__(self, config, backbone, source: Source | None):
+        super().__init__(config, backbone, source)
+        if source is not None and not isinstance(source, Seq2SeqSource):
+            raise ConfigError(
+                f"data.name={config.data.name!r}: objective 'seq2seq' needs a source of (source, target) pairs"
+            )
         m = config.model
         self.opts = parse_options(Seq2SeqOptions, config.objective.options, "objective.options")
         self.head = nn.Linear(m.width, m.vocab_size, bias=False)
         nn.init.normal_(self.head.weight, std=m.width**-0.5)
-        # ids and detokenizer of the data source (attach_data); defaults for plain id sequences
+        # BOS/EOS ids and the detokenizer (for BLEU and exact match) are the data's; without data, those of
+        # plain id sequences
         self.bos, self.eos = 1, 2
         self.detokenize = lambda ids: " ".join(str(int(i)) for i in ids)
-
-    def attach_data(self, source) -> None:
-        """Take BOS/EOS ids and the detokenizer (for BLEU and exact match) from the data source."""
-        self.bos, self.eos, self.detokenize = source.bos, source.eos, source.detokenize
+        if source is not None:
+            self.bos, self.eos, self.detokenize = source.bos, source.eos, source.detokenize
 
     def forward(self, backbone, batch):
         h = backbone(batch["src"], batch["tgt_in"], batch["src_padding_mask"], batch["tgt_padding_mask"])

@@ -1,9 +1,10 @@
 """Multi-process training on PyTorch's own engine, applied from outside the model.
 
 Under ``torchrun`` (WORLD_SIZE > 1) the process group is gloo on CPU and nccl
-on GPU; ``train.parallel`` picks DDP or FSDP2 (``fully_shard`` per layer, then
-the whole task). Full state dicts are gathered for checkpoints, so a
-checkpoint is the same safetensors file whatever the parallelism.
+on GPU; ``train.parallel`` picks DDP or FSDP2, applied by
+:func:`kilolayer.train.parallelize.parallelize`. Full state dicts are gathered
+for checkpoints, so a checkpoint is the same safetensors file whatever the
+parallelism.
 """
 
 from __future__ import annotations
@@ -49,25 +50,6 @@ def setup(device_choice: str = "auto") -> Dist:
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def wrap(task: nn.Module, mode: str, env: Dist) -> nn.Module:
-    """DDP or FSDP2 around the task (no-op for one process)."""
-    if not env.active:
-        return task
-    if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        from kilolayer.nn.layers import Layer
-
-        for module in task.modules():
-            if isinstance(module, Layer):
-                fully_shard(module)
-        fully_shard(task)
-        return task
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return DDP(task, device_ids=[env.device.index] if env.device.type == "cuda" else None)
 
 
 def unwrap(module: nn.Module) -> nn.Module:

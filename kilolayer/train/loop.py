@@ -27,6 +27,7 @@ import random
 import shutil
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ from kilolayer.train import metrics as M
 from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.memory import check_memory
 from kilolayer.train.optim import build_optimizer, build_scheduler
+from kilolayer.train.parallelize import parallelize
 
 # early_stop_mode auto: these evaluation metrics are better higher, every other one lower
 HIGHER_IS_BETTER = ("accuracy", "exact_match", "bleu")
@@ -154,7 +156,20 @@ class StopSignals:
         self._previous = {}
 
 
+@dataclass
+class StepStats:
+    """What :meth:`Trainer.train_step` measured."""
+
+    loss: float  # the step's loss, averaged over micro-batches and processes
+    grad_norm: torch.Tensor  # the global gradient norm before clipping
+    tokens: int  # tokens the backbone processed on this process
+    layer_grads: tuple[list[str], list[float]] | None  # per-layer gradient norms, on diagnostic steps
+
+
 class Trainer:
+    """One run: set-up (``__init__``), then :meth:`run`, the loop over :meth:`train_step`, the divergence check,
+    the update, logging, diagnostics, evaluation and checkpoints."""
+
     def __init__(
         self,
         config: Config,
@@ -192,10 +207,8 @@ class Trainer:
         config, tc, resume = self.config, self.config.train, self.resume
         self.source = load_source(config)
         seed_everything(tc.seed)
-        self.task = build_task(config)
+        self.task = build_task(config, self.source)
         obj = self.task.objective
-        if hasattr(obj, "attach_data"):
-            obj.attach_data(self.source)
         self.start_step = self.step = 0
         # ema: the smoothed training loss (bias-corrected, weight 0.9); running_min: its minimum;
         # early stopping: the best value of the metric, its step, evaluations since without improvement
@@ -214,10 +227,7 @@ class Trainer:
         if latest is None:
             self._fresh_start()
         self.task.to(self.env.device)
-        if tc.compile:
-            for _, layer in diag.layer_names(self.task.backbone):
-                layer.compile()
-        self.model = D.wrap(self.task, tc.parallel, self.env)
+        self.model = parallelize(self.task, config, self.env)
         params = [p for p in self.task.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("train: nothing to train (every parameter is frozen)")
@@ -506,8 +516,121 @@ class Trainer:
 
     def run(self) -> dict:
         """Train from the start step to ``train.steps``; every way out is recorded in status.json."""
+        tc = self.config.train
+        with self._recorded(), self._logs():
+            if self.signals is not None:
+                self.signals.armed = True  # from here a signal waits for the step boundary
+            if self._plateaued():
+                return self._complete(self.start_step)  # resumed after an early stop: nothing left to do
+            self.model.train()
+            for step in range(self.start_step + 1, tc.steps + 1):
+                stats = self.train_step(step)
+                self._stop_if_diverged(step, stats.loss)
+                self._update(step, stats)
+                self._log_train(step, stats)
+                with self._paused():  # diagnostics, evaluation and checkpoints are not training time
+                    if stats.layer_grads is not None:
+                        self._write(self.diagnostics(step, *stats.layer_grads))
+                    improved, stop = self._evaluate_on_schedule(step)
+                    saved = self._save_on_schedule(step, improved or stop)
+                if stop:
+                    return self._complete(step)
+                self._stop_on_signal(step, saved)
+            if tc.steps == 0 and self.start_step == 0:
+                self.save(0)  # an untrained run is still a run: analysis can load it
+            return self._complete(tc.steps)
+
+    def train_step(self, step: int) -> StepStats:
+        """Forward and backward over the step's micro-batches (``train.accumulate``; DDP all-reduces on the last
+        one only), under autocast for ``train.precision``; then, on diagnostic steps, the per-layer gradient
+        norms, and clipping to ``train.clip``. The gradients are left for :meth:`_update`."""
+        tc, env = self.config.train, self.env
+        micro = split_batch(self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world), tc.accumulate)
+        loss_sum, tokens = 0.0, 0
+        for i, mb in enumerate(micro):
+            mb = to_device(mb, env.device)
+            with self._no_sync(i < len(micro) - 1):
+                with _autocast(tc.precision, env.device):
+                    loss, _ = self.model(mb)
+                (loss / len(micro)).backward()
+            loss_sum += float(loss.detach()) / len(micro)
+            tokens += self.task.objective.tokens(mb)
+        loss_value = D.all_mean(loss_sum, env)
+        reduce = (lambda t: _all_sum(t, env)) if env.active else None
+        layer_grads = diag.grad_norms(self.task.backbone, reduce) if self._diagnostic_step(step) else None
+        params = [p for p in self.task.parameters() if p.grad is not None]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, tc.clip if tc.clip > 0 else float("inf"))
+        return StepStats(loss_value, gnorm, tokens, layer_grads)
+
+    def _no_sync(self, skip: bool):
+        """DDP's ``no_sync`` for a micro-batch whose gradients are not all-reduced yet."""
+        if skip and self.env.active and self.config.train.parallel == "ddp":
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _diagnostic_step(self, step: int) -> bool:
+        tc = self.config.train
+        every, until = tc.diagnostics_every, tc.diagnostics_until
+        return every > 0 and (step == 1 or step % every == 0) and (not until or step <= until)
+
+    def _stop_if_diverged(self, step: int, loss: float) -> None:
+        """Raise :class:`DivergedError` (after recording ``diverged``) without applying the step's update."""
+        reason = self._diverged(step, loss)
+        if reason:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.log:
+                self.log.write({"step": step, "split": "train", "loss": loss})
+                self.life.finish("diverged", step, reason)
+            raise DivergedError(reason)
+
+    def _update(self, step: int, stats: StepStats) -> None:
+        """Apply the step's gradients (optimizer, then schedule) and count its tokens."""
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state["tokens"] += stats.tokens * self.env.world
+        self.step = step  # its update is applied: a failure from here on is at this step
+        if self.meter is not None:
+            if self.meter.flops_per_token is None:
+                self.meter.set_flops_per_token(self._flops_per_token(stats.tokens))
+            self.meter.add(stats.tokens * self.env.world)
+
+    def _evaluate_on_schedule(self, step: int) -> tuple[bool, bool]:
+        """Evaluate every ``train.eval_every`` steps and at the last; returns (a new best, early stop)."""
+        tc = self.config.train
+        on_grid = bool(tc.eval_every) and step % tc.eval_every == 0
+        if not (on_grid or step == tc.steps):
+            return False, False
+        metrics = self.evaluate(step)
+        self._write({"step": step, "split": "eval", **metrics})
+        # only the evaluations every eval_every steps count: a leg that ended off that grid (and evaluated
+        # there) resumes exactly as if it had never stopped
+        if not (tc.patience and on_grid):
+            return False, False
+        return self._agree(self._track(step, metrics)), self._agree(self._plateaued())
+
+    def _save_on_schedule(self, step: int, early_stopping: bool) -> bool:
+        """Checkpoint every ``train.checkpoint_every`` steps, at the last, and where early stopping asks (the
+        best, and where it stopped); returns whether it saved."""
+        tc = self.config.train
+        saved = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps or early_stopping
+        if saved:
+            self.save(step)
+        return saved
+
+    def _stop_on_signal(self, step: int, saved: bool) -> None:
+        """A SIGINT/SIGTERM arrived: finish the step with a checkpoint, so a resume replays nothing, and stop."""
+        signum = self._stop_signal() if step < self.config.train.steps else 0
+        if signum:
+            if not saved:
+                self.save(step)
+            raise self._interrupt(signum, step)
+
+    @contextlib.contextmanager
+    def _recorded(self):
+        """Record how the run ended in status.json, whatever the exit; release the run directory."""
         try:
-            return self._loop()
+            yield
         except BaseException as err:
             out = self._ended(err)
             if out is err:
@@ -515,6 +638,53 @@ class Trainer:
             raise out from None
         finally:
             self.close()
+
+    # -------------------------------------------------------------- logging and metrics
+
+    @contextlib.contextmanager
+    def _logs(self):
+        """Rank 0's metrics.jsonl (+ TensorBoard), progress line and efficiency meter, for the loop's duration."""
+        tc, env = self.config.train, self.env
+        self.progress = Progress(tc.steps, self.start_step, enabled=env.main and not self.quiet)
+        self.log, self.meter = None, None
+        try:
+            self.log = MetricsLog(self.out, tensorboard=True) if env.main else None
+            self.meter = self._meter() if env.main else None
+            yield
+        finally:
+            self.progress.close()
+            if self.log:
+                self.log.close()
+
+    def _write(self, record: dict) -> None:
+        if self.log:
+            self.log.write(record)
+
+    def _paused(self):
+        """The efficiency meter's clock stopped (rank 0)."""
+        return self.meter.paused() if self.meter is not None else contextlib.nullcontext()
+
+    def _log_train(self, step: int, stats: StepStats) -> None:
+        """Every ``train.log_every`` steps and at the last: the train record (loss, lr, gradient norm, tokens and
+        the efficiency since the previous record) and the progress line."""
+        tc = self.config.train
+        if not self.log or not (step % tc.log_every == 0 or step == tc.steps):
+            return
+        eff = self.meter.report()
+        if eff.get("mfu", 0) > 1 and not self.peak_warned:
+            self.peak_warned = True
+            rundir.warn(
+                f"MFU {100 * eff['mfu']:.0f}% at step {step}: the peak of {self.peak.flops:.3g} "
+                f"FLOP/s ({self.peak.source}) is too low; set train.peak_flops, or delete the "
+                f"cached figure ({M.CACHE_FILE} in the cache folder) to measure it again"
+            )
+        lr = self.scheduler.get_last_lr()[0]
+        record = {"step": step, "split": "train", "loss": stats.loss, "lr": lr, "grad_norm": float(stats.grad_norm)}
+        self.log.write({**record, "tokens": self.state["tokens"], **eff})
+        self.progress.update(
+            step,
+            f"loss {stats.loss:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s MFU {100 * eff['mfu']:.1f}%",
+        )
 
     def _stop_signal(self) -> int:
         """The signal that asked training to stop (0 if none), agreed by every process."""
@@ -568,126 +738,6 @@ class Trainer:
             fields.update(peak_flops=self.peak.flops, peak_flops_source=self.peak.source)
             self.life.finish("completed", step, self._plateau_reason() if plateau else "step budget", **fields)
         return result
-
-    def _loop(self) -> dict:
-        tc, env = self.config.train, self.env
-        log = None
-        progress = Progress(tc.steps, self.start_step, enabled=env.main and not self.quiet)
-        model = self.model
-        model.train()
-        diag_on = tc.diagnostics_every > 0
-        reduce = (lambda t: _all_sum(t, env)) if env.active else None
-        meter = None
-        try:
-            log = MetricsLog(self.out, tensorboard=env.main) if env.main else None
-            meter = self._meter() if env.main else None
-            if self.signals is not None:
-                self.signals.armed = True  # from here a signal waits for the step boundary
-            if self._plateaued():
-                return self._complete(self.start_step)  # resumed after an early stop: nothing left to do
-            for step in range(self.start_step + 1, tc.steps + 1):
-                batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
-                loss_sum, tokens = 0.0, 0
-                micro = split_batch(batch, tc.accumulate)
-                for i, mb in enumerate(micro):
-                    mb = to_device(mb, env.device)
-                    sync = contextlib.nullcontext()
-                    if env.active and tc.parallel == "ddp" and i < len(micro) - 1:
-                        sync = model.no_sync()
-                    with sync:
-                        with _autocast(tc.precision, env.device):
-                            loss, _ = model(mb)
-                        (loss / len(micro)).backward()
-                    loss_sum += float(loss.detach()) / len(micro)
-                    tokens += self.task.objective.tokens(mb)
-                loss_value = D.all_mean(loss_sum, env)
-                do_diag = (
-                    diag_on
-                    and (step == 1 or step % tc.diagnostics_every == 0)
-                    and (not tc.diagnostics_until or step <= tc.diagnostics_until)
-                )
-                layer_norms = diag.grad_norms(self.task.backbone, reduce) if do_diag else None
-                gnorm = torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.task.parameters() if p.grad is not None],
-                    tc.clip if tc.clip > 0 else float("inf"),
-                )
-                reason = self._diverged(step, loss_value)
-                if reason:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    if log:
-                        log.write({"step": step, "split": "train", "loss": loss_value})
-                        self.life.finish("diverged", step, reason)
-                    raise DivergedError(reason)
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.state["tokens"] += tokens * env.world
-                self.step = step  # its update is applied: a failure from here on is at this step
-                if meter is not None:
-                    if meter.flops_per_token is None:
-                        meter.set_flops_per_token(self._flops_per_token(tokens))
-                    meter.add(tokens * env.world)
-                if log and (step % tc.log_every == 0 or step == tc.steps):
-                    eff = meter.report()
-                    if eff.get("mfu", 0) > 1 and not self.peak_warned:
-                        self.peak_warned = True
-                        rundir.warn(
-                            f"MFU {100 * eff['mfu']:.0f}% at step {step}: the peak of {self.peak.flops:.3g} "
-                            f"FLOP/s ({self.peak.source}) is too low; set train.peak_flops, or delete the "
-                            f"cached figure ({M.CACHE_FILE} in the cache folder) to measure it again"
-                        )
-                    lr = self.scheduler.get_last_lr()[0]
-                    log.write(
-                        {
-                            "step": step,
-                            "split": "train",
-                            "loss": loss_value,
-                            "lr": lr,
-                            "grad_norm": float(gnorm),
-                            "tokens": self.state["tokens"],
-                            **eff,
-                        }
-                    )
-                    progress.update(
-                        step,
-                        f"loss {loss_value:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s "
-                        f"MFU {100 * eff['mfu']:.1f}%",
-                    )
-                improved = stop = False
-                with meter.paused() if meter is not None else contextlib.nullcontext():
-                    if do_diag:
-                        rec = self.diagnostics(step, *layer_norms)
-                        if log:
-                            log.write(rec)
-                    on_grid = bool(tc.eval_every) and step % tc.eval_every == 0
-                    if on_grid or step == tc.steps:
-                        metrics = self.evaluate(step)
-                        if log:
-                            log.write({"step": step, "split": "eval", **metrics})
-                        # only the evaluations every eval_every steps count: a leg that ended off that grid
-                        # (and evaluated there) resumes exactly as if it had never stopped
-                        if tc.patience and on_grid:
-                            improved = self._agree(self._track(step, metrics))
-                            stop = self._agree(self._plateaued())
-                    saved = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
-                    saved = saved or improved or stop  # early stopping: the best, and where it stopped
-                    if saved:
-                        self.save(step)
-                if stop:
-                    return self._complete(step)
-                signum = self._stop_signal() if step < tc.steps else 0
-                if signum:
-                    # the step is done: finish it with a checkpoint, so a resume replays nothing
-                    if not saved:
-                        self.save(step)
-                    raise self._interrupt(signum, step)
-            if tc.steps == 0 and self.start_step == 0:
-                self.save(0)  # an untrained run is still a run: analysis can load it
-            return self._complete(tc.steps)
-        finally:
-            progress.close()
-            if log:
-                log.close()
 
 
 def _quiet(message: str) -> None:
@@ -795,7 +845,8 @@ def train(
     config = resolve_config(config, out, resume, sets)
     check_early_stopping(config)
     # a config that cannot fit is refused before anything is allocated or written (train.memory_check: false
-    # skips it): after the directory checks, before the lock, so the directory stays as it was
+    # skips it): after the directory checks, before the lock, so the directory stays as it was (and before the
+    # data is loaded: a classifier whose classes only the data knows is counted with 2, a small head)
     check_memory(config, config.train.device)
     signals = StopSignals().install()
     trainer = None

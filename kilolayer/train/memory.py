@@ -63,7 +63,8 @@ from types import SimpleNamespace
 import torch
 
 from kilolayer.config import Config, ModelConfig
-from kilolayer.errors import ConfigError, KilolayerError
+from kilolayer.data.base import Source
+from kilolayer.errors import ConfigError
 from kilolayer.nn.budget import count_parameters
 from kilolayer.nn.residual import Depth, Site, make_scheme
 
@@ -201,34 +202,32 @@ def _stack_bytes(layers: Counter, p: _Precision, batch: int, length: int, source
     return sum(layers.values()) * 4 * width * batch * length + max(per_layer.values())
 
 
-def _objective_on_meta(config: Config):
-    """The objective's modules built on the meta device: exact sizes, nothing allocated."""
-    from kilolayer.data import SOURCES
+def _objective_on_meta(config: Config, source: Source | None):
+    """The objective's modules, built for ``source`` on the meta device: exact sizes, nothing allocated."""
     from kilolayer.objectives import build_objective
 
-    opts = dict(config.objective.options)
-    if config.objective.name == "classification" and not opts.get("num_classes"):
-        # only the data knows the classes; do not load it here (the trainer will, and reports its errors):
-        # the source's cheap count, else 2 (the head is width x classes, small beside the backbone)
-        count = getattr(SOURCES.get(config.data.name), "count_classes", None)
-        try:
-            opts["num_classes"] = max(2, int(count(config))) if count is not None else 2
-        except KilolayerError:
-            opts["num_classes"] = 2
-        config = config.model_copy(update={"objective": config.objective.model_copy(update={"options": opts})})
+    opts = config.objective.options
+    if source is None and config.objective.name == "classification" and not opts.get("num_classes"):
+        # only the data knows the classes: without it, 2 (the head is width x classes, small beside the backbone)
+        objective = config.objective.model_copy(update={"options": {**opts, "num_classes": 2}})
+        config = config.model_copy(update={"objective": objective})
     with torch.device("meta"):
-        return build_objective(config, SimpleNamespace(config=config.model))
+        return build_objective(config, SimpleNamespace(config=config.model), source)
 
 
 def _world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def estimate_memory(config: Config, device: str | torch.device = "cpu", world: int | None = None) -> dict:
+def estimate_memory(
+    config: Config, device: str | torch.device = "cpu", world: int | None = None, source: Source | None = None
+) -> dict:
     """Bytes one training process of ``config`` needs on ``device`` (see the module docstring).
 
     Returns ``parameters``, ``gradients``, ``optimizer``, ``optimizer_temp``, ``activations`` and ``total``
     (bytes), and ``n_parameters`` / ``n_trainable`` (counts). ``world`` defaults to torchrun's WORLD_SIZE.
+    ``source``: the run's data source, which sizes the heads exactly (e.g. its classes); without it, nothing is
+    loaded and a classifier without ``objective.options.num_classes`` is counted with 2 classes.
     """
     from kilolayer.nn.transformer import Backbone, Stack
 
@@ -236,7 +235,7 @@ def estimate_memory(config: Config, device: str | torch.device = "cpu", world: i
     world = world or _world()
     device = torch.device(device)
     cpu = device.type != "cuda"
-    objective = _objective_on_meta(config)
+    objective = _objective_on_meta(config, source)
     n_backbone = count_parameters(m)
     n_objective = sum(p.numel() for p in objective.parameters())
     n_params = n_backbone + n_objective
@@ -366,15 +365,15 @@ def _target(device: str | torch.device) -> torch.device:
     return device
 
 
-def check_memory(config: Config, device: str | torch.device) -> dict | None:
+def check_memory(config: Config, device: str | torch.device, source: Source | None = None) -> dict | None:
     """Refuse ``config`` (one-line :class:`ConfigError`) if its estimated peak exceeds the memory ``device``
     has free; return the estimate with ``available`` (bytes, None if unknown). On the CPU the processes
     torchrun starts on this machine (LOCAL_WORLD_SIZE) share the memory. With ``train.memory_check: false``
-    nothing is estimated or checked and None is returned."""
+    nothing is estimated or checked and None is returned. ``source``: as for :func:`estimate_memory`."""
     if not config.train.memory_check:
         return None
     device = _target(device)
-    est = estimate_memory(config, device)
+    est = estimate_memory(config, device, source=source)
     est["available"] = available_memory(device)
     if est["available"] is None:
         return est

@@ -1,0 +1,87 @@
+"""What training applies to a built model from outside it: activation checkpointing, ``torch.compile``, and
+DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
+
+:func:`parallelize` applies them in that order, per Transformer layer where they work per layer:
+
+* ``model.checkpoint_activations``: each layer's forward runs under :func:`torch.utils.checkpoint.checkpoint`
+  (non-reentrant) while training with gradients on, so the backward pass keeps only each layer's input and
+  recomputes one layer at a time. The module tree, hence parameter names and checkpoints, is unchanged.
+* ``train.compile``: ``torch.compile`` on each layer (the stack's Python loop, embeddings and heads stay eager).
+* under ``torchrun``, ``train.parallel``: ``fsdp`` shards each layer and then the whole task (FSDP2's
+  ``fully_shard``); ``ddp`` wraps the task in ``DistributedDataParallel``. One process: nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kilolayer.config import Config
+from kilolayer.train import distributed as D
+
+
+def transformer_layers(backbone: nn.Module) -> list[nn.Module]:
+    """The backbone's Transformer layers, encoder's then decoder's, in forward order."""
+    return [layer for stack in backbone.stacks() for layer in stack.layers]
+
+
+class _Recompute:
+    """A layer's forward, run under activation checkpointing while training with gradients on."""
+
+    def __init__(self, layer: nn.Module, forward: Callable):
+        self.layer, self.forward = layer, forward
+
+    def __call__(self, *args, **kwargs):
+        if self.layer.training and torch.is_grad_enabled():
+            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        return self.forward(*args, **kwargs)
+
+
+def checkpoint_layers(backbone: nn.Module) -> None:
+    """Recompute each Transformer layer in the backward pass instead of keeping its activations (in place;
+    names and state dict unchanged). Calling it twice does nothing more."""
+    for stack in backbone.stacks():
+        # the stack's own recompute (kilolayer/nn, until it is removed there) would nest inside this one
+        stack.checkpoint_activations = False
+    for layer in transformer_layers(backbone):
+        if not isinstance(layer.forward, _Recompute):
+            layer.forward = _Recompute(layer, layer.forward)
+
+
+def compile_layers(backbone: nn.Module, **options) -> None:
+    """``torch.compile`` each Transformer layer in place (``options`` go to ``nn.Module.compile``)."""
+    for layer in transformer_layers(backbone):
+        layer.compile(**options)
+
+
+def distribute(task: nn.Module, mode: str, env: D.Dist) -> nn.Module:
+    """DDP or FSDP2 around the task (``mode``: ``train.parallel``); the task itself for one process."""
+    if not env.active:
+        return task
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        from kilolayer.nn.layers import Layer
+
+        for module in task.modules():  # the heads' own layers too (MAE's decoder, CLIP's text tower)
+            if isinstance(module, Layer):
+                fully_shard(module)
+        fully_shard(task)
+        return task
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(task, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+
+
+def parallelize(task: nn.Module, config: Config, env: D.Dist) -> nn.Module:
+    """Apply activation checkpointing, compile and DDP/FSDP2 to ``task`` (a :class:`~kilolayer.objectives.Task`
+    already on its device), as ``config`` asks; returns the module to call for training steps (the task, or
+    its DDP wrapper)."""
+    if config.model.checkpoint_activations:
+        checkpoint_layers(task.backbone)
+    if config.train.compile:
+        compile_layers(task.backbone)
+    return distribute(task, config.train.parallel, env)
