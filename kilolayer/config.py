@@ -3,6 +3,19 @@
 A config has four sections, ``model``, ``objective``, ``data`` and ``train``.
 Every field is validated; a bad value becomes one line naming the field, the
 value and what is allowed (see :func:`format_validation_error`).
+
+Names of plugins (``model.scheme``, ``objective.name``, ``data.name``) are
+checked against their registry (:class:`kilolayer.registry.Registry`), the one
+list of what exists, so adding a scheme, an objective or a data source touches
+only its own package. The registries live with their plugins, above this
+module: a plugin's module imports torch, the model or the data options, all of
+which import this module. So the lookup is lazy: the validator imports the
+plugin package when a config is validated, by which time every module has
+finished importing. At load time this module imports only the errors; the
+lookups are its only edges upward, and ``tests/test_layering.py`` lists them.
+Checking at validation time rather than at build time keeps the error where the
+value was given: ``kilolayer train`` refuses before it creates a run directory,
+and a study rejects a bad grid point before it trains any.
 """
 
 from __future__ import annotations
@@ -13,7 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kilolayer.errors import ConfigError
 
@@ -113,17 +126,33 @@ class ModelConfig(_Section):
 class ObjectiveConfig(_Section):
     """What the backbone is trained to do; options apply to the named objective."""
 
-    name: Literal["classification", "contrastive", "mae", "mlm", "causal_lm", "seq2seq"] = "causal_lm"
+    name: str = Field("causal_lm", description="a registered objective (kilolayer.objectives.OBJECTIVES)")
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from kilolayer.objectives import OBJECTIVES  # lazy: see the module docstring
+
+        OBJECTIVES.get(name)  # the registry's one-line error (a ConfigError is a ValueError)
+        return name
 
 
 class DataConfig(_Section):
     """Where batches come from: a built-in source or a user's path."""
 
-    name: str = "stdlib_bytes"
+    name: str = Field("stdlib_bytes", description="a registered data source (kilolayer.data.SOURCES)")
     task: Literal["copy", "reverse", "sort", "add"] = "reverse"
     path: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from kilolayer.data import SOURCES  # lazy: see the module docstring
+
+        SOURCES.get(name)
+        return name
 
 
 class TrainConfig(_Section):
@@ -319,7 +348,7 @@ def load_config(source: str | Path | dict | None = None, sets: list[str] | None 
     elif isinstance(source, dict):
         data = copy.deepcopy(source)
     elif str(source) in PRESETS:
-        data = {"model": PRESETS[str(source)].model_dump()}
+        data = {"model": copy.deepcopy(PRESETS[str(source)])}
     elif _looks_like_a_name(source):
         near = difflib.get_close_matches(str(source), list(PRESETS), n=3)
         hint = f"did you mean {' or '.join(near)}? " if near else ""

@@ -6,18 +6,20 @@ variants parameter-matched to a published shape. The deep-narrow presets are
 ours, matched by :func:`kilolayer.nn.budget.matched_configs` rules (head size
 64, same FFN ratio); they are NOT the Bamboo paper's table, which we have not
 verified.
+
+Plain data, importing nothing: a preset is the fields of a ``model`` section,
+which :func:`kilolayer.config.load_config` validates when a preset is used
+(``kilolayer train NAME``, ``kilolayer describe NAME``).
 """
 
 from __future__ import annotations
 
-from kilolayer.config import ModelConfig
-
-PRESETS: dict[str, ModelConfig] = {}
+PRESETS: dict[str, dict] = {}  # name -> the model section's fields
 DESCRIPTIONS: dict[str, str] = {}
 
 
 def preset(name: str, description: str, **fields) -> None:
-    PRESETS[name] = ModelConfig(**fields)
+    PRESETS[name] = fields
     DESCRIPTIONS[name] = description
 
 

@@ -19,6 +19,7 @@ iterates the names needs nothing else.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 from kilolayer.errors import ConfigError
@@ -60,6 +61,17 @@ class Registry(Mapping[str, T], Generic[T]):
         """Register ``obj`` under ``name`` without a decorator."""
         return self.register(name)(obj)
 
+    @contextmanager
+    def added(self, name: str, obj: T) -> Iterator[T]:
+        """``with registry.added(name, obj):`` registers ``obj`` for the block only (a test's own plugin)."""
+        if name in self._items:
+            raise ValueError(f"{self.field}: {name!r} is already registered to {_qualname(self._items[name])}")
+        self.add(name, obj)
+        try:
+            yield obj
+        finally:
+            del self._items[name]
+
     def get(self, name: str) -> T:  # type: ignore[override]  # Mapping.get's default is never wanted here
         """The plugin called ``name``, or a :class:`ConfigError` naming the field, the value and what is allowed."""
         try:
@@ -72,6 +84,7 @@ class Registry(Mapping[str, T], Generic[T]):
         return f"{self.field}={name!r}: unknown {self.kind}; allowed: {', '.join(self.names())}"
 
     def names(self) -> list[str]:
+        """The registered names, sorted (the order every "allowed: ..." lists them in)."""
         return sorted(self._items)
 
     def __getitem__(self, name: str) -> T:

@@ -20,7 +20,9 @@ from kilolayer import (
     training_flops,
 )
 from kilolayer.cli import main
-from kilolayer.presets import PRESETS
+from kilolayer.presets import PRESETS as PRESET_FIELDS
+
+PRESETS = {name: ModelConfig(**fields) for name, fields in PRESET_FIELDS.items()}  # presets are plain data
 
 
 def built_parameters(cfg) -> int:

@@ -34,3 +34,14 @@ def test_a_name_holds_one_plugin():
         reg.add("x", abs)
     with pytest.raises(TypeError, match="needs a name"):
         reg.register()(object())
+
+
+def test_added_registers_for_a_block_only():
+    reg = Registry("study.findings", "finding")
+    reg.add("kept", len)
+    with reg.added("mine", abs) as fn:
+        assert fn is abs and reg.get("mine") is abs
+    assert reg.names() == ["kept"]
+    with pytest.raises(ValueError, match="'kept' is already registered"), reg.added("kept", len):
+        pass
+    assert reg.names() == ["kept"]

@@ -57,7 +57,7 @@ def _b64(path: Path) -> str:
 
 
 @pytest.fixture
-def hostile_report(tmp_path, monkeypatch):
+def hostile_report(tmp_path):
     """write_report on a spec whose name, description, group description, grid values, run reasons and
     finding text all carry script payloads; the finding also points at images outside the study directory."""
     out = tmp_path / "study"
@@ -87,7 +87,6 @@ def hostile_report(tmp_path, monkeypatch):
             ],
         )
 
-    monkeypatch.setitem(FINDINGS, "hostile", hostile)
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(
         yaml.safe_dump(
@@ -106,19 +105,20 @@ def hostile_report(tmp_path, monkeypatch):
             }
         )
     )
-    spec = load_spec(spec_path)
-    results = [
-        Result(
-            point=p,
-            status="failed",
-            reason=f"reason {DETAILS}",
-            step=3,
-            eval={f"k {SCRIPT}": 1.5},
-            command=f"kilolayer train {p.name}",
-        )
-        for p in expand(spec)
-    ]
-    md, page, _ = write_report(spec, results, out, 1.0)
+    with FINDINGS.added("hostile", hostile):  # the spec names it; the report evaluates it
+        spec = load_spec(spec_path)
+        results = [
+            Result(
+                point=p,
+                status="failed",
+                reason=f"reason {DETAILS}",
+                step=3,
+                eval={f"k {SCRIPT}": 1.5},
+                command=f"kilolayer train {p.name}",
+            )
+            for p in expand(spec)
+        ]
+        md, page, _ = write_report(spec, results, out, 1.0)
     return md, page, inside, outside
 
 

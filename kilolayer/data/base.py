@@ -13,15 +13,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-SOURCES: dict[str, Callable] = {}
+from kilolayer.registry import Registry
+
+SOURCES: Registry[Callable] = Registry("data.name", "data source")
 
 
-def register_source(name: str):
-    def deco(fn):
-        SOURCES[name] = fn
-        return fn
-
-    return deco
+def register_source(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn(config) -> Source`` under ``name`` (what ``data.name`` selects)."""
+    return SOURCES.register(name)
 
 
 class Source(ABC):

@@ -86,12 +86,8 @@ def make_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
 def tokenizer_for(config: Config):
     """The tokenizer that ``config``'s data source uses: the source's own (e.g. PTB's words, given by a
     ``tokenizer(config)`` attribute of its registered function), else ``data.options.tokenizer``, else bytes."""
-    import importlib
+    from kilolayer.data import SOURCES
 
-    from kilolayer.data import MODULES, SOURCES
-
-    for m in MODULES:
-        importlib.import_module(m)
     own = getattr(SOURCES.get(config.data.name), "tokenizer", None)
     return own(config) if own is not None else make_tokenizer(config.data.options.get("tokenizer"))
 

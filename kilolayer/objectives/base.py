@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from kilolayer.data.base import Source
+from kilolayer.registry import Registry
 
-OBJECTIVES: dict[str, type[Objective]] = {}
+OBJECTIVES: Registry[type[Objective]] = Registry("objective.name", "objective")
 
 
-def register_objective(cls):
-    OBJECTIVES[cls.name] = cls
-    return cls
+def register_objective(cls: type[Objective]) -> type[Objective]:
+    """Class decorator: register an objective under its ``name`` (what ``objective.name`` selects)."""
+    return OBJECTIVES.register(cls.name)(cls)
 
 
 class Objective(nn.Module):

@@ -9,6 +9,9 @@ Group names carry roles the findings look for (kilolayer/study/findings.py): ``d
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+
+from kilolayer.registry import Registry
 
 
 def _deepnet_base(steps: int, width: int, eval_every: int, diag_until: int) -> dict:
@@ -418,4 +421,9 @@ def bamboo() -> dict:
     }
 
 
-BUILTIN = {"quick": quick, "deepnet": deepnet, "deepnet_1000": deepnet_1000, "bamboo": bamboo}
+# name -> a function returning the spec (a dict); `kilolayer study --list` shows them in this order
+BUILTIN: Registry[Callable[[], dict]] = Registry("study", "built-in study")
+BUILTIN.add("quick", quick)
+BUILTIN.add("deepnet", deepnet)
+BUILTIN.add("deepnet_1000", deepnet_1000)
+BUILTIN.add("bamboo", bamboo)

@@ -35,6 +35,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kilolayer.registry import Registry
+
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
 LEVEL = 0.95  # one-sided confidence of each bound
 LEARNED = 0.9  # a run learned something if its final loss is at most this fraction of its chance loss
@@ -149,26 +151,21 @@ class Finding:
     notes: list[str] = field(default_factory=list)  # measurement choices and chance levels, stated in the report
 
 
-FINDINGS: dict[str, Callable] = {}
+FINDINGS: Registry[Callable] = Registry("study.findings", "finding")
 
 
-def register_finding(name: str):
+def register_finding(name: str) -> Callable[[Callable], Callable]:
     """Register ``fn(results, out) -> Finding | list[Finding] | None`` under ``name`` (None: the study lacks its
     groups; a list: one verdict per modality or pair, never pooled). Findings find their runs by group name
     (see kilolayer/study/builtin.py)."""
-
-    def deco(fn):
-        FINDINGS[name] = fn
-        return fn
-
-    return deco
+    return FINDINGS.register(name)
 
 
 def evaluate_findings(names, results, out) -> list[Finding]:
     """Every finding of ``names`` that the results support, lists flattened, in order."""
     found = []
     for name in names:
-        f = FINDINGS[name](results, out)
+        f = FINDINGS.get(name)(results, out)
         found += f if isinstance(f, list) else [f] if f is not None else []
     for f in found:
         if not f.rows and f.verdict.per_seed:  # show the numbers the verdict was computed from

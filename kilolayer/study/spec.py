@@ -115,8 +115,6 @@ def point_name(values: dict[str, Any]) -> str:
 
 def expand(spec: StudySpec) -> list[Point]:
     """All points of a spec, groups in order; validates every config up front (one line if any is bad)."""
-    from kilolayer.objectives import build_objective  # noqa: F401 - registers objectives for validation
-
     names = [g.name for g in spec.groups]
     if len(set(names)) != len(names):
         raise ConfigError(f"groups: duplicate group names in {names}")
@@ -178,9 +176,7 @@ def load_spec(source: str | Path) -> StudySpec:
     else:
         p = Path(src)
         if not p.is_file():
-            raise ConfigError(
-                f"{src}: neither a built-in study ({', '.join(BUILTIN)}) nor a spec file; see kilolayer study --list"
-            )
+            raise ConfigError(f"{BUILTIN.unknown(src)}; nor is it a spec file (see kilolayer study --list)")
         try:
             data = yaml.safe_load(p.read_text())
         except yaml.YAMLError:
@@ -194,6 +190,5 @@ def load_spec(source: str | Path) -> StudySpec:
     from kilolayer.study.findings import FINDINGS
 
     for f in spec.findings:
-        if f not in FINDINGS:
-            raise ConfigError(f"study.findings: unknown finding {f!r}; allowed: {', '.join(sorted(FINDINGS))}")
+        FINDINGS.get(f)
     return spec
