@@ -8,21 +8,9 @@ kilolayer analyze stability --run DIR [--run DIR2 ...] --out DIR
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from kilolayer.errors import InputError
-
-
-def _json_safe(value):
-    """NaN/inf are not JSON; write them as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    return value
 
 
 def _table(result: dict) -> str:
@@ -102,6 +90,8 @@ def cmd_smoothness(args) -> int:
         result["name"] = args.name
     # what was left out of the metrics: --exclude-cls, or (for --run, by default) CLS and special tokens
     result["exclude_cls"] = bool(args.exclude_cls or result.get("exclude_special"))
+    from kilolayer.analysis.smoothness import save_smoothness
+
     paths = save_smoothness(result, _out_dir(args.out), depth=args.depth, svg=args.svg)
     print(f"{result['name']}: {result['depth']} layers, {result['samples']} samples ({result['input']})")
     print(_table(result))
@@ -109,26 +99,16 @@ def cmd_smoothness(args) -> int:
     return 0
 
 
-def save_smoothness(result: dict, out: str | Path, depth: str = "auto", svg: bool = False) -> list[Path]:
-    """Write OUT/smoothness.json and its plot; returns the paths written."""
-    from kilolayer.analysis.plots import plot_smoothness
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "smoothness.json"
-    json_path.write_text(json.dumps(_json_safe(result), indent=1) + "\n")
-    return [json_path, *plot_smoothness([result], out / "smoothness", depth=depth, svg=svg)]
-
-
 def cmd_stability(args) -> int:
     from kilolayer.analysis.plots import plot_stability
+    from kilolayer.analysis.smoothness import json_safe
     from kilolayer.analysis.stability import read_runs, summary
 
     runs = read_runs(args.run)
     out = _out_dir(args.out)
     paths = plot_stability(runs, out / "stability", steps=args.steps or None, svg=args.svg)
     json_path = out / "stability.json"
-    json_path.write_text(json.dumps(_json_safe(summary(runs)), indent=1) + "\n")
+    json_path.write_text(json.dumps(json_safe(summary(runs)), indent=1) + "\n")
     for name, s in summary(runs).items():
         print(
             f"{name}: diagnostics at {len(s['steps'])} steps, update {s['update'][0]:.4g} (step "

@@ -12,6 +12,7 @@ each layer's hidden states to these numbers at once, so analysing a
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -399,3 +400,25 @@ def smoothness_of_run(
         after_final_norm=after_final_norm,
     )
     return result
+
+
+def json_safe(value):
+    """``value`` with NaN/inf floats (not JSON) replaced by null, through lists and dicts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return value
+
+
+def save_smoothness(result: dict, out: str | Path, depth: str = "auto", svg: bool = False) -> list[Path]:
+    """Write OUT/smoothness.json (``result``, NaN as null) and its plot; returns the paths written."""
+    from kilolayer.analysis.plots import plot_smoothness  # matplotlib only when writing
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "smoothness.json"
+    json_path.write_text(json.dumps(json_safe(result), indent=1) + "\n")
+    return [json_path, *plot_smoothness([result], out / "smoothness", depth=depth, svg=svg)]

@@ -222,8 +222,7 @@ def run_analysis(name: str, run_dir: Path) -> Path:
     """Run analysis ``name`` (one of spec.ANALYSES) on a finished run; results go to run_dir/analysis/name."""
     target = Path(run_dir) / "analysis" / name
     if name == "smoothness":
-        from kilolayer.analysis.cli import save_smoothness
-        from kilolayer.analysis.smoothness import smoothness_of_run
+        from kilolayer.analysis.smoothness import save_smoothness, smoothness_of_run
 
         # the run's own validation data, through the stack's observer (as `kilolayer analyze --run`)
         save_smoothness(smoothness_of_run(run_dir, samples=256), target)
