@@ -7,6 +7,7 @@ import pytest
 
 from kilolayer.analysis.stability import pick_steps, read_metrics, read_run, read_runs
 from kilolayer.cli import main
+from kilolayer.errors import InputError
 
 LAYERS = ["encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1", "decoder.2"]
 LN_NAMES = [
@@ -93,7 +94,7 @@ def test_stability_errors(tmp_path, capsys):
     err = _error(["analyze", "stability", "--run", str(run), "--out", str(tmp_path / "o")], capsys)
     assert "no diagnostics lines" in err and "diagnostics_every" in err
     (run / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 3.0}\nnot json\n{"step": 2}\n')
-    with pytest.raises(Exception, match=r"metrics.jsonl:2: not a JSON object"):
+    with pytest.raises(InputError, match=r"metrics.jsonl:2: not a JSON object"):
         read_metrics(run / "metrics.jsonl")
     (run / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "split": "diagnostics", "layers": ["a", "b"], "grad_norm": [1.0], "update": 0.1}) + "\n"

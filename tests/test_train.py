@@ -16,6 +16,7 @@ import torch
 
 from kilolayer.cli import main
 from kilolayer.config import load_config
+from kilolayer.errors import ConfigError, InputError
 from kilolayer.train.checkpoint import complete_checkpoints, load_run
 from kilolayer.train.loop import train
 from kilolayer.train.optim import lr_factor, param_groups
@@ -188,7 +189,7 @@ def test_mismatched_checkpoint_is_one_line(tmp_path):
 def test_resume_refuses_a_different_model(tmp_path):
     out = tmp_path / "run"
     train(TINY_LM, out, quiet=True, sets=["train.steps=2"])
-    with pytest.raises(Exception, match="model.width=64: differs from the run being resumed"):
+    with pytest.raises(ConfigError, match="model.width=64: differs from the run being resumed"):
         train(TINY_LM, out, resume=True, quiet=True, sets=["model.width=64"])
 
 
@@ -196,7 +197,7 @@ def test_existing_run_is_never_overwritten(tmp_path):
     out = tmp_path / "run"
     train(TINY_LM, out, quiet=True, sets=["train.steps=2"])
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(Exception, match="already holds a run"):
+    with pytest.raises(ConfigError, match="already holds a run"):
         train(TINY_LM, out, quiet=True)
     assert (out / "metrics.jsonl").read_text() == before
 
@@ -367,7 +368,7 @@ def test_parallel_text_files(tmp_path):
     ev = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
     assert ev["split"] == "eval" and 0.0 <= ev["bleu"] <= 100.0
     tgt.write_text("only one line\n")
-    with pytest.raises(Exception, match="lines, but"):
+    with pytest.raises(InputError, match="lines, but"):
         train(cfg, tmp_path / "run2", quiet=True)
 
 
