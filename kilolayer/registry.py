@@ -79,9 +79,10 @@ class Registry(Mapping[str, T], Generic[T]):
         except (KeyError, TypeError):
             raise ConfigError(self.unknown(name)) from None
 
-    def unknown(self, name: object) -> str:
-        """The one-line message for a name that is not registered."""
-        return f"{self.field}={name!r}: unknown {self.kind}; allowed: {', '.join(self.names())}"
+    def unknown(self, name: object, field: str | None = None) -> str:
+        """The one-line message for a name that is not registered; ``field`` names another config key that
+        takes the same kind of name (e.g. MAE's ``objective.options.decoder_scheme``)."""
+        return f"{field or self.field}={name!r}: unknown {self.kind}; allowed: {', '.join(self.names())}"
 
     def names(self) -> list[str]:
         """The registered names, sorted (the order every "allowed: ..." lists them in)."""

@@ -3,6 +3,8 @@ validation reads them (so a plugin is one file), and every unknown name gets the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kilolayer.cli import main
@@ -95,3 +97,14 @@ def test_train_with_a_bad_name_exits_with_one_line_and_no_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == f"kilolayer: error: {SOURCES.unknown('nope')}"
     assert not out.exists()
+
+
+def test_a_second_field_naming_a_scheme_uses_the_scheme_registry_wording():
+    from kilolayer.nn.residual import SCHEMES
+    from kilolayer.objectives import build_task
+
+    sets = ["objective.options.decoder_scheme=nope", "model.layers=1", "model.width=32", "model.heads=2"]
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "mnist_mae.yaml", sets)
+    with pytest.raises(ConfigError) as err:
+        build_task(cfg, None)  # no source: built for its shapes alone
+    assert str(err.value) == SCHEMES.unknown("nope", field="objective.options.decoder_scheme")

@@ -22,6 +22,7 @@ def test_register_get_and_the_one_line_error():
         reg.get("c")
     assert str(e.value) == "model.scheme='c': unknown residual scheme; allowed: a, b"
     assert "\n" not in str(e.value)
+    assert reg.unknown("c", field="objective.options.decoder_scheme").startswith("objective.options.decoder_scheme='c'")
     with pytest.raises(ConfigError, match=r"model.scheme=\['x'\]"):
         reg.get(["x"])  # an unhashable value from a YAML file is still a one-line error
 

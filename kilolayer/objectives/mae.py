@@ -107,10 +107,7 @@ class MAE(Objective):
                 f"objective.options.decoder_heads={opts.decoder_heads}"
             )
         if opts.decoder_scheme not in SCHEMES:
-            raise ConfigError(
-                f"objective.options.decoder_scheme={opts.decoder_scheme!r}: unknown scheme; "
-                f"allowed: {', '.join(sorted(SCHEMES))}"
-            )
+            raise ConfigError(SCHEMES.unknown(opts.decoder_scheme, field="objective.options.decoder_scheme"))
         dec = ModelConfig(
             arch="encoder",
             scheme=opts.decoder_scheme,
