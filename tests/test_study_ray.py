@@ -225,16 +225,48 @@ def small_study(tmp: Path) -> Path:
     )
 
 
+# A process started with SIGINT ignored (a background job of a non-interactive shell: `make test &`, nohup,
+# CI runners) passes that on to its children, and Python keeps an inherited SIG_IGN instead of installing
+# KeyboardInterrupt: a driver started from such a test run would never see the test's Ctrl-C. Every driver
+# and reference run is started through this shim, which puts SIGINT back to its default first.
+SIGINT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+STARTED: list[subprocess.Popen] = []  # stopped after each test, whatever its outcome (see stop_leftovers)
+
+
+def spawn(argv: list, **kw) -> subprocess.Popen:
+    """``python argv...`` with SIGINT at its default, in a session of its own (so that teardown can stop it
+    and its children by process group), recorded for :func:`stop_leftovers`."""
+    kw = {"env": ENV, "cwd": ROOT, "start_new_session": True, **kw}
+    proc = subprocess.Popen([sys.executable, "-c", SIGINT_DEFAULT, *map(str, argv)], **kw)
+    STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def stop_leftovers():
+    """A test that fails half-way must not leave its drivers or reference runs training on: they would load
+    the machine (and hold ports) for the tests after it."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            for sig, wait in ((signal.SIGINT, 30), (signal.SIGKILL, 30)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+
+
 def study(*args, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kilolayer", "study", *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        cwd=ROOT,
-        **kw,
-    )
+    return spawn(["-m", "kilolayer", "study", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
@@ -271,8 +303,14 @@ def both(ray_head, tmp_path_factory):
     remote = study(
         spec, "--out", tmp / "ray", "--executor", "ray", "--address", ray_head.address, "--cpus-per-run", "1"
     )
-    r_rc, r_out, r_err = finish(remote)
-    l_rc, l_out, l_err = finish(local)
+    try:
+        r_rc, r_out, r_err = finish(remote)
+        l_rc, l_out, l_err = finish(local)
+    finally:
+        for proc in (local, remote):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert l_rc == 0, l_out + l_err
     assert r_rc == 0, r_out + r_err
     return {
@@ -380,9 +418,16 @@ def test_out_not_shared_with_the_workers_is_refused_in_one_line(ray_head, tmp_pa
     assert not any(private.iterdir())  # nothing trained: nothing reached the real directory
 
 
+def _ray_env_restored(monkeypatch):
+    # kilolayer sets these in its own process before importing Ray: put this test process's back afterwards
+    for name in ("RAY_USAGE_STATS_ENABLED", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_executor_ray_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
     from kilolayer.cli import main
 
+    _ray_env_restored(monkeypatch)
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as when not installed
     spec = small_study(tmp_path)
     rc = main(["study", str(spec), "--out", str(tmp_path / "out"), "--executor", "ray"])
@@ -391,7 +436,34 @@ def test_executor_ray_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
     assert err.strip().splitlines() == [
         "kilolayer: error: --executor ray: Ray is not installed; install it with pip install 'kilolayer[ray]'"
     ]
-    assert not (tmp_path / "out" / "runs").exists() and not (tmp_path / "out" / "configs").exists()
+    assert not (tmp_path / "out").exists()  # refused before --out (or its study lock) is created
+
+
+@pytest.mark.parametrize(
+    "address, needle",
+    [
+        ("nonsense", "--address nonsense: expected auto or HOST:PORT"),
+        ("127.0.0.1:0", "--address 127.0.0.1:0: expected auto or HOST:PORT"),
+        ("127.0.0.1:{port}", "--address 127.0.0.1:{port}: nothing accepts connections at 127.0.0.1:{port} ("),
+    ],
+)
+def test_bad_address_is_one_line_within_seconds(tmp_path, monkeypatch, capsys, address, needle):
+    """Ray's own connect retries an address where nothing listens for minutes, deaf to Ctrl-C: kilolayer
+    refuses it first, in one line, before anything is written."""
+    pytest.importorskip("ray")
+    from kilolayer.cli import main
+
+    _ray_env_restored(monkeypatch)
+    port = free_ports(1)[0]  # nothing listens there
+    address, needle = address.format(port=port), needle.format(port=port)
+    t0 = time.monotonic()
+    rc = main(
+        ["study", str(small_study(tmp_path)), "--out", str(tmp_path / "out"), "--executor", "ray", "--address", address]
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"kilolayer: error: {needle}"), lines
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "out").exists()
 
 
 def test_importing_kilolayer_does_not_import_ray():
@@ -514,19 +586,8 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
         tmp_path / "fault.yaml", {"name": "fault", "groups": [{"name": g, "base": FAULT} for g in groups]}
     )
     reference = tmp_path / "reference"
-    alone = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kilolayer",
-            "train",
-            write_spec(tmp_path / "run.yaml", FAULT),
-            "--out",
-            reference,
-            "--quiet",
-        ],
-        env=ENV,
-        cwd=ROOT,
+    alone = spawn(
+        ["-m", "kilolayer", "train", write_spec(tmp_path / "run.yaml", FAULT), "--out", reference, "--quiet"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -600,24 +661,9 @@ def test_nproc_per_run_trains_under_torchrun_like_torchrun_itself(ray_head, tmp_
     base = {**TINY, "train": {**TINY["train"], "steps": 6, "eval_every": 3, "diagnostics_every": 0}}
     spec = write_spec(tmp_path / "ddp.yaml", {"name": "ddp", "groups": [{"name": "ddp", "base": base}]})
     ref = tmp_path / "torchrun"
-    alone = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "kilolayer",
-            "train",
-            write_spec(tmp_path / "run.yaml", base),
-            "--out",
-            ref,
-            "--quiet",
-        ],
-        env=ENV,
-        cwd=ROOT,
+    alone = spawn(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kilolayer", "train"]
+        + [write_spec(tmp_path / "run.yaml", base), "--out", ref, "--quiet"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -652,22 +698,28 @@ ray.shutdown()
     # temporary home; its session files go to a scratch directory (short: socket paths must fit 107 bytes)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     scratch = tempfile.mkdtemp(prefix="klray", dir="/tmp")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+        env={**env, "HOME": str(tmp_path), "RAY_TMPDIR": scratch},
+    )
     try:
-        p = subprocess.run(
-            [sys.executable, "-c", code, str(Path(__file__).parent)],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            timeout=300,
-            start_new_session=True,
-            env={**env, "HOME": str(tmp_path), "RAY_TMPDIR": scratch},
-        )
-        assert p.returncode == 0, p.stderr
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
         assert list(Path(scratch).glob("ray/session_*"))  # the session lived here, not in /tmp/ray
     finally:
+        try:  # the Ray it started, by process group, had the script failed or hung before ray.shutdown()
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
         shutil.rmtree(scratch, ignore_errors=True)
     assert (tmp_path / ".ray" / "auth_token").is_file()
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = json.loads(stdout.strip().splitlines()[-1])
     assert got["node"] == "127.0.0.1"
     assert got["listening"] and all(is_loopback(a) for a in got["listening"]), got
     assert got["usage_stats"] == "0"

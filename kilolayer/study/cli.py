@@ -127,6 +127,9 @@ def _check_executor(args) -> None:
         raise ConfigError(f"--gpus-per-run={args.gpus_per_run:g}: expected a number >= 0")
     if args.address is not None and not args.address.strip():
         raise ConfigError("--address: empty; give auto, HOST:PORT, or leave it out to start Ray on this machine")
+    from kilolayer.study.ray_executor import preflight
+
+    preflight(args.address)  # Ray missing, a bad --address: one line before --out is touched
 
 
 def _estimate(args) -> int:

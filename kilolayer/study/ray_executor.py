@@ -40,6 +40,7 @@ MAX_RETRIES = 3  # per task, for a dead worker, node or training process (Ray's 
 LOCK_WAIT_S = 300  # a retried point waits this long for the previous attempt's process to save and exit
 CHECK_TIMEOUT_S = 300  # for every node to read the shared-storage token back (includes starting workers)
 CANCEL_WAIT_S = 90  # after Ctrl-C, for the cancelled tasks' training processes to save and exit
+PROBE_TIMEOUT_S = 10  # for --address HOST:PORT to accept a TCP connection (Ray's own connect retries for minutes)
 
 
 class TrainingProcessDied(RuntimeError):
@@ -73,6 +74,40 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def preflight(address: str | None):
+    """What can be refused before anything is written: Ray missing (one line naming the extra), and an
+    ``--address`` that is malformed or where nothing accepts connections (checked here in seconds: Ray's
+    own connect retries for minutes, deaf to Ctrl-C). Returns the ``ray`` module."""
+    ray = import_ray(address)
+    if address is not None:
+        check_address(address)
+    return ray
+
+
+def check_address(address: str) -> None:
+    """One line unless ``address`` is ``auto`` or a ``[ray://]HOST:PORT`` that accepts a TCP connection."""
+    import socket
+
+    if address.strip() == "auto":
+        return
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"--address {address}: expected auto or HOST:PORT (the head's address that `ray start --head` "
+            f"prints, port 6379 by default), or leave it out to start Ray on this machine"
+        )
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+            pass
+    except OSError as err:
+        why = f"no answer within {PROBE_TIMEOUT_S}s" if isinstance(err, TimeoutError) else err.strerror or str(err)
+        raise ConfigError(
+            f"--address {address}: nothing accepts connections at {host}:{port} ({why}); is Ray running "
+            f"there (ray start --head --port {port}), and is the address the one it printed?"
+        ) from None
 
 
 def connect(ray, address: str | None) -> None:
@@ -298,7 +333,7 @@ def run_study_ray(
     """Train every point of ``spec`` as a Ray task (see the module docstring), run analyses, return the
     results read back from ``out`` exactly as :func:`kilolayer.study.runner.run_study` does."""
     points = expand(spec)  # a bad spec is one line before any cluster is touched
-    ray = import_ray(address)
+    ray = preflight(address)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     root = out.resolve()  # tasks run elsewhere: they get the absolute path
