@@ -1,4 +1,4 @@
-"""Over-smoothing metrics against hand-computed values and invariances (REFERENCE.md §3)."""
+"""Over-smoothing metrics against hand-computed values and invariances (docs/bamboo.md#over-smoothing-metrics)."""
 
 import math
 

@@ -174,7 +174,7 @@ def test_training_flops_match_the_counter(case):
 
 
 def test_training_flops_by_hand():
-    """6 x matmul weights x tokens + 12 x L x d x T^2 for a 1-layer encoder (REFERENCE.md section 4)."""
+    """6 x matmul weights x tokens + 12 x L x d x T^2 for a 1-layer encoder (docs/bamboo.md#model-flops-and-mfu)."""
     d, f, T = 32, 64, 10
     cfg = dict(arch="encoder", scheme="pre_ln", layers=1, width=d, heads=2, ffn=f, max_len=T)
     assert training_flops(cfg) == 6 * (4 * d * d + 2 * d * f) * T + 12 * d * T * T

@@ -1,4 +1,5 @@
-"""DeepNorm's constants against DeepNet's Table 1 (REFERENCE.md section 1), and where a built model puts them."""
+"""DeepNorm's constants against DeepNet's Figure 2(b) / section 4.3 (docs/deepnet.md#alpha-and-beta), and where a
+built model puts them."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def test_known_values():
     c = deepnorm_constants("encoder_decoder", encoder_layers=1, decoder_layers=1)
     assert c["encoder"] == pytest.approx((0.81, 0.87), rel=1e-14)
     assert c["decoder"] == pytest.approx((3**0.25, 12**-0.25), rel=1e-14)
-    # REFERENCE.md: at N=M=100 the paper's encoder beta is 0.206 (torchscale's 1.15 would give 0.273)
+    # docs/deepnet.md#torchscale-deviations: at N=M=100 the paper's encoder beta is 0.206
+    # (torchscale's 1.15 would give 0.273)
     c = deepnorm_constants("encoder_decoder", encoder_layers=100, decoder_layers=100)
     assert c["encoder"][1] == pytest.approx(0.2063, abs=5e-5)
     assert c["encoder"][0] == pytest.approx(0.81 * 10 ** (10 / 16), rel=1e-12)

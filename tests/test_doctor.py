@@ -118,7 +118,7 @@ def finding(d, code):
 
 
 def test_deepnorm_constants_make_the_bound_one():
-    """The bound as we read DeepNet's theorems: Table 1's constants make every sum 1 at any depth."""
+    """The bound as we read DeepNet's theorems: Figure 2(b)'s constants make every sum 1 at any depth."""
     for n in (1, 6, 100, 500):
         enc = load_config({"model": {"arch": "encoder", "layers": n, "scheme": "deepnorm"}}).model
         dec = load_config({"model": {"arch": "decoder", "layers": n, "scheme": "deepnorm"}}).model

@@ -1,4 +1,5 @@
-"""Initialisation of every branch weight by scheme (REFERENCE.md sections 1 and 2), measured on built models.
+"""Initialisation of every branch weight by scheme (docs/deepnet.md#which-weights-get-beta and
+#baseline-schemes), measured on built models.
 
 Widths are 256 (FFN 1024), so a 256x256 slice has 65,536 samples and its
 sample standard deviation is within ~0.3% of the true one; the tolerance

@@ -1,6 +1,6 @@
 """kilolayer vs torchscale 0.3.0 on copied weights: same forward numbers, different (paper vs torchscale) init.
 
-torchscale's forward formula is right (REFERENCE.md section 1), so with the
+torchscale's forward formula is right (docs/deepnet.md#torchscale-deviations), so with the
 same weights and the same input hidden states the two stacks must agree.
 torchscale runs its FFN activation and its softmax in float32 even on float64
 inputs (``activation_fn(x.float())``, ``softmax(dtype=float32)``), so a float64
@@ -200,7 +200,7 @@ def test_torchscale_flag_trap_is_pinned_down():
     """torchscale's default ``subln=True`` silently overrides ``*_normalize_before=False`` (Pre-LN);
     our builders therefore pass ``subln=False`` and check what was built.
 
-    (REFERENCE.md says ``DecoderConfig(deepnorm=True)`` stays Pre-LN; in 0.3.0 ``deepnorm=True`` turns
+    (An earlier note said ``DecoderConfig(deepnorm=True)`` stays Pre-LN; in 0.3.0 ``deepnorm=True`` turns
     ``subln`` off first, so it does build Post-LN -- pinned here so a change in the peer is noticed.)
     """
     trap = EncoderConfig(encoder_normalize_before=False)

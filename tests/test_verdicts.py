@@ -38,7 +38,8 @@ CHANCE = {"loss": 2.4, "accuracy": 0.1}
 
 
 def test_t_quantiles_match_the_table():
-    # one-sided 95% Student-t quantiles (REFERENCE: t(1) = 6.314, t(2) = 2.920, t(3) = 2.353, t(9) = 1.833)
+    # one-sided 95% Student-t quantiles (docs/bamboo.md#verdict-rule):
+    # t(1) = 6.314, t(2) = 2.920, t(3) = 2.353, t(9) = 1.833
     for df, t in [(1, 6.314), (2, 2.920), (3, 2.353), (4, 2.132), (5, 2.015), (9, 1.833)]:
         assert t_quantile(df) == pytest.approx(t, abs=1e-3)
 

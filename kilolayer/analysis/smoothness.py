@@ -1,4 +1,4 @@
-"""Over-smoothing metrics on hidden states, layer by layer (REFERENCE.md §3).
+"""Over-smoothing metrics on hidden states, layer by layer (docs/bamboo.md#over-smoothing-metrics).
 
 Every metric takes hidden states ``(B, T, D)`` and an optional padding mask
 ``(B, T)`` (bool, True = padding) and returns one value per sample ``(B,)``;

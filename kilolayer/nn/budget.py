@@ -1,7 +1,7 @@
 """Parameter and FLOP budgets from a config alone, and the depth-width configurator.
 
 ``count_parameters(cfg)`` is exact: it equals ``sum(p.numel())`` of the built
-model for every scheme. ``training_flops`` is REFERENCE.md section 4: model
+model for every scheme. ``training_flops`` is docs/bamboo.md#model-flops-and-mfu: model
 FLOPs of one training step = 6 x (matmul parameters x tokens they act on) +
 12 x layers x heads x head size x query length x key length, summed over
 self- and cross-attention. Non-matmul work (norms, activations, softmax) is

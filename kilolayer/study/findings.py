@@ -513,7 +513,7 @@ def deepnet_update(results, out):
         "deepnet_update",
         "Post-LN's early updates are large; DeepNorm's stay bounded",
         "DeepNorm bounds the model update in the first steps by a constant, whereas Post-LN's update grows with "
-        "depth and destabilises training (DeepNet, section 3 and its Figure 3).",
+        "depth and destabilises training (DeepNet, section 3, Figure 4(a); across depths, Figure 5).",
         "Wang et al. 2022, DeepNet (arXiv 2203.00555)",
         rule,
         v,

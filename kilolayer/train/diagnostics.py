@@ -1,4 +1,4 @@
-"""DeepNet's stability diagnostics (REFERENCE.md section 1), logged during training.
+"""DeepNet's stability diagnostics (docs/deepnet.md#stability-diagnostics), logged during training.
 
 * per-layer gradient norm: ||grad|| over each Transformer layer's parameters;
 * model update: ||F(x, theta_t) - F(x, theta_0)|| on a fixed probe batch, as the

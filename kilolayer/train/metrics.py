@@ -9,7 +9,7 @@ Anything that times training steps can use it (the training loop, ``benchmarks/`
         ...
     meter.report()  # {"tokens_per_s", "flops_per_s", "mfu", "peak_mem_gib"} since the previous report
 
-* **Model FLOPs** are REFERENCE.md section 4's: per token, 6 x matmul weights +
+* **Model FLOPs** are those of docs/bamboo.md#model-flops-and-mfu: per token, 6 x matmul weights +
   12 x layers x heads x head size x sequence length (:func:`kilolayer.nn.budget.training_flops`),
   plus 6 x the objective's own matmul weights (its heads) per token. Non-matmul
   work is not counted. With a frozen backbone (a linear probe) the backbone
