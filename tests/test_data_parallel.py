@@ -384,7 +384,10 @@ def test_tiny_training_lowers_validation_loss_with_a_finite_bleu(root, tmp_path)
 
     cfg = config(root).model_dump()
     cfg["objective"]["options"] = {"decode_samples": 16}
-    cfg["train"].update(steps=60, batch_size=8, lr=3e-3, warmup=10, eval_every=30, eval_batches=2, log_every=10)
+    # peak_flops given: MFU needs no measurement of this machine in the private cache
+    cfg["train"].update(
+        steps=60, batch_size=8, lr=3e-3, warmup=10, eval_every=30, eval_batches=2, log_every=10, peak_flops=1e12
+    )
     train(cfg, tmp_path / "run", quiet=True)
     evals = [
         r

@@ -42,6 +42,7 @@ Batches are those of the ``synthetic`` tasks (``src``, ``tgt_in``, ``tgt_out`` a
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -54,6 +55,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kilolayer.data.base import register_source
@@ -558,6 +560,31 @@ def _encode(tok, pairs: list) -> list[tuple[list[int], list[int]]]:
     return [(s.ids, t.ids) for s, t in zip(src, tgt)]
 
 
+def encoded_splits(key: str, corpus: dict, tok, vocab: int) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """Every split's pairs as ids, cached beside the vocabulary (encoding all pairs costs far more than reading
+    them back): per split and side, the ids end to end and each sentence's length."""
+
+    def build() -> dict:
+        out = {}
+        for split in SPLITS:
+            encoded = _encode(tok, corpus[split])
+            for side, name in ((0, "src"), (1, "tgt")):
+                out[f"{split}_{name}"] = torch.as_tensor([i for e in encoded for i in e[side]], dtype=torch.int32)
+                out[f"{split}_{name}_len"] = torch.as_tensor([len(e[side]) for e in encoded], dtype=torch.int32)
+        return out
+
+    data = cached(f"{key}-{TOKENIZER}{vocab}-ids", build)
+    splits = {}
+    for split in SPLITS:
+        sides = []
+        for name in ("src", "tgt"):
+            flat, lengths = data[f"{split}_{name}"].tolist(), data[f"{split}_{name}_len"].tolist()
+            ends = list(itertools.accumulate(lengths))
+            sides.append([flat[e - n : e] for e, n in zip(ends, lengths)])
+        splits[split] = list(zip(*sides))
+    return splits
+
+
 def make_source(name: str, config) -> ParallelCorpus:
     opts = parse_options(ParallelOptions, config.data.options, "data.options")
     m = config.model
@@ -579,8 +606,7 @@ def make_source(name: str, config) -> ParallelCorpus:
         )
     limit = m.max_len - 1  # the decoder reads BOS + target and predicts target + EOS
     splits, too_long = {}, {}
-    for split in SPLITS:
-        encoded = _encode(tok, corpus[split])
+    for split, encoded in encoded_splits(key, corpus, tok, opts.vocab).items():
         splits[split] = [(s, t) for s, t in encoded if len(s) <= limit and len(t) <= limit]
         too_long[split] = len(encoded) - len(splits[split])
     if not splits["train"] or not splits[opts.eval_split]:
