@@ -8,11 +8,13 @@ into other tests.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import math
 import re
 import sys
+import tempfile
 import types
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
@@ -23,8 +25,10 @@ import torch.nn.functional as F
 
 from kilolayer.config import load_config
 from kilolayer.data import SOURCES, load_source
+from kilolayer.errors import ConfigError
 from kilolayer.nn.residual import SCHEMES, Depth, make_scheme
 from kilolayer.objectives import OBJECTIVES, build_task
+from kilolayer.registry import Registry
 from kilolayer.study.findings import FINDINGS, HELD, INCONCLUSIVE, evaluate_findings
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import Point, load_spec
@@ -84,6 +88,28 @@ def test_every_marked_block_is_one_of_the_four_examples():
     assert GUIDE.read_text(encoding="utf-8").count("```python") == len(names)
 
 
+def test_every_registry_the_guide_names(tmp_path):
+    text = GUIDE.read_text(encoding="utf-8")
+    named = {
+        "kilolayer.nn.residual.SCHEMES": "model.scheme",
+        "kilolayer.objectives.OBJECTIVES": "objective.name",
+        "kilolayer.data.SOURCES": "data.name",
+        "kilolayer.study.findings.FINDINGS": "study.findings",
+        "kilolayer.study.builtin.BUILTIN": "study",
+        "kilolayer.study.runner.ANALYSES": "analyses",
+    }
+    for path, field in named.items():
+        module, attr = path.rsplit(".", 1)
+        registry = getattr(importlib.import_module(module), attr)
+        assert isinstance(registry, Registry) and registry.field == field and f"`{path}`" in text, path
+    # a study group's analyses are checked against their registry, with its one line
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: s\ngroups: [{name: g, analyses: [smoothnes]}]\n")
+    with pytest.raises(ConfigError) as err:
+        load_spec(spec)
+    assert str(err.value) == "analyses='smoothnes': unknown analysis; allowed: smoothness"
+
+
 def test_the_scheme_example(tmp_path):
     with example("scheme") as (mod, printed):
         assert "pre_ln_scaled" in SCHEMES and mod.ScaledPreLN.name == "pre_ln_scaled"
@@ -120,8 +146,10 @@ def test_the_scheme_example(tmp_path):
     assert "pre_ln_scaled" not in SCHEMES
 
 
-def test_the_objective_example(tmp_path):
+def test_the_objective_example(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the example trains into tempfile.mkdtemp()
     with example("objective") as (mod, printed):
+        assert mod.run.is_relative_to(tmp_path)
         assert printed.strip() == "{'status': 'completed', 'step': 2}"
         config = load_config(mod.config)
         losses = [r["loss"] for r in train_records(mod.run)]
@@ -183,8 +211,6 @@ def test_the_source_example(tmp_path):
         losses = [r["loss"] for r in train_records(tmp_path / "run")]
         assert len(losses) == 2 and losses[0] == pytest.approx(first_loss(config), rel=1e-5)
         # a model that cannot take the data is refused in one line
-        from kilolayer.errors import ConfigError
-
         small = config.model_copy(update={"model": config.model.model_copy(update={"vocab_size": 8})})
         with pytest.raises(ConfigError, match=r"^model.vocab_size=8: data.name='counting' needs at least 16$"):
             load_source(small)

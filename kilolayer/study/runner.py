@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +29,13 @@ from pathlib import Path
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import KilolayerError
+from kilolayer.registry import Registry
 from kilolayer.rundir import FINISHED, read_metrics, read_status
 from kilolayer.study.spec import Point, StudySpec, expand
+
+# a group's ``analyses: [NAME]``: fn(run_dir, target) writes target/NAME.json for one completed run (the spec's
+# validation reads this registry)
+ANALYSES: Registry[Callable[[Path, Path], None]] = Registry("analyses", "analysis")
 
 
 @dataclass
@@ -218,14 +224,20 @@ def run_point(point: Point, out: Path, log=print, threads: int | None = None) ->
     return a.status, a.seconds, a.trained
 
 
-def run_analysis(name: str, run_dir: Path) -> Path:
-    """Run analysis ``name`` (one of spec.ANALYSES) on a finished run; results go to run_dir/analysis/name."""
-    target = Path(run_dir) / "analysis" / name
-    if name == "smoothness":
-        from kilolayer.analysis.smoothness import save_smoothness, smoothness_of_run
+@ANALYSES.register("smoothness")
+def smoothness_analysis(run_dir: Path, target: Path) -> None:
+    """Over-smoothing curves of the run's own validation data, through the stack's observer (as ``kilolayer
+    analyze --run``)."""
+    from kilolayer.analysis.smoothness import save_smoothness, smoothness_of_run
 
-        # the run's own validation data, through the stack's observer (as `kilolayer analyze --run`)
-        save_smoothness(smoothness_of_run(run_dir, samples=256), target)
+    save_smoothness(smoothness_of_run(run_dir, samples=256), target)
+
+
+def run_analysis(name: str, run_dir: Path) -> Path:
+    """Run analysis ``name`` (registered in :data:`ANALYSES`) on a finished run; results go to
+    run_dir/analysis/name."""
+    target = Path(run_dir) / "analysis" / name
+    ANALYSES.get(name)(run_dir, target)
     return target
 
 
