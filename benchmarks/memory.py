@@ -4,8 +4,9 @@ Each point runs in its own subprocess: build the model, run two fp32 training
 steps (forward + LM head + cross-entropy + backward + AdamW; the second step
 holds AdamW state and activations at once) and report the process's peak
 resident set size (VmHWM), next to its size right after the imports.
-kilolayer checkpoints through ``model.checkpoint_activations``, torchscale
-through its ``checkpoint_activations`` flag (fairscale); x-transformers has no
+kilolayer checkpoints through ``kilolayer.train.parallelize`` (as its trainer
+does for ``model.checkpoint_activations``), torchscale through its
+``checkpoint_activations`` flag (fairscale); x-transformers has no
 checkpointing. Also: a 500L-500L width-64 DeepNorm encoder-decoder.
 
     python -m benchmarks.memory [--smoke] [--depths 12,100,1000] [--out FILE]

@@ -17,6 +17,7 @@ import torch
 
 import kilolayer
 from kilolayer import build_model
+from kilolayer.train.parallelize import checkpoint_layers
 
 # benchmarks/ sits next to tests/ and is not an installed package: make it importable under any runner
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -237,8 +238,9 @@ def test_activation_checkpointing_gives_identical_gradients(arch, scheme):
     )
     torch.manual_seed(0)
     plain = build_model(cfg).double()
-    ckpt = build_model({**cfg, "checkpoint_activations": True}).double()
+    ckpt = build_model(cfg).double()
     ckpt.load_state_dict(plain.state_dict())
+    checkpoint_layers(ckpt)  # from outside the model, as the trainer's parallelize step does
     g = torch.Generator().manual_seed(1)
     src, tgt = torch.randint(0, 32, (4, 16), generator=g), torch.randint(0, 32, (4, 12), generator=g)
     pad = torch.zeros(4, 16, dtype=torch.bool)

@@ -201,7 +201,7 @@ RSS_SCRIPT = textwrap.dedent("""
     from kilolayer.train.loop import split_batch
     from kilolayer.train.memory import estimate_memory
     from kilolayer.train.optim import build_optimizer
-    from kilolayer.train.parallelize import checkpoint_layers
+    from kilolayer.train.parallelize import apply_checkpointing
     torch.set_num_threads(1)
 
     def status(key):
@@ -216,8 +216,7 @@ RSS_SCRIPT = textwrap.dedent("""
     base = status("VmRSS:")
     torch.manual_seed(0)
     task = build_task(cfg, None).train()  # the model alone: the batches are made above
-    if cfg.model.checkpoint_activations:
-        checkpoint_layers(task.backbone)  # as the trainer's parallelize step applies it
+    apply_checkpointing(task, cfg)  # as the trainer's parallelize step applies it
     opt = build_optimizer(task, tc)
     for batch in batches:  # the trainer's step: micro-batches, autocast, clipping, AdamW
         micro = split_batch(batch, tc.accumulate)

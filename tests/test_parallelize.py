@@ -1,6 +1,7 @@
 """kilolayer.train.parallelize: activation checkpointing applied from outside the model trains exactly as the plain
 model does (same losses and gradients, bit for bit), keeps what the memory estimate says, and leaves parameter
-names alone; the objective contract is enforced when a class is defined."""
+names alone (a contrastive text tower too, when its own model section asks); the objective contract is enforced
+when a class is defined."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kilolayer.data import load_source
 from kilolayer.objectives import Objective, build_task
 from kilolayer.train import distributed as D
 from kilolayer.train.loop import split_batch
+from kilolayer.train.memory import estimate_memory
 from kilolayer.train.parallelize import parallelize, transformer_layers
 
 S2S = {"arch": "encoder_decoder", "layers": 3, "decoder_layers": 3, "width": 32, "heads": 4, "ffn": 64}
@@ -106,6 +108,51 @@ def test_parameter_names_and_state_dict_do_not_change():
     parallelize(task, cfg, D.Dist())  # a second time changes nothing either
     assert list(task.state_dict()) == before
     assert [n for n, _ in task.named_modules()] == [n for n, _ in build_task(cfg, source).named_modules()]
+
+
+def _clip_step(text_checkpoint: bool, image_checkpoint: bool = False):
+    """(config, loss, gradients by name, forward calls of the image and text towers' first layers) of one
+    training step of a tiny CLIP, with dropout on (recomputation must replay it)."""
+    image = {"input": "patches", "channels": 1, "image_size": 8, "patch_size": 2, "width": 32, "heads": 4}
+    text = {"layers": 2, "width": 32, "heads": 4, "checkpoint_activations": text_checkpoint}
+    cfg = load_config(
+        {
+            "model": {**image, "ffn": 64, "layers": 2, "dropout": 0.1, "checkpoint_activations": image_checkpoint},
+            "objective": {"name": "contrastive", "options": {"embed_dim": 16, "text_model": text}},
+            "data": {"name": "digit_captions"},
+            "train": {"batch_size": 8, "seed": 0},
+        }
+    )
+    source = load_source(cfg)
+    torch.manual_seed(0)
+    task = build_task(cfg, source)
+    model = parallelize(task, cfg, D.Dist()).train()
+    calls = {"image": 0, "text": 0}
+    for tower, backbone in (("image", task.backbone), ("text", task.objective.text)):
+        first = next(m for m in transformer_layers(backbone)[0].modules() if isinstance(m, torch.nn.Linear))
+        first.register_forward_pre_hook(lambda m, a, tower=tower: calls.__setitem__(tower, calls[tower] + 1))
+    loss, _ = model(source.train_batch(0, 8))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in task.named_parameters() if p.grad is not None}
+    return cfg, float(loss.detach()), grads, calls
+
+
+def test_the_contrastive_text_tower_is_checkpointed_when_its_options_say_so():
+    """objective.options.text_model.checkpoint_activations recomputes the text tower's layers (and only
+    them) in the backward pass, with the loss and every gradient exactly those of the plain step."""
+    cfg_off, loss_off, grads_off, calls_off = _clip_step(False)
+    cfg_on, loss_on, grads_on, calls_on = _clip_step(True)
+    assert calls_off == {"image": 1, "text": 1}
+    assert calls_on == {"image": 1, "text": 2}
+    assert loss_on == loss_off
+    assert grads_on.keys() == grads_off.keys() and any(n.startswith("objective.text.") for n in grads_on)
+    for name, g in grads_off.items():
+        assert torch.equal(grads_on[name], g), name
+    # model.checkpoint_activations is the image tower's alone
+    _, loss_image, _, calls_image = _clip_step(False, image_checkpoint=True)
+    assert calls_image == {"image": 2, "text": 1} and loss_image == loss_off
+    # and the memory estimate counts the text tower as checkpointed
+    assert estimate_memory(cfg_on)["activations"] < estimate_memory(cfg_off)["activations"]
 
 
 # ---------------------------------------------------------------- the objective contract

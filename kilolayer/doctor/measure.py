@@ -116,10 +116,11 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
 
     Writes nothing and leaves the global random state as it found it."""
     from kilolayer.data import load_source
+    from kilolayer.nn.transformer import data_dependent_init
     from kilolayer.objectives import build_task
     from kilolayer.train.loop import seed_everything, split_batch, to_device
     from kilolayer.train.optim import build_optimizer, build_scheduler
-    from kilolayer.train.parallelize import checkpoint_layers
+    from kilolayer.train.parallelize import apply_checkpointing
 
     t0 = time.perf_counter()
     dev = torch.device(device)
@@ -133,14 +134,10 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
             from kilolayer.train.init_from import load_pretrained
 
             load_pretrained(task, tc.init_from, freeze=tc.freeze_backbone)
-        if config.model.scheme == "admin" and config.model.admin_omega == "profile":
-            from kilolayer.nn.residual import admin_profile
-
-            batch = source.train_batch(0, tc.batch_size)
-            admin_profile(task.backbone, lambda: objective(task.backbone, batch))
+        # as the trainer does: the batch is drawn only if the scheme runs the pass (Admin's profiled omega)
+        data_dependent_init(task.backbone, lambda: objective(task.backbone, source.train_batch(0, tc.batch_size)))
         task.to(dev)
-        if config.model.checkpoint_activations:
-            checkpoint_layers(task.backbone)  # as the trainer's parallelize step does
+        apply_checkpointing(task, config)  # as the trainer's parallelize step does
         optimizer = build_optimizer(task, tc)
         scheduler = build_scheduler(optimizer, tc)
         # the trainer takes its probe batch and F(x, theta_0) in its own RNG stream only when it logs
@@ -242,6 +239,7 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
     from kilolayer.data import load_source
     from kilolayer.rundir import checkpoint_step, intact_checkpoint, load_run
     from kilolayer.train.loop import split_batch, to_device
+    from kilolayer.train.parallelize import apply_checkpointing
 
     ckpt = intact_checkpoint(run_dir)
     if ckpt is None or start.reference is None:
@@ -253,6 +251,7 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
         current, ln_names, ln_input = diag.probe(task.objective, task.backbone, start.probe_batch)
         update = diag.update_size(current, start.reference)
         source = load_source(config)
+        apply_checkpointing(task, config)  # the gradients below take what training takes, no more
         task.train()
         tc = config.train
         micro = split_batch(source.train_batch(step, tc.batch_size, 0, 1), tc.accumulate)

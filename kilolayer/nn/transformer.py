@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from kilolayer.config import ModelConfig, model_config
 from kilolayer.errors import InputError
@@ -155,7 +154,7 @@ def attention_mask(padding: torch.Tensor | None, causal: bool, length: int, devi
 
 
 class Stack(nn.Module):
-    """N layers of one side, with the scheme's final norm. ``checkpoint_activations`` recomputes each layer."""
+    """N layers of one side, with the scheme's final norm."""
 
     def __init__(self, cfg: ModelConfig, scheme: Scheme, side: str, n: int, cross: bool = False):
         super().__init__()
@@ -163,7 +162,6 @@ class Stack(nn.Module):
         self.causal = side == "decoder"
         self.layers = nn.ModuleList(Layer(cfg, scheme, side, i, cross=cross) for i in range(n))
         self.final_norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps) if scheme.final_norm else None
-        self.checkpoint_activations = cfg.checkpoint_activations
 
     def forward(
         self,
@@ -177,13 +175,9 @@ class Stack(nn.Module):
         memory_mask = None if memory_padding_mask is None else ~memory_padding_mask[:, None, None, :]
         if observe is not None:
             observe(0, x)
-        recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         last = len(self.layers)
         for i, layer in enumerate(self.layers, 1):
-            if recompute:
-                x = checkpoint(layer, x, mask, memory, memory_mask, use_reentrant=False)
-            else:
-                x = layer(x, mask, memory, memory_mask)
+            x = layer(x, mask, memory, memory_mask)
             if i == last and self.final_norm is not None:
                 if observe is not None and getattr(observe, "before_final_norm", False):
                     observe(i, x)  # the last block's own output, before the norm's shared bias and scale

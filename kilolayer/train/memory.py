@@ -24,8 +24,10 @@
   through its math path and keeps three fp32 T x S matrices per head (dropout
   there keeps an fp32 noise tensor; on CUDA a bool mask). With
   ``model.checkpoint_activations`` each layer keeps only its input, and one
-  layer is recomputed at a time. A vocabulary head keeps logits, log-probabilities
-  and their gradient: 12 bytes (14 in bf16) per token and vocabulary entry.
+  layer is recomputed at a time (likewise for a contrastive text tower whose
+  ``objective.options.text_model`` sets it; :mod:`kilolayer.train.parallelize`).
+  A vocabulary head keeps logits, log-probabilities and their gradient: 12
+  bytes (14 in bf16) per token and vocabulary entry.
   bf16 also keeps a 2-byte copy of every matmul weight (autocast's cache).
 * ``total``: the peak of a steady-state step: parameters + optimizer + the larger
   of activations (the forward's end) and gradients + the optimizer's temporary
@@ -82,7 +84,7 @@ class _Sublayer:
     norms: int  # LayerNorms around the branch (pre, out, post)
     inner_norm: bool
     head_scale: bool
-    gains: int  # elementwise products on the branch output (LayerScale gain, ReZero's scalar)
+    gains: int  # elementwise products on the branch output (LayerScale's branch scale, ReZero's scalar)
     dropout: float
 
 
@@ -96,7 +98,7 @@ def _config_layers(cfg: ModelConfig, side: str, n: int, cross: bool) -> Counter:
         ds_init_variant=cfg.ds_init_variant,
     )
     kinds = ("self_attn", "cross_attn", "ffn") if cross else ("self_attn", "ffn")
-    gains = int(scheme.channel_gain) + int(scheme.layer_gain)
+    gains = int(scheme.branch_scale is not None)  # per channel (LayerScale) or one per layer (ReZero)
     outer = int(scheme.pre_norm) + int(scheme.post_norm)
     flags: Counter = Counter()  # (norms, inner norm, head scale) per sublayer -> layers
     for i in range(n):
@@ -166,7 +168,7 @@ class _Precision:
 def _sublayer_bytes(s: _Sublayer, p: _Precision, batch: int, length: int, source: int) -> int:
     """Bytes one sublayer keeps for ``batch`` sequences of ``length`` query tokens (``source`` key tokens)."""
     d, f, h = s.width, s.ffn, s.heads
-    # a LayerNorm on the residual stream keeps its fp32 input; y * gain keeps the branch output y
+    # a LayerNorm on the residual stream keeps its fp32 input; y * scale keeps the branch output y
     per_token = 4 * d * s.norms + p.matmul * d * s.gains
     per_source = 0
     if s.kind == "ffn":
@@ -263,15 +265,16 @@ def estimate_memory(
     if m.input == "patches":
         acts += 4 * m.channels * m.patch_size**2 * batch * m.num_patches  # the patch projection's input
     acts += 4 * m.width * batch * length  # the final hidden states, the heads' input
-    # the objective's own stacks: a text tower at its own length, MAE's decoder over every patch + CLS
+    # the objective's own stacks: a text tower at its own length, checkpointed when its own model section
+    # asks (as kilolayer.train.parallelize does); MAE's decoder over every patch + CLS, never checkpointed
     towers = {id(s) for mod in objective.modules() if isinstance(mod, Backbone) for s in mod.stacks()}
     for mod in objective.modules():
         if isinstance(mod, Backbone):
             for stack in mod.stacks():
                 L = mod.config.seq_len
-                acts += _stack_bytes(_module_layers(stack), prec, batch, L, L, stack.checkpoint_activations)
+                acts += _stack_bytes(_module_layers(stack), prec, batch, L, L, mod.config.checkpoint_activations)
         elif isinstance(mod, Stack) and id(mod) not in towers:
-            acts += _stack_bytes(_module_layers(mod), prec, batch, m.seq_len, m.seq_len, mod.checkpoint_activations)
+            acts += _stack_bytes(_module_layers(mod), prec, batch, m.seq_len, m.seq_len, False)
     # vocabulary heads: logits over every token (MLM: over the masked share)
     share = float(getattr(objective, "mask_prob", 1.0))
     for mod in objective.modules():

@@ -5,7 +5,10 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
 
 * ``model.checkpoint_activations``: each layer's forward runs under :func:`torch.utils.checkpoint.checkpoint`
   (non-reentrant) while training with gradients on, so the backward pass keeps only each layer's input and
-  recomputes one layer at a time. The module tree, hence parameter names and checkpoints, is unchanged.
+  recomputes one layer at a time. The module tree, hence parameter names and checkpoints, is unchanged. A
+  backbone that an objective builds from a model section of its own (the contrastive objective's text tower,
+  ``objective.options.text_model``) is checkpointed when that section sets ``checkpoint_activations``
+  (:func:`apply_checkpointing`).
 * ``train.compile``: ``torch.compile`` on each layer (the stack's Python loop, embeddings and heads stay eager).
 * under ``torchrun``, ``train.parallel``: ``fsdp`` shards each layer and then the whole task (FSDP2's
   ``fully_shard``); ``ddp`` wraps the task in ``DistributedDataParallel``. One process: nothing.
@@ -20,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kilolayer.config import Config
+from kilolayer.nn.transformer import Backbone
 from kilolayer.train import distributed as D
 
 
@@ -43,12 +47,32 @@ class _Recompute:
 def checkpoint_layers(backbone: nn.Module) -> None:
     """Recompute each Transformer layer in the backward pass instead of keeping its activations (in place;
     names and state dict unchanged). Calling it twice does nothing more."""
-    for stack in backbone.stacks():
-        # the stack's own recompute (kilolayer/nn, until it is removed there) would nest inside this one
-        stack.checkpoint_activations = False
     for layer in transformer_layers(backbone):
         if not isinstance(layer.forward, _Recompute):
             layer.forward = _Recompute(layer, layer.forward)
+
+
+def checkpointed_backbones(task: nn.Module, config: Config) -> list[nn.Module]:
+    """The backbones of ``task`` whose layers activation checkpointing recomputes: the task's own backbone
+    with ``model.checkpoint_activations``, and each backbone its objective builds from a model section of its
+    own (the contrastive text tower: ``objective.options.text_model``) when that section sets it."""
+    chosen = [task.backbone] if config.model.checkpoint_activations else []
+    chosen += [
+        m
+        for m in task.objective.modules()
+        if isinstance(m, Backbone) and m is not task.backbone and m.config.checkpoint_activations
+    ]
+    return chosen
+
+
+def apply_checkpointing(task: nn.Module, config: Config) -> list[nn.Module]:
+    """Activation checkpointing as ``config`` asks (:func:`checkpointed_backbones`), in place; returns the
+    backbones it applied to. The first step of :func:`parallelize`, for code that trains a task outside the
+    trainer (the doctor's replay)."""
+    chosen = checkpointed_backbones(task, config)
+    for backbone in chosen:
+        checkpoint_layers(backbone)
+    return chosen
 
 
 def compile_layers(backbone: nn.Module, **options) -> None:
@@ -80,8 +104,7 @@ def parallelize(task: nn.Module, config: Config, env: D.Dist) -> nn.Module:
     """Apply activation checkpointing, compile and DDP/FSDP2 to ``task`` (a :class:`~kilolayer.objectives.Task`
     already on its device), as ``config`` asks; returns the module to call for training steps (the task, or
     its DDP wrapper)."""
-    if config.model.checkpoint_activations:
-        checkpoint_layers(task.backbone)
+    apply_checkpointing(task, config)
     if config.train.compile:
         compile_layers(task.backbone)
     return distribute(task, config.train.parallel, env)
