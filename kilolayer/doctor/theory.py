@@ -47,11 +47,11 @@ def _side_sum(scheme, side: str, depth) -> float:
     for layer in range(depth.layers(side)):
         for kind in kinds:
             site = Site(side, layer, kind)
-            alpha = scheme.shortcut_init(site) if scheme.learned_shortcut else scheme.alpha(site)
+            alpha = scheme.alpha(site)  # the shortcut scale at initialisation (Admin's omega too)
             v, w = (
-                (scheme.gain(site, "w1"), scheme.gain(site, "w2"))
+                (scheme.init_gain(site, "w1"), scheme.init_gain(site, "w2"))
                 if kind == "ffn"
-                else (scheme.gain(site, "v"), scheme.gain(site, "o"))
+                else (scheme.init_gain(site, "v"), scheme.init_gain(site, "o"))
             )
             total += (v * v + w * w) / alpha**2
     return total
@@ -63,8 +63,8 @@ def _cross_factor(scheme, depth) -> float:
     total = 0.0
     for layer in range(depth.M):
         site = Site("decoder", layer, "cross_attn")
-        alpha = scheme.shortcut_init(site) if scheme.learned_shortcut else scheme.alpha(site)
-        total += scheme.gain(site, "v") * scheme.gain(site, "o") / alpha
+        alpha = scheme.alpha(site)
+        total += scheme.init_gain(site, "v") * scheme.init_gain(site, "o") / alpha
     return total
 
 

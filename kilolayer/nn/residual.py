@@ -184,25 +184,6 @@ class Scheme:
         """Set any data-dependent initial values of ``model`` from one forward pass ``run()``; None if none."""
         return None
 
-    # -- old names, still read by kilolayer/train/memory.py, kilolayer/doctor/theory.py and cited by
-    #    docs/deepnet.md; remove when they move to the names above
-    @property
-    def channel_gain(self) -> bool:
-        return self.branch_scale == "channel"
-
-    @property
-    def layer_gain(self) -> bool:
-        return self.branch_scale == "layer"
-
-    def gain(self, site: Site, weight: str) -> float:
-        return self.init_gain(site, weight)
-
-    def shortcut_init(self, site: Site) -> float:
-        return self.alpha(site)
-
-    def channel_gain_init(self) -> float:
-        return self.branch_scale_init()
-
 
 def make_scheme(name: str, depth: Depth, **options) -> Scheme:
     """The scheme called ``name`` set for ``depth``; a one-line ConfigError naming the choices if unknown."""
@@ -256,23 +237,3 @@ class Residual(nn.Module):
         if shared_scale is not None:
             y = y * shared_scale
         return self.post_norm(self.shortcut(x) + self.dropout(y))
-
-
-# names that moved out of this module: the schemes now live in the module that registers them
-MOVED = {
-    **dict.fromkeys(
-        ("PostLN", "PreLN", "SubLN", "SandwichLN", "NormFormer", "LayerScale", "ReZero", "DSInit", "TFixup"),
-        "kilolayer.nn.schemes",
-    ),
-    "DeepNorm": "kilolayer.nn.deepnorm",
-    "Admin": "kilolayer.nn.admin",
-    "admin_profile": "kilolayer.nn.admin",
-}
-
-
-def __getattr__(name: str):
-    if name in MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
