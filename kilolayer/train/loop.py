@@ -314,7 +314,7 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         tc = self.config.train
-        data = ckpt.load_checkpoint(path)
+        data = ckpt.upgrade_checkpoint(self.task, ckpt.load_checkpoint(path))  # issue 13's renamed keys too
         ckpt.check_fits(path / "model.safetensors", data["model"], self.task.state_dict())
         st = data["state"]
         if tc.steps < int(st["step"]):
