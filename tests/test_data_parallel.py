@@ -472,3 +472,23 @@ def test_real_packages_counts_and_hygiene():
         keys = {sp: {P.near_key(p[side]) for p in corpus[sp]} for sp in P.SPLITS}
         assert not keys["train"] & keys["test"] and not keys["train"] & keys["validation"]
         assert not keys["validation"] & keys["test"]
+
+
+# ------------------------------------------------------------------ the deepnet_mt studies
+
+
+@pytest.mark.parametrize(
+    "name, depths, points", [("deepnet_mt", [6, 18, 50, 100], 24), ("deepnet_mt_slice", [6, 18], 12)]
+)
+def test_deepnet_mt_studies_compare_three_schemes_at_one_lr_and_warmup(name, depths, points):
+    from kilolayer.study.spec import expand, load_spec
+
+    pts = expand(load_spec(name))
+    assert len(pts) == points
+    cfgs = [p.config for p in pts]
+    assert {c.model.scheme for c in cfgs} == {"post_ln", "pre_ln", "deepnorm"}
+    assert sorted({(c.model.layers, c.model.decoder_layers) for c in cfgs}) == [(d, d) for d in depths]
+    assert {c.train.seed for c in cfgs} == {0, 1}
+    assert len({(c.train.lr, c.train.warmup, c.train.schedule, c.train.steps) for c in cfgs}) == 1
+    assert all(c.data.name == "de_en" and c.objective.name == "seq2seq" and c.train.patience > 0 for c in cfgs)
+    assert all(c.model.vocab_size == c.data.options["vocab"] for c in cfgs)
