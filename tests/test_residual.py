@@ -323,6 +323,34 @@ def test_loaded_weights_count_as_profiled():
         partial(src, tgt)
 
 
+def test_loaded_omega_is_not_profiled_again():
+    """Fine-tuning from a profiled Admin model (init_from) keeps the omega it loaded."""
+    torch.manual_seed(0)
+    profiled = build_model(ADMIN)
+    src, tgt = admin_batch()
+    data_dependent_init(profiled, lambda: profiled(src, tgt))
+    with torch.no_grad():
+        for m in profiled.modules():
+            if isinstance(m, Residual):
+                m.shortcut.omega.fill_(0.5)  # as if trained away from the profile
+    fresh = build_model(ADMIN)
+    fresh.load_state_dict(profiled.state_dict())
+    calls = []
+    assert data_dependent_init(fresh, lambda: calls.append(1) or fresh(src, tgt)) is None and calls == []
+    assert all(torch.all(m.shortcut.omega == 0.5) for m in fresh.modules() if isinstance(m, Residual))
+
+
+def test_every_backbone_of_a_task_is_profiled():
+    """A module holding several Admin backbones (a CLIP task's two towers) profiles each of them."""
+    torch.manual_seed(0)
+    towers = torch.nn.ModuleDict({"a": build_model(ADMIN), "b": build_model(ADMIN)})
+    src, tgt = admin_batch()
+    found = data_dependent_init(towers, lambda: (towers["a"](src, tgt), towers["b"](src, tgt)))
+    assert set(found) == {"a", "b"}
+    towers["a"](src, tgt).sum().backward()
+    towers["b"](src, tgt).sum().backward()  # neither refuses to train
+
+
 def test_the_trainer_profiles_admin(tmp_path):
     from kilolayer.train.checkpoint import read_weights
     from kilolayer.train.loop import train

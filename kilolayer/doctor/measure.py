@@ -135,7 +135,7 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
 
             load_pretrained(task, tc.init_from, freeze=tc.freeze_backbone)
         # as the trainer does: the batch is drawn only if the scheme runs the pass (Admin's profiled omega)
-        data_dependent_init(task.backbone, lambda: objective(task.backbone, source.train_batch(0, tc.batch_size)))
+        data_dependent_init(task, lambda: objective(task.backbone, source.train_batch(0, tc.batch_size)))
         task.to(dev)
         apply_checkpointing(task, config)  # as the trainer's parallelize step does
         optimizer = build_optimizer(task, tc)

@@ -58,7 +58,9 @@ class Admin(PostLN):
             ]
 
     def data_dependent_init(self, model, run):
-        return admin_profile(model, run) if self.profiled else None
+        # weights that carried omega (resume, init_from) are already profiled: profiling again would overwrite them
+        pending = "_admin_unprofiled" in model.__dict__
+        return admin_profile(model, run) if self.profiled and pending else None
 
 
 def _refuse_training(module: nn.Module, args) -> None:

@@ -307,9 +307,11 @@ class Trainer:
         from kilolayer.nn.transformer import data_dependent_init
 
         backbone = self.task.backbone
-        # the batch is drawn only if the scheme runs the pass (Admin's profiled omega)
+        # every backbone of the task (a CLIP text tower too); the batch is drawn only if a scheme runs the pass
+        # (Admin's profiled omega)
         data_dependent_init(
-            backbone, lambda: self.task.objective(backbone, self.source.train_batch(0, self.config.train.batch_size))
+            self.task,
+            lambda: self.task.objective(backbone, self.source.train_batch(0, self.config.train.batch_size)),
         )
 
     def _restore(self, path: Path) -> None:
