@@ -23,7 +23,9 @@ from kilolayer.study.findings import (
     bamboo_smoothing,
     decide,
     deepnet_postln,
+    deepnet_postln_bleu,
     deepnet_preln,
+    deepnet_preln_bleu,
     deepnet_update,
     slope,
     t_quantile,
@@ -187,6 +189,35 @@ def test_deepnet_winner_that_learned_nothing_cannot_hold(tmp_path):
 def test_deepnet_preln_not_held_when_pre_ln_wins(tmp_path):
     loss = {**GOOD, "pre_ln": lambda l, s: 0.01, "deepnorm": lambda l, s: 0.5 + 0.01 * s}
     assert deepnet_preln(_deepnet(loss), tmp_path).verdict.verdict == NOT_HELD
+
+
+def _with_bleu(results, bleu: dict):
+    """Set each completed run's BLEU from ``bleu[scheme](layers, seed)`` (None: the run logged no BLEU)."""
+    for r in results:
+        value = bleu[r.point.values["model.scheme"]](r.point.config.model.layers, r.point.values["train.seed"])
+        if r.status == "completed" and value is not None:
+            r.eval["bleu"] = value
+    return results
+
+
+BLEU = {"post_ln": lambda l, s: 3.0 + s, "pre_ln": lambda l, s: 30.0, "deepnorm": lambda l, s: 38.0 + 0.5 * s}
+
+
+def test_deepnet_bleu_is_higher_is_better(tmp_path):
+    f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), BLEU), tmp_path)
+    # d = DeepNorm's BLEU - Post-LN's: 35 and 34.5
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(34.75) and "BLEU" in f.rule
+    f = deepnet_preln_bleu(_with_bleu(_deepnet(GOOD), {**BLEU, "pre_ln": lambda l, s: 45.0}), tmp_path)
+    assert f.verdict.verdict == NOT_HELD and f.verdict.mean == pytest.approx(38.25 - 45.0)
+
+
+def test_deepnet_bleu_diverged_scores_zero_and_missing_bleu_is_named(tmp_path):
+    status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
+    f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, status), BLEU), tmp_path)
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(38.25)  # DeepNorm's BLEU - 0
+    no_bleu = {**BLEU, "deepnorm": lambda l, s: None if s == 1 else 38.0}
+    f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), no_bleu), tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "BLEU of seed 1 (no finite value" in f.verdict.reason
 
 
 def test_deepnet_update_uses_step_one_and_keeps_diverged_runs(tmp_path):

@@ -252,6 +252,15 @@ def accuracy_of(r, out) -> float | None:
     return None
 
 
+def bleu_of(r, out) -> float | None:
+    """Final validation BLEU (greedy decoding, sacrebleu); a diverged run scores 0, what a model that produces
+    nothing scores; None (not evidence) for a run that logged no BLEU."""
+    if r.status == "diverged":
+        return 0.0
+    value = r.eval.get("bleu")
+    return float(value) if value is not None and math.isfinite(float(value)) else None
+
+
 def learned(r, out) -> bool:
     """Whether a completed run's final loss is clearly below its chance loss (at most LEARNED x chance)."""
     if r.status != "completed":
@@ -388,7 +397,11 @@ def _chance_note(runs, out, unit=" nats") -> list[str]:
     ]
 
 
-def _scheme_vs(results, out, loser: str, winner: str, name: str, title: str, claim: str, margin: float):
+def _scheme_vs(
+    results, out, loser: str, winner: str, name: str, title: str, claim: str, margin: float, metric: str = "loss"
+):
+    """``winner`` beats ``loser`` at the deepest setting: by final validation loss (lower wins, margin in nats)
+    or by BLEU (higher wins, margin in BLEU points)."""
     rs = _group(results, "deepnet")
     if not {loser, winner} <= {_val(r, "model.scheme") for r in rs}:
         return None  # the study does not compare these two schemes
@@ -399,14 +412,24 @@ def _scheme_vs(results, out, loser: str, winner: str, name: str, title: str, cla
     for seed in _seeds(rs):
         a, b = _run(rs, loser, deepest, seed), _run(rs, winner, deepest, seed)
         if ev.check({f"{loser} seed {seed}": a, f"{winner} seed {seed}": b}, out, must_learn=[f"{winner} seed {seed}"]):
-            ev.add(seed, loss_of(a, out) - loss_of(b, out), f"seed {seed}")
-    v = ev.decide(margin, " nats")
+            if metric == "bleu":
+                ba, bb = bleu_of(a, out), bleu_of(b, out)
+                ev.add(seed, bb - ba if ba is not None and bb is not None else None, f"BLEU of seed {seed}")
+            else:
+                ev.add(seed, loss_of(a, out) - loss_of(b, out), f"seed {seed}")
+    v = ev.decide(margin, " BLEU" if metric == "bleu" else " nats")
     at = _depth_label(rs[0], deepest)
-    rule = (
-        f"d = final validation loss of {loser} minus that of {winner} at the deepest setting ({at}), per seed; "
-        f"a diverged run scores the chance loss; {winner} must have learned (loss ≤ {LEARNED:g} x chance). "
-        f"Margin {margin} nats."
-    )
+    must = f"{winner} must have learned (loss ≤ {LEARNED:g} x chance)"
+    if metric == "bleu":
+        rule = (
+            f"d = final validation BLEU (greedy decoding, sacrebleu) of {winner} minus that of {loser} at the "
+            f"deepest setting ({at}), per seed; a diverged run scores BLEU 0; {must}. Margin {margin} BLEU."
+        )
+    else:
+        rule = (
+            f"d = final validation loss of {loser} minus that of {winner} at the deepest setting ({at}), per "
+            f"seed; a diverged run scores the chance loss; {must}. Margin {margin} nats."
+        )
     deep = [r for r in rs if _depth(r) == deepest]
     return Finding(
         name,
@@ -465,6 +488,41 @@ def deepnet_preln(results, out):
         "compare BLEU on held-out data."
     )
     return f
+
+
+@register_finding("deepnet_postln_bleu")
+def deepnet_postln_bleu(results, out):
+    f = _scheme_vs(
+        results,
+        out,
+        "post_ln",
+        "deepnorm",
+        "deepnet_postln_bleu",
+        "DeepNorm translates where Post-LN fails at depth (BLEU)",
+        "At the same learning rate and warm-up, a deep Post-LN translation model degrades or diverges, while "
+        "DeepNorm trains stably to a higher BLEU (DeepNet, Table 1: Post-LN fails from 50L-50L on WMT-17).",
+        margin=0.5,
+        metric="bleu",
+    )
+    if f is not None:
+        f.plots = _curves(results, "deepnet", out, "deepnet_loss.png")
+    return f
+
+
+@register_finding("deepnet_preln_bleu")
+def deepnet_preln_bleu(results, out):
+    return _scheme_vs(
+        results,
+        out,
+        "pre_ln",
+        "deepnorm",
+        "deepnet_preln_bleu",
+        "DeepNorm matches or beats Pre-LN at depth (BLEU)",
+        "DeepNorm keeps Post-LN's better quality: at depth its BLEU is above Pre-LN's (DeepNet, Table 1: "
+        "28.9 at 100L-100L on WMT-17 En-De, Pre-LN 0.5-1.0 BLEU lower).",
+        margin=0.5,
+        metric="bleu",
+    )
 
 
 def _first_update(r) -> float | None:
