@@ -18,7 +18,14 @@ from kilolayer.study.builtin import BUILTIN
 from kilolayer.study.findings import FINDINGS
 from kilolayer.study.spec import load_spec
 
-OBJECTIVE_NAMES = {"classification", "contrastive", "mae", "mlm", "causal_lm", "seq2seq"}  # DESIGN.md
+OBJECTIVE_NAMES = {
+    "classification",
+    "contrastive",
+    "mae",
+    "mlm",
+    "causal_lm",
+    "seq2seq",
+}  # README, "Objectives and data"
 SOURCE_NAMES = {"digits", "digit_captions", "stdlib_bytes", "synthetic", "mnist", "fashion_mnist", "idx", "ptb"}
 
 
@@ -108,3 +115,10 @@ def test_a_second_field_naming_a_scheme_uses_the_scheme_registry_wording():
     with pytest.raises(ConfigError) as err:
         build_task(cfg, None)  # no source: built for its shapes alone
     assert str(err.value) == SCHEMES.unknown("nope", field="objective.options.decoder_scheme")
+
+
+def test_an_objective_without_options_refuses_a_stray_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "gpt2_small", "--set", "objective.options.mask_fraction=0.2", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == "kilolayer: error: objective.options.mask_fraction: unknown key"
+    assert not out.exists()

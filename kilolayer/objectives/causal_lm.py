@@ -1,7 +1,7 @@
 """``causal_lm``: next-token prediction (GPT/OPT) — a token-level objective.
 
 Batches hold ``tokens`` (B, T+1); the model reads tokens[:, :-1] and predicts
-tokens[:, 1:]. Positions whose target is padding carry no loss.
+tokens[:, 1:]. Positions whose target is padding carry no loss. It takes no ``objective.options``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,16 @@ import math
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from kilolayer.data.base import Source
+from kilolayer.data.options import parse_options
 from kilolayer.objectives.base import Objective, register_objective
+
+
+class CausalLMOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # none: a stray key is a one-line error, not silently ignored
 
 
 @register_objective
@@ -23,6 +29,7 @@ class CausalLM(Objective):
 
     def __init__(self, config, backbone, source: Source | None):
         super().__init__(config, backbone, source)
+        parse_options(CausalLMOptions, config.objective.options, "objective.options")
         m = config.model
         self.head = nn.Linear(m.width, m.vocab_size, bias=False)
         nn.init.normal_(self.head.weight, std=m.width**-0.5)
