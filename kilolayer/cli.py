@@ -46,16 +46,10 @@ def _fmt_count(n: float) -> str:
 
 
 def _schemes_text(cfg) -> str:
-    from kilolayer.nn.residual import Depth, make_scheme
+    from kilolayer.nn.transformer import scheme_for
 
-    scheme = make_scheme(
-        cfg.scheme,
-        Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
-        layerscale_init=cfg.layerscale_init,
-        ds_init_variant=cfg.ds_init_variant,
-    )
     parts = []
-    for side, consts in scheme.describe().items():
+    for side, consts in scheme_for(cfg).describe().items():
         inner = ", ".join(f"{k}={v:.4g}" for k, v in consts.items())
         parts.append(f"{side}: {inner}")
     return "; ".join(parts) or "-"

@@ -191,20 +191,25 @@ class Stack(nn.Module):
 # ---------------------------------------------------------------- backbones
 
 
+def scheme_for(cfg: ModelConfig) -> Scheme:
+    """The scheme a backbone of ``cfg`` is built with (``kilolayer describe`` shows the same one)."""
+    return make_scheme(
+        cfg.scheme,
+        Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
+        layerscale_init=cfg.layerscale_init,
+        ds_init_variant=cfg.ds_init_variant,
+        admin_omega=cfg.admin_omega,
+    )
+
+
 class Backbone(nn.Module):
     """Common parts of the three backbones."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.depth = Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers)
-        self.scheme = make_scheme(
-            cfg.scheme,
-            self.depth,
-            layerscale_init=cfg.layerscale_init,
-            ds_init_variant=cfg.ds_init_variant,
-            admin_omega=cfg.admin_omega,
-        )
+        self.scheme = scheme_for(cfg)
+        self.depth = self.scheme.depth
         self.scheme.attach(self)
 
     @property
