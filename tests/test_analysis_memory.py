@@ -1,4 +1,4 @@
-"""Analysing a deep kilolayer backbone holds one layer's activations, not one per layer (DESIGN.md)."""
+"""Analysing a deep kilolayer backbone holds one layer's activations, not one per layer (README, "Python API")."""
 
 import weakref
 

@@ -1,4 +1,4 @@
-"""Imports flow one way: study -> doctor -> analysis -> train -> objectives -> data | nn -> config -> the ground.
+"""Imports flow one way: study -> doctor -> analysis -> train -> rundir -> objectives -> data | nn -> config -> errors.
 
 Every ``import`` statement in the package, at module level or inside a function, is read with ``ast``; an
 import of a higher layer (or of a sibling of the same layer) fails this test unless ``EXCEPTIONS`` lists it

@@ -14,14 +14,14 @@ per-sublayer parameter changes ``||theta*_i - theta_i||`` (each O(eta) with Adam
       ||dF|| <= sum_dec (v^2 + w^2) / alpha_d^2 * |d theta|
                 + (sum_cross v w / alpha_d) * sum_enc (v^2 + w^2) / alpha_e^2 * |d theta|
 
-With |d theta| = eta the bound is ``coefficient x eta``. DeepNorm's constants (Table 1) are the ones
+With |d theta| = eta the bound is ``coefficient x eta``. DeepNorm's constants (Figure 2(b)) are the ones
 that make every sum 1, whatever the depth: ``2N * 2 beta^2 / alpha^2 = 1`` with alpha = (2N)^(1/4),
 beta = (8N)^(-1/4); the decoder side of an encoder-decoder gives 3M * 2 beta^2 / alpha^2 = 1, and its
 cross term (M beta_d^2 / alpha_d) * (2N * 2 beta_e^2 / alpha_e^2) = 1.01 with the paper's 0.81 and
 0.87 (tests/test_doctor.py checks these). Post-LN (alpha = v = w = 1) gets 4N for one stack and
 6M + 4NM for an encoder-decoder: its bound grows with depth, DeepNorm's does not.
 
-This is our reading of the paper's theorems, checked by that consistency with Table 1 (the PDF is not
+This is our reading of the paper's theorems, checked by that consistency with Figure 2(b)'s constants (the PDF is not
 in this repository). It is a *bound*: it says how the worst case scales with depth, not how large a
 measured update is. ``kilolayer doctor`` therefore states it next to an empirical reference (the
 measured first update of a DeepNorm model of the same shape), never in place of one.

@@ -1,4 +1,4 @@
-"""DeepNorm (DeepNet, arXiv 2203.00555): its constants (Table 1) and its residual scheme.
+"""DeepNorm (DeepNet, arXiv 2203.00555): its constants (Figure 2(b); docs/deepnet.md) and its residual scheme.
 
 Every attention and FFN sublayer computes ``x <- LN(alpha * x + G(x))``; the
 value, output and FFN weights start Xavier-normal with gain ``beta``
