@@ -235,7 +235,7 @@ def build_torchscale(spec: Spec) -> LM:
         )
         backbone = Decoder(args, embed_tokens=nn.Embedding(spec.vocab, d), embed_positions=positions())
         layers = list(backbone.layers)
-        call = lambda m, tokens: m(tokens)[0]  # noqa: E731 - output projection included
+        call = lambda m, tokens: m(tokens)[0]  # output projection included
     else:
         args = EncoderDecoderConfig(
             encoder_embed_dim=d,
@@ -260,7 +260,7 @@ def build_torchscale(spec: Spec) -> LM:
             decoder_embed_positions=positions(),
         )
         layers = list(backbone.encoder.layers) + list(backbone.decoder.layers)
-        call = lambda m, src, tgt: m(src, tgt)[0]  # noqa: E731
+        call = lambda m, src, tgt: m(src, tgt)[0]
     # torchscale's flags can silently override each other: confirm what was built
     for layer in layers:
         if layer.normalize_before != pre:

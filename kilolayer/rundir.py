@@ -93,7 +93,7 @@ def is_run_dir(path: str | Path) -> bool:
         from kilolayer.config import load_config
 
         load_config(path / CONFIG)
-    except Exception:  # noqa: BLE001 - any file that is not a kilolayer config: not a run of ours
+    except Exception:  # any file that is not a kilolayer config: not a run of ours
         return False
     ckpts = path / CHECKPOINTS
     if ckpts.is_dir() and any(STEP_DIR.match(p.name) for p in ckpts.iterdir()):

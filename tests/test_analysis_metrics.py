@@ -73,7 +73,7 @@ def test_rank_residual_and_effective_rank_match_numpy(seed, T, D):
     a = x[0].numpy()
     res = a - a.mean(0, keepdims=True)
     # numpy's matrix norms: ord=1 is the max column abs-sum, ord=inf the max row abs-sum
-    composite = lambda m: math.sqrt(np.linalg.norm(m, 1) * np.linalg.norm(m, np.inf))  # noqa: E731
+    composite = lambda m: math.sqrt(np.linalg.norm(m, 1) * np.linalg.norm(m, np.inf))
     assert rank_collapse_residual(x).item() == pytest.approx(composite(res) / composite(a), rel=1e-9)
     s = np.linalg.svd(a, compute_uv=False)
     p = s / s.sum()

@@ -21,7 +21,7 @@ from kilolayer.train.parallelize import checkpoint_layers
 
 # benchmarks/ sits next to tests/ and is not an installed package: make it importable under any runner
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import memory, profile_step, run_all, train_step  # noqa: E402
+from benchmarks import memory, profile_step, run_all, train_step
 
 
 def _positive(x) -> bool:

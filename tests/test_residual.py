@@ -122,7 +122,7 @@ def test_each_scheme_forward_is_its_formula(scheme):
                 x = torch.randn(2, T, D)
                 with torch.no_grad():
                     got = res(x, shared_scale=layer.resweight, **inputs)
-                    f = lambda h: res.branch(h, **inputs)  # noqa: E731, B023
+                    f = lambda h: res.branch(h, **inputs)  # noqa: B023
                     want = FORMULAS[scheme](x, f, res, alpha, layer.resweight)
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
                 seen.add(kind)

@@ -395,7 +395,7 @@ def test_depth_trend_in_the_middle_shapes_only(tmp_path):
 
 def test_depth_diverged_deep_shapes_count_against_depth(tmp_path):
     # two seeds of three diverge at the deepest shape; the third is slightly better: not held
-    tuned = lambda l, s: 0.90 + (0.01 if l == 43 else 0.0)  # noqa: E731
+    tuned = lambda l, s: 0.90 + (0.01 if l == 43 else 0.0)
     status = {"finetune": lambda l, s: "diverged" if (l == 43 and s < 2) else "completed"}
     found = bamboo_depth(_bamboo(accuracy=_acc(lambda l, s: 0.9, tuned), status=status), tmp_path)
     absolute = _by_title(found, "pays off after token-level pre-training (images")

@@ -18,9 +18,9 @@ from pathlib import Path
 # Before transformers/huggingface_hub read it: never reach for a hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import torch  # noqa: E402
+import torch
 
-from kilolayer.errors import InputError  # noqa: E402
+from kilolayer.errors import InputError
 
 # Every Auto*.from_pretrained call: files on disk only, and never the model directory's own Python code
 # (on a terminal, transformers would otherwise offer to run it).

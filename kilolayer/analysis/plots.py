@@ -13,11 +13,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from kilolayer.analysis.smoothness import METRICS  # noqa: E402
-from kilolayer.analysis.stability import StabilityRun, pick_steps  # noqa: E402
-from kilolayer.errors import InputError  # noqa: E402
+from kilolayer.analysis.smoothness import METRICS
+from kilolayer.analysis.stability import StabilityRun, pick_steps
+from kilolayer.errors import InputError
 
 # y-axis label per metric: units plus which way is "smoother"
 Y_LABELS = {

@@ -332,7 +332,7 @@ def special_token_ids(config, source) -> list[int]:
 
         try:
             ids = tokenizer_for(config).special_ids
-        except Exception:  # noqa: BLE001 - a source without a tokenizer has no special ids to drop
+        except Exception:  # a source without a tokenizer has no special ids to drop
             ids = ()
     return sorted({int(i) for i in ids})
 

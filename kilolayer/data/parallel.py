@@ -490,7 +490,7 @@ def load_tokenizer(key: str, corpus: dict, vocab: int):
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
-        except Exception:  # noqa: BLE001 - tokenizers raises its own exception type; rebuild and replace
+        except Exception:  # tokenizers raises its own exception type; rebuild and replace
             pass
     # merges from the training split; the alphabet from every split, so no reference decodes with a character lost
     # to <unk> (what a held-out text adds is its character inventory, nothing more)

@@ -109,7 +109,7 @@ class Synthetic(Seq2SeqSource):
             k = max(1, n // 2)
             a = int(torch.randint(0, 10**k, (1,), generator=g))
             b = int(torch.randint(0, 10 ** max(1, n - k), (1,), generator=g))
-            digits = lambda v: [FIRST + int(c) for c in str(v)]  # noqa: E731
+            digits = lambda v: [FIRST + int(c) for c in str(v)]
             return digits(a) + [FIRST + 10] + digits(b), digits(a + b)
         x = (torch.randint(0, self.vocab, (n,), generator=g) + FIRST).tolist()
         y = {"copy": x, "reverse": x[::-1], "sort": sorted(x)}[self.task]

@@ -211,7 +211,7 @@ def diagnoses(results, out: Path) -> dict[str, str]:
                 )
         except KilolayerError as err:
             text = f"The doctor cannot diagnose this run: {' '.join(str(err).split())}"
-        except Exception as err:  # noqa: BLE001 - one point's diagnosis must not cost the report of the others
+        except Exception as err:  # one point's diagnosis must not cost the report of the others
             text = f"The doctor failed on this run ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
         found[r.point.key] = text
     return found

@@ -163,7 +163,7 @@ def _torch_load(path: Path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise InputError(f"{path}: missing") from None
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means a bad file
+    except Exception as err:  # any unpickling failure means a bad file
         raise InputError(f"{path}: unreadable or truncated ({err.__class__.__name__})") from None
 
 
