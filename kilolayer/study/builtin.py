@@ -421,7 +421,10 @@ def deepnet_1000() -> dict:
             "diagnostics (gradient norm per layer, model update, LayerNorm inputs) every 5 steps for the first 50."
         ),
         "expected_minutes": 60,
-        "expected_basis": "estimated from one 500L-500L run measured at 12.5 min with 2 threads; --jobs 2",
+        "expected_basis": (
+            "estimated for an idle machine from one 200-step 500L-500L run measured at 12.5 min with 2 threads; "
+            "seed 0's two runs took about 2 h each here on a shared machine (load average 4-12)"
+        ),
         "groups": [
             {
                 "name": "deepnet",
