@@ -207,6 +207,8 @@ def test_deepnet_bleu_is_higher_is_better(tmp_path):
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), BLEU), tmp_path)
     # d = DeepNorm's BLEU - Post-LN's: 35 and 34.5
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(34.75) and "BLEU" in f.rule
+    one = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, seeds=(0,)), BLEU), tmp_path)
+    assert one.verdict.verdict == INCONCLUSIVE and "one seed" in one.verdict.reason  # one seed is never decided
     f = deepnet_preln_bleu(_with_bleu(_deepnet(GOOD), {**BLEU, "pre_ln": lambda l, s: 45.0}), tmp_path)
     assert f.verdict.verdict == NOT_HELD and f.verdict.mean == pytest.approx(38.25 - 45.0)
 

@@ -61,7 +61,7 @@ class Objective(nn.Module):
 
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
         """(scalar loss, stats) for one batch."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}.forward (required; checked at class definition)")
 
     @torch.no_grad()
     def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
@@ -75,7 +75,7 @@ class Objective(nn.Module):
 
     def represent(self, backbone: nn.Module, batch: dict) -> torch.Tensor:
         """F(x, theta) on a probe batch."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}.represent (required; checked at class definition)")
 
     def analysis_inputs(self, batch: dict) -> tuple[dict, torch.Tensor | None]:
         """(keyword arguments for ``backbone(**kwargs, observe=fn)`` — for an encoder-decoder, for
@@ -88,7 +88,7 @@ class Objective(nn.Module):
 
     def tokens(self, batch: dict) -> int:
         """Tokens the backbone processes in ``batch``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}.tokens (required; checked at class definition)")
 
     def eval_targets(self, batch: dict, index: int) -> torch.Tensor | None:
         """The class ids evaluation batch ``index`` is scored on (1-D, long), or None if the targets are
