@@ -210,7 +210,11 @@ def not_evidence(r, what: str) -> str | None:
     if r.status == "diverged":
         return None
     if r.status != "completed":
-        why = f": {r.reason[:80]}" if r.reason else ""
+        # the reason's first clause (the runs table has the whole text and the command to continue)
+        reason = r.reason.split(";")[0].strip()
+        if len(reason) > 80:
+            reason = reason[:80].rsplit(" ", 1)[0] + "…"
+        why = f": {reason}" if reason else ""
         return f"{r.point.key} ({r.status}{why})"
     if "loss" not in r.eval:
         return f"{r.point.key} (completed without an evaluation)"
