@@ -60,9 +60,9 @@ SMOKE_ENCDEC = Spec(
 SMOKE_DEPTHS = (2,)
 # points whose extrapolated peak exceeds this are skipped, not run
 DEFAULT_CAP_GIB = 12.0
-# glibc raises its mmap threshold after big frees, so later activation-sized blocks come from the heap, where
-# freed holes between long-lived checkpoint inputs are never returned: a fixed 64 KiB threshold keeps them mmapped
-TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# kilolayer's activation checkpointing pins glibc's mmap threshold (kilolayer.train.parallelize.pin_mmap_threshold);
+# this environment leaves glibc's dynamic threshold in place, to measure what the pin saves
+UNPINNED = {"KILOLAYER_PIN_MMAP": "0"}
 
 
 def _status(field: str) -> int | None:
@@ -179,10 +179,17 @@ def _extrapolate(rows: list[dict], layers: int) -> float | None:
     return y1 + (y1 - y0) / (x1 - x0) * (layers - x1)
 
 
+def _add_unpinned(row: dict, peer: str, spec: Spec, batch_size: int, threads: int) -> None:
+    other = measure(peer, spec, batch_size, threads, extra_env=UNPINNED)
+    row["peak_gib_unpinned"] = other.get("peak_gib")
+    row["step_s_unpinned"] = other.get("step_s")
+
+
 def series(
-    peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threads: int, tuned_malloc: bool = False
+    peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threads: int, unpinned: bool = False
 ) -> list[dict]:
-    """One curve of peak memory vs depth; ``tuned_malloc`` also measures the deepest point under TUNED_MALLOC."""
+    """One curve of peak memory vs depth; ``unpinned`` also measures the deepest point without kilolayer's
+    mmap-threshold pin (:data:`UNPINNED`)."""
     rows: list[dict] = []
     for n in depths:
         guess = _extrapolate(rows, n)
@@ -200,9 +207,8 @@ def series(
             )
             continue
         row = measure(peer, spec.with_(layers=n), batch_size, threads)
-        if tuned_malloc and n == max(depths) and "peak_gib" in row:
-            tuned = measure(peer, spec.with_(layers=n), batch_size, threads, extra_env=TUNED_MALLOC)
-            row["peak_gib_tuned_malloc"] = tuned.get("peak_gib")
+        if unpinned and n == max(depths) and "peak_gib" in row:
+            _add_unpinned(row, peer, spec.with_(layers=n), batch_size, threads)
         rows.append(row)
     return rows
 
@@ -233,12 +239,15 @@ def run(
     if not smoke:
         plan += [("torchscale", False, peer_depths), ("x-transformers", False, peer_depths)]
     for peer, ckpt, ds in plan:
-        tuned = peer == "kilolayer" and ckpt
-        result["rows"] += series(peer, sweep.with_(checkpoint=ckpt), sorted(ds), batch_size, cap_gib, threads, tuned)
+        pinned = peer == "kilolayer" and ckpt
+        result["rows"] += series(peer, sweep.with_(checkpoint=ckpt), sorted(ds), batch_size, cap_gib, threads, pinned)
     if encdec:
         spec = SMOKE_ENCDEC if smoke else ENCDEC
         result["encoder_decoder_spec"] = spec.to_dict()
-        result["encoder_decoder"] = [measure("kilolayer", spec, batch_size, threads)]
+        row = measure("kilolayer", spec, batch_size, threads)
+        if "peak_gib" in row:
+            _add_unpinned(row, "kilolayer", spec, batch_size, threads)
+        result["encoder_decoder"] = [row]
     result["load_after"] = common.load_average()
     result["seconds"] = time.perf_counter() - t0
     return result
@@ -249,10 +258,11 @@ COLUMNS = [
     ("label", "model"),
     ("checkpoint", "checkpointing"),
     ("peak_gib", "peak GiB"),
-    ("peak_gib_tuned_malloc", "peak GiB, MALLOC_MMAP_THRESHOLD_=65536"),
+    ("peak_gib_unpinned", "peak GiB, glibc's dynamic mmap threshold"),
     ("above_baseline_gib", "above imports GiB"),
     ("weights_and_adam_gib", "weights+grads+AdamW GiB"),
     ("step_s", "step s"),
+    ("step_s_unpinned", "step s, dynamic threshold"),
     ("note", "note"),
 ]
 

@@ -144,13 +144,14 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
     ck = [r for r in mem["rows"] if r["peer"] == "kilolayer" and r["checkpoint"] and "peak_gib" in r]
     if ck:
         d = max(ck, key=lambda r: r["layers"])
-        tuned = d.get("peak_gib_tuned_malloc")
+        unpinned = d.get("peak_gib_unpinned")
         out.append(
             f"{d['label']} checkpointed: peak {d['peak_gib']:.2f} GiB, of which {d['weights_and_adam_gib']:.2f} "
             f"GiB weights, gradients and AdamW state and {d['baseline_gib']:.2f} GiB the interpreter and libraries"
             + (
-                f"; with glibc's mmap threshold pinned, {tuned:.2f} GiB (the rest is allocator fragmentation)."
-                if tuned
+                f"; with glibc's dynamic mmap threshold (kilolayer's pin off, KILOLAYER_PIN_MMAP=0) {unpinned:.2f} "
+                "GiB: the difference is allocator fragmentation."
+                if unpinned
                 else "."
             )
         )
@@ -224,10 +225,12 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "",
         "`above imports` subtracts the process's size after importing torch and the library. `weights+grads+AdamW`",
         "is 16 bytes per parameter (fp32 weight, gradient and two moments): the floor any fp32 AdamW step needs.",
-        "The `MALLOC_MMAP_THRESHOLD_=65536` column reruns kilolayer's deepest checkpointed point with glibc's mmap",
-        "threshold pinned at 64 KiB: by default glibc raises the threshold after large frees, so later",
-        "activation-sized blocks come from the heap, and the holes freed between long-lived checkpoint inputs",
-        "stay resident. The difference is allocator fragmentation, not tensors the step keeps.",
+        "kilolayer's activation checkpointing pins glibc's mmap threshold at 64 KiB from inside the process",
+        "(`kilolayer.train.parallelize.pin_mmap_threshold`). The `dynamic mmap threshold` columns rerun its",
+        "deepest checkpointed points with the pin off (`KILOLAYER_PIN_MMAP=0`): glibc then raises the threshold",
+        "after large frees, so later activation-sized blocks come from the heap, and the holes freed between the",
+        "long-lived checkpoint inputs stay resident. The difference is allocator fragmentation, not tensors the",
+        "step keeps.",
         "",
     ]
     return "\n".join(lines)
