@@ -253,3 +253,24 @@ def test_an_impossible_mfu_is_reported(tmp_path, capsys):
     train(LM, tmp_path / "run", quiet=True, sets=["train.peak_flops=1000"])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is too low; set train.peak_flops" in err[0] and "(train.peak_flops)" in err[0]
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named():
+    cpu = torch.device("cpu")
+    warning = M.cpu_bf16_warning("bf16", cpu, flags={"sse2", "avx2", "fma"})
+    assert warning.startswith("train.precision: bf16 on a CPU without bf16 instructions")
+    assert "use train.precision: fp32" in warning
+    for flags in ({"avx2", "avx512_bf16"}, {"amx_bf16", "amx_tile"}, {"asimd", "bf16"}):
+        assert M.cpu_bf16_warning("bf16", cpu, flags=flags) is None
+    assert M.cpu_bf16_warning("fp32", cpu, flags={"avx2"}) is None
+    assert M.cpu_bf16_warning("bf16", torch.device("meta"), flags={"avx2"}) is None
+
+
+def test_a_bf16_run_on_such_a_cpu_warns_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(M, "cpu_flags", lambda: {"sse2", "avx2"})
+    train(LM, tmp_path / "run", quiet=True, sets=["train.precision=bf16", "train.peak_flops=1e12", "train.steps=2"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "bf16 instructions" in line]
+    assert len(err) == 1 and err[0].startswith("kilolayer: warning: train.precision: bf16")
+    monkeypatch.setattr(M, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    train(LM, tmp_path / "run2", quiet=True, sets=["train.precision=bf16", "train.peak_flops=1e12", "train.steps=2"])
+    assert "bf16 instructions" not in capsys.readouterr().err

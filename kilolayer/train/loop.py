@@ -706,6 +706,9 @@ class Trainer:
         """Rank 0's efficiency meter; the device's peak is given, a vendor figure, or measured once per machine
         (before any step is timed)."""
         tc = self.config.train
+        slow = M.cpu_bf16_warning(tc.precision, self.env.device)
+        if slow:
+            rundir.warn(slow)
         self.peak = M.device_peak(self.env.device, tc.precision, tc.peak_flops)
         self.peak_warned = False
         return M.Efficiency(None, self.peak, self.env.device, processes=self.env.world)

@@ -221,6 +221,38 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: CPU flags (``/proc/cpuinfo``) of instructions that compute in bf16: x86's AVX512-BF16 and AMX, Arm's BF16
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm); None where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return set(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def cpu_bf16_warning(precision: str, device: torch.device, flags: set[str] | None = None) -> str | None:
+    """A warning when ``precision`` is bf16 on a CPU without bf16 instructions, where autocast's bf16 matrix
+    products are emulated and run many times slower than fp32 (on an AVX2-only AMD EPYC here, a 256 x 256
+    bf16 GEMM measured 1.0 GFLOP/s against 76 in fp32); None otherwise, or where the flags are unknown."""
+    if precision != "bf16" or torch.device(device).type != "cpu":
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if flags is None or flags & set(BF16_CPU_FLAGS):
+        return None
+    return (
+        f"train.precision: bf16 on a CPU without bf16 instructions ({cpu_model()}: none of "
+        f"{', '.join(BF16_CPU_FLAGS)}): autocast emulates bf16 here and is much slower than fp32; use "
+        "train.precision: fp32 on this machine"
+    )
+
+
 def _cache_path() -> Path:
     from kilolayer.data.cache import cache_dir
 

@@ -1,0 +1,96 @@
+"""Activation checkpointing pins glibc's mmap threshold (kilolayer.train.parallelize.pin_mmap_threshold).
+
+glibc has no getter for the threshold, so each check reproduces what the pin prevents: a 16 MiB block is
+mapped and freed, which makes glibc's dynamic threshold rise to 16 MiB; a 4 MiB block then comes from the heap
+(``mallinfo2().hblks``, the blocks served by their own mapping, stays put) unless the threshold is pinned, when
+it is mapped (hblks goes up by one). Each case runs in a fresh interpreter, since the setting is process-wide
+and glibc's environment variable is read at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import ctypes, ctypes.util, json, sys
+import torch
+from kilolayer.config import ModelConfig
+from kilolayer.nn.transformer import build_model
+from kilolayer.train.parallelize import checkpoint_layers
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def after_a_big_free():
+    libc.free(libc.malloc(16 << 20))
+    before = libc.mallinfo2().hblks
+    p = libc.malloc(4 << 20)
+    mapped = libc.mallinfo2().hblks - before
+    libc.free(p)
+    return mapped
+
+if sys.argv[1] == "checkpoint":
+    checkpoint_layers(build_model(ModelConfig(arch="encoder", layers=2, width=16, heads=2, ffn=32)))
+print(json.dumps({"mapped": after_a_big_free()}))
+"""
+
+
+def _glibc() -> bool:
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2  # noqa: B018 - glibc >= 2.33
+    except (OSError, AttributeError):
+        return False
+    return sys.platform.startswith("linux")
+
+
+pytestmark = pytest.mark.skipif(not _glibc(), reason="needs Linux with glibc >= 2.33")
+
+
+def _probe(mode: str, **env) -> int:
+    full = {k: v for k, v in os.environ.items() if k not in ("KILOLAYER_PIN_MMAP", "MALLOC_MMAP_THRESHOLD_")}
+    full.update(env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=full, cwd=ROOT, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["mapped"]
+
+
+def test_checkpointing_pins_the_threshold():
+    assert _probe("plain") == 0
+    assert _probe("checkpoint") == 1
+
+
+def test_the_pin_can_be_turned_off_and_glibc_setting_wins():
+    assert _probe("checkpoint", KILOLAYER_PIN_MMAP="0") == 0
+    # the user's own glibc setting is left as it is (here one that maps nothing below 8 MiB)
+    assert _probe("checkpoint", MALLOC_MMAP_THRESHOLD_=str(8 << 20)) == 0
+    assert _probe("plain", MALLOC_MMAP_THRESHOLD_=str(64 * 1024)) == 1
+
+
+def test_pin_reports_whether_it_took_effect(monkeypatch):
+    from kilolayer.train import parallelize as P
+
+    monkeypatch.setenv("KILOLAYER_PIN_MMAP", "0")
+    assert P.pin_mmap_threshold() is False
+    monkeypatch.delenv("KILOLAYER_PIN_MMAP")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert P.pin_mmap_threshold() is False
