@@ -176,7 +176,11 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(10, ge=1)
     precision: Literal["fp32", "bf16"] = "fp32"
-    compile: bool = Field(False, description="torch.compile each layer")
+    compile: Literal[False, "layers", "model"] = Field(
+        False,
+        description="torch.compile: false (eager), layers (each Transformer layer; true means this) or model "
+        "(the whole task: backbone, heads and loss, once)",
+    )
     fused_optimizer: bool = Field(False, description="AdamW(fused=True) instead of the multi-tensor (foreach) path")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
@@ -205,6 +209,16 @@ class TrainConfig(_Section):
         description="early stopping: lower (min) or higher (max) is better; auto: max for accuracy, "
         "exact_match and bleu, else min",
     )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_mode(cls, value: Any) -> Any:
+        # true was the only way on before the modes existed: old configs and saved runs mean per layer
+        if value is True:
+            return "layers"
+        if value is False or (isinstance(value, str) and value in ("layers", "model")):
+            return value
+        raise ValueError(f"train.compile={value!r}: expected false, layers or model (true means layers)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

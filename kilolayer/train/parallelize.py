@@ -12,7 +12,12 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
   (:func:`pin_mmap_threshold`): by default glibc raises that threshold after large frees, so later
   activation-sized blocks come from the heap, and the holes freed between the long-lived layer inputs that
   checkpointing keeps stay resident. At 1,000 layers of width 64 that fragmentation was half the peak.
-* ``train.compile``: ``torch.compile`` on each layer (the stack's Python loop, embeddings and heads stay eager).
+* ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer
+  (:func:`compile_layers`; the stack's Python loop, embeddings, heads and loss stay eager, and layers of one
+  shape share one compiled graph, so compile time hardly grows with depth); ``model`` compiles the whole task
+  once (:func:`compile_model`: backbone, objective heads and loss together, more to fuse, but the layer loop is
+  unrolled into the graph, so compile time grows with depth); ``false``: eager. Both compile in place, so
+  parameter names and checkpoints do not change.
 * under ``torchrun``, ``train.parallel``: ``fsdp`` shards each layer and then the whole task (FSDP2's
   ``fully_shard``); ``ddp`` wraps the task in ``DistributedDataParallel``. One process: nothing.
 """
@@ -117,6 +122,13 @@ def compile_layers(backbone: nn.Module, **options) -> None:
         layer.compile(**options)
 
 
+def compile_model(task: nn.Module, **options) -> None:
+    """``torch.compile`` the whole task in place (``options`` go to ``nn.Module.compile``): calling ``task(batch)``
+    runs backbone, objective heads and loss as compiled code; evaluation and diagnostics, which call the
+    objective and backbone directly, stay eager."""
+    task.compile(**options)
+
+
 def distribute(task: nn.Module, mode: str, env: D.Dist) -> nn.Module:
     """DDP or FSDP2 around the task (``mode``: ``train.parallel``); the task itself for one process."""
     if not env.active:
@@ -141,6 +153,8 @@ def parallelize(task: nn.Module, config: Config, env: D.Dist) -> nn.Module:
     already on its device), as ``config`` asks; returns the module to call for training steps (the task, or
     its DDP wrapper)."""
     apply_checkpointing(task, config)
-    if config.train.compile:
+    if config.train.compile == "layers":
         compile_layers(task.backbone)
+    elif config.train.compile == "model":
+        compile_model(task)
     return distribute(task, config.train.parallel, env)
