@@ -1,25 +1,34 @@
-"""Shared pieces of the benchmarks: the training step, the GEMM peak, machine facts, tables and JSON."""
+"""Shared pieces of the benchmarks: the training step, the side-by-side race (variants taking turns, ratios
+against the peers), the GEMM peak, machine facts, tables and JSON."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from benchmarks.peers import LM, Spec, batch, versions
+from benchmarks.peers import LM, NotSupported, Spec, batch, build, versions
 from kilolayer.train import metrics
 
 PRECISIONS = ("fp32", "bf16")
+#: ``train.compile``'s modes: eager, each layer, the whole model
+COMPILE_MODES = (False, "layers", "model")
+COMPILE_LABELS = {"layers": "per-layer compile", "model": "whole-model compile"}
+#: the libraries kilolayer races against
+PEER_LIBRARIES = ("torchscale", "x-transformers")
 
 
 # ---------------------------------------------------------------- the training step
@@ -29,24 +38,39 @@ PRECISIONS = ("fp32", "bf16")
 class StepOptions:
     """The training-loop switches, with the meaning of the training loop's ``train.*`` keys.
 
-    ``precision``: ``fp32``, or ``bf16`` = the forward under CPU bf16 autocast (the
+    ``precision``: ``fp32``, or ``bf16`` = the forward under bf16 autocast of the model's device (the
     loss on fp32 logits) with fp32 weights, gradients and optimizer state (``train.precision``).
-    ``compile``: ``torch.compile`` applied to each layer in place (``train.compile``).
+    ``compile`` (``train.compile``): ``False``; ``layers`` (``True`` means this): ``torch.compile`` applied to
+    each layer in place; ``model``: to the whole model (backbone and LM head) once, in place.
     ``fused_optimizer``: AdamW's fused kernel, else its foreach one, instead of
     the per-tensor loop (``train.fused_optimizer``).
     """
 
     precision: str = "fp32"
-    compile: bool = False
+    compile: bool | str = False
     fused_optimizer: bool = False
 
+    def __post_init__(self):
+        if self.compile is True:
+            object.__setattr__(self, "compile", "layers")
+        if not (self.compile is False or self.compile in ("layers", "model")):
+            raise ValueError(f"compile={self.compile!r}: expected False, 'layers' or 'model'")
+
     def label(self) -> str:
-        parts = [self.precision] + ["compile"] * self.compile + ["fused AdamW"] * self.fused_optimizer
-        return " + ".join(parts)
+        parts = [self.precision] + ([COMPILE_LABELS[self.compile]] if self.compile else [])
+        return " + ".join(parts + ["fused AdamW"] * self.fused_optimizer)
+
+    @property
+    def fast(self) -> bool:
+        """The fast path: bf16 autocast, a compile (either mode) and fused AdamW, all three."""
+        return self.precision == "bf16" and bool(self.compile) and self.fused_optimizer
 
 
 EAGER = StepOptions()
-FAST = StepOptions("bf16", True, True)
+FAST = StepOptions("bf16", "layers", True)
+FAST_MODEL = StepOptions("bf16", "model", True)
+#: the fast path under each compile mode
+FAST_MODES = {"layers": FAST, "model": FAST_MODEL}
 
 
 def make_optimizer(model: torch.nn.Module, fused: bool, lr: float = 1e-4) -> torch.optim.Optimizer:
@@ -63,14 +87,26 @@ def compile_layers(model: LM, backend: str = "inductor") -> None:
     """torch.compile each layer in place (the stack's Python loop, embeddings and head stay eager).
 
     Static shapes: one process compiles several configs, and a shape change must not turn the next
-    config's graph into a slower dynamic-shape one.
+    config's graph into a slower dynamic-shape one. A layer list that holds lists of modules (x-transformers':
+    norms, block, residual, which its forward calls one by one) has nothing to compile per layer: refused.
     """
-    for layer in model.layer_modules():
+    layers = model.layer_modules()
+    if any(isinstance(layer, (nn.ModuleList, nn.ModuleDict)) for layer in layers):
+        raise NotSupported("per-layer compile: its layers are lists of modules, not modules it calls")
+    for layer in layers:
         layer.compile(backend=backend, dynamic=False)
 
 
+def compile_model(model: LM, backend: str = "inductor") -> None:
+    """torch.compile the whole model (embeddings, every layer, LM head) once, in place; static shapes as
+    :func:`compile_layers`. The one compile that applies alike to every library (the peers' layer lists
+    are not all modules that their forward calls)."""
+    model.compile(backend=backend, dynamic=False)
+
+
 class TrainStep:
-    """One training step (forward, LM head, cross-entropy, backward, AdamW) of ``model`` with ``options``.
+    """One training step (forward, LM head, cross-entropy, backward, AdamW) of ``model`` with ``options``, on the
+    device the model's parameters are on (autocast of that device type).
 
     ``compile_backend`` other than inductor (``aot_eager``) only serves smoke runs: no C++ build.
     """
@@ -79,13 +115,16 @@ class TrainStep:
         if options.precision not in PRECISIONS:
             raise ValueError(f"precision={options.precision!r}: expected one of {', '.join(PRECISIONS)}")
         self.model, self.options = model, options
+        self.device_type = next(model.parameters()).device.type
         model.train()
-        if options.compile:
+        if options.compile == "layers":
             compile_layers(model, compile_backend)
+        elif options.compile == "model":
+            compile_model(model, compile_backend)
         self.optimizer = make_optimizer(model, options.fused_optimizer, lr)
 
     def loss(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.options.precision == "bf16"):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.options.precision == "bf16"):
             logits = self.model(*inputs)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -94,11 +133,209 @@ class TrainStep:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(loss.detach())  # waits for the device: a timed step is a finished step
 
 
-def fixed_batch(spec: Spec, batch_size: int, seed: int = 0):
-    return batch(spec, batch_size, torch.Generator().manual_seed(seed))
+def fixed_batch(spec: Spec, batch_size: int, seed: int = 0, device: str | torch.device = "cpu"):
+    inputs, targets = batch(spec, batch_size, torch.Generator().manual_seed(seed))
+    return tuple(x.to(device) for x in inputs), targets.to(device)
+
+
+@contextlib.contextmanager
+def fresh_compiles():
+    """Compiles inside start from an empty inductor cache (a temporary one on disk) and with no graphs that
+    dynamo compiled earlier in this process, so each compile time is a first compile's."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    with fresh_cache():
+        yield
+
+
+# ---------------------------------------------------------------- the side-by-side race
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of a race: a library (``peer``) under training switches (``options``)."""
+
+    name: str
+    peer: str
+    options: StepOptions
+    bias: bool = True  # False: kilolayer without biases, as x-transformers' attention (its FFN keeps them)
+
+    @property
+    def peer_fast(self) -> bool:
+        """A peer library on the fast path: the rows ``x best peer fast path`` compares against."""
+        return self.peer in PEER_LIBRARIES and self.options.fast
+
+    @property
+    def peer_eager(self) -> bool:
+        """A peer library in eager fp32: the rows ``x faster peer`` compares against."""
+        return self.peer in PEER_LIBRARIES and self.options == EAGER
+
+
+def fast_variant(peer: str, options: StepOptions) -> Variant:
+    """``peer`` on the fast path ``options`` (one compile mode), named after both."""
+    return Variant(f"{peer} fast path ({options.label()})", peer, options)
+
+
+def one_line(err: BaseException) -> str:
+    msg = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def prepare(
+    variant: Variant,
+    spec: Spec,
+    inputs,
+    targets,
+    seed: int = 0,
+    backend: str = "inductor",
+    device: str | torch.device = "cpu",
+) -> dict:
+    """Build ``variant``'s model on ``device``, run its first step (which includes any compile, timed) and a
+    second, untimed one (optimizer state exists, a compiled backward is warm). A library that cannot build
+    the spec, or a compile or step that fails, becomes the row's ``error`` instead of a crash."""
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    entry: dict = {"name": variant.name, "peer": variant.peer, "options": dict(variant.options.__dict__)}
+    try:
+        model = build(variant.peer, spec.with_(bias=variant.bias)).to(device)
+        step = TrainStep(model, variant.options, compile_backend=backend)
+        t0 = time.perf_counter()
+        step(inputs, targets)
+        entry["first_step_s"] = time.perf_counter() - t0
+        step(inputs, targets)
+        entry["step"] = step
+    except NotSupported as err:
+        entry["error"] = str(err)
+    except Exception as err:  # a compile failure (or out of memory) is a result to report, not a crash
+        entry["error"] = one_line(err)
+        entry["traceback"] = traceback.format_exc(limit=3)
+        _free(device)
+    return entry
+
+
+def race(
+    spec: Spec,
+    batch_size: int,
+    rounds: int,
+    variants: Sequence[Variant],
+    seed: int = 0,
+    backend: str = "inductor",
+    device: str | torch.device = "cpu",
+    deadline: float | None = None,
+) -> dict:
+    """Time ``variants`` side by side: each prepared (:func:`prepare`), then ``rounds`` rounds of one step each,
+    the order rotating every round, so load from other processes hits them alike.
+
+    Each row gets its median step time, tokens/s and, as medians over rounds of per-round ratios,
+    ``ratio_vs_faster_peer`` (the faster peer in eager fp32 / this) and ``ratio_vs_best_peer_fast`` (the
+    fastest peer on the fast path / this). ``deadline`` (a ``time.perf_counter()`` value): a variant not yet
+    prepared by then is skipped with a note, so a run stays within its time budget."""
+    device = torch.device(device)
+    inputs, targets = fixed_batch(spec, batch_size, seed, device)
+    tokens = batch_size * spec.tokens_per_sample()
+    entries = []
+    for v in variants:
+        if deadline is not None and time.perf_counter() > deadline:
+            skipped = {"name": v.name, "peer": v.peer, "options": dict(v.options.__dict__)}
+            entries.append({**skipped, "error": "skipped: the run's time budget was spent"})
+            continue
+        entries.append(prepare(v, spec, inputs, targets, seed, backend, device))
+    live = [e for e in entries if "step" in e]
+    for e in live:
+        e["times"] = []
+    for r in range(rounds):
+        k = r % len(live) if live else 0
+        for e in live[k:] + live[:k]:
+            try:
+                e["times"].append(timed(lambda step=e["step"]: step(inputs, targets)))
+            except Exception as err:  # a later recompile that fails, or memory running out
+                e["error"] = one_line(err)
+                del e["step"], e["times"]
+                _free(device)
+        live = [e for e in live if "step" in e]
+    by_name = {e["name"]: e for e in entries}
+    timed_ = [v for v in variants if "times" in by_name[v.name]]
+    # the faster peer (eager fp32) and the best peer fast path, by median step time
+    faster = _fastest([v.name for v in timed_ if v.peer_eager], by_name)
+    best_fast = _fastest([v.name for v in timed_ if v.peer_fast], by_name)
+    out = []
+    for e in entries:
+        row = {k: v for k, v in e.items() if k not in ("step", "times", "traceback")}
+        if "times" in e:
+            t = e["times"]
+            row["step_ms"] = 1000 * median(t)
+            row["tokens_per_s"] = tokens / median(t)
+            row["tokens_per_s_range"] = [tokens / max(t), tokens / min(t)]
+            row["step_s_per_round"] = list(t)
+            row["compile_s"] = max(0.0, e["first_step_s"] - median(t)) if e["options"]["compile"] else None
+            for key, ref in (("ratio_vs_faster_peer", faster), ("ratio_vs_best_peer_fast", best_fast)):
+                if ref is not None:
+                    row[key] = median([b / a for a, b in zip(t, by_name[ref]["times"])])
+        elif "traceback" in e:
+            row["traceback"] = e["traceback"]
+        out.append(row)
+    return {
+        "spec": spec.to_dict(),
+        "label": spec.label(),
+        "batch_size": batch_size,
+        "tokens_per_step": tokens,
+        "compile_backend": backend,
+        "device": str(device),
+        "rounds": rounds,
+        "faster_peer": faster,
+        "best_peer_fast": best_fast,
+        "variants": out,
+    }
+
+
+def _fastest(names: list[str], by_name: dict) -> str | None:
+    return min(names, key=lambda n: median(by_name[n]["times"])) if names else None
+
+
+def add_mfu(res: dict, flops_per_token: float, peaks: dict[str, float]) -> None:
+    """``model_tflops_per_s`` and ``mfu`` (against ``peaks[precision]``, FLOP/s) on every timed row of a race."""
+    res["model_flops_per_token"] = flops_per_token
+    for row in res["variants"]:
+        if "tokens_per_s" in row:
+            row["model_tflops_per_s"] = row["tokens_per_s"] * flops_per_token / 1e12
+            row["mfu"] = metrics.mfu(row["tokens_per_s"], flops_per_token, peaks[row["options"]["precision"]])
+
+
+#: the columns of a race's table (``format_race``)
+RACE_COLUMNS = [
+    ("name", "implementation"),
+    ("tokens_per_s", "tokens/s"),
+    ("step_ms", "step ms"),
+    ("ratio_vs_faster_peer", "x faster peer"),
+    ("ratio_vs_best_peer_fast", "x best peer fast path"),
+    ("mfu", "MFU"),
+    ("compile_s", "compile s"),
+    ("error", "note"),
+]
+
+
+def format_race(res: dict, columns: list[tuple[str, str]] | None = None) -> str:
+    """A race's rows as a Markdown table (``columns``: (key, header), default :data:`RACE_COLUMNS`): ratios to
+    two decimals, MFU as a percentage of its dtype's peak."""
+    rows = []
+    for row in res["variants"]:
+        r = dict(row)
+        if "mfu" in r:
+            r["mfu"] = f"{100 * r['mfu']:.0f}% of {r['options']['precision']}"
+        for key in ("ratio_vs_faster_peer", "ratio_vs_best_peer_fast"):
+            if key in r:
+                r[key] = f"{r[key]:.2f}"
+        rows.append(r)
+    return table(rows, columns or RACE_COLUMNS)
 
 
 # ---------------------------------------------------------------- peak GEMM rate
