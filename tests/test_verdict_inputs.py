@@ -211,8 +211,34 @@ def test_run_smoothness_excludes_cls_and_special_tokens_by_default(tmp_path):
     assert default["exclude_special"] is True and default["after_final_norm"] is False
     with_cls = smoothness_of_run(tmp_path / "run", samples=16, exclude_special=False)
     assert default["cosine"] != with_cls["cosine"]
-    explicit = smoothness_of_run(tmp_path / "run", samples=16, exclude_special=False, exclude_first=True)
-    assert default["cosine"] == pytest.approx(explicit["cosine"])  # CLS is token 0 of a patch model
+    explicit = smoothness_of_run(
+        tmp_path / "run", samples=16, exclude_special=False, exclude_first=True, exclude_blank=False
+    )
+    with_blank = smoothness_of_run(tmp_path / "run", samples=16, exclude_blank=False)
+    assert with_blank["cosine"] == pytest.approx(explicit["cosine"])  # CLS is token 0 of a patch model
+    # digits' 2x2 patches: the blank border is left out by default, and the Fourier metric still sees the grid
+    assert default["exclude_blank"] is True and 0.1 < default["blank_share"] < 0.6
+    assert default["cosine"] != with_blank["cosine"] and default["high_freq"] == pytest.approx(with_blank["high_freq"])
+
+
+def test_blank_patches_are_found_and_left_out_of_the_token_metrics():
+    from kilolayer.analysis.smoothness import blank_patches, blank_token_mask, layer_metrics
+
+    images = torch.zeros(2, 1, 4, 4)
+    images[0, 0, 0, 0] = 1.0  # image 0: only its top-left 2x2 patch has content
+    images[1, 0, :2, 2:] = 0.5  # image 1: a flat grey patch is blank too (every pixel equal)...
+    images[1, 0, 2:, :2] = torch.tensor([[0.1, 0.2], [0.3, 0.4]])  # ...two patches with content
+    images[1, 0, 2:, 2:] = torch.tensor([[0.9, 0.0], [0.0, 0.9]])
+    assert blank_patches(images, 2).tolist() == [[False, True, True, True], [True, True, False, False]]
+    mask = blank_token_mask(images, 2, cls_token=True)
+    # image 0 has one content patch: a cosine needs two tokens, so it keeps them all; CLS is never blank
+    assert mask.tolist() == [[False] * 5, [False, True, True, False, False]]
+    hidden = torch.randn(2, 5, 8)
+    skipped = layer_metrics(hidden, None, (0,), grid=2, skip=mask)
+    assert skipped["cosine"][1] == pytest.approx(layer_metrics(hidden[1:, [0, 3, 4]], None, (0,))["cosine"][0])
+    assert skipped["cosine"][0] == pytest.approx(layer_metrics(hidden[:1], None, (0,))["cosine"][0])
+    assert torch.equal(skipped["high_freq"], layer_metrics(hidden, None, (0,), grid=2)["high_freq"])
+    assert blank_token_mask(torch.rand(1, 1, 4, 4), 2, cls_token=False) is None
 
 
 def test_text_special_tokens_are_left_out_of_the_metrics():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -233,14 +234,24 @@ def test_deepnet_update_uses_step_one_and_keeps_diverged_runs(tmp_path):
 # ---------------------------------------------------------------- Bamboo findings
 
 
-def _bamboo(cosine=None, accuracy=None, loss=None, status=None):
+PRETRAINED_AT = {"started": "2026-01-01T00:00:00+00:00", "finished": "2026-01-01T01:00:00+00:00"}
+FINETUNED_AT = {"started": "2026-01-01T02:00:00+00:00", "finished": "2026-01-01T03:00:00+00:00"}
+
+
+def _bamboo(cosine=None, accuracy=None, loss=None, status=None, out=None):
     """Every point of the built-in bamboo study; ``cosine[group]``, ``accuracy[group]``, ``loss[group]`` and
-    ``status[group]`` are functions of (layers, seed). Losses default to 0.5 (learned: chance 2.4)."""
+    ``status[group]`` are functions of (layers, seed). Losses default to 0.5 (learned: chance 2.4). With ``out``,
+    each run's status.json is written there, fine-tuning starting after its pre-training finished."""
+    from kilolayer.rundir import write_status
+
     cosine, accuracy, loss, status = cosine or {}, accuracy or {}, loss or {}, status or {}
     results = []
     for p in expand(load_spec("bamboo")):
         layers, seed = p.config.model.layers, p.values["train.seed"]
         st_ = status.get(p.group, lambda *_: "completed")(layers, seed)
+        if out is not None:
+            p.run_dir(out).mkdir(parents=True, exist_ok=True)
+            write_status(p.run_dir(out), st_, 10, **(FINETUNED_AT if p.init_from_point else PRETRAINED_AT))
         ev = {}
         if st_ == "completed":
             ev["loss"] = loss.get(p.group, lambda *_: 0.5)(layers, seed)
@@ -277,8 +288,8 @@ def test_smoothing_gives_one_verdict_per_modality_and_pair(tmp_path):
     cos = {g: (lambda l, s: 0.8 + NOISE[s]) for g in SEQ}
     cos.update({g: (lambda l, s: 0.4) for g in TOK + ("untrained", "text_untrained")})
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
-    # a level verdict for each of the 4 pairs and a trend verdict for each of the 3 sequence-level groups
-    assert len(found) == 7
+    # a level verdict for each of the 3 pairs (encoders only) and a trend verdict for each sequence-level group
+    assert len(found) == 6
     level = _by_title(found, "more than token-level (images: supervised vs mae)")
     assert level.verdict.verdict == HELD and level.verdict.n == 3 and level.verdict.mean == pytest.approx(0.4)
     assert len(level.rows) == 4 * 3  # shapes x seeds
@@ -297,7 +308,8 @@ def test_smoothing_images_and_text_disagreeing_are_reported_separately(tmp_path)
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
     assert _by_title(found, "more than token-level (images: supervised vs mae)").verdict.verdict == HELD
     assert _by_title(found, "more than token-level (text: text_classify vs mlm)").verdict.verdict == NOT_HELD
-    assert _by_title(found, "more than token-level (text: text_classify vs next_token)").verdict.verdict == NOT_HELD
+    # a causal decoder is no pair for an encoder: next_token is judged by its loss only
+    assert not [f for f in found if "vs next_token" in f.title]
 
 
 def test_smoothing_trend_over_every_shape(tmp_path):
@@ -350,7 +362,7 @@ def test_non_finite_or_missing_metrics_are_named_not_dropped(tmp_path):
     assert nt.verdict.verdict == INCONCLUSIVE and "evaluation loss nan" in nt.verdict.reason
     acc = _acc(lambda l, s: 0.8, lambda l, s: float("nan") if (l == 24 and s == 0) else 0.8 + 0.05 * math.log2(l))
     absolute = _by_title(
-        bamboo_depth(_bamboo(accuracy=acc), tmp_path), "pays off after token-level pre-training (images"
+        bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "pays off after token-level pre-training (images"
     )
     assert absolute.verdict.verdict == INCONCLUSIVE and "no finite accuracy" in absolute.verdict.reason
     update = {"post_ln": lambda l, s: float("nan") if s == 1 else 3.0, "deepnorm": lambda l, s: 0.1}
@@ -376,7 +388,7 @@ def _acc(scratch, tuned):
 def test_depth_absolute_and_relative_are_separate_verdicts(tmp_path):
     # depth hurts both models, but hurts the fine-tuned one less: relative held, absolute did not hold
     acc = _acc(lambda l, s: 0.9 - 0.05 * math.log2(l) + NOISE[s] / 10, lambda l, s: 0.9 - 0.02 * math.log2(l))
-    found = bamboo_depth(_bamboo(accuracy=acc), tmp_path)
+    found = bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path)
     assert len(found) == 4  # (images, text) x (absolute, relative)
     absolute = _by_title(found, "pays off after token-level pre-training (images")
     relative = _by_title(found, "more than training from scratch (images")
@@ -388,7 +400,7 @@ def test_depth_trend_in_the_middle_shapes_only(tmp_path):
     # the fine-tuned accuracy steps up between the middle shapes (11 -> 24 layers) and is flat at either end
     step = {6: 0.80, 11: 0.80, 24: 0.90, 43: 0.90}
     acc = _acc(lambda l, s: 0.8, lambda l, s: step[l] + NOISE[s] / 10)
-    found = bamboo_depth(_bamboo(accuracy=acc), tmp_path)
+    found = bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path)
     absolute = _by_title(found, "pays off after token-level pre-training (images")
     expected = slope([6, 11, 24, 43], [0.8, 0.8, 0.9, 0.9])
     assert absolute.verdict.mean == pytest.approx(expected, abs=1e-9)
@@ -399,7 +411,7 @@ def test_depth_diverged_deep_shapes_count_against_depth(tmp_path):
     # two seeds of three diverge at the deepest shape; the third is slightly better: not held
     tuned = lambda l, s: 0.90 + (0.01 if l == 43 else 0.0)
     status = {"finetune": lambda l, s: "diverged" if (l == 43 and s < 2) else "completed"}
-    found = bamboo_depth(_bamboo(accuracy=_acc(lambda l, s: 0.9, tuned), status=status), tmp_path)
+    found = bamboo_depth(_bamboo(accuracy=_acc(lambda l, s: 0.9, tuned), status=status, out=tmp_path), tmp_path)
     absolute = _by_title(found, "pays off after token-level pre-training (images")
     assert absolute.verdict.verdict != HELD and absolute.verdict.mean < 0
     # the old rule dropped diverged runs and kept the survivor: +0.01 held
@@ -409,9 +421,88 @@ def test_depth_failed_run_is_inconclusive_and_named(tmp_path):
     status = {"finetune": lambda l, s: "failed" if (l == 24 and s == 1) else "completed"}
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l))
     absolute = _by_title(
-        bamboo_depth(_bamboo(accuracy=acc, status=status), tmp_path), "pays off after token-level pre-training (images"
+        bamboo_depth(_bamboo(accuracy=acc, status=status, out=tmp_path), tmp_path),
+        "pays off after token-level pre-training (images",
     )
     assert absolute.verdict.verdict == INCONCLUSIVE and "failed: boom" in absolute.verdict.reason
+
+
+def test_depth_needs_finished_pretraining_before_fine_tuning(tmp_path):
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    held = _by_title(
+        bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "pays off after token-level pre-training (images"
+    )
+    assert held.verdict.verdict == HELD
+    # an MAE run that was interrupted: its fine-tuned run is no evidence, and the reason names both
+    status = {"mae": lambda l, s: "interrupted" if (l == 11 and s == 2) else "completed"}
+    found = bamboo_depth(_bamboo(accuracy=acc, status=status, out=tmp_path / "b"), tmp_path / "b")
+    absolute = _by_title(found, "pays off after token-level pre-training (images")
+    assert absolute.verdict.verdict == INCONCLUSIVE
+    assert "finetune/layers=11_width=96_heads=6_ffn=384_seed=2 (its pre-training run mae/" in absolute.verdict.reason
+    # a fine-tuned run that started before its pre-training finished (no init_from record: the old rule)
+    results = _bamboo(accuracy=acc, out=tmp_path / "c")
+    from kilolayer.rundir import read_status, write_status
+
+    late = next(r for r in results if r.point.group == "finetune")
+    st = read_status(late.point.run_dir(tmp_path / "c"))
+    write_status(late.point.run_dir(tmp_path / "c"), "completed", 10, started="2026-01-01T00:30:00+00:00")
+    absolute = _by_title(bamboo_depth(results, tmp_path / "c"), "pays off after token-level pre-training (images")
+    assert st["started"] > "2026-01-01T00:30" and absolute.verdict.verdict == INCONCLUSIVE
+    assert f"{late.point.key} (started before its pre-training run" in absolute.verdict.reason
+
+
+def test_depth_fine_tuning_from_a_stale_pretraining_checkpoint_is_no_evidence(tmp_path, monkeypatch):
+    from kilolayer import rundir
+
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    results = _bamboo(accuracy=acc, out=tmp_path)
+    for r in results:
+        if r.point.init_from_point:
+            rundir.write_status(r.point.run_dir(tmp_path), "completed", 10, init_from={"path": "x", "step": 500})
+    # the pre-training runs' chosen checkpoints are at step 500, except one that trained on to 800 since
+    stale = next(r for r in results if r.point.group == "finetune" and r.point.values["train.seed"] == 1)
+    newer = stale.point.init_from_point
+    monkeypatch.setattr(rundir, "chosen_checkpoint", lambda d, patience=0, on_damaged=None: Path(d) / "ckpt")
+    monkeypatch.setattr(rundir, "checkpoint_step", lambda p: 800 if str(p.parent).endswith(newer) else 500)
+    absolute = _by_title(bamboo_depth(results, tmp_path), "pays off after token-level pre-training (images")
+    assert absolute.verdict.verdict == INCONCLUSIVE
+    assert f"{stale.point.key} (fine-tuned from step 500 of {newer}, whose chosen checkpoint is 800)" in (
+        absolute.verdict.reason
+    )
+    text = _by_title(bamboo_depth(results, tmp_path), "pays off after token-level pre-training (text")
+    assert text.verdict.verdict == HELD  # the MLM side is untouched
+
+
+def _evals(final: float, earlier: float, key: str = "loss") -> list[dict]:
+    return [{"step": 100, key: earlier + 0.2}, {"step": 300, key: earlier}, {"step": 400, key: final}]
+
+
+def test_a_comparison_of_runs_that_had_not_converged_is_inconclusive(tmp_path):
+    cos = {g: (lambda l, s: 0.8 + NOISE[s]) for g in SEQ}
+    cos.update({g: (lambda l, s: 0.4) for g in TOK + ("untrained", "text_untrained")})
+    results = _bamboo(cos)
+    for r in results:  # every run ends flat at its budget (within 2% over its last quarter): converged
+        r.evals = _evals(0.50, 0.505)
+    level = _by_title(bamboo_smoothing(results, tmp_path), "(images: supervised vs mae)")
+    assert level.verdict.verdict == HELD
+    moving = [r for r in results if r.point.group == "mae" and r.point.config.model.layers == 43]
+    for r in moving:  # the deepest MAE runs still gaining 10% in their last quarter
+        r.evals = _evals(0.45, 0.50)
+    level = _by_title(bamboo_smoothing(results, tmp_path), "(images: supervised vs mae)")
+    assert level.verdict.verdict == INCONCLUSIVE
+    assert f"{len(moving)} of 24 runs were still improving loss by more than 2%" in level.verdict.reason
+    assert "it would have read 'held'" in level.verdict.reason
+    # accuracy for the depth findings: +0.02 in the last quarter is not converged
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    results = _bamboo(accuracy=acc, out=tmp_path / "d")
+    for r in results:
+        if r.point.group == "finetune":
+            a = r.eval["accuracy"]
+            r.evals = [{"step": 300, "accuracy": a - 0.02}, {"step": 400, "accuracy": a}]
+    absolute = _by_title(bamboo_depth(results, tmp_path / "d"), "pays off after token-level pre-training (images")
+    assert absolute.verdict.verdict == INCONCLUSIVE and "still improving accuracy by more than 0.01" in (
+        absolute.verdict.reason
+    )
 
 
 def test_depth_tokens_per_objective(tmp_path):

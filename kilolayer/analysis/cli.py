@@ -54,9 +54,9 @@ def cmd_smoothness(args) -> int:
                 "--data NAME names a kilolayer data source and works with --run; "
                 "for --hf give --text FILE or --images DIR"
             )
-        if args.include_special or args.after_final_norm:
+        if args.include_special or args.after_final_norm or args.include_blank:
             raise InputError(
-                "--include-special / --after-final-norm work with --run; for --hf use --exclude-cls "
+                "--include-special / --include-blank / --after-final-norm work with --run; for --hf use --exclude-cls "
                 "(a Hugging Face model's last hidden state is what the model returns)"
             )
         result = smoothness_of_hf(
@@ -83,6 +83,7 @@ def cmd_smoothness(args) -> int:
             batch_size=args.batch_size,
             exclude_first=args.exclude_cls,
             exclude_special=not args.include_special,
+            exclude_blank=not args.include_blank,
             after_final_norm=args.after_final_norm,
             device=args.device,
         )
@@ -143,6 +144,12 @@ def register(subparsers) -> None:
         "--include-special",
         action="store_true",
         help="with --run: keep the CLS token and special-token ids in the metrics (default: left out)",
+    )
+    s.add_argument(
+        "--include-blank",
+        action="store_true",
+        help="with --run on images: keep the tokens of blank patches (every pixel equal) in the metrics "
+        "(default: left out)",
     )
     s.add_argument(
         "--after-final-norm",

@@ -183,14 +183,18 @@ def layer_metrics(
     padding_mask: torch.Tensor | None = None,
     exclude: Sequence[int] = (),
     grid: int | None = None,
+    skip: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every metric that applies, each ``(B,)``. ``high_freq`` only with a grid (images: no padding)."""
+    """Every metric that applies, each ``(B,)``. ``high_freq`` only with a grid (images: no padding).
+    ``skip`` (B, T): tokens the token metrics leave out, as padding, but that are real tokens of the grid (the
+    Fourier metric, which needs the whole grid, keeps them)."""
+    left_out = padding_mask if skip is None else (skip if padding_mask is None else padding_mask | skip)
     out = {
-        "cosine": token_cosine(hidden, padding_mask, exclude),
-        "cosine_centred": centred_token_cosine(hidden, padding_mask, exclude),
-        "rank_residual": rank_collapse_residual(hidden, padding_mask, exclude),
-        "effective_rank": effective_rank(hidden, padding_mask, exclude),
-        "hc_ratio": hc_ratio(hidden, padding_mask, exclude),
+        "cosine": token_cosine(hidden, left_out, exclude),
+        "cosine_centred": centred_token_cosine(hidden, left_out, exclude),
+        "rank_residual": rank_collapse_residual(hidden, left_out, exclude),
+        "effective_rank": effective_rank(hidden, left_out, exclude),
+        "hc_ratio": hc_ratio(hidden, left_out, exclude),
     }
     if grid is not None:
         if padding_mask is not None and bool(padding_mask.any()):
@@ -216,19 +220,24 @@ class SmoothnessObserver:
         # read by kilolayer stacks: observe the last layer before their final norm
         self.before_final_norm = before_final_norm
         self.padding_mask: torch.Tensor | None = None
+        self.skip: torch.Tensor | None = None
         self.samples = 0
         self._sums: dict[str, list[float]] = {}
         self._counts: dict[str, list[int]] = {}
 
-    def begin_batch(self, padding_mask: torch.Tensor | None = None) -> SmoothnessObserver:
+    def begin_batch(
+        self, padding_mask: torch.Tensor | None = None, skip: torch.Tensor | None = None
+    ) -> SmoothnessObserver:
+        """The next batch's padding mask and the real tokens the token metrics skip (:func:`layer_metrics`)."""
         self.padding_mask = padding_mask
+        self.skip = skip
         return self
 
     def __call__(self, layer: int, hidden: torch.Tensor) -> None:
         if layer == 0:
             self.samples += hidden.shape[0]
         with torch.no_grad():
-            values = layer_metrics(hidden, self.padding_mask, self.exclude, self.grid)
+            values = layer_metrics(hidden, self.padding_mask, self.exclude, self.grid, self.skip)
         for name, v in values.items():
             sums = self._sums.setdefault(name, [])
             counts = self._counts.setdefault(name, [])
@@ -267,13 +276,13 @@ def hidden_states_of(output) -> list[torch.Tensor]:
     return states
 
 
-def _split_batch(batch, kilolayer_model: bool) -> tuple[dict, torch.Tensor | None]:
+def _split_batch(batch, kilolayer_model: bool) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
     if isinstance(batch, tuple):
-        return batch
+        return (*batch, None) if len(batch) == 2 else batch
     if kilolayer_model:
-        return batch, batch.get("padding_mask")
+        return batch, batch.get("padding_mask"), None
     mask = batch.get("attention_mask")
-    return batch, (mask == 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+    return batch, (mask == 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None), None
 
 
 def smoothness(
@@ -289,7 +298,8 @@ def smoothness(
     ``model`` is a kilolayer backbone (run with ``observe=``; memory stays at one
     layer's activations) or a Hugging Face model (run with
     ``output_hidden_states=True``). Each batch is a dict of keyword arguments for
-    the model, or a ``(kwargs, padding_mask)`` pair. Without a pair the padding
+    the model, or a ``(kwargs, padding_mask)`` pair, or a ``(kwargs, padding_mask, skip)`` triple whose
+    ``skip`` marks real tokens the token metrics leave out (:func:`layer_metrics`). Without a pair the padding
     mask is ``kwargs["padding_mask"]`` (kilolayer) or ``attention_mask == 0``
     (Hugging Face). ``grid`` (patches per side) adds the Fourier metric;
     ``exclude_first`` leaves token 0 (CLS) out of the token metrics.
@@ -307,8 +317,8 @@ def smoothness(
     try:
         with torch.no_grad():
             for batch in batches:
-                kwargs, mask = _split_batch(batch, ours)
-                observer.begin_batch(mask)
+                kwargs, mask, skip = _split_batch(batch, ours)
+                observer.begin_batch(mask, skip)
                 if ours:
                     # encoder-decoder objectives hand over the encoder's inputs (src, ...): run encode()
                     run = model.encode if hasattr(model, "encode") and "tgt" not in kwargs else model
@@ -337,6 +347,33 @@ def special_token_ids(config, source) -> list[int]:
     return sorted({int(i) for i in ids})
 
 
+def blank_patches(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, N) bool: True where an image's ``patch`` x ``patch`` patch (row-major, as the patch embedding cuts
+    them) has every pixel of every channel equal, such as MNIST's black border."""
+    b, c, h, w = images.shape
+    p = images.reshape(b, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
+    p = p.reshape(b, (h // patch) * (w // patch), -1)
+    return p.amax(-1) == p.amin(-1)
+
+
+def blank_token_mask(images: torch.Tensor, patch: int, cls_token: bool) -> torch.Tensor | None:
+    """(B, T) bool, True = a token to leave out of the metrics because its patch is blank; None where no
+    patch is blank. An image with fewer than two content patches keeps all its tokens (a cosine between
+    tokens needs two)."""
+    blank = blank_patches(images, patch)
+    content = (~blank).sum(1)
+    blank[content < 2] = False
+    if not bool(blank.any()):
+        return None
+    if cls_token:
+        blank = torch.cat([torch.zeros_like(blank[:, :1]), blank], dim=1)
+    return blank
+
+
+#: version of the measurement choices below; the study runner re-measures saved results of another version
+SMOOTHNESS_METHOD = 2
+
+
 def smoothness_of_run(
     run_dir: str | Path,
     *,
@@ -345,6 +382,7 @@ def smoothness_of_run(
     batch_size: int = 32,
     exclude_first: bool = False,
     exclude_special: bool = True,
+    exclude_blank: bool = True,
     after_final_norm: bool = False,
     device: str = "cpu",
 ) -> dict:
@@ -352,12 +390,15 @@ def smoothness_of_run(
 
     Measurement choices (Bamboo's over-smoothing is about the content tokens of the last block):
     ``exclude_special`` (default) leaves the CLS token of a patch model and special-token ids of token inputs
-    out of every metric (``exclude_first`` drops token 0 whatever it is); the last entry is the last block's
-    output before the stack's final LayerNorm, whose shared bias raises raw cosine, unless
+    out of every metric (``exclude_first`` drops token 0 whatever it is); ``exclude_blank`` (default) leaves
+    out the tokens of blank patches (every pixel equal: MNIST's black border is 62% of its 4x4 patches), which
+    differ only by their position embedding and would raise every model's cosine alike; the last entry is the
+    last block's output before the stack's final LayerNorm, whose shared bias raises raw cosine, unless
     ``after_final_norm``.
 
     Adds metadata: ``source``, ``path``, ``name``, ``input``, ``depth``, ``grid``, ``exclude_special``,
-    ``after_final_norm``."""
+    ``exclude_blank`` (with the share of patch tokens left out as blank, ``blank_share``), ``after_final_norm``
+    and ``method`` (:data:`SMOOTHNESS_METHOD`)."""
     from kilolayer.data import load_source
     from kilolayer.rundir import load_run
 
@@ -373,6 +414,7 @@ def smoothness_of_run(
         special_token_ids(config, source) if exclude_special else [], dtype=torch.long, device=device
     )
     exclude_first = exclude_first or (exclude_special and m.input == "patches" and m.cls_token)
+    blank_counts = [0, 0]  # blank patch tokens, all patch tokens
 
     def batches():
         for batch in source.eval_batches(batch_size, limit=samples):
@@ -383,7 +425,12 @@ def smoothness_of_run(
                 # only the metrics skip them; the model still attends to them
                 is_special = torch.isin(ids, special)
                 mask = is_special if mask is None else (mask | is_special)
-            yield kwargs, mask
+            blank = None
+            if exclude_blank and m.input == "patches" and ids is not None and ids.dim() == 4:
+                blank = blank_token_mask(ids, m.patch_size, m.cls_token)
+                blank_counts[1] += ids.shape[0] * grid * grid
+                blank_counts[0] += int(blank.sum()) if blank is not None else 0
+            yield kwargs, mask, blank
 
     result = smoothness(
         task.backbone, batches(), grid=grid, exclude_first=exclude_first, before_final_norm=not after_final_norm
@@ -397,8 +444,12 @@ def smoothness_of_run(
         grid=grid,
         model=f"{m.arch} {m.scheme} {config.objective.name}",
         exclude_special=exclude_special,
+        exclude_blank=bool(exclude_blank and m.input == "patches"),
         after_final_norm=after_final_norm,
+        method=SMOOTHNESS_METHOD,
     )
+    if m.input == "patches" and exclude_blank:
+        result["blank_share"] = blank_counts[0] / max(1, blank_counts[1])
     return result
 
 

@@ -595,12 +595,12 @@ def _pick(rs, layers, seed):
 
 
 # (sequence-level group, token-level group, modality) pairs compared for over-smoothing, and each
-# modality's untrained baseline group
+# modality's untrained baseline group. Each pair is of encoders (a causal decoder's tokens differ from a
+# bidirectional encoder's by architecture, not only by objective: next_token is judged by its loss, LOSS_GROUPS)
 SMOOTHING_PAIRS = [
     ("supervised", "mae", "images"),
     ("contrastive", "mae", "images"),
     ("text_classify", "mlm", "text"),
-    ("text_classify", "next_token", "text"),
 ]
 UNTRAINED = {"images": "untrained", "text": "text_untrained"}
 # (trained from scratch, pre-trained then fine-tuned, what the pre-training was, modality) on one downstream task
@@ -630,16 +630,28 @@ def still_improving(r, key: str, tol: float, lower_is_better: bool = False, rela
     return gain > (tol * abs(before) if relative else tol)
 
 
-def _convergence_note(runs: list, key: str, tol: float, lower_is_better: bool = False, relative: bool = False) -> str:
+def require_convergence(
+    v: Verdict, runs: list, key: str, tol: float, lower_is_better: bool = False, relative: bool = False
+) -> Verdict:
+    """Bamboo compares models at convergence: when any of ``runs`` was still improving ``key`` by more than
+    ``tol`` over its last quarter of steps (:func:`still_improving`; a run that stopped on its plateau, or ran
+    flat to its step budget, is converged), a verdict of held or did not hold becomes inconclusive, and the
+    reason says how many runs had not converged. Returns ``v``, changed in place."""
     runs = list({r.point.key: r for r in runs if r is not None and r.ok}.values())
     moving = [r for r in runs if still_improving(r, key, tol, lower_is_better, relative)]
     if not moving:
-        return ""
+        return v
     by = f"{tol:.0%}" if relative else f"{tol:g}"
-    return (
+    decided = v.verdict in (HELD, NOT_HELD)
+    v.reason += (
         f"; {len(moving)} of {len(runs)} runs were still improving {key} by more than {by} over their last "
-        "quarter of steps, so they had not converged: train longer before trusting this comparison"
+        "quarter of steps, so they had not converged"
+        + (f" (it would have read '{v.verdict}'), and the claim is about converged models" if decided else "")
+        + ": train longer before trusting this comparison"
     )
+    if decided:
+        v.verdict = INCONCLUSIVE
+    return v
 
 
 def _shape(r) -> str:
@@ -726,8 +738,7 @@ def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding
                     _fmt(_last(b, "cosine_centred")),
                 ]
             )
-    v = level.decide(0.05)
-    v.reason += _convergence_note(a_rs + b_rs, "loss", 0.02, lower_is_better=True, relative=True)
+    v = require_convergence(level.decide(0.05), a_rs + b_rs, "loss", 0.02, lower_is_better=True, relative=True)
     shapes = ", ".join(_shape(r) for r in sorted({_depth(r): r for r in a_rs + b_rs}.values(), key=_depth))
     notes = _measurement_note(a_rs + b_rs + base) + _chance_note(
         [next((r for r in g if r.ok), None) for g in (a_rs, b_rs)], out, ""
@@ -794,7 +805,7 @@ def _smoothing_trend(results, out, seq: str, toks: list[str], modality: str) -> 
             context.append(f"{tok}: {statistics.fmean(t_slopes.values()):+.3g} per doubling")
     if context:
         v.reason += "; for comparison, token-level " + ", ".join(context)
-    v.reason += _convergence_note(_group(results, seq), "loss", 0.02, lower_is_better=True, relative=True)
+    require_convergence(v, _group(results, seq), "loss", 0.02, lower_is_better=True, relative=True)
     shape_of = {_depth(r): _shape(r) for r in _group(results, seq)}
     return Finding(
         f"bamboo_smoothing_trend:{seq}",
@@ -827,6 +838,34 @@ def bamboo_smoothing(results, out):
     return found
 
 
+def pretraining_problem(r, results, out) -> str | None:
+    """Why the pre-training behind fine-tuned run ``r`` (its point's ``init_from_point``) makes ``r`` no evidence,
+    or None: the pre-training run must have completed, and ``r`` must have started from the checkpoint that
+    stands for it now (recorded in ``r``'s status as ``init_from.step``; for runs that predate that record,
+    ``r`` must have started after the pre-training finished)."""
+    from kilolayer.rundir import checkpoint_step, chosen_checkpoint, read_status
+
+    key = getattr(r.point, "init_from_point", None) if r is not None else None
+    if key is None or r.status not in ("completed", "diverged"):
+        return None
+    src = next((x for x in results if x.point.key == key), None)
+    if src is None or src.status != "completed":
+        state = "missing" if src is None else src.status
+        return f"{r.point.key} (its pre-training run {key} is {state})"
+    mine, theirs = read_status(r.point.run_dir(out)), read_status(src.point.run_dir(out))
+    record = mine.get("init_from")
+    if isinstance(record, dict) and "step" in record:
+        chosen = chosen_checkpoint(src.point.run_dir(out), src.point.config.train.patience, on_damaged=lambda _: None)
+        if chosen is None or checkpoint_step(chosen) != int(record["step"]):
+            now = "none" if chosen is None else checkpoint_step(chosen)
+            return f"{r.point.key} (fine-tuned from step {record['step']} of {key}, whose chosen checkpoint is {now})"
+        return None
+    started, finished = mine.get("started"), theirs.get("finished")
+    if not (isinstance(started, str) and isinstance(finished, str) and started >= finished):
+        return f"{r.point.key} (started before its pre-training run {key} finished)"
+    return None
+
+
 def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str) -> list[Finding]:
     sup, ft = _group(results, scratch), _group(results, tuned)
     depths = sorted(set(_shapes(sup)) | set(_shapes(ft)))
@@ -847,6 +886,11 @@ def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str)
                 out,
                 must_learn=[f"{tuned} {layers} layers seed {seed}"] if deepest else [],
             )
+            if (why := pretraining_problem(f, results, out)) is not None:
+                for e in (absolute, relative):
+                    if why not in e.excluded:
+                        e.excluded.append(why)
+                abs_ok = rel_ok = False
             a_s = accuracy_of(s, out) if rel_ok else None
             a_f = accuracy_of(f, out) if abs_ok else None
             for ok, r, value, evs in ((rel_ok, s, a_s, [relative]), (abs_ok, f, a_f, [absolute, relative])):
@@ -861,10 +905,8 @@ def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str)
             absolute.add(seed, slope(depths, acc_f))
             if None not in acc_s:
                 relative.add(seed, slope(depths, acc_f) - slope(depths, acc_s))
-    note = _convergence_note(sup + ft, "accuracy", 0.01)
-    v_abs, v_rel = absolute.decide(0.005), relative.decide(0.005)
-    v_abs.reason += note
-    v_rel.reason += note
+    v_abs = require_convergence(absolute.decide(0.005), sup + ft, "accuracy", 0.01)
+    v_rel = require_convergence(relative.decide(0.005), sup + ft, "accuracy", 0.01)
     if len(depths) < 2:
         v_abs = v_rel = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
     shape_of = {_depth(r): _shape(r) for r in sup + ft}
@@ -942,8 +984,7 @@ def bamboo_depth_tokens(results, out):
             rows.append(row)
             if None not in losses:
                 ev.add(seed, -slope(depths, losses))
-        v = ev.decide(0.01, " nats")
-        v.reason += _convergence_note(rs, "loss", 0.02, lower_is_better=True, relative=True)
+        v = require_convergence(ev.decide(0.01, " nats"), rs, "loss", 0.02, lower_is_better=True, relative=True)
         if len(depths) < 2:
             v = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
         shape_of = {_depth(r): _shape(r) for r in rs}

@@ -75,8 +75,9 @@ def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # only glibc has it (musl has mallopt as a no-op)
-    except (OSError, AttributeError):
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # only glibc has it (musl's mallopt does nothing)
         return False
     return libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)) == 1
 
