@@ -302,16 +302,21 @@ def test_bamboo_study_runs_end_to_end_at_toy_size(tmp_path):
     assert not bad, bad
     assert all(r.smoothness and len(r.smoothness["cosine"]) == r.point.config.model.layers + 1 for r in results)
     md, _, findings = write_report(spec, results, out, 1.0)
-    # one verdict per pair and modality: smoothing level x 4 pairs, smoothing trend x 3 sequence-level groups,
-    # depth (absolute, relative) x 2, depth_tokens x 2 objectives
+    # one verdict per pair and modality: smoothing level x 3 encoder pairs, smoothing trend x 3 sequence-level
+    # groups, depth (absolute, relative) x 2, depth_tokens x 2 objectives
     assert [f.name.split(":")[0] for f in findings] == (
-        ["bamboo_smoothing"] * 4
+        ["bamboo_smoothing"] * 3
         + ["bamboo_smoothing_trend"] * 3
         + ["bamboo_depth", "bamboo_depth_relative"] * 2
         + ["bamboo_depth_tokens"] * 2
     )
     assert all(f.verdict.verdict == INCONCLUSIVE and "one seed" in f.verdict.reason for f in findings[:1])
-    assert "text: text_classify vs next_token" in md.read_text()
+    text = md.read_text()
+    assert "text: text_classify vs mlm" in text and "vs next_token" not in text
+    # every text model was measured on the same inputs (Penn Treebank bytes), stamped beside its result
+    texts = [r for r in results if r.point.config.model.input == "tokens"]
+    assert {r.smoothness["input"] for r in texts} == {"data:ptb"}
+    assert "measured on the same inputs: the validation split of data:ptb" in text
 
 
 def test_study_list_says_how_times_were_obtained():
@@ -347,3 +352,39 @@ def test_readme_study_example_is_the_shipped_spec():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("`configs/study_depth_sweep.yaml`:\n\n```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(block) == yaml.safe_load((ROOT / "configs" / "study_depth_sweep.yaml").read_text())
+
+
+def test_an_analysis_is_redone_when_its_version_or_data_change(tmp_path):
+    """A saved analysis result is kept only while its stamp (the analysis's version and data section) is the
+    point's; a result from another version of the measurement, or on other inputs, is measured again."""
+    from kilolayer.config import load_config
+    from kilolayer.rundir import write_status
+    from kilolayer.study.runner import ANALYSES, STAMP, run_analyses
+    from kilolayer.study.spec import Point
+
+    calls = []
+
+    def probe(run_dir, target, data=None):
+        calls.append(data)
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "probe_test.json").write_text("{}")
+
+    probe.version = 1
+    run = tmp_path / "runs" / "g" / "p"
+    run.mkdir(parents=True)
+    write_status(run, "completed", 1)
+    point = Point("g", "p", {}, load_config(BASE), analyses=["probe_test"])
+    with ANALYSES.added("probe_test", probe):
+        run_analyses(point, tmp_path, log=lambda *_: None)
+        run_analyses(point, tmp_path, log=lambda *_: None)
+        assert calls == [None]  # measured once, then kept
+        probe.version = 2
+        run_analyses(point, tmp_path, log=lambda *_: None)
+        assert calls == [None, None]  # a new version of the measurement
+        point.analysis_data = {"name": "ptb"}
+        run_analyses(point, tmp_path, log=lambda *_: None)
+        run_analyses(point, tmp_path, log=lambda *_: None)
+        assert calls == [None, None, {"name": "ptb"}]  # other inputs, then kept
+        (run / "analysis" / "probe_test" / STAMP).unlink()  # a result saved before stamps existed
+        run_analyses(point, tmp_path, log=lambda *_: None)
+        assert len(calls) == 4

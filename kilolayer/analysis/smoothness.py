@@ -377,7 +377,7 @@ SMOOTHNESS_METHOD = 2
 def smoothness_of_run(
     run_dir: str | Path,
     *,
-    data: str | None = None,
+    data: str | dict | None = None,
     samples: int = 128,
     batch_size: int = 32,
     exclude_first: bool = False,
@@ -386,7 +386,8 @@ def smoothness_of_run(
     after_final_norm: bool = False,
     device: str = "cpu",
 ) -> dict:
-    """:func:`smoothness` of a kilolayer run's newest checkpoint on its evaluation data (or source ``data``).
+    """:func:`smoothness` of a kilolayer run's chosen checkpoint on its evaluation data, or on ``data``: a source
+    name (with the run's data options) or a whole data section.
 
     Measurement choices (Bamboo's over-smoothing is about the content tokens of the last block):
     ``exclude_special`` (default) leaves the CLS token of a patch model and special-token ids of token inputs
@@ -404,8 +405,10 @@ def smoothness_of_run(
 
     run_dir = Path(run_dir)
     config, task = load_run(run_dir, device=device)
-    if data is not None:
+    if isinstance(data, str):  # another source of the run's options
         config = config.model_copy(update={"data": config.data.model_copy(update={"name": data})})
+    elif data is not None:  # a whole data section
+        config = config.model_copy(update={"data": type(config.data).model_validate(data)})
     source = load_source(config)
     m = config.model
     grid = m.image_size // m.patch_size if m.input == "patches" else None

@@ -273,6 +273,9 @@ def _bamboo_text_groups(
     scratch["train"].update(text_eval)
     finetune = base("encoder", classify, packages, steps["mlm_finetune"], 5e-4)
     finetune["train"].update(text_eval)
+    # every text model's token similarity is measured on the same inputs: Penn Treebank's validation bytes
+    # (the token-level groups' own data; out of domain for the package classifiers, said in the report)
+    same_inputs = {"name": "ptb", "options": {"level": "bytes", "seq_len": seq_len - 1}}
     groups = [
         {
             "name": "text_untrained",
@@ -281,6 +284,7 @@ def _bamboo_text_groups(
             "grid": grid,
             "seeds": seeds[:1],
             "analyses": ["smoothness"],
+            "analysis_data": same_inputs,
         },
         {
             "name": "text_classify",
@@ -289,6 +293,7 @@ def _bamboo_text_groups(
             "grid": grid,
             "seeds": seeds,
             "analyses": ["smoothness"],
+            "analysis_data": same_inputs,
         },
         {
             "name": "mlm",
@@ -304,6 +309,7 @@ def _bamboo_text_groups(
             "grid": grid,
             "seeds": seeds,
             "analyses": ["smoothness"],
+            "analysis_data": same_inputs,
         },
         {
             "name": "mlm_finetune",
@@ -315,6 +321,7 @@ def _bamboo_text_groups(
             "grid": grid,
             "seeds": seeds,
             "analyses": ["smoothness"],
+            "analysis_data": same_inputs,
         },
         {
             "name": "next_token",
@@ -330,6 +337,7 @@ def _bamboo_text_groups(
             "grid": grid,
             "seeds": seeds,
             "analyses": ["smoothness"],
+            "analysis_data": same_inputs,
         },
     ]
     return _until_plateau(groups, stop)

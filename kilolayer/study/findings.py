@@ -664,11 +664,15 @@ def _shapes(rs) -> list[int]:
 
 def _measurement_note(runs) -> list[str]:
     """How token similarity was measured, read from the smoothness results themselves."""
-    choices = set()
+    choices, inputs, blank = set(), set(), []
     for r in runs:
         s = r.smoothness if r is not None else None
         if s:
             choices.add((s.get("exclude_special"), s.get("after_final_norm")))
+            # a *_captions source holds the same images, split alike, as its plain one
+            inputs.add(str(s.get("input", "?")).removesuffix("_captions"))
+            if s.get("exclude_blank") and isinstance(s.get("blank_share"), (int, float)):
+                blank.append(float(s["blank_share"]))
     notes = []
     for special, after in sorted(choices, key=str):
         tokens = (
@@ -689,6 +693,15 @@ def _measurement_note(runs) -> list[str]:
             f"Token similarity: {tokens}; 'last layer' is {state} "
             "(`kilolayer analyze smoothness --include-special / --after-final-norm` switch these)."
         )
+    if blank:
+        notes.append(
+            f"Tokens of blank patches (every pixel equal) are left out of the token metrics: "
+            f"{min(blank):.0%}-{max(blank):.0%} of the patch tokens here (`--include-blank` keeps them)."
+        )
+    if len(inputs) == 1:
+        notes.append(f"Every run above was measured on the same inputs: the validation split of {inputs.pop()}.")
+    elif inputs:
+        notes.append(f"The runs were measured on different inputs: {', '.join(sorted(inputs))}.")
     return notes
 
 

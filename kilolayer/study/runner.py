@@ -225,33 +225,56 @@ def run_point(point: Point, out: Path, log=print, threads: int | None = None) ->
 
 
 @ANALYSES.register("smoothness")
-def smoothness_analysis(run_dir: Path, target: Path) -> None:
-    """Over-smoothing curves of the run's own validation data, through the stack's observer (as ``kilolayer
-    analyze --run``)."""
+def smoothness_analysis(run_dir: Path, target: Path, data: dict | None = None) -> None:
+    """Over-smoothing curves on the run's own validation data, or on ``data`` (a data section: the group's
+    ``analysis_data``, so that every group of a modality is measured on the same inputs), through the stack's
+    observer (as ``kilolayer analyze --run``)."""
     from kilolayer.analysis.smoothness import save_smoothness, smoothness_of_run
 
-    save_smoothness(smoothness_of_run(run_dir, samples=256), target)
+    save_smoothness(smoothness_of_run(run_dir, data=data, samples=256), target)
 
 
-def run_analysis(name: str, run_dir: Path) -> Path:
-    """Run analysis ``name`` (registered in :data:`ANALYSES`) on a finished run; results go to
-    run_dir/analysis/name."""
+def _smoothness_version() -> int:
+    from kilolayer.analysis.smoothness import SMOOTHNESS_METHOD
+
+    return SMOOTHNESS_METHOD
+
+
+smoothness_analysis.version = _smoothness_version
+STAMP = "stamp.json"
+
+
+def analysis_stamp(name: str, data: dict | None = None) -> dict:
+    """What a saved result of analysis ``name`` was measured with: the analysis's version (a ``version``
+    callable or int on its function; 1 without) and its data section. A result with another stamp is redone."""
+    version = getattr(ANALYSES.get(name), "version", 1)
+    return {"analysis": name, "version": version() if callable(version) else version, "data": data}
+
+
+def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
+    """Run analysis ``name`` (registered in :data:`ANALYSES`) on a finished run, on ``data`` if given (else the
+    run's own); results go to run_dir/analysis/name, with the stamp of :func:`analysis_stamp`."""
     target = Path(run_dir) / "analysis" / name
-    ANALYSES.get(name)(run_dir, target)
+    fn = ANALYSES.get(name)
+    fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
+    rundir.write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data)) + "\n")
     return target
 
 
 def run_analyses(point: Point, out: Path, log=print) -> None:
+    """The point's analyses on its finished run, each unless a result with the same stamp is saved."""
     run_dir = point.run_dir(out)
     if read_status(run_dir).get("status") != "completed":
         return
     from kilolayer.errors import KilolayerError
 
     for name in point.analyses:
-        if (run_dir / "analysis" / name / f"{name}.json").exists():
+        target = run_dir / "analysis" / name
+        stamp = analysis_stamp(name, point.analysis_data)
+        if (target / f"{name}.json").exists() and rundir.read_json(target / STAMP, None) == stamp:
             continue
         try:
-            run_analysis(name, run_dir)
+            run_analysis(name, run_dir, point.analysis_data)
             log(f"[study] {name} of {point.key}")
         except KilolayerError as err:
             log(f"[study] {name} of {point.key} failed: {err}")

@@ -44,6 +44,11 @@ class GroupSpec(BaseModel):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     analyses: list[str] = Field(default_factory=list)
+    analysis_data: dict[str, Any] | None = Field(
+        None,
+        description="the data section the analyses read instead of each run's own (measure every group of a "
+        "modality on the same inputs)",
+    )
     after: str | None = None
     init_from: str | None = None
 
@@ -93,6 +98,7 @@ class Point:
     config: Config
     init_from_point: str | None = None  # "<group>/<name>" whose run initialises this one
     analyses: list[str] = field(default_factory=list)
+    analysis_data: dict[str, Any] | None = None  # the data section analyses read (None: the run's own)
 
     def run_dir(self, out: Path) -> Path:
         return Path(out) / "runs" / self.group / self.name
@@ -146,7 +152,9 @@ def expand(spec: StudySpec) -> list[Point]:
                     cfg = load_config(data)
                 except ConfigError as err:
                     raise ConfigError(f"groups.{g.name} point {point_name(values)}: {err}") from None
-                p = Point(g.name, point_name(values), values, cfg, analyses=list(g.analyses))
+                p = Point(
+                    g.name, point_name(values), values, cfg, analyses=list(g.analyses), analysis_data=g.analysis_data
+                )
                 if g.init_from is not None:
                     p.init_from_point = _match(p, by_group[g.init_from], g.init_from)
                 mine.append(p)
