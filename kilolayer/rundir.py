@@ -525,6 +525,33 @@ def chosen_checkpoint(run_dir: str | Path, patience: int = 0, on_damaged=warn) -
     return path
 
 
+def run_patience(run_dir: str | Path) -> int:
+    """``train.patience`` of the run's config.yaml (the config it trains with now); 0 if it cannot be read."""
+    from kilolayer.config import load_config
+
+    try:
+        return load_config(Path(run_dir) / CONFIG).train.patience
+    except (KilolayerError, OSError):
+        return 0
+
+
+def chosen_eval(run_dir: str | Path, evals: list[dict], on_damaged=warn) -> dict:
+    """The evaluation record that stands for a completed run: the one of ``evals`` (its ``split: eval``
+    records) at the step of :func:`chosen_checkpoint` under the run's own ``train.patience``, so that the
+    reported metrics are those of the weights that analyses and ``train.init_from`` load (with early stopping
+    the best step, whether the run stopped early or at its step budget). The last record if no checkpoint
+    can be chosen or none was evaluated at its step; {} without evaluations."""
+    last = evals[-1] if evals else {}
+    try:
+        ckpt = chosen_checkpoint(run_dir, run_patience(run_dir), on_damaged)
+    except KilolayerError:  # every checkpoint damaged (said when the run is loaded)
+        return last
+    if ckpt is None:
+        return last
+    step = checkpoint_step(ckpt)
+    return next((e for e in reversed(evals) if e.get("step") == step), last)
+
+
 def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | None = None):
     """(config, task) of a finished or running kilolayer run, with the weights of ``checkpoint`` (default: the
     one that stands for the run, :func:`chosen_checkpoint`: the newest intact one; with early stopping, the

@@ -197,3 +197,39 @@ def test_bad_values_are_one_line_and_leave_no_directory(tmp_path, sets, needles)
     for n in needles:
         assert n in lines[0], (n, lines[0])
     assert not out.exists()
+
+
+def test_collect_reports_the_evaluation_of_the_checkpoint_that_stands_for_the_run(tmp_path):
+    """One rule for weights and metrics: the evaluation a study reports for a run is the one at the step of
+    the checkpoint analyses and train.init_from load (``chosen_checkpoint``), with early stopping the best,
+    whether the run stopped early (40 steps: stops at 12) or ended at its step budget (10 steps: evaluations
+    at 3, 6, 9 and 10, best 3). Before, a run that ended at its budget was reported at its last evaluation
+    (step 10) while its step-3 weights were analysed."""
+    from kilolayer.study.runner import collect
+    from kilolayer.study.spec import Point
+
+    for steps, stopped_early, last in ((40, True, 12), (10, False, 10)):
+        point = Point("early", f"steps={steps}", {}, load_config(cfg(WORSENING, steps=steps)))
+        out = tmp_path / "study"
+        run = point.run_dir(out)
+        train(point.config, run, quiet=True)
+        st = rundir.read_status(run)
+        assert (st["stopped_early"], st["best_step"], st["step"]) == (stopped_early, 3, last)
+        chosen = rundir.chosen_checkpoint(run, patience=3)
+        result = collect(point, out)
+        assert result.eval["step"] == rundir.checkpoint_step(chosen) == 3
+        assert result.eval == next(e for e in result.evals if e["step"] == 3)
+        assert result.evals[-1]["step"] == last and result.eval["loss"] > result.evals[-1]["loss"]
+        assert result.eval["loss"] == st["best"]  # the best value early stopping found is the one reported
+
+
+def test_collect_without_early_stopping_reports_the_last_evaluation(tmp_path):
+    from kilolayer.study.runner import collect
+    from kilolayer.study.spec import Point
+
+    point = Point("plain", "p", {}, load_config(cfg(steps=7)))
+    out = tmp_path / "study"
+    train(point.config, point.run_dir(out), quiet=True)
+    result = collect(point, out)
+    assert [e["step"] for e in result.evals] == [3, 6, 7] and result.eval == result.evals[-1]
+    assert rundir.checkpoint_step(rundir.chosen_checkpoint(point.run_dir(out))) == 7

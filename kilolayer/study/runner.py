@@ -290,9 +290,10 @@ def collect(point: Point, out: Path) -> Result:
         records, status, reason = [], "unreadable", str(err)
     evals = [r for r in records if r.get("split") == "eval"]
     last = evals[-1] if evals else {}
-    if st.get("stopped_early") and st.get("best_step") is not None:
-        # an early-stopped run stands for its best checkpoint (what analyses load), not its last evaluation
-        last = next((e for e in evals if e.get("step") == st["best_step"]), last)
+    if status == "completed":
+        # the evaluation of the weights that stand for the run (what analyses and init_from load): with early
+        # stopping its best step, whether it stopped early or at its step budget
+        last = rundir.chosen_eval(run_dir, evals, on_damaged=_quiet)
     smooth = None
     sfile = run_dir / "analysis" / "smoothness" / "smoothness.json"
     try:
@@ -312,6 +313,10 @@ def collect(point: Point, out: Path) -> Result:
         seconds=float(st.get("seconds", 0.0)),
         command=shell_command(point, out),
     )
+
+
+def _quiet(message: str) -> None:
+    """A damaged checkpoint is said where the run's weights are loaded, not again by the report."""
 
 
 def threads_per_job(jobs: int) -> int | None:

@@ -3,10 +3,11 @@
 Typical use: pretrain with ``objective.name: mae``, then train ``classification``
 with ``train.init_from: MAE_RUN`` (full fine-tuning) or additionally
 ``train.freeze_backbone: true`` (a linear probe: only the head learns). Only the
-``backbone.*`` tensors of the run's newest complete checkpoint are copied; the
-objective's heads start fresh. The two backbones must match exactly (same
-tensors, same shapes); anything else is one line naming the run and the first
-difference.
+``backbone.*`` tensors of the checkpoint that stands for the run are copied
+(:func:`kilolayer.rundir.chosen_checkpoint`: its newest intact one; with early
+stopping, its best); the objective's heads start fresh. The two backbones must
+match exactly (same tensors, same shapes); anything else is one line naming the
+run and the first difference.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 from torch import nn
 
 from kilolayer import rundir
-from kilolayer.config import load_config, read_yaml
-from kilolayer.errors import InputError, KilolayerError
+from kilolayer.config import read_yaml
+from kilolayer.errors import InputError
 from kilolayer.nn.residual import upgrade_state_dict
 from kilolayer.train.checkpoint import read_weights
 
@@ -36,11 +37,7 @@ def pretrained_checkpoint(run_dir: str | Path) -> Path:
         raise InputError(f"{run}: no such run directory (train.init_from)")
     if not (run / rundir.CONFIG).is_file():
         raise InputError(f"{run}: not a kilolayer run directory (no config.yaml) (train.init_from)")
-    try:
-        patience = load_config(run / rundir.CONFIG).train.patience
-    except KilolayerError:
-        patience = 0
-    found = rundir.chosen_checkpoint(run, patience)
+    found = rundir.chosen_checkpoint(run, rundir.run_patience(run))
     if found is None:
         raise InputError(
             f"{run}: the run has no complete checkpoint (checkpoints/step_NNNNNNNN/COMPLETE) (train.init_from)"
