@@ -233,3 +233,60 @@ def test_collect_without_early_stopping_reports_the_last_evaluation(tmp_path):
     result = collect(point, out)
     assert [e["step"] for e in result.evals] == [3, 6, 7] and result.eval == result.evals[-1]
     assert rundir.checkpoint_step(rundir.chosen_checkpoint(point.run_dir(out))) == 7
+
+
+def _strip_early_stop_keys(ckpt: Path) -> None:
+    """Make ``ckpt`` look like a checkpoint written before the early-stopping settings were stored."""
+    import json
+
+    path = ckpt / "state.json"
+    state = json.loads(path.read_text())
+    for key in ("early_stop_metric", "early_stop_mode", "min_delta"):
+        del state["trainer"][key]
+    path.write_text(json.dumps(state))
+    rundir.write_manifest(ckpt)
+
+
+@pytest.mark.parametrize("old_checkpoint", [False, True])
+def test_resume_with_another_metric_starts_early_stopping_over(tmp_path, capsys, old_checkpoint):
+    """Leg 1 tracks ``loss`` for 6 steps (best at 6); leg 2 resumes on ``bits_per_token`` (loss / ln 2, so
+    every value of it is above the best loss). Kept, loss's best would never be beaten: the run stopped at
+    step 12 reporting loss's best at step 6. Reset (one warning line), the run goes exactly as one that
+    tracked ``bits_per_token`` from the start (early stopping does not change training), as long as that one
+    improved at step 9. A checkpoint from before the metric was stored (``old_checkpoint``) still loads: the
+    run's previous config.yaml says what it tracked."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    expected = train(cfg(patience=2, early_stop_metric="bits_per_token"), full, quiet=True)
+    assert expected["best_step"] >= 9  # the comparison below needs an improvement after the reset
+    train(cfg(steps=6, patience=2), split, quiet=True)
+    assert rundir.read_status(split)["best_step"] == 6
+    if old_checkpoint:
+        _strip_early_stop_keys(rundir.checkpoint_dir(split, 6))
+    capsys.readouterr()
+    sets = ["train.early_stop_metric=bits_per_token", "train.steps=40"]
+    result = train(None, split, resume=True, quiet=True, sets=sets)
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "early_stop" in ln]
+    assert len(warnings) == 1 and warnings[0].startswith("kilolayer: warning: ")
+    for needle in ("train.early_stop_metric='bits_per_token' (mode min)", "tracked 'loss' (mode min)", "step 6"):
+        assert needle in warnings[0], (needle, warnings[0])
+    assert "starts over" in warnings[0]
+    assert result == expected
+    a, b = rundir.read_status(full), rundir.read_status(split)
+    assert (b["best"], b["reason"], b["early_stop_metric"]) == (a["best"], a["reason"], "bits_per_token")
+    state = rundir.read_json(rundir.latest_checkpoint(split) / "state.json")["trainer"]
+    assert (state["early_stop_metric"], state["early_stop_mode"], state["min_delta"]) == ("bits_per_token", "min", 0)
+
+
+def test_resume_with_another_min_delta_keeps_the_best(tmp_path, capsys):
+    """A changed min_delta applies from the resume on, and early stopping's best and count carry over: WORSENING
+    split at step 9 (two evaluations without improvement) stops at 12 with its best at 3, as in one run."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    expected = train(WORSENING, full, quiet=True)
+    train(cfg(WORSENING, steps=9), split, quiet=True)
+    capsys.readouterr()
+    result = train(None, split, resume=True, quiet=True, sets=["train.steps=40", "train.min_delta=0.5"])
+    assert "early_stop" not in capsys.readouterr().err
+    assert result == expected == {"status": "completed", "step": 12, "stopped_early": True, "best_step": 3}
+    assert rundir.read_status(split)["best"] == rundir.read_status(full)["best"]
+    state = rundir.read_json(rundir.checkpoint_dir(split, 12) / "state.json")["trainer"]
+    assert (state["early_stop_metric"], state["early_stop_mode"], state["min_delta"]) == ("loss", "max", 0.5)

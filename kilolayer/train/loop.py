@@ -211,7 +211,8 @@ class Trainer:
         obj = self.task.objective
         self.start_step = self.step = 0
         # ema: the smoothed training loss (bias-corrected, weight 0.9); running_min: its minimum;
-        # early stopping: the best value of the metric, its step, evaluations since without improvement
+        # early stopping: the best value of the metric, its step, evaluations since without improvement, and
+        # the metric, mode and min_delta they were found with (a resume that changes metric or mode resets them)
         self.state = {
             "running_min": math.inf,
             "ema": 0.0,
@@ -220,6 +221,9 @@ class Trainer:
             "best": None,
             "best_step": None,
             "bad_evals": 0,
+            "early_stop_metric": tc.early_stop_metric,
+            "early_stop_mode": early_stop_mode(tc),
+            "min_delta": tc.min_delta,
         }
         latest = (
             rundir.intact_checkpoint(self.out, on_damaged=rundir.warn if self.env.main else _quiet) if resume else None
@@ -349,9 +353,32 @@ class Trainer:
         sched._last_lr = lrs
         self.start_step = self.step = int(st["step"])
         self.state.update(st["trainer"])
+        self._continue_early_stopping(st["trainer"])
         set_rng_state(data["rng"], st["rng"])
         if "reference" in data["extra"]:
             self.reference = data["extra"]["reference"].to(self.env.device)
+
+    def _continue_early_stopping(self, saved: dict) -> None:
+        """On resume: early stopping's best and count carry on only under the metric and mode they were found
+        with (the checkpoint says which; one written before it did, the run's previous config.yaml); under
+        another they are reset, said in one line. A changed ``min_delta`` applies from here on."""
+        tc, st = self.config.train, self.state
+        now = (tc.early_stop_metric, early_stop_mode(tc))
+        if "early_stop_metric" in saved:
+            was = (saved["early_stop_metric"], saved.get("early_stop_mode"))
+        else:
+            previous = self._saved_config()
+            was = now if previous is None else (previous.train.early_stop_metric, early_stop_mode(previous.train))
+        if was != now:
+            if self.env.main and (st["best"] is not None or st["bad_evals"]):
+                best = f"best {st['best']:.6g} at step {st['best_step']}, " if st["best"] is not None else ""
+                rundir.warn(
+                    f"train.early_stop_metric={now[0]!r} (mode {now[1]}): the run tracked {was[0]!r} (mode "
+                    f"{was[1]}) until step {self.start_step}; early stopping starts over ({best}{st['bad_evals']} "
+                    f"evaluations without improvement dropped)"
+                )
+            st.update(best=None, best_step=None, bad_evals=0)
+        st.update(early_stop_metric=now[0], early_stop_mode=now[1], min_delta=tc.min_delta)
 
     def _begin(self, latest: Path | None) -> None:
         """Set-up succeeded: from here on the run directory changes. status.json says running, config.yaml
