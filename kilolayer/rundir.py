@@ -206,9 +206,10 @@ class Lifecycle:
         self.run_dir = Path(run_dir)
         self.who = {"pid": os.getpid(), "host": socket.gethostname(), "started": now()}
         self.final: str | None = None
+        self.fields: dict = {}  # in every status this process writes (e.g. ``init_from``)
 
     def running(self, step: int, **extra) -> None:
-        write_status(self.run_dir, "running", step, "", **self.who, **extra)
+        write_status(self.run_dir, "running", step, "", **self.who, **self.fields, **extra)
 
     def finish(self, status: str, step: int, reason: str = "", **extra) -> bool:
         """Record the final status; False if status.json could not be written (e.g. a full disk)."""
@@ -217,7 +218,7 @@ class Lifecycle:
             extra = {"last_checkpoint": checkpoint_step(last), **extra}
         self.final = status
         try:
-            write_status(self.run_dir, status, step, reason, **self.who, finished=now(), **extra)
+            write_status(self.run_dir, status, step, reason, **self.who, **self.fields, finished=now(), **extra)
             return True
         except OSError:
             return False
@@ -550,6 +551,21 @@ def chosen_eval(run_dir: str | Path, evals: list[dict], on_damaged=warn) -> dict
         return last
     step = checkpoint_step(ckpt)
     return next((e for e in reversed(evals) if e.get("step") == step), last)
+
+
+def recorded_init_from(run_dir: str | Path) -> dict | None:
+    """``{"path", "step"}``: the run directory and checkpoint step a run trained with ``train.init_from``
+    started from, as its status.json records it (else its newest complete checkpoint's trainer state); None
+    if neither records one."""
+    found = read_status(run_dir).get("init_from")
+    if not isinstance(found, dict):
+        newest = latest_checkpoint(run_dir)
+        state = read_json(newest / "state.json", {}) if newest is not None else {}
+        trainer = state.get("trainer") if isinstance(state, dict) else None
+        found = trainer.get("init_from") if isinstance(trainer, dict) else None
+    if isinstance(found, dict) and isinstance(found.get("step"), int) and not isinstance(found["step"], bool):
+        return found
+    return None
 
 
 def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | None = None):

@@ -32,7 +32,7 @@ from pathlib import Path
 from kilolayer import rundir
 from kilolayer.errors import ConfigError
 from kilolayer.rundir import FINISHED, read_status
-from kilolayer.study.runner import Result, _mtime, collect_all, run_analyses, train_point
+from kilolayer.study.runner import Result, _mtime, collect_all, run_analyses, stale_init, train_point
 from kilolayer.study.spec import Point, StudySpec, expand
 
 INSTALL_HINT = "pip install 'kilolayer[ray]'"
@@ -441,6 +441,8 @@ class _Driver:
 
     def submit(self, p: Point) -> None:
         status = read_status(p.run_dir(self.root)).get("status")
+        if status in FINISHED and stale_init(p, self.root) is not None:
+            status = None  # started from another checkpoint of its source than the chosen one: its task retrains it
         if status in FINISHED and not self.analyses_missing(p):
             self.ended.add(p.key)  # a finished point: no task at all
         elif status in FINISHED:

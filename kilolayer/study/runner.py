@@ -4,7 +4,13 @@ Finished points (completed or diverged: both are results) are skipped on a
 re-run; failed, interrupted or unfinished ones are resumed (``--resume``) from
 their newest intact checkpoint. The training process records its own status;
 the runner writes one only when the process could not (killed, or stopped
-before it started training).
+before it started training), or when it did not start a point.
+
+A point initialised from another point's run (``init_from``) starts only once
+that source point has completed (until then it is recorded ``failed``, with the
+reason, and a re-run trains it); one whose recorded start (status.json
+``init_from.step``) is no longer the source's chosen checkpoint is trained again
+from scratch, its old run directory kept beside it as ``<run>.stale-<n>``.
 
 This module is the local executor and what every executor shares: how one point
 is trained (:func:`train_point`), analysed (:func:`run_analyses`) and read back
@@ -86,11 +92,73 @@ def shell_command(point: Point, out: Path) -> str:
     return shlex.join(["kilolayer", *cmd[3:]])
 
 
+def source_dir(point: Point, out: Path) -> Path | None:
+    """The run directory of the point that ``point`` is initialised from (absolute); None without one."""
+    if not point.init_from_point:
+        return None
+    group, name = point.init_from_point.split("/")
+    return (Path(out) / "runs" / group / name).resolve()
+
+
+def source_not_ready(point: Point, out: Path) -> str | None:
+    """Why ``point`` may not start yet: the point it is initialised from has not completed (a partial,
+    failed or diverged run's weights are no pretraining). None when it may, or has no source."""
+    src = source_dir(point, out)
+    if src is None:
+        return None
+    st = read_status(src)
+    status = st.get("status")
+    if status == "completed":
+        return None
+    what = f"{status} at step {int(st.get('step', 0))}" if status else "not run"
+    return f"not started: its init_from point {point.init_from_point} is {what}; it trains once that one completes"
+
+
+def stale_init(point: Point, out: Path) -> str | None:
+    """Why ``point``'s run must train again from scratch: it started from a checkpoint of its source point
+    (status.json ``init_from.step``) other than the one that stands for the source now (e.g. a partial run
+    that has since completed). None otherwise, or when the run records no start."""
+    src = source_dir(point, out)
+    if src is None:
+        return None
+    used = rundir.recorded_init_from(point.run_dir(out))
+    if used is None:
+        return None
+    from kilolayer.train.init_from import pretrained_checkpoint
+
+    try:
+        now = rundir.checkpoint_step(pretrained_checkpoint(src).parent)
+    except KilolayerError:
+        return None  # the source has no usable checkpoint: training it says so
+    if used["step"] == now:
+        return None
+    return f"it started from step {used['step']} of {point.init_from_point}, whose chosen checkpoint is now step {now}"
+
+
+def _set_aside(run_dir: Path) -> Path:
+    """Move a run directory to ``<run>.stale-<n>`` (the first free n); nothing in it is lost."""
+    n = 1
+    while (target := run_dir.with_name(f"{run_dir.name}.stale-{n}")).exists():
+        n += 1
+    with rundir.RunLock(run_dir):
+        run_dir.rename(target)
+    return target
+
+
+def _record_not_started(run_dir: Path, reason: str) -> None:
+    """Record ``failed`` with ``reason`` for a point the runner did not start (a re-run tries it again)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with rundir.RunLock(run_dir):
+            rundir.write_status(run_dir, "failed", int(read_status(run_dir).get("step", 0)), reason)
+    except rundir.RunLocked:
+        pass  # someone else is training it: its status is its own
+
+
 def _materialise(point: Point, out: Path) -> None:
     cfg = point.config
-    if point.init_from_point:
-        group, name = point.init_from_point.split("/")
-        src = (out / "runs" / group / name).resolve()
+    src = source_dir(point, out)
+    if src is not None:
         cfg = load_config({**cfg.model_dump(), "train": {**cfg.train.model_dump(), "init_from": str(src)}})
         point.config = cfg
     path = out / "configs" / point.group / f"{point.name}.yaml"
@@ -174,11 +242,26 @@ def train_point(
     """Train one point unless it already finished, in a subprocess (``nproc`` > 1: under torchrun) with
     ``threads`` torch threads per process and ``env`` added to its environment. ``remote``: the child is not
     in the driver's terminal process group (a Ray worker's child): forward an interrupt to it, and stop it
-    when its parent dies."""
+    when its parent dies. A point initialised from another's run waits for that run to complete, and trains
+    again from scratch when it started from another checkpoint of it than the chosen one now."""
     run_dir = point.run_dir(out)
     st = read_status(run_dir)
+    waiting = source_not_ready(point, out)
+    stale = stale_init(point, out) if waiting is None else None
+    if stale is not None:
+        try:
+            moved = _set_aside(run_dir)
+        except rundir.RunLocked as err:
+            log(f"[study] {point.key}: not retrained ({stale}): {err}")
+            return Attempt(st.get("status", "failed"), float(st.get("seconds", 0.0)), False)
+        log(f"[study] {point.key}: training again from scratch: {stale} (the old run is kept as {moved.name})")
+        st = {}
     if st.get("status") in FINISHED:
         return Attempt(st["status"], float(st.get("seconds", 0.0)), False)
+    if waiting is not None:
+        _record_not_started(run_dir, waiting)
+        log(f"[study] {point.key}: {waiting}")
+        return Attempt("failed", 0.0, False)
     _materialise(point, out)
     logfile = out / "logs" / point.group / f"{point.name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)

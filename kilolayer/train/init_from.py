@@ -7,7 +7,8 @@ with ``train.init_from: MAE_RUN`` (full fine-tuning) or additionally
 (:func:`kilolayer.rundir.chosen_checkpoint`: its newest intact one; with early
 stopping, its best); the objective's heads start fresh. The two backbones must
 match exactly (same tensors, same shapes); anything else is one line naming the
-run and the first difference.
+run and the first difference. The run trained so records in its status.json
+``init_from: {path, step}``: the source run directory and the step it loaded.
 """
 
 from __future__ import annotations

@@ -212,7 +212,8 @@ class Trainer:
         self.start_step = self.step = 0
         # ema: the smoothed training loss (bias-corrected, weight 0.9); running_min: its minimum;
         # early stopping: the best value of the metric, its step, evaluations since without improvement, and
-        # the metric, mode and min_delta they were found with (a resume that changes metric or mode resets them)
+        # the metric, mode and min_delta they were found with (a resume that changes metric or mode resets them);
+        # init_from (a run started from another's weights): that run and the checkpoint step it loaded
         self.state = {
             "running_min": math.inf,
             "ema": 0.0,
@@ -307,7 +308,8 @@ class Trainer:
         if tc.init_from:
             from kilolayer.train.init_from import load_pretrained
 
-            load_pretrained(self.task, tc.init_from, freeze=tc.freeze_backbone)
+            loaded = load_pretrained(self.task, tc.init_from, freeze=tc.freeze_backbone)
+            self.state["init_from"] = {"path": str(Path(tc.init_from).resolve()), "step": loaded["step"]}
         from kilolayer.nn.transformer import data_dependent_init
 
         backbone = self.task.backbone
@@ -385,6 +387,8 @@ class Trainer:
         holds the config trained with now, and a resume is recorded in resume.json."""
         if self.env.main:
             self.life = rundir.Lifecycle(self.out)
+            if "init_from" in self.state:  # every status of the run says what it started from
+                self.life.fields["init_from"] = self.state["init_from"]
             previous = self._saved_config() if self.resume else None
             if self.replace:
                 rundir.clear_run(self.out)
