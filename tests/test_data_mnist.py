@@ -7,14 +7,18 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import os
 import struct
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kilolayer.config import load_config
+from kilolayer.data import cache as C
 from kilolayer.data import load_source
 from kilolayer.data import mnist as M
 from kilolayer.data.vocab import decode
@@ -196,6 +200,159 @@ def test_idx_cache_key_follows_the_files(tmp_path, monkeypatch):
     b = source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
     assert len(a) + a.eval_size == 40 and len(b) + b.eval_size == 60
     assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def _spoil_keys(d):
+    return {"images": d["train_images"]}
+
+
+def _spoil_dtype(d):
+    return {**d, "train_images": d["train_images"].float()}
+
+
+def _spoil_shape(d):
+    return {**d, "test_labels": d["test_labels"][:, None]}
+
+
+def _spoil_lengths(d):
+    return {**d, "train_labels": d["train_labels"][:-1]}
+
+
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        (_spoil_keys, "no 'train_images', 'train_labels', 'test_images', 'test_labels' (holds 'images')"),
+        (_spoil_dtype, "'train_images' is a tensor of float32, expected uint8"),
+        (_spoil_shape, "'test_labels' is a tensor of 2 dimensions [20, 1], expected 1"),
+        (_spoil_lengths, "the cached arrays: 40 train images but 39 train labels"),
+        (lambda d: d["train_labels"], "a Tensor, expected a dict"),
+        (None, "unreadable (UnpicklingError"),
+    ],
+)
+def test_a_cache_file_with_the_wrong_content_is_rebuilt_with_one_warning(tmp_path, monkeypatch, capsys, spoil, why):
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+    arrays = idx_folder(tmp_path / "d")
+    source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
+    (entry,) = (tmp_path / "cache").iterdir()
+    if spoil is None:
+        entry.write_bytes(b"not a tensor file")
+    else:
+        torch.save(spoil(torch.load(entry, weights_only=True)), entry)
+    capsys.readouterr()
+    s = source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"kilolayer: warning: {entry}: cache file {why}"), err
+    assert err.rstrip().endswith("; decoding the data again and replacing it"), err
+    assert torch.equal(s.columns["inputs"][:40, 0], arrays["train_images"])
+    replaced = torch.load(entry, weights_only=True)  # the rebuilt file is right, and read without a word
+    assert all(torch.equal(replaced[k], arrays[k]) for k in arrays)
+    source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
+    assert capsys.readouterr().err == "" and sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name]
+
+
+def test_data_that_fails_its_check_is_not_cached(tmp_path, monkeypatch):
+    """Freshly decoded arrays that disagree are the folder's fault: one line naming it, and no cache file."""
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+    idx_folder(tmp_path / "d")
+    write_idx(tmp_path / "d" / "train-labels-idx1-ubyte", torch.zeros(39, dtype=torch.uint8), False)
+    with pytest.raises(InputError, match=r": 40 train images but 39 train labels$"):
+        source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+
+
+# a process that dies while it writes a cache file: torch.save writes a little, says so, and hangs
+KILLED_WRITER = """
+import sys, time, torch
+from kilolayer.data import cache
+def hang(obj, f):
+    f.write(b"x" * 4096); f.flush()
+    open(sys.argv[1], "w").close()
+    time.sleep(600)
+torch.save = hang
+cache.cached("entry", lambda: {"x": torch.arange(3)})
+"""
+
+# two processes that build the same entry at the same time (each waits for the other to be building)
+RACER = """
+import sys, time, torch
+from pathlib import Path
+from kilolayer.data import cache
+me, other = Path(sys.argv[1]), Path(sys.argv[2])
+def build():
+    me.touch()
+    deadline = time.time() + 300
+    while not other.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    return {"x": torch.arange(2_000_000), "name": "race"}
+data = cache.cached("race", build)
+print(int(data["x"].sum()), data["name"])
+"""
+
+
+def _python(script, *args, cache_dir):
+    env = {**os.environ, "KILOLAYER_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)],
+        env=env,
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _wait_for(path: Path, proc, seconds=300):
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_call(tmp_path, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("KILOLAYER_CACHE", str(cache_dir))
+    proc = _python(KILLED_WRITER, tmp_path / "writing", cache_dir=cache_dir)
+    try:
+        _wait_for(tmp_path / "writing", proc)
+    finally:
+        proc.kill()  # kill -9, in the middle of the write
+        proc.communicate()
+    (left,) = cache_dir.iterdir()
+    assert left.name.startswith(f".entry.{proc.pid}@") and left.name.endswith(".tmp")
+    host = C._host()
+    hour = C.STALE_SECONDS
+    mine = f".entry.{os.getpid()}@{host}.abcd1234.tmp"  # a live writer's file is never touched...
+    mine_old = f".entry.{os.getpid()}@{host}.abcd5678.tmp"  # ...unless untouched for over an hour
+    elsewhere = ".entry.12345@another-host.abcd1234.tmp"  # another host's pid says nothing here: age only
+    elsewhere_old = ".entry.12345@another-host.abcd5678.tmp"
+    unnamed = ".entry.abcd1234.tmp"  # from before temporary names carried a pid: age only
+    unnamed_old = ".entry.abcd5678.tmp"
+    other_entry = f".entry2.{proc.pid}@{host}.abcd1234.tmp"  # another entry's: left to that entry's calls
+    for name in (mine, mine_old, elsewhere, elsewhere_old, unnamed, unnamed_old, other_entry):
+        (cache_dir / name).write_bytes(b"x")
+    for name in (mine_old, elsewhere_old, unnamed_old):
+        os.utime(cache_dir / name, (time.time() - hour - 60,) * 2)
+    data = C.cached("entry", lambda: {"x": torch.arange(3)})  # the next write
+    assert torch.equal(data["x"], torch.arange(3))
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted(["entry.pt", mine, elsewhere, unnamed, other_entry])
+    (cache_dir / unnamed_old).write_bytes(b"x")
+    os.utime(cache_dir / unnamed_old, (time.time() - hour - 60,) * 2)
+    assert torch.equal(C.cached("entry", lambda: {})["x"], torch.arange(3))  # a load cleans up too
+    assert not (cache_dir / unnamed_old).exists()
+
+
+def test_two_processes_building_one_entry_leave_one_valid_file(tmp_path):
+    cache_dir = tmp_path / "cache"
+    a = _python(RACER, tmp_path / "a", tmp_path / "b", cache_dir=cache_dir)
+    b = _python(RACER, tmp_path / "b", tmp_path / "a", cache_dir=cache_dir)
+    outs = [p.communicate(timeout=600) for p in (a, b)]
+    assert a.returncode == b.returncode == 0, outs
+    expected = f"{sum(range(2_000_000))} race"
+    assert [o[0].strip() for o in outs] == [expected, expected] and not any(o[1] for o in outs), outs
+    assert [p.name for p in cache_dir.iterdir()] == ["race.pt"]
+    data = torch.load(cache_dir / "race.pt", weights_only=True)
+    assert torch.equal(data["x"], torch.arange(2_000_000)) and data["name"] == "race"
 
 
 @pytest.mark.parametrize(

