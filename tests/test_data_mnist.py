@@ -372,6 +372,14 @@ def test_two_processes_building_one_entry_leave_one_valid_file(tmp_path):
             lambda d: write_idx(d / "train-labels-idx1-ubyte", torch.zeros(39, dtype=torch.uint8), False),
             "40 train images but 39 train labels",
         ),
+        (
+            lambda d: write_idx(d / "t10k-labels-idx1-ubyte", torch.zeros(0, dtype=torch.uint8), False),
+            "t10k-labels-idx1-ubyte: IDX file holds no items (its header says 0); expected at least one",
+        ),
+        (
+            lambda d: write_idx(d / "train-images-idx3-ubyte.gz", torch.zeros(0, 8, 8, dtype=torch.uint8), True),
+            "train-images-idx3-ubyte.gz: IDX file holds no items (its header says 0 x 8 x 8); expected at least one",
+        ),
     ],
 )
 def test_bad_idx_folder_is_one_line(tmp_path, spoil, message):
@@ -427,6 +435,43 @@ def test_config_and_path_errors_are_one_line(name, model, path, message):
     with pytest.raises((ConfigError, InputError)) as err:
         source(name, path=path, **model)
     assert str(err.value).startswith(message), str(err.value)
+
+
+@pytest.mark.parametrize("name", ["mnist", "idx", "fashion_mnist"])
+def test_data_path_that_is_a_file_says_so(tmp_path, name):
+    idx_folder(tmp_path / "d", size=28)
+    file = tmp_path / "d" / "train-images-idx3-ubyte.gz"
+    with pytest.raises(InputError) as err:
+        source(name, path=file)
+    assert str(err.value) == (
+        f"{file}: is a file (data.path); expected a folder holding train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+        "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, each optionally gzipped"
+    )
+
+
+def _cli_error(args: list[str], capsys) -> str:
+    """The one stderr line of ``kilolayer ARGS``, which must exit 2."""
+    from kilolayer.cli import main
+
+    rc = main(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("kilolayer: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("bad", ["file", "empty"])
+def test_cli_bad_idx_input_is_one_line_and_exit_2(tmp_path, capsys, bad):
+    idx_folder(tmp_path / "d", size=28)
+    if bad == "file":
+        path = tmp_path / "d" / "t10k-labels-idx1-ubyte"
+        needle = "t10k-labels-idx1-ubyte: is a file (data.path); expected a folder holding train-images-idx3-ubyte"
+    else:
+        write_idx(tmp_path / "d" / "t10k-labels-idx1-ubyte", torch.zeros(0, dtype=torch.uint8), False)
+        path = tmp_path / "d"
+        needle = "t10k-labels-idx1-ubyte: IDX file holds no items (its header says 0); expected at least one"
+    args = ["train", str(ROOT / "configs" / "mnist_vit.yaml"), "--out", str(tmp_path / "run")]
+    err = _cli_error([*args, "--set", f"data.path={path}"], capsys)
+    assert needle in err, err
 
 
 def test_cli_names_what_to_install(tmp_path, capsys):

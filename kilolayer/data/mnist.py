@@ -73,6 +73,10 @@ IDX_FILES = {
 }
 # what a cache file of the four arrays must hold (kilolayer.data.cache rebuilds one that does not)
 CACHED_ARRAYS = {key: TensorOf((torch.uint8,), 3 if key.endswith("images") else 1) for key in IDX_FILES}
+IDX_FOLDER_FILES = (
+    "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, "
+    "each optionally gzipped"
+)
 
 MNIST_TEMPLATES = [
     "a handwritten {word}",
@@ -165,24 +169,25 @@ def read_idx(path: Path) -> torch.Tensor:
     if ndim < 1 or len(raw) < header:
         raise InputError(f"{path}: IDX header cut short ({len(raw)} bytes)")
     dims = struct.unpack(f">{ndim}I", raw[4:header])
+    shape = " x ".join(map(str, dims))
     if len(raw) - header != prod(dims):
-        shape = " x ".join(map(str, dims))
         raise InputError(f"{path}: IDX header says {shape} bytes, the file holds {len(raw) - header}")
+    if prod(dims) == 0:
+        raise InputError(f"{path}: IDX file holds no items (its header says {shape}); expected at least one")
     return torch.frombuffer(bytearray(raw[header:]), dtype=torch.uint8).reshape(dims)
 
 
 def idx_files(folder: Path) -> dict[str, Path]:
     """The four IDX files of ``folder``; one line naming the first one missing."""
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder}: is a file (data.path); expected a folder holding {IDX_FOLDER_FILES}")
     if not folder.is_dir():
         raise InputError(f"{folder}: no such folder (data.path)")
     found = {}
     for key, names in IDX_FILES.items():
         hits = [folder / (n + gz) for n in names for gz in ("", ".gz") if (folder / (n + gz)).is_file()]
         if not hits:
-            raise InputError(
-                f"{folder}: no {names[0]}[.gz] (an IDX folder holds train-images-idx3-ubyte, train-labels-idx1-ubyte, "
-                "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, each optionally gzipped)"
-            )
+            raise InputError(f"{folder}: no {names[0]}[.gz] (an IDX folder holds {IDX_FOLDER_FILES})")
         found[key] = hits[0]
     return found
 
@@ -260,7 +265,7 @@ def load_mnist(path: str | None) -> dict[str, torch.Tensor]:
 
 def load_fashion(path: str | None) -> dict[str, torch.Tensor]:
     folder = Path(path or FASHION_DIR)
-    if not folder.is_dir():
+    if not folder.exists():  # a file is named as one by idx_files
         raise InputError(NEEDS_FASHION.format(path=folder))
     return load_idx_folder(folder)
 
