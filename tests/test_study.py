@@ -319,6 +319,42 @@ def test_bamboo_study_runs_end_to_end_at_toy_size(tmp_path):
     assert "measured on the same inputs: the validation split of data:ptb" in text
 
 
+def test_report_runs_table_says_whether_a_run_ended_on_a_plateau_or_its_step_budget(tmp_path):
+    """The *ended* column of the report's runs table, from constructed results and the status.json fields the
+    trainer writes on completion (``stopped_early``, ``best_step``): a plateau names its best step, a run that
+    used its budget says so, and a run that did not complete has no ending to report."""
+    from types import SimpleNamespace
+
+    from kilolayer.rundir import write_status
+    from kilolayer.study.report import render_markdown
+    from kilolayer.study.runner import Result
+
+    spec = load_spec(tiny_spec(tmp_path, grid={"model.scheme": ["post_ln", "deepnorm", "pre_ln"]}))
+    out = tmp_path / "study"
+    plateau, budget, interrupted = expand(spec)
+    ends = [
+        (plateau, "completed", 140, "validation loss plateaued", {"stopped_early": True, "best_step": 90}),
+        (budget, "completed", 200, "step budget", {"stopped_early": False, "best_step": 200}),
+        (interrupted, "interrupted", 60, "stopped by signal", {}),
+    ]
+    results = []
+    for point, status, step, reason, fields in ends:
+        point.run_dir(out).mkdir(parents=True)
+        write_status(point.run_dir(out), status, step, reason, **fields)
+        ev = {"step": step, "split": "eval", "loss": 1.5} if status == "completed" else {}
+        results.append(Result(point=point, status=status, reason=reason, step=step, eval=ev, seconds=3.0))
+    md = render_markdown(SimpleNamespace(name="ended", description="constructed", findings=[]), results, [], out, 1)
+    runs = md.split("## Runs", 1)[1]
+    header = next(line for line in runs.splitlines() if line.startswith("| point |"))
+    assert header == "| point | status | ended | last evaluation | MFU | seconds |"
+    rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:3] for r in runs.splitlines() if r.startswith("| deepnet/")}
+    assert rows == {
+        plateau.key: ["completed", "plateau (best step 90)"],
+        budget.key: ["completed", "step budget"],
+        interrupted.key: ["interrupted at step 60: stopped by signal", "-"],
+    }
+
+
 def test_study_list_says_how_times_were_obtained():
     p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True, cwd=ROOT)
     lines = {line.split()[0]: line for line in p.stdout.splitlines() if line and not line.startswith(" ")}
