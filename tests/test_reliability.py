@@ -526,6 +526,46 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
     assert f"PID {os.getpid()}" in log.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):
+    """The study driver killed (SIGTERM, or kill -9, which it cannot catch): its training process is not left
+    training as an orphan that holds the run's lock; it saves a checkpoint, records ``interrupted``, and the
+    next run of the study resumes it to the uninterrupted losses."""
+    spec_file = tmp_path / "spec.yaml"
+    base = cfg_with(steps=4000, checkpoint_every=50, log_every=1, eval_every=0)
+    spec_file.write_text(json.dumps({"name": "k", "groups": [{"name": "g", "base": base}]}))
+    out = tmp_path / "study"
+    run = out / "runs" / "g" / "seed=0"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "kilolayer", "study", str(spec_file), "--out", str(out)]
+    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not any(s >= 3 for s, _ in _safe_losses(run)):
+            time.sleep(0.5)
+        child = rundir.read_status(run).get("pid")
+        assert child and child != driver.pid
+        driver.send_signal(sig)
+        driver.wait(timeout=60)
+        deadline = time.time() + 120
+        while time.time() < deadline and rundir.read_status(run).get("status") == "running":
+            time.sleep(0.5)
+        st = rundir.read_status(run)
+        assert st["status"] == "interrupted" and st["pid"] == child, st
+        with rundir.RunLock(run):  # nobody holds the run any more
+            pass
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def _safe_losses(run: Path) -> list:
+    try:
+        return losses(run)
+    except (KilolayerError, OSError):
+        return []
+
+
 # ---------------------------------------------------------------- fault injection
 
 

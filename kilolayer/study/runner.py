@@ -168,11 +168,12 @@ def _materialise(point: Point, out: Path) -> None:
         path.write_text(text)
 
 
-# A child of a Ray worker inherits the worker's blocked signals (SIGINT and SIGTERM among them), which would
-# never reach it: unblock them. On Linux, also have it get SIGTERM when the worker dies, so that it stops
-# instead of training on as an orphan that holds the run's lock (the retry resumes from the newest
-# checkpoint). Done in a tiny exec shim (the PID stays the child's), not in preexec_fn, which is unsafe in a
-# threaded parent such as a Ray worker.
+# Every training process is started through a tiny exec shim (the PID stays the child's; not preexec_fn,
+# which is unsafe in a threaded parent such as a Ray worker or the runner's thread pool). On Linux it has the
+# child get SIGTERM when its parent dies, however the parent died (SIGTERM, kill -9): the child saves a
+# checkpoint and records ``interrupted`` instead of training on as an orphan that holds the run's lock (the
+# next run of the study resumes it). A child of a Ray worker also inherits the worker's blocked signals
+# (SIGINT and SIGTERM among them), which would never reach it: the shim unblocks them.
 _REMOTE_SHIM = (
     "import ctypes, os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
     "sys.platform.startswith('linux') and ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
@@ -272,7 +273,7 @@ def train_point(
         # K concurrent points share the cores instead of each taking them all
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = train_command(point, out, nproc)
-    if remote and os.name == "posix":
+    if os.name == "posix":
         cmd = [sys.executable, "-c", _REMOTE_SHIM, str(os.getpid()), *cmd]
     launched = time.time()
     with open(logfile, "a") as fh:
