@@ -1,6 +1,7 @@
 """`kilolayer analyze smoothness --run` on tiny runs made by `kilolayer train`."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -103,14 +104,22 @@ def test_patch_model_run_matches_a_direct_computation(runs, tmp_path):
 
     # by hand: every layer's hidden states of the newest checkpoint on the same 20 evaluation images
     config, task = load_run(run)
-    hidden = [[] for _ in range(4)]
+    hidden, images = [[] for _ in range(4)], []
     with torch.no_grad():
         for batch in load_source(config).eval_batches(8, limit=20):
             kwargs, _ = task.objective.analysis_inputs(batch)
+            images.append(kwargs["inputs"])
             task.backbone(**kwargs, observe=lambda i, h: hidden[i].append(h.clone()))
     states = [torch.cat(h) for h in hidden]
     assert states[0].shape[:2] == (20, 17)  # CLS + 4x4 patches
-    assert result["cosine"] == pytest.approx([token_cosine(h[:, 1:]).mean().item() for h in states], abs=1e-6)
+    # the patches whose pixels are all equal (digits' blank border) are left out, per image, by default
+    k = config.model.patch_size
+    patches = torch.cat(images).unfold(2, k, k).unfold(3, k, k).reshape(20, 16, -1)
+    content = [(p.amax(-1) != p.amin(-1)).nonzero().flatten() + 1 for p in patches]
+    assert 0 < sum(len(c) for c in content) < 20 * 16
+    by_hand = [statistics.fmean(token_cosine(h[j : j + 1, c]).item() for j, c in enumerate(content)) for h in states]
+    assert result["cosine"] == pytest.approx(by_hand, abs=1e-6)
+    assert result["exclude_blank"] and result["blank_share"] == pytest.approx(1 - sum(map(len, content)) / 320)
     assert result["high_freq"] == pytest.approx([high_frequency(h, 4).mean().item() for h in states], abs=1e-5)
 
 

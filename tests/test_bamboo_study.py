@@ -36,7 +36,8 @@ def test_registered_and_sized():
     assert all(name in BUILTIN for name in STUDIES)
     cpu = load_spec("bamboo_cpu")
     assert cpu.expected_minutes is not None and cpu.expected_minutes <= 90
-    assert "estimated" in cpu.expected_basis and "load" in cpu.expected_basis
+    # measured when it was run here, with the estimate it replaced
+    assert "measured" in cpu.expected_basis and "estimated beforehand" in cpu.expected_basis
     assert "estimated" in load_spec("bamboo").expected_basis
 
 
