@@ -60,9 +60,9 @@ SMOKE_ENCDEC = Spec(
 SMOKE_DEPTHS = (2,)
 # points whose extrapolated peak exceeds this are skipped, not run
 DEFAULT_CAP_GIB = 12.0
-# kilolayer's activation checkpointing pins glibc's mmap threshold (kilolayer.train.parallelize.pin_mmap_threshold);
-# this environment leaves glibc's dynamic threshold in place, to measure what the pin saves
-UNPINNED = {"KILOLAYER_PIN_MMAP": "0"}
+# train.pin_mmap (kilolayer.train.parallelize.pin_mmap_threshold), off by default: this environment turns it on
+# for kilolayer's deepest checkpointed points, to measure what it saves in memory and costs in time
+PINNED = {"KILOLAYER_PIN_MMAP": "1"}
 
 
 def _status(field: str) -> int | None:
@@ -179,17 +179,17 @@ def _extrapolate(rows: list[dict], layers: int) -> float | None:
     return y1 + (y1 - y0) / (x1 - x0) * (layers - x1)
 
 
-def _add_unpinned(row: dict, peer: str, spec: Spec, batch_size: int, threads: int) -> None:
-    other = measure(peer, spec, batch_size, threads, extra_env=UNPINNED)
-    row["peak_gib_unpinned"] = other.get("peak_gib")
-    row["step_s_unpinned"] = other.get("step_s")
+def _add_pinned(row: dict, peer: str, spec: Spec, batch_size: int, threads: int) -> None:
+    other = measure(peer, spec, batch_size, threads, extra_env=PINNED)
+    row["peak_gib_pinned"] = other.get("peak_gib")
+    row["step_s_pinned"] = other.get("step_s")
 
 
 def series(
-    peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threads: int, unpinned: bool = False
+    peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threads: int, pinned: bool = False
 ) -> list[dict]:
-    """One curve of peak memory vs depth; ``unpinned`` also measures the deepest point without kilolayer's
-    mmap-threshold pin (:data:`UNPINNED`)."""
+    """One curve of peak memory vs depth; ``pinned`` also measures the deepest point with kilolayer's
+    mmap-threshold pin (:data:`PINNED`)."""
     rows: list[dict] = []
     for n in depths:
         guess = _extrapolate(rows, n)
@@ -207,8 +207,8 @@ def series(
             )
             continue
         row = measure(peer, spec.with_(layers=n), batch_size, threads)
-        if unpinned and n == max(depths) and "peak_gib" in row:
-            _add_unpinned(row, peer, spec.with_(layers=n), batch_size, threads)
+        if pinned and n == max(depths) and "peak_gib" in row:
+            _add_pinned(row, peer, spec.with_(layers=n), batch_size, threads)
         rows.append(row)
     return rows
 
@@ -246,7 +246,7 @@ def run(
         result["encoder_decoder_spec"] = spec.to_dict()
         row = measure("kilolayer", spec, batch_size, threads)
         if "peak_gib" in row:
-            _add_unpinned(row, "kilolayer", spec, batch_size, threads)
+            _add_pinned(row, "kilolayer", spec, batch_size, threads)
         result["encoder_decoder"] = [row]
     result["load_after"] = common.load_average()
     result["seconds"] = time.perf_counter() - t0
@@ -258,11 +258,11 @@ COLUMNS = [
     ("label", "model"),
     ("checkpoint", "checkpointing"),
     ("peak_gib", "peak GiB"),
-    ("peak_gib_unpinned", "peak GiB, glibc's dynamic mmap threshold"),
+    ("peak_gib_pinned", "peak GiB, train.pin_mmap"),
     ("above_baseline_gib", "above imports GiB"),
     ("weights_and_adam_gib", "weights+grads+AdamW GiB"),
     ("step_s", "step s"),
-    ("step_s_unpinned", "step s, dynamic threshold"),
+    ("step_s_pinned", "step s, train.pin_mmap"),
     ("note", "note"),
 ]
 

@@ -191,14 +191,14 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
     ck = [r for r in mem["rows"] if r["peer"] == "kilolayer" and r["checkpoint"] and "peak_gib" in r]
     if ck:
         d = max(ck, key=lambda r: r["layers"])
-        unpinned = d.get("peak_gib_unpinned")
+        pinned, pinned_s = d.get("peak_gib_pinned"), d.get("step_s_pinned")
         out.append(
             f"{d['label']} checkpointed: peak {d['peak_gib']:.2f} GiB, of which {d['weights_and_adam_gib']:.2f} "
             f"GiB weights, gradients and AdamW state and {d['baseline_gib']:.2f} GiB the interpreter and libraries"
             + (
-                f"; with glibc's dynamic mmap threshold (kilolayer's pin off, KILOLAYER_PIN_MMAP=0) {unpinned:.2f} "
-                "GiB: the difference is allocator fragmentation."
-                if unpinned
+                f"; with train.pin_mmap {pinned:.2f} GiB (the difference is allocator fragmentation), at "
+                f"{pinned_s:.1f} s a step against {d['step_s']:.1f}."
+                if pinned and pinned_s
                 else "."
             )
         )
@@ -276,12 +276,13 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "",
         "`above imports` subtracts the process's size after importing torch and the library. `weights+grads+AdamW`",
         "is 16 bytes per parameter (fp32 weight, gradient and two moments): the floor any fp32 AdamW step needs.",
-        "kilolayer's activation checkpointing pins glibc's mmap threshold at 64 KiB from inside the process",
-        "(`kilolayer.train.parallelize.pin_mmap_threshold`). The `dynamic mmap threshold` columns rerun its",
-        "deepest checkpointed points with the pin off (`KILOLAYER_PIN_MMAP=0`): glibc then raises the threshold",
-        "after large frees, so later activation-sized blocks come from the heap, and the holes freed between the",
-        "long-lived checkpoint inputs stay resident. The difference is allocator fragmentation, not tensors the",
-        "step keeps.",
+        "`train.pin_mmap` (off by default) pins glibc's mmap threshold at 64 KiB from inside the process when",
+        "layers are checkpointed (`kilolayer.train.parallelize.pin_mmap_threshold`). The `train.pin_mmap`",
+        "columns rerun kilolayer's deepest checkpointed points with it on (`KILOLAYER_PIN_MMAP=1`). By default",
+        "glibc raises the threshold after large frees, so later activation-sized blocks come from the heap, and",
+        "the holes freed between the long-lived checkpoint inputs stay resident: the difference in peak is",
+        "allocator fragmentation, not tensors the step keeps; pinned, every such block is a fresh mapping, which",
+        "costs time.",
         "",
     ]
     return "\n".join(lines)

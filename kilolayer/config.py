@@ -182,6 +182,12 @@ class TrainConfig(_Section):
         "(the whole task: backbone, heads and loss, once)",
     )
     fused_optimizer: bool = Field(False, description="AdamW(fused=True) instead of the multi-tensor (foreach) path")
+    pin_mmap: bool = Field(
+        False,
+        description="with activation checkpointing on Linux/glibc: pin malloc's mmap threshold at 64 KiB, so freed "
+        "activation blocks go back to the system (1,000 layers of width 64: peak 1.39 instead of 2.58 GiB, but "
+        "each step about 1.8x slower)",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
     diverge_factor: float = Field(

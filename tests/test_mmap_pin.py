@@ -1,4 +1,5 @@
-"""Activation checkpointing pins glibc's mmap threshold (kilolayer.train.parallelize.pin_mmap_threshold).
+"""``train.pin_mmap``: activation checkpointing pins glibc's mmap threshold
+(kilolayer.train.parallelize.pin_mmap_threshold); off by default, since it slows each step (docs in config).
 
 glibc has no getter for the threshold, so each check reproduces what the pin prevents: a 16 MiB block is
 mapped and freed, which makes glibc's dynamic threshold rise to 16 MiB; a 4 MiB block then comes from the heap
@@ -45,8 +46,20 @@ def after_a_big_free():
     libc.free(p)
     return mapped
 
+model = build_model(ModelConfig(arch="encoder", layers=2, width=16, heads=2, ffn=32))
 if sys.argv[1] == "checkpoint":
-    checkpoint_layers(build_model(ModelConfig(arch="encoder", layers=2, width=16, heads=2, ffn=32)))
+    checkpoint_layers(model)
+elif sys.argv[1] == "checkpoint_pinned":
+    checkpoint_layers(model, pin_mmap=True)
+elif sys.argv[1] == "config_pinned":
+    from types import SimpleNamespace
+    from kilolayer.config import load_config
+    from kilolayer.train.parallelize import apply_checkpointing
+    cfg = load_config({"model": {"arch": "encoder", "layers": 2, "width": 16, "heads": 2, "ffn": 32,
+                                 "checkpoint_activations": True, "vocab_size": 16, "max_len": 8},
+                       "objective": {"name": "mlm"}, "data": {"name": "synthetic"},
+                       "train": {"pin_mmap": True}})
+    apply_checkpointing(SimpleNamespace(backbone=model, objective=SimpleNamespace(modules=lambda: iter(()))), cfg)
 print(json.dumps({"mapped": after_a_big_free()}))
 """
 
@@ -74,15 +87,18 @@ def _probe(mode: str, **env) -> int:
     return json.loads(out.stdout.strip().splitlines()[-1])["mapped"]
 
 
-def test_checkpointing_pins_the_threshold():
+def test_checkpointing_pins_the_threshold_only_when_asked():
     assert _probe("plain") == 0
-    assert _probe("checkpoint") == 1
+    assert _probe("checkpoint") == 0  # the default: glibc's dynamic threshold, faster steps
+    assert _probe("checkpoint_pinned") == 1
+    assert _probe("config_pinned") == 1  # train.pin_mmap, through the trainer's apply_checkpointing
+    assert _probe("checkpoint", KILOLAYER_PIN_MMAP="1") == 1
 
 
 def test_the_pin_can_be_turned_off_and_glibc_setting_wins():
-    assert _probe("checkpoint", KILOLAYER_PIN_MMAP="0") == 0
+    assert _probe("checkpoint_pinned", KILOLAYER_PIN_MMAP="0") == 0
     # the user's own glibc setting is left as it is (here one that maps nothing below 8 MiB)
-    assert _probe("checkpoint", MALLOC_MMAP_THRESHOLD_=str(8 << 20)) == 0
+    assert _probe("checkpoint_pinned", MALLOC_MMAP_THRESHOLD_=str(8 << 20)) == 0
     assert _probe("plain", MALLOC_MMAP_THRESHOLD_=str(64 * 1024)) == 1
 
 
