@@ -537,7 +537,8 @@ def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):
     out = tmp_path / "study"
     run = out / "runs" / "g" / "seed=0"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "kilolayer", "study", str(spec_file), "--out", str(out)]
+    # --jobs 2: a driver with several threads, each of whose exits Linux answers with the parent-death signal
+    cmd = [sys.executable, "-m", "kilolayer", "study", str(spec_file), "--out", str(out), "--jobs", "2"]
     driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.time() + 180
@@ -552,11 +553,33 @@ def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):
             time.sleep(0.5)
         st = rundir.read_status(run)
         assert st["status"] == "interrupted" and st["pid"] == child, st
+        # one request to stop, however many times the signal came: the step in hand is finished and saved
+        assert st["reason"].startswith("interrupted by SIGTERM at step") and st["last_checkpoint"] == st["step"], st
         with rundir.RunLock(run):  # nobody holds the run any more
             pass
     finally:
         if driver.poll() is None:
             driver.kill()
+
+
+def test_a_repeated_sigterm_is_one_request_but_a_later_one_stops_at_once(monkeypatch):
+    from kilolayer.train import loop
+
+    clock = [100.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: clock[0])
+    stop = loop.StopSignals()
+    stop.armed = True
+    stop._handle(signal.SIGTERM, None)
+    stop._handle(signal.SIGTERM, None)  # the same request again (a dying driver's threads)
+    assert stop.signum == signal.SIGTERM
+    clock[0] += loop.StopSignals.ECHO_S + 0.1
+    with pytest.raises(loop.Interrupted, match="second SIGTERM"):
+        stop._handle(signal.SIGTERM, None)
+    ctrl_c = loop.StopSignals()
+    ctrl_c.armed = True
+    ctrl_c._handle(signal.SIGINT, None)
+    with pytest.raises(loop.Interrupted, match="second SIGINT"):  # Ctrl-C twice is always "now"
+        ctrl_c._handle(signal.SIGINT, None)
 
 
 def _safe_losses(run: Path) -> list:

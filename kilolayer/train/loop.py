@@ -27,6 +27,7 @@ import random
 import shutil
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,12 +129,18 @@ class Interrupted(KilolayerError):
 
 class StopSignals:
     """SIGINT and SIGTERM: during set-up they stop at once; once the loop runs (``armed``), the first asks
-    it to stop at the next step boundary (with a checkpoint) and a second one stops at once. Installed only
-    in the main thread (where Python allows it)."""
+    it to stop at the next step boundary (with a checkpoint) and a second one stops at once. A SIGTERM within
+    :data:`ECHO_S` of the first SIGTERM is not a second request: when a study driver with several threads
+    dies, Linux sends its child the parent-death signal once per exiting thread. Installed only in the main
+    thread (where Python allows it)."""
+
+    #: seconds within which a repeated SIGTERM counts as the same request
+    ECHO_S = 2.0
 
     def __init__(self):
         self.signum = 0
         self.armed = False
+        self.first_at = 0.0
         self._previous: dict = {}
 
     def install(self) -> StopSignals:
@@ -147,8 +154,12 @@ class StopSignals:
         if not self.armed:
             raise Interrupted(f"interrupted by {name} before training started", signum)
         if self.signum:
+            echo = signum == self.signum == signal.SIGTERM and time.monotonic() - self.first_at < self.ECHO_S
+            if echo:
+                return
             raise Interrupted(f"stopped at once by a second {name}; the newest complete checkpoint is kept", signum)
         self.signum = signum
+        self.first_at = time.monotonic()
 
     def restore(self) -> None:
         for s, handler in self._previous.items():
