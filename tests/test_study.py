@@ -390,7 +390,7 @@ def test_readme_study_example_is_the_shipped_spec():
     assert yaml.safe_load(block) == yaml.safe_load((ROOT / "configs" / "study_depth_sweep.yaml").read_text())
 
 
-def test_an_analysis_is_redone_when_its_version_or_data_change(tmp_path):
+def test_an_analysis_is_redone_when_its_version_or_data_change(tmp_path, monkeypatch):
     """A saved analysis result is kept only while its stamp (the analysis's version and data section) is the
     point's; a result from another version of the measurement, or on other inputs, is measured again."""
     from kilolayer.config import load_config
@@ -424,3 +424,11 @@ def test_an_analysis_is_redone_when_its_version_or_data_change(tmp_path):
         (run / "analysis" / "probe_test" / STAMP).unlink()  # a result saved before stamps existed
         run_analyses(point, tmp_path, log=lambda *_: None)
         assert len(calls) == 4
+        # the run resumed to more steps: the checkpoint that stands for it is another one, measured again
+        import kilolayer.rundir as rd
+
+        monkeypatch.setattr(rd, "chosen_checkpoint", lambda d, patience=0, on_damaged=None: Path(d) / "step_9")
+        monkeypatch.setattr(rd, "checkpoint_step", lambda p: 9)
+        run_analyses(point, tmp_path, log=lambda *_: None)
+        run_analyses(point, tmp_path, log=lambda *_: None)
+        assert len(calls) == 5

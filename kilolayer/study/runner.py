@@ -328,11 +328,22 @@ smoothness_analysis.version = _smoothness_version
 STAMP = "stamp.json"
 
 
-def analysis_stamp(name: str, data: dict | None = None) -> dict:
+def _measured_step(run_dir: Path) -> int | None:
+    """The step of the checkpoint that stands for the run (what an analysis loads); None without one."""
+    try:
+        chosen = rundir.chosen_checkpoint(run_dir, rundir.run_patience(run_dir), on_damaged=lambda _: None)
+    except KilolayerError:
+        return None
+    return rundir.checkpoint_step(chosen) if chosen is not None else None
+
+
+def analysis_stamp(name: str, data: dict | None = None, run_dir: Path | None = None) -> dict:
     """What a saved result of analysis ``name`` was measured with: the analysis's version (a ``version``
-    callable or int on its function; 1 without) and its data section. A result with another stamp is redone."""
+    callable or int on its function; 1 without), its data section and the step of the run's checkpoint it
+    measured (a run resumed to more steps is measured again). A result with another stamp is redone."""
     version = getattr(ANALYSES.get(name), "version", 1)
-    return {"analysis": name, "version": version() if callable(version) else version, "data": data}
+    step = _measured_step(Path(run_dir)) if run_dir is not None else None
+    return {"analysis": name, "version": version() if callable(version) else version, "data": data, "step": step}
 
 
 def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
@@ -341,7 +352,7 @@ def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
     target = Path(run_dir) / "analysis" / name
     fn = ANALYSES.get(name)
     fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
-    rundir.write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data)) + "\n")
+    rundir.write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")
     return target
 
 
@@ -354,7 +365,7 @@ def run_analyses(point: Point, out: Path, log=print) -> None:
 
     for name in point.analyses:
         target = run_dir / "analysis" / name
-        stamp = analysis_stamp(name, point.analysis_data)
+        stamp = analysis_stamp(name, point.analysis_data, run_dir)
         if (target / f"{name}.json").exists() and rundir.read_json(target / STAMP, None) == stamp:
             continue
         try:
