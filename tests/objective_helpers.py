@@ -12,6 +12,20 @@ TINY_IMAGE = dict(input="patches", channels=1, image_size=8, patch_size=2, width
 TINY_TEXT = dict(input="tokens", width=32, heads=4, ffn=64, layers=2, vocab_size=262, max_len=32)
 
 
+def tiny_decoder(scheme: str = "pre_ln") -> dict:
+    """The 2 x 32 byte-level decoder (262 ids: bytes + specials, 32 positions) of the training tests."""
+    return {
+        "arch": "decoder",
+        "scheme": scheme,
+        "layers": 2,
+        "width": 32,
+        "heads": 2,
+        "ffn": 64,
+        "vocab_size": 262,
+        "max_len": 32,
+    }
+
+
 def config(
     objective: str,
     data: str,

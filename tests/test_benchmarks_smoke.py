@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from objective_helpers import tiny_decoder
 
 import kilolayer
 from kilolayer import build_model
@@ -254,16 +255,7 @@ def test_train_compile_takes_false_layers_or_model():
 
 
 TINY_LM = {
-    "model": {
-        "arch": "decoder",
-        "scheme": "deepnorm",
-        "layers": 2,
-        "width": 32,
-        "heads": 2,
-        "ffn": 64,
-        "vocab_size": 262,
-        "max_len": 32,
-    },
+    "model": tiny_decoder("deepnorm"),
     "objective": {"name": "causal_lm"},
     "data": {"name": "stdlib_bytes", "options": {"seq_len": 16, "max_bytes": 50_000, "eval_windows": 4}},
     "train": {"steps": 2, "batch_size": 2, "log_every": 1, "precision": "bf16", "fused_optimizer": True},

@@ -4,6 +4,7 @@ records which checkpoint of it it loaded, and is trained again when the source's
 from __future__ import annotations
 
 import pytest
+from objective_helpers import tiny_decoder
 
 from kilolayer import rundir
 from kilolayer.config import load_config
@@ -11,16 +12,7 @@ from kilolayer.study.runner import run_study, train_point
 from kilolayer.study.spec import StudySpec, expand
 from kilolayer.train.loop import train
 
-MODEL = {
-    "arch": "decoder",
-    "scheme": "pre_ln",
-    "layers": 2,
-    "width": 32,
-    "heads": 2,
-    "ffn": 64,
-    "vocab_size": 262,
-    "max_len": 32,
-}
+MODEL = tiny_decoder()
 DATA = {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 8}}
 TRAIN = {"batch_size": 4, "lr": 1e-3, "log_every": 1, "eval_batches": 1, "peak_flops": 1e11}
 SPEC = {
