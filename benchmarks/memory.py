@@ -60,9 +60,10 @@ SMOKE_ENCDEC = Spec(
 SMOKE_DEPTHS = (2,)
 # points whose extrapolated peak exceeds this are skipped, not run
 DEFAULT_CAP_GIB = 12.0
-# train.pin_mmap (kilolayer.train.parallelize.pin_mmap_threshold), off by default: this environment turns it on
-# for kilolayer's deepest checkpointed points, to measure what it saves in memory and costs in time
-PINNED = {"KILOLAYER_PIN_MMAP": "1"}
+# kilolayer's deepest checkpointed points are measured again under each of these environments, to show what
+# the default heap trim (train.trim_heap_every, kilolayer.train.parallelize.HeapTrimmer) saves against none
+# ("before") and against the opt-in train.pin_mmap, in memory and in step time
+VARIANTS = {"untrimmed": {"KILOLAYER_TRIM_HEAP": "0"}, "pinned": {"KILOLAYER_PIN_MMAP": "1"}}
 
 
 def _status(field: str) -> int | None:
@@ -179,17 +180,19 @@ def _extrapolate(rows: list[dict], layers: int) -> float | None:
     return y1 + (y1 - y0) / (x1 - x0) * (layers - x1)
 
 
-def _add_pinned(row: dict, peer: str, spec: Spec, batch_size: int, threads: int) -> None:
-    other = measure(peer, spec, batch_size, threads, extra_env=PINNED)
-    row["peak_gib_pinned"] = other.get("peak_gib")
-    row["step_s_pinned"] = other.get("step_s")
+def _add_variants(row: dict, peer: str, spec: Spec, batch_size: int, threads: int) -> None:
+    """Measure ``row``'s point again under each of :data:`VARIANTS`: ``peak_gib_<name>``, ``step_s_<name>``."""
+    for name, env in VARIANTS.items():
+        other = measure(peer, spec, batch_size, threads, extra_env=env)
+        row[f"peak_gib_{name}"] = other.get("peak_gib")
+        row[f"step_s_{name}"] = other.get("step_s")
 
 
 def series(
-    peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threads: int, pinned: bool = False
+    peer: str, spec: Spec, depths, batch_size: int, cap_gib: float, threads: int, variants: bool = False
 ) -> list[dict]:
-    """One curve of peak memory vs depth; ``pinned`` also measures the deepest point with kilolayer's
-    mmap-threshold pin (:data:`PINNED`)."""
+    """One curve of peak memory vs depth; ``variants`` also measures the deepest point untrimmed and with
+    the mmap-threshold pin (:data:`VARIANTS`)."""
     rows: list[dict] = []
     for n in depths:
         guess = _extrapolate(rows, n)
@@ -207,8 +210,8 @@ def series(
             )
             continue
         row = measure(peer, spec.with_(layers=n), batch_size, threads)
-        if pinned and n == max(depths) and "peak_gib" in row:
-            _add_pinned(row, peer, spec.with_(layers=n), batch_size, threads)
+        if variants and n == max(depths) and "peak_gib" in row:
+            _add_variants(row, peer, spec.with_(layers=n), batch_size, threads)
         rows.append(row)
     return rows
 
@@ -239,14 +242,14 @@ def run(
     if not smoke:
         plan += [("torchscale", False, peer_depths), ("x-transformers", False, peer_depths)]
     for peer, ckpt, ds in plan:
-        pinned = peer == "kilolayer" and ckpt
-        result["rows"] += series(peer, sweep.with_(checkpoint=ckpt), sorted(ds), batch_size, cap_gib, threads, pinned)
+        variants = peer == "kilolayer" and ckpt
+        result["rows"] += series(peer, sweep.with_(checkpoint=ckpt), sorted(ds), batch_size, cap_gib, threads, variants)
     if encdec:
         spec = SMOKE_ENCDEC if smoke else ENCDEC
         result["encoder_decoder_spec"] = spec.to_dict()
         row = measure("kilolayer", spec, batch_size, threads)
         if "peak_gib" in row:
-            _add_pinned(row, "kilolayer", spec, batch_size, threads)
+            _add_variants(row, "kilolayer", spec, batch_size, threads)
         result["encoder_decoder"] = [row]
     result["load_after"] = common.load_average()
     result["seconds"] = time.perf_counter() - t0
@@ -258,10 +261,12 @@ COLUMNS = [
     ("label", "model"),
     ("checkpoint", "checkpointing"),
     ("peak_gib", "peak GiB"),
+    ("peak_gib_untrimmed", "peak GiB, trim_heap_every 0 (before)"),
     ("peak_gib_pinned", "peak GiB, train.pin_mmap"),
     ("above_baseline_gib", "above imports GiB"),
     ("weights_and_adam_gib", "weights+grads+AdamW GiB"),
     ("step_s", "step s"),
+    ("step_s_untrimmed", "step s, trim_heap_every 0"),
     ("step_s_pinned", "step s, train.pin_mmap"),
     ("note", "note"),
 ]

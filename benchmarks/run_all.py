@@ -191,16 +191,20 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
     ck = [r for r in mem["rows"] if r["peer"] == "kilolayer" and r["checkpoint"] and "peak_gib" in r]
     if ck:
         d = max(ck, key=lambda r: r["layers"])
+        before, before_s = d.get("peak_gib_untrimmed"), d.get("step_s_untrimmed")
         pinned, pinned_s = d.get("peak_gib_pinned"), d.get("step_s_pinned")
         out.append(
-            f"{d['label']} checkpointed: peak {d['peak_gib']:.2f} GiB, of which {d['weights_and_adam_gib']:.2f} "
-            f"GiB weights, gradients and AdamW state and {d['baseline_gib']:.2f} GiB the interpreter and libraries"
+            f"{d['label']} checkpointed: peak {d['peak_gib']:.2f} GiB at {d['step_s']:.1f} s a step, of which "
+            f"{d['weights_and_adam_gib']:.2f} GiB weights, gradients and AdamW state and {d['baseline_gib']:.2f} GiB "
+            "the interpreter and libraries"
             + (
-                f"; with train.pin_mmap {pinned:.2f} GiB (the difference is allocator fragmentation), at "
-                f"{pinned_s:.1f} s a step against {d['step_s']:.1f}."
-                if pinned and pinned_s
-                else "."
+                f"; before the heap trim (train.trim_heap_every: 0) {before:.2f} GiB at {before_s:.1f} s (the "
+                "difference is allocator fragmentation)"
+                if before and before_s
+                else ""
             )
+            + (f"; with train.pin_mmap {pinned:.2f} GiB at {pinned_s:.1f} s" if pinned and pinned_s else "")
+            + "."
         )
     return out
 
@@ -276,13 +280,14 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "",
         "`above imports` subtracts the process's size after importing torch and the library. `weights+grads+AdamW`",
         "is 16 bytes per parameter (fp32 weight, gradient and two moments): the floor any fp32 AdamW step needs.",
-        "`train.pin_mmap` (off by default) pins glibc's mmap threshold at 64 KiB from inside the process when",
-        "layers are checkpointed (`kilolayer.train.parallelize.pin_mmap_threshold`). The `train.pin_mmap`",
-        "columns rerun kilolayer's deepest checkpointed points with it on (`KILOLAYER_PIN_MMAP=1`). By default",
-        "glibc raises the threshold after large frees, so later activation-sized blocks come from the heap, and",
-        "the holes freed between the long-lived checkpoint inputs stay resident: the difference in peak is",
-        "allocator fragmentation, not tensors the step keeps; pinned, every such block is a fresh mapping, which",
-        "costs time.",
+        "With layers checkpointed, kilolayer hands the heap's free pages back to the system every 32 layers,",
+        "forward and backward (`train.trim_heap_every`, on by default; `kilolayer.train.parallelize.HeapTrimmer`).",
+        "Each recomputed layer frees its activation blocks between tensors that live on, and without the trim",
+        "those holes stay resident: the `trim_heap_every 0 (before)` columns rerun kilolayer's deepest",
+        "checkpointed points with it off (`KILOLAYER_TRIM_HEAP=0`), and the difference in peak is allocator",
+        "fragmentation, not tensors the step keeps. `train.pin_mmap` (opt-in) pins glibc's mmap threshold at",
+        "64 KiB instead, so every such block is a fresh mapping; its columns rerun the same points with it on",
+        "(`KILOLAYER_PIN_MMAP=1`).",
         "",
     ]
     return "\n".join(lines)
