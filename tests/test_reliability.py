@@ -511,10 +511,11 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
         rundir.truncate_metrics(run, step)
         rundir.write_status(run, status, step, "test", **extra)
 
-    crash_at(4, "interrupted")
-    status, _, ran = run_point(point, out, log=lambda *_: None)
+    crash_at(4, "interrupted", seconds=100.0)  # an earlier attempt that trained for 100 s
+    status, took, ran = run_point(point, out, log=lambda *_: None)
     assert (status, ran) == ("completed", True) and losses(run) == done
-    assert rundir.read_resume_history(run)[-1]["step"] == 4 and "seconds" in rundir.read_status(run)
+    assert rundir.read_resume_history(run)[-1]["step"] == 4
+    assert rundir.read_status(run)["seconds"] == pytest.approx(100.0 + took)  # the run's time over both attempts
     crash_at(2, "failed")
     assert run_point(point, out, log=lambda *_: None)[:3:2] == ("completed", True) and losses(run) == done
     # a point another process is training: the child is refused, and the runner does not write over it

@@ -263,6 +263,7 @@ def train_point(
         _record_not_started(run_dir, waiting)
         log(f"[study] {point.key}: {waiting}")
         return Attempt("failed", 0.0, False)
+    earlier = float(st.get("seconds", 0.0))  # what earlier attempts at this run took (none: 0)
     _materialise(point, out)
     logfile = out / "logs" / point.group / f"{point.name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
@@ -289,8 +290,10 @@ def train_point(
         _record_crash(run_dir, returncode, logfile)
         st = read_status(run_dir)
     status = st.get("status", "failed")
-    if status in FINISHED:
-        rundir.update_status(run_dir, seconds=seconds)
+    if status != "running":  # (running: another process holds the run; its status is its own)
+        # the run's training time over every attempt (a resumed run keeps what its earlier attempts took; an
+        # attempt whose driver was killed outright left none, so this is a lower bound)
+        rundir.update_status(run_dir, seconds=earlier + seconds)
     log(f"[study] {point.key}: {status} ({seconds:.0f}s)")
     return Attempt(status, seconds, True, returncode, crashed)
 
