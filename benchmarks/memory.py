@@ -63,7 +63,12 @@ DEFAULT_CAP_GIB = 12.0
 # kilolayer's deepest checkpointed points are measured again under each of these environments, to show what
 # the default heap trim (train.trim_heap_every, kilolayer.train.parallelize.HeapTrimmer) saves against none
 # ("before") and against the opt-in train.pin_mmap, in memory and in step time
-VARIANTS = {"untrimmed": {"KILOLAYER_TRIM_HEAP": "0"}, "pinned": {"KILOLAYER_PIN_MMAP": "1"}}
+VARIANTS = {
+    "untrimmed": {"KILOLAYER_TRIM_HEAP": "0"},
+    "pinned": {"KILOLAYER_PIN_MMAP": "1", "KILOLAYER_TRIM_HEAP": "0"},  # the pin alone, instead of the trim
+}
+#: switches of kilolayer's allocator behaviour that a user's environment must not pass into the default column
+_SWITCHES = ("KILOLAYER_TRIM_HEAP", "KILOLAYER_PIN_MMAP")
 
 
 def _status(field: str) -> int | None:
@@ -132,7 +137,7 @@ def measure(
 ) -> dict:
     """Run one point in a fresh interpreter (``threads`` torch threads); its figures, or its error in one line."""
     payload = json.dumps({"peer": peer, "spec": spec.to_dict(), "batch_size": batch_size})
-    env = {**os.environ, **(extra_env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k not in _SWITCHES}, **(extra_env or {})}
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = str(threads)
     row = {

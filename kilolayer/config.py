@@ -186,8 +186,9 @@ class TrainConfig(_Section):
         32,
         ge=0,
         description="with activation checkpointing on Linux/glibc: hand the heap's free pages back to the system "
-        "(malloc_trim) every this many checkpointed layers, forward and backward; 0: never (1,000 layers of width "
-        "64: peak 1.33 instead of 2.64 GiB, for up to about 10% more CPU time a step)",
+        "(malloc_trim) every this many checkpointed layers, forward and backward, on the CPU and without "
+        "train.compile; 0: never (1,000 layers of width 64: peak 1.33 instead of 2.64 GiB, for up to about 10% "
+        "more CPU time a step)",
     )
     pin_mmap: bool = Field(
         False,

@@ -207,6 +207,9 @@ class Lifecycle:
         self.who = {"pid": os.getpid(), "host": socket.gethostname(), "started": now()}
         self.final: str | None = None
         self.fields: dict = {}  # in every status this process writes (e.g. ``init_from``)
+        earlier = read_status(self.run_dir).get("seconds")
+        if isinstance(earlier, (int, float)):  # a study's record of the run's earlier attempts, kept
+            self.fields["seconds"] = earlier
 
     def running(self, step: int, **extra) -> None:
         write_status(self.run_dir, "running", step, "", **self.who, **self.fields, **extra)

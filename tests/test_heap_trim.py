@@ -64,11 +64,37 @@ def test_no_trim_without_gradients_or_when_off(monkeypatch):
 
     off = _model()
     P.checkpoint_layers(off, trim_every=0)
-    assert not P.transformer_layers(off)[0].forward.trimmer.active
+    assert P.transformer_layers(off)[0].forward.trimmer is None
     monkeypatch.setenv(P.TRIM_ENV, "0")
     env_off = _model()
     P.checkpoint_layers(env_off)
-    assert not P.transformer_layers(env_off)[0].forward.trimmer.active
+    assert P.transformer_layers(env_off)[0].forward.trimmer is None
+
+
+def _explain(trim_every: int, mode: str) -> tuple[list[int], list[int]]:
+    """Dynamo's graphs (ops in each) and graph breaks for a checkpointed 4-layer model, and the trims made."""
+    model = _model(layers=4)
+    P.checkpoint_layers(model, trim_every=trim_every)
+    calls = _counting(model) if trim_every else []
+    model.train()
+    tokens = torch.randint(0, 16, (2, 8))
+    torch._dynamo.reset()
+    if mode == "model":
+        explained = torch._dynamo.explain(model)(tokens)
+    else:
+        explained = torch._dynamo.explain(P.transformer_layers(model)[0])(model.embed(tokens))
+    return [explained.graph_break_count, *[len(g.graph.nodes) for g in explained.graphs]], calls
+
+
+@pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
+@pytest.mark.parametrize("mode", ["layers", "model"])
+def test_compiled_checkpointed_layers_are_the_same_graphs_with_the_trim_on(mode):
+    # a call out of the compiled code at every layer would split train.compile: model into a graph per layer
+    # and add a break to each compiled layer; under compile there is no trim, and the graphs are the same
+    graphs_on, calls = _explain(1, mode)
+    graphs_off, _ = _explain(0, mode)
+    assert graphs_on == graphs_off
+    assert calls == []
 
 
 def test_config_sets_the_interval():

@@ -518,6 +518,11 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
     assert rundir.read_status(run)["seconds"] == pytest.approx(100.0 + took)  # the run's time over both attempts
     crash_at(2, "failed")
     assert run_point(point, out, log=lambda *_: None)[:3:2] == ("completed", True) and losses(run) == done
+    # a child refused because another process holds the run adds no time to it and writes nothing
+    crash_at(2, "interrupted", seconds=100.0)
+    with rundir.RunLock(run):
+        assert run_point(point, out, log=lambda *_: None)[0] == "interrupted"
+    assert rundir.read_status(run)["seconds"] == 100.0
     # a point another process is training: the child is refused, and the runner does not write over it
     crash_at(2, "running", pid=12345)
     with rundir.RunLock(run):
@@ -525,6 +530,37 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
     assert (status, ran) == ("running", True) and rundir.read_status(run)["pid"] == 12345
     log = (out / "logs" / point.group / f"{point.name}.log").read_text()
     assert f"PID {os.getpid()}" in log.strip().splitlines()[-1]
+
+
+def test_ctrl_c_on_a_study_keeps_the_run_time_of_every_attempt(tmp_path):
+    """Ctrl-C on a study twice: each time its training process saves and records ``interrupted``, and the
+    run's ``seconds`` grows by that attempt's time (the child's own status writes keep the field)."""
+    spec_file = tmp_path / "spec.yaml"
+    base = cfg_with(steps=4000, checkpoint_every=50, log_every=1, eval_every=0)
+    spec_file.write_text(json.dumps({"name": "c", "groups": [{"name": "g", "base": base}]}))
+    out = tmp_path / "study"
+    run = out / "runs" / "g" / "seed=0"
+    cmd = [sys.executable, "-m", "kilolayer", "study", str(spec_file), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    total, step = 0.0, 0
+    for _ in range(2):
+        # its own session, like a terminal's foreground job: Ctrl-C signals the driver and its training process
+        driver = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+        try:
+            deadline = time.time() + 180
+            while time.time() < deadline and not any(s >= step + 3 for s, _ in _safe_losses(run)):
+                time.sleep(0.5)
+            os.killpg(driver.pid, signal.SIGINT)
+            driver.wait(timeout=90)
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+        st = rundir.read_status(run)
+        assert st["status"] == "interrupted" and st["step"] > step, st
+        assert st["seconds"] > total, st  # this attempt's time added to the earlier ones'
+        total, step = st["seconds"], st["step"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])

@@ -219,6 +219,18 @@ def _record_crash(run_dir: Path, returncode: int, logfile: Path) -> None:
         pass  # someone else is training it: its status is its own
 
 
+def _record_seconds(run_dir: Path, total: float) -> None:
+    """Record ``total``, the run's training time over all its attempts, as status.json ``seconds``, unless
+    another process holds the run (its status is its own). A training process carries the field into every
+    status it writes (:class:`kilolayer.rundir.Lifecycle`), so a resumed run keeps its earlier attempts' time;
+    an attempt whose driver was killed outright records none, so the figure is a lower bound."""
+    try:
+        with rundir.RunLock(run_dir):
+            rundir.update_status(run_dir, seconds=total)
+    except rundir.RunLocked:
+        pass
+
+
 @dataclass
 class Attempt:
     """One call of :func:`train_point`: the point's status afterwards, and how the training process ended."""
@@ -279,7 +291,12 @@ def train_point(
     launched = time.time()
     with open(logfile, "a") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        returncode = _wait(proc, forward_interrupt=remote)
+        try:
+            returncode = _wait(proc, forward_interrupt=remote)
+        except KeyboardInterrupt:  # Ctrl-C, or a cancelled Ray task: the child has stopped and saved its step
+            if read_status(run_dir).get("pid") == proc.pid:
+                _record_seconds(run_dir, earlier + time.perf_counter() - t0)
+            raise
     seconds = time.perf_counter() - t0
     st = read_status(run_dir)
     # the child's own final status names its PID (under torchrun: rank 0's, so it must at least be newer than
@@ -290,10 +307,8 @@ def train_point(
         _record_crash(run_dir, returncode, logfile)
         st = read_status(run_dir)
     status = st.get("status", "failed")
-    if status != "running":  # (running: another process holds the run; its status is its own)
-        # the run's training time over every attempt (a resumed run keeps what its earlier attempts took; an
-        # attempt whose driver was killed outright left none, so this is a lower bound)
-        rundir.update_status(run_dir, seconds=earlier + seconds)
+    if own or crashed:  # not a child refused because another process holds the run
+        _record_seconds(run_dir, earlier + seconds)
     log(f"[study] {point.key}: {status} ({seconds:.0f}s)")
     return Attempt(status, seconds, True, returncode, crashed)
 

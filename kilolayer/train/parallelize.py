@@ -15,7 +15,9 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
   from 2.64 to 1.33 GiB; the pages handed back and reused are faulted in again, which cost up to about 10%
   of the step's CPU time at 300 layers (within the noise of separate runs). ``train.pin_mmap`` instead pins
   glibc's mmap threshold (:func:`pin_mmap_threshold`), so every such block is a fresh mapping: about as
-  small a peak (1.28 GiB), but each step took about twice as long; it stays opt-in.
+  small a peak (1.28 GiB), but each step took about twice as long; it stays opt-in. The trim runs in eager
+  layers on the CPU only: not inside a compiled graph (``train.compile``), whose graphs a call out would
+  split at every layer, nor for CUDA activations, which are not on the heap.
 * ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer
   (:func:`compile_layers`; the stack's Python loop, embeddings, heads and loss stay eager, and layers of one
   shape share one compiled graph, so compile time hardly grows with depth); ``model`` compiles the whole task
@@ -86,17 +88,16 @@ class HeapTrimmer:
     def active(self) -> bool:
         return self.trim is not None and self.every > 0
 
-    @torch.compiler.disable  # under train.compile: layers, a call after the compiled layer, not traced into it
     def after_layer(self, out: object) -> None:
         """Called with each checkpointed layer's output: trim now at every ``every``-th layer, and once more
         when the backward pass has computed that output's gradient."""
-        if not self.active:
-            return
+        if not self.active or not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+            return  # (a CUDA step's activations are not on this process's heap)
         self.layers += 1
         if self.layers % self.every:
             return
         self.trim()
-        if isinstance(out, torch.Tensor) and out.requires_grad:
+        if out.requires_grad:
             out.register_hook(self._in_backward)
 
     def _in_backward(self, grad: torch.Tensor) -> None:
@@ -112,7 +113,8 @@ class _Recompute:
     def __call__(self, *args, **kwargs):
         if self.layer.training and torch.is_grad_enabled():
             out = checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-            if self.trimmer is not None:
+            # not inside a compiled graph (train.compile): a call out of it would split the graph at every layer
+            if self.trimmer is not None and not torch.compiler.is_compiling():
                 self.trimmer.after_layer(out)
             return out
         return self.forward(*args, **kwargs)
@@ -144,7 +146,8 @@ def checkpoint_layers(backbone: nn.Module, pin_mmap: bool = False, trim_every: i
     (:class:`HeapTrimmer`; 0: never); with ``pin_mmap`` (or ``KILOLAYER_PIN_MMAP=1``), also pin glibc's mmap
     threshold (:func:`pin_mmap_threshold`). Calling it twice does nothing more."""
     layers = transformer_layers(backbone)
-    trimmer = HeapTrimmer(trim_every)
+    trimmer = HeapTrimmer(trim_every) if layers else None
+    trimmer = trimmer if trimmer is not None and trimmer.active else None
     for layer in layers:
         if not isinstance(layer.forward, _Recompute):
             layer.forward = _Recompute(layer, layer.forward, trimmer)
