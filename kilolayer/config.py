@@ -187,14 +187,14 @@ class TrainConfig(_Section):
         ge=0,
         description="with activation checkpointing on Linux/glibc: hand the heap's free pages back to the system "
         "(malloc_trim) every this many checkpointed layers, forward and backward, on the CPU and without "
-        "train.compile; 0: never (1,000 layers of width 64: peak 1.33 instead of 2.64 GiB, for up to about 10% "
-        "more CPU time a step)",
+        "train.compile; 0: never (1,000 layers of width 64: peak 1.31 instead of 2.58 GiB, at about the same "
+        "step time)",
     )
     pin_mmap: bool = Field(
         False,
         description="with activation checkpointing on Linux/glibc: pin malloc's mmap threshold at 64 KiB, so freed "
-        "activation blocks go back to the system (1,000 layers of width 64: peak 1.28 instead of 2.64 GiB, but "
-        "each step about twice as slow; train.trim_heap_every, on by default, saves almost as much for less)",
+        "activation blocks go back to the system (1,000 layers of width 64: peak 1.39 instead of 2.58 GiB, but "
+        "each step 1.8x as slow; train.trim_heap_every, on by default, saves as much for less)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
