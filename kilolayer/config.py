@@ -185,6 +185,7 @@ class TrainConfig(_Section):
     trim_heap_every: int = Field(
         32,
         ge=0,
+        strict=True,  # an integer, not `true` (which would read as 1: a trim after every layer)
         description="with activation checkpointing on Linux/glibc: hand the heap's free pages back to the system "
         "(malloc_trim) every this many checkpointed layers, forward and backward, on the CPU and without "
         "train.compile; 0: never (1,000 layers of width 64: peak 1.31 instead of 2.58 GiB, at about the same "

@@ -65,10 +65,11 @@ def test_no_trim_without_gradients_or_when_off(monkeypatch):
     off = _model()
     P.checkpoint_layers(off, trim_every=0)
     assert P.transformer_layers(off)[0].forward.trimmer is None
-    monkeypatch.setenv(P.TRIM_ENV, "0")
-    env_off = _model()
-    P.checkpoint_layers(env_off)
-    assert P.transformer_layers(env_off)[0].forward.trimmer is None
+    for value in ("0", "off", " False "):
+        monkeypatch.setenv(P.TRIM_ENV, value)
+        env_off = _model()
+        P.checkpoint_layers(env_off)
+        assert P.transformer_layers(env_off)[0].forward.trimmer is None, value
 
 
 def _explain(trim_every: int, mode: str) -> tuple[list[int], list[int]]:
@@ -113,6 +114,16 @@ def test_config_sets_the_interval():
     model = _model()
     P.apply_checkpointing(SimpleNamespace(backbone=model, objective=SimpleNamespace(modules=lambda: iter(()))), cfg)
     assert P.transformer_layers(model)[0].forward.trimmer.every == 5
+    for wrong in (True, "32"):  # `true` is not an interval
+        with pytest.raises(ValueError, match="trim_heap_every"):
+            load_config(
+                {
+                    "model": SMALL,
+                    "objective": {"name": "mlm"},
+                    "data": {"name": "synthetic"},
+                    "train": {"trim_heap_every": wrong},
+                }
+            )
     with pytest.raises(ValueError, match="trim_heap_every"):
         load_config(
             {

@@ -63,7 +63,8 @@ def _glibc() -> ctypes.CDLL | None:
 
 #: release the heap's free pages every this many checkpointed layers (train.trim_heap_every's default)
 TRIM_EVERY = 32
-#: 0 turns the heap trim off whatever the config says (the memory benchmark's "untrimmed" column)
+#: 0 (or false, off, no) turns the heap trim off whatever the config says (the memory benchmark's "untrimmed"
+#: column)
 TRIM_ENV = "KILOLAYER_TRIM_HEAP"
 
 
@@ -81,7 +82,8 @@ class HeapTrimmer:
 
     def __init__(self, every: int = TRIM_EVERY, trim: Callable[[], object] | None = None):
         if trim is None:
-            libc = _glibc() if every > 0 and os.environ.get(TRIM_ENV) != "0" else None
+            off = os.environ.get(TRIM_ENV, "").strip().lower() in ("0", "false", "off", "no")
+            libc = _glibc() if every > 0 and not off else None
             trim = (lambda: libc.malloc_trim(0)) if libc is not None else None
         self.every, self.trim, self.layers = every, trim, 0
 
