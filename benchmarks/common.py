@@ -62,15 +62,20 @@ class StepOptions:
 
     @property
     def fast(self) -> bool:
-        """The fast path: bf16 autocast, a compile (either mode) and fused AdamW, all three."""
-        return self.precision == "bf16" and bool(self.compile) and self.fused_optimizer
+        """The fast path: a compile (either mode) and fused AdamW, in the run's fast precision (bf16 autocast
+        where the machine's bf16 GEMM is at least as fast as its fp32 one, else fp32; :func:`choose_fast_precision`)."""
+        return bool(self.compile) and self.fused_optimizer
+
+
+def fast_modes(precision: str) -> dict[str, StepOptions]:
+    """The fast path in ``precision`` under each compile mode (per layer, whole model)."""
+    return {mode: StepOptions(precision, mode, True) for mode in ("layers", "model")}
 
 
 EAGER = StepOptions()
-FAST = StepOptions("bf16", "layers", True)
-FAST_MODEL = StepOptions("bf16", "model", True)
-#: the fast path under each compile mode
-FAST_MODES = {"layers": FAST, "model": FAST_MODEL}
+#: the fast path on a machine with fast bf16 (AMX, a GPU), under each compile mode
+FAST_MODES = fast_modes("bf16")
+FAST, FAST_MODEL = FAST_MODES["layers"], FAST_MODES["model"]
 
 
 def make_optimizer(model: torch.nn.Module, fused: bool, lr: float = 1e-4) -> torch.optim.Optimizer:
@@ -163,6 +168,7 @@ class Variant:
     peer: str
     options: StepOptions
     bias: bool = True  # False: kilolayer without biases, as x-transformers' attention (its FFN keeps them)
+    skip: str | None = None  # a one-line reason: the row is not run and carries it as its note
 
     @property
     def peer_fast(self) -> bool:
@@ -238,15 +244,17 @@ def race(
     Each row gets its median step time, tokens/s and, as medians over rounds of per-round ratios,
     ``ratio_vs_faster_peer`` (the faster peer in eager fp32 / this) and ``ratio_vs_best_peer_fast`` (the
     fastest peer on the fast path / this). ``deadline`` (a ``time.perf_counter()`` value): a variant not yet
-    prepared by then is skipped with a note, so a run stays within its time budget."""
+    prepared by then is skipped with a note, so a run stays within its time budget; so is one with a ``skip``."""
     device = torch.device(device)
     inputs, targets = fixed_batch(spec, batch_size, seed, device)
     tokens = batch_size * spec.tokens_per_sample()
     entries = []
     for v in variants:
-        if deadline is not None and time.perf_counter() > deadline:
-            skipped = {"name": v.name, "peer": v.peer, "options": dict(v.options.__dict__)}
-            entries.append({**skipped, "error": "skipped: the run's time budget was spent"})
+        skip = v.skip
+        if skip is None and deadline is not None and time.perf_counter() > deadline:
+            skip = "skipped: the run's time budget was spent"
+        if skip is not None:
+            entries.append({"name": v.name, "peer": v.peer, "options": dict(v.options.__dict__), "error": skip})
             continue
         entries.append(prepare(v, spec, inputs, targets, seed, backend, device))
     live = [e for e in entries if "step" in e]
@@ -345,6 +353,109 @@ def gemm_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: i
     """Best large-GEMM rate (FLOP/s) of ``dtype`` on this CPU: max over ``rounds`` of the mean over ~``seconds``
     (the efficiency component's measurement, :func:`kilolayer.train.metrics.gemm_rate`, at benchmark sizes)."""
     return metrics.gemm_rate(dtype, n=n, seconds=seconds, rounds=rounds)
+
+
+def gemm_peaks(n: int = 2048, seconds: float = 1.0, precisions: Sequence[str] = PRECISIONS) -> dict[str, float]:
+    """:func:`gemm_peak` of each of ``precisions`` (FLOP/s), keyed fp32 / bf16."""
+    return {p: gemm_peak(metrics.DTYPES[p], n=n, seconds=seconds) for p in precisions}
+
+
+#: a quick GEMM of each precision: which one is faster here (a second at most where bf16 is slow)
+PROBE_GEMM = {"n": 256, "seconds": 0.05}
+
+
+def measure_peaks(n: int = 2048, seconds: float = 1.0) -> tuple[dict[str, float], dict[str, int]]:
+    """(peak FLOP/s, GEMM size) of fp32 and bf16: :func:`gemm_peak` at ``n`` of both, except where a quick
+    probe (:data:`PROBE_GEMM`) finds bf16 slower than fp32: bf16's figure is then the probe's, as one bf16
+    product at ``n`` = 2048 (17 GFLOP) takes 17 s at the 1 GFLOP/s of a CPU without bf16 instructions."""
+    peaks, sizes = {"fp32": gemm_peak(torch.float32, n=n, seconds=seconds)}, {"fp32": n, "bf16": n}
+    if n > PROBE_GEMM["n"]:
+        probe = gemm_peaks(**PROBE_GEMM)
+        if probe["bf16"] < probe["fp32"]:
+            peaks["bf16"], sizes["bf16"] = probe["bf16"], PROBE_GEMM["n"]
+            return peaks, sizes
+    peaks["bf16"] = gemm_peak(torch.bfloat16, n=n, seconds=seconds)
+    return peaks, sizes
+
+
+# ---------------------------------------------------------------- the fast path's precision
+
+#: ``--fast-precision``: decide from the measured GEMM peaks, or force one
+FAST_PRECISION_CHOICES = ("auto", "bf16", "fp32")
+#: CPU flags of instructions that compute in bf16 (AVX-512 dot products, AMX tiles)
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def gflops(flops: float) -> str:
+    """FLOP/s as GFLOP/s, one decimal below 10."""
+    g = flops / 1e9
+    return f"{g:.1f}" if g < 10 else f"{g:,.0f}"
+
+
+def times(ratio: float) -> str:
+    """A ratio as ``7.0x``, or ``0.013x`` below 0.1."""
+    return f"{ratio:.1f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
+def _slower(ratio: float) -> str:
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def bf16_support(flags: Sequence[str]) -> str:
+    """Which of ``flags`` give bf16 instructions, as words: ``no bf16 instructions`` when none."""
+    have = [f for f in BF16_FLAGS if f in flags]
+    return f"bf16 instructions: {', '.join(have)}" if have else "no bf16 instructions"
+
+
+def has_amx(flags: Sequence[str]) -> bool:
+    return any(f.startswith("amx") for f in flags)
+
+
+def choose_fast_precision(peaks: dict[str, float], flags: Sequence[str], requested: str = "auto") -> dict:
+    """The fast path's precision: under ``auto``, bf16 when the measured bf16 GEMM peak is at least the fp32
+    one, else fp32; ``bf16`` or ``fp32`` forces it. Returns ``precision``, ``requested``, ``reason`` (one line),
+    ``bf16_over_fp32`` (the measured ratio), ``bf16_slower`` and ``skip_bf16``: the note of the rows whose only
+    point is bf16 when the fast path is fp32 (else None)."""
+    if requested not in FAST_PRECISION_CHOICES:
+        raise ValueError(f"fast precision {requested!r}: expected one of {', '.join(FAST_PRECISION_CHOICES)}")
+    bf16, fp32 = peaks["bf16"], peaks["fp32"]
+    slower = bf16 < fp32
+    measured = (
+        f"bf16 GEMM {gflops(bf16)} GFLOP/s vs fp32 {gflops(fp32)} GFLOP/s ({times(bf16 / fp32)}); {bf16_support(flags)}"
+    )
+    if requested == "auto":
+        precision = "fp32" if slower else "bf16"
+        reason = f"auto: {measured}"
+    else:
+        precision = requested
+        reason = f"forced (--fast-precision {requested}); measured {measured}"
+    skip = None
+    if precision == "fp32":
+        if slower:
+            skip = (
+                f"skipped: bf16 GEMM here is {gflops(bf16)} GFLOP/s, {_slower(fp32 / bf16)} slower than fp32; "
+                f"{bf16_support(flags)}"
+            )
+        else:
+            skip = f"skipped: --fast-precision fp32 (bf16 GEMM here is {times(bf16 / fp32)} fp32's)"
+    return {
+        "precision": precision,
+        "requested": requested,
+        "reason": reason,
+        "bf16_over_fp32": bf16 / fp32,
+        "bf16_slower": slower,
+        "skip_bf16": skip,
+    }
+
+
+def add_fast_precision_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fast-precision",
+        choices=FAST_PRECISION_CHOICES,
+        default="auto",
+        help="the fast path's precision (default auto: bf16 when the measured bf16 GEMM peak is at least the "
+        "fp32 one, else fp32)",
+    )
 
 
 # ---------------------------------------------------------------- machine and provenance

@@ -6,9 +6,12 @@ compiled kernels (inductor's fused code, when compiled), elementwise/norm/copy
 under ``optimizer.step``), and host overhead (wall time not spent inside any
 op: Python, dispatch, autograd bookkeeping). Shares are of the profiled wall
 time, which the profiler itself inflates a little. Profiled with one torch thread by
-default, so the shares do not depend on what else the machine runs.
+default, so the shares do not depend on what else the machine runs. The fast path
+(per-layer compile + fused AdamW) runs in bf16 autocast where this CPU's bf16 GEMM
+is at least as fast as its fp32 one, else in fp32 (``--fast-precision`` forces
+either).
 
-    python -m benchmarks.profile_step [--smoke] [--out FILE]
+    python -m benchmarks.profile_step [--smoke] [--fast-precision auto|bf16|fp32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import common
-from benchmarks.common import EAGER, FAST, StepOptions, TrainStep
+from benchmarks.common import EAGER, StepOptions, TrainStep
 from benchmarks.peers import Spec, build
 
 KINDS = ("matmul", "attention", "compiled kernels", "elementwise/norm/copy", "loss", "optimizer", "host overhead")
@@ -110,28 +113,47 @@ def breakdown(
     }
 
 
-def run(smoke: bool = False, configs: dict | None = None, threads: int | None = 1) -> dict:
-    """Profile each config's steps with ``threads`` torch threads (default 1; restored afterwards)."""
+def run(
+    smoke: bool = False,
+    configs: dict | None = None,
+    threads: int | None = 1,
+    fast_precision: str = "auto",
+    choice: dict | None = None,
+) -> dict:
+    """Profile each config's steps with ``threads`` torch threads (default 1; restored afterwards). The fast
+    path runs in ``choice["precision"]`` when ``choice`` is given (the speed run's decision,
+    :func:`benchmarks.common.choose_fast_precision`), else in ``fast_precision`` (``auto``: decided here from a
+    quick GEMM measurement of each precision)."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _run(smoke, configs)
+        return _run(smoke, configs, choice or _choose(fast_precision))
     finally:
         torch.set_num_threads(before)
 
 
-def _run(smoke: bool, configs: dict | None) -> dict:
+def _choose(requested: str) -> dict:
+    if requested not in common.FAST_PRECISION_CHOICES:
+        raise ValueError(f"fast precision {requested!r}: expected one of {', '.join(common.FAST_PRECISION_CHOICES)}")
+    if requested == "auto":
+        return common.choose_fast_precision(common.gemm_peaks(**common.PROBE_GEMM), common.cpu_flags())
+    return {"precision": requested, "requested": requested, "reason": f"forced (--fast-precision {requested})"}
+
+
+def _run(smoke: bool, configs: dict | None, choice: dict) -> dict:
     from benchmarks.train_step import BATCH, CONFIGS, SCHEME, SMOKE_BATCH, SMOKE_CONFIGS
 
     specs = configs or (SMOKE_CONFIGS if smoke else CONFIGS)
     batch_size = SMOKE_BATCH if smoke else BATCH
-    fast = StepOptions("bf16", False, True) if smoke else FAST  # smoke runs skip inductor's C++ build
+    # smoke runs skip inductor's C++ build: no compile there
+    fast = StepOptions(choice["precision"], False if smoke else "layers", True)
     variants = [("x-transformers", EAGER), ("kilolayer", EAGER), ("kilolayer", fast)]
     out = {
         "machine": common.machine(),
         "threads": torch.get_num_threads(),
         "load_before": common.load_average(),
+        "fast_precision": dict(choice),
         "rows": [],
     }
     for _key, spec in specs.items():
@@ -151,7 +173,9 @@ def format_result(result: dict) -> str:
         row.update({k: f"{100 * v:.0f}%" for k, v in r["share"].items()})
         rows.append(row)
     cols = [("config", "model"), ("variant", "step"), ("ms", "profiled ms/step")] + [(k, k) for k in KINDS]
-    return common.table(rows, cols)
+    fast = result.get("fast_precision")
+    head = [f"Fast path in {fast['precision']} ({fast['reason']})", ""] if fast else []
+    return "\n".join(head + [common.table(rows, cols)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads while profiling (default 1: the profiler's per-op cost stalls "
         "multi-threaded ops whenever another process holds a core)",
     )
+    common.add_fast_precision_arg(parser)
     args = parser.parse_args(argv)
-    result = run(args.smoke, threads=args.threads)
+    result = run(args.smoke, threads=args.threads, fast_precision=args.fast_precision)
     return common.finish(result, format_result(result), args.out)
 
 

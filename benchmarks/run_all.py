@@ -1,6 +1,6 @@
 """Run every benchmark and regenerate docs/benchmarks.md (tables, machine, versions, commands, date).
 
-    python -m benchmarks.run_all --out docs/benchmarks.md [--json FILE] [--smoke]
+    python -m benchmarks.run_all --out docs/benchmarks.md [--json FILE] [--smoke] [--fast-precision auto|bf16|fp32]
 
 The raw results go to ``--json`` (default: the Markdown path with ``.json``).
 """
@@ -46,9 +46,35 @@ def _mode(row: dict) -> str:
     return f"compile: {row['options']['compile']}"
 
 
+def _mfu_target(ts: dict, res: dict) -> dict | None:
+    """The MFU goal (a share of the bf16 peak) at ``res``'s config. Where the fast path ran in fp32 the goal
+    stands and is not met: the row says why bf16 was not used and what the fp32 fast path reached."""
+    fast = _kilolayer_fast(res)
+    if not fast:
+        return None
+    best = max(fast, key=lambda v: v["mfu"])
+    target = f"{res['label']}: fast-path MFU >= {MFU_GOAL:.0%} of the measured bf16 peak"
+    if best["options"]["precision"] == "bf16":
+        return {"target": target, "measured": f"{_pct(best['mfu'])} ({_mode(best)})", "met": best["mfu"] >= MFU_GOAL}
+    peaks, flags = ts["peak_flops"], ts["machine"]["flags"]
+    attained = f"fp32 fast path {_pct(best['mfu'])} of the fp32 peak ({_mode(best)})"
+    if peaks["bf16"] < peaks["fp32"]:
+        measured = (
+            f"not attainable on this CPU: bf16 GEMM {common.gflops(peaks['bf16'])} GFLOP/s vs fp32 "
+            f"{common.gflops(peaks['fp32'])} GFLOP/s ({common.bf16_support(flags)}); best attainable: {attained}"
+        )
+    else:
+        measured = (
+            f"not measured: the fast path ran in fp32 (--fast-precision fp32) though bf16 GEMM is "
+            f"{common.times(peaks['bf16'] / peaks['fp32'])} fp32's; {attained}"
+        )
+    return {"target": target, "measured": measured, "met": False}
+
+
 def targets(ts: dict, mem: dict) -> list[dict]:
     """Each target of the issue with the measured figure and whether it was met."""
     out = []
+    words = train_step.fast_path_words(train_step.fast_precision(ts))
     for _key, res in ts["configs"].items():
         eager = _variant(res, "kilolayer")
         if eager and "ratio_vs_faster_peer" in eager:
@@ -68,22 +94,14 @@ def targets(ts: dict, mem: dict) -> list[dict]:
             out.append(
                 {
                     "target": f"{res['label']}: kilolayer's best fast path >= {FAST_GOAL:.1f}x the best peer on the "
-                    f"same fast path ({res['best_peer_fast']})",
+                    f"same fast path, {words} ({res['best_peer_fast']})",
                     "measured": f"{r:.2f}x ({_mode(best)})",
                     "met": r >= FAST_GOAL,
                 }
             )
-    first = ts["configs"][next(iter(ts["configs"]))]
-    fast = _kilolayer_fast(first)
-    if fast:
-        best = max(fast, key=lambda v: v["mfu"])
-        out.append(
-            {
-                "target": f"{first['label']}: fast-path MFU >= {MFU_GOAL:.0%} of the measured bf16 peak",
-                "measured": f"{_pct(best['mfu'])} ({_mode(best)})",
-                "met": best["mfu"] >= MFU_GOAL,
-            }
-        )
+    mfu = _mfu_target(ts, ts["configs"][next(iter(ts["configs"]))])
+    if mfu:
+        out.append(mfu)
     deepest = [r for r in mem["rows"] if r["peer"] == "kilolayer" and r["checkpoint"] and "peak_gib" in r]
     if deepest:
         d = max(deepest, key=lambda r: r["layers"])
@@ -121,15 +139,42 @@ def _compile_s(row: dict) -> str:
     return f"{row['compile_s']:.0f} s" if row.get("compile_s") is not None else "? s"
 
 
+def _precision_finding(ts: dict) -> str:
+    """The first finding: the measured bf16/fp32 GEMM ratio, what gives it, and the fast path's precision."""
+    peaks, flags = ts["peak_flops"], ts["machine"]["flags"]
+    ratio = peaks["bf16"] / peaks["fp32"]
+    head = f"This CPU's bf16 GEMM peak is {common.times(ratio)} its fp32 peak"
+    rates = f"{common.gflops(peaks['bf16'])} vs {common.gflops(peaks['fp32'])} GFLOP/s"
+    hardware = "AMX tiles" if common.has_amx(flags) else common.bf16_support(flags)
+    precision = train_step.fast_precision(ts)
+    if precision == "bf16" and ratio >= 1:
+        return (
+            f"{head} ({hardware}); LayerNorm, GELU, residual adds, dtype casts, attention and the optimizer get no "
+            "such speed-up, so bf16 MFU is bounded by how much of the step is not GEMM."
+        )
+    if precision == "bf16":
+        return f"{head} ({rates}; {hardware}), yet the fast path runs in bf16 here: --fast-precision bf16 forced it."
+    if ratio >= 1:
+        return (
+            f"{head} ({hardware}), yet the fast path runs in fp32 here: --fast-precision fp32 forced it, and the "
+            "bf16-only row is skipped."
+        )
+    support = common.bf16_support(flags)
+    why = (
+        f"bf16 has no hardware support here ({support})"
+        if support == "no bf16 instructions"
+        else f"bf16 is slower than fp32 here despite {support}"
+    )
+    return (
+        f"{head} ({rates}): {why}, so the fast path runs in fp32 (torch.compile + fused AdamW, every library "
+        "alike) and the bf16-only row is skipped."
+    )
+
+
 def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
     """What the measurements say, as sentences whose numbers come from this run."""
-    out = []
-    peaks = ts["peak_flops"]
-    out.append(
-        f"This CPU's bf16 GEMM peak is {peaks['bf16'] / peaks['fp32']:.1f}x its fp32 peak (AMX tiles); LayerNorm, "
-        "GELU, residual adds, dtype casts, attention and the optimizer get no such speed-up, so bf16 MFU is "
-        "bounded by how much of the step is not GEMM."
-    )
+    out = [_precision_finding(ts)]
+    words = train_step.fast_path_words(train_step.fast_precision(ts))
     for _key, res in ts["configs"].items():
         label = res["label"]
         eager = _variant(res, "kilolayer")
@@ -137,16 +182,18 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
         bf16 = _variant(res, "kilolayer bf16 + fused AdamW")
         nobias = _variant(res, "kilolayer, bias=False")
         modes = {v["options"]["compile"]: v for v in _kilolayer_fast(res)}
-        if eager and bf16 and fused and nobias and modes and "ratio_vs_faster_peer" in eager:
+        if eager and fused and nobias and modes and "ratio_vs_faster_peer" in eager:
+            autocast = f"+ bf16 autocast {bf16['ratio_vs_faster_peer']:.2f}x; " if bf16 else ""
             compiled = "; ".join(
-                f"+ {common.COMPILE_LABELS[m]} {v['ratio_vs_faster_peer']:.2f}x ({_pct(v['mfu'])} of the bf16 peak)"
+                f"+ {common.COMPILE_LABELS[m]} {v['ratio_vs_faster_peer']:.2f}x ({_pct(v['mfu'])} of the "
+                f"{v['options']['precision']} peak)"
                 for m, v in modes.items()
             )
             out.append(
                 f"{label}: kilolayer eager fp32 runs at {eager['ratio_vs_faster_peer']:.2f}x {res['faster_peer']} "
                 f"({nobias['ratio_vs_faster_peer']:.2f}x without biases); + fused AdamW "
-                f"{fused['ratio_vs_faster_peer']:.2f}x; + bf16 autocast {bf16['ratio_vs_faster_peer']:.2f}x; "
-                f"{compiled} (all against {res['faster_peer']}'s eager fp32)."
+                f"{fused['ratio_vs_faster_peer']:.2f}x; {autocast}{compiled} (all against {res['faster_peer']}'s "
+                "eager fp32)."
             )
         peer_fast = _variant(res, res["best_peer_fast"]) if res.get("best_peer_fast") else None
         if modes and peer_fast:
@@ -155,7 +202,7 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
                 f"{m} {v['ratio_vs_best_peer_fast']:.2f}x after {_compile_s(v)} of compile" for m, v in modes.items()
             )
             out.append(
-                f"{label}, every library on the same fast path (bf16 autocast + torch.compile + fused AdamW): "
+                f"{label}, every library on the same fast path ({words}): "
                 f"kilolayer's better compile mode is {_mode(best)}, at {best['ratio_vs_best_peer_fast']:.2f}x the "
                 f"best peer, {peer_fast['name']} ({_compile_s(peer_fast)} of compile); by mode: {each}."
             )
@@ -173,7 +220,8 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
             )
         if f:
             out.append(
-                f"{label} profile, fast path: matmul {_pct(f['share']['matmul'])}, attention (fp32 SDPA) "
+                f"{label} profile, fast path ({f['options']['precision']}): matmul {_pct(f['share']['matmul'])}, "
+                f"attention (fp32 SDPA) "
                 f"{_pct(f['share']['attention'])}, inductor's fused elementwise kernels "
                 f"{_pct(f['share']['compiled kernels'])}, other elementwise {_pct(f['share']['elementwise/norm/copy'])}"
                 f", optimizer {_pct(f['share']['optimizer'])}, host {_pct(f['share']['host overhead'])}."
@@ -184,9 +232,10 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
         f"along the way {m['max_abs_diff']:.4f})"
         for mode, m in la["modes"].items()
     )
+    la_words = train_step.fast_path_words(la.get("precision", "bf16"))
     out.append(
-        f"Fast path vs fp32 after {la['steps']} steps from the same seed on the same batches: fp32 loss "
-        f"{la['final_loss_fp32']:.4f}; fast path with {each}."
+        f"Fast path ({la_words}) vs eager fp32 after {la['steps']} steps from the same seed on the same batches: "
+        f"fp32 loss {la['final_loss_fp32']:.4f}; fast path with {each}."
     )
     ck = [r for r in mem["rows"] if r["peer"] == "kilolayer" and r["checkpoint"] and "peak_gib" in r]
     if ck:
@@ -209,6 +258,40 @@ def findings(ts: dict, prof: dict, mem: dict) -> list[str]:
     return out
 
 
+def _precision_lines(ts: dict) -> list[str]:
+    """The Machine section's peaks and the fast path's precision, with why."""
+    peaks, choice = ts["peak_flops"], train_step.fast_choice(ts)
+    return [
+        f"- Peak GEMM measured in the speed run: fp32 {common.gflops(peaks['fp32'])} GFLOP/s, bf16 "
+        f"{common.gflops(peaks['bf16'])} GFLOP/s ({common.times(peaks['bf16'] / peaks['fp32'])} fp32's)",
+        f"- Fast path: {train_step.fast_path_words(choice['precision'])}; precision {choice['precision']}, chosen "
+        f"from the peaks measured before the race ({choice['reason']})",
+    ]
+
+
+def _fast_rows_text(ts: dict) -> list[str]:
+    """The paragraph on the fast-path rows' switches, for the precision they ran in."""
+    choice = train_step.fast_choice(ts)
+    if choice["precision"] == "bf16":
+        precision = [
+            "Fast-path rows: `bf16` = CPU autocast to bfloat16 with fp32 weights and optimizer state",
+            "(`train.precision: bf16`);",
+        ]
+    else:
+        precision = [
+            "Fast-path rows run in fp32 in this run (`train.precision: fp32`; see Machine and versions for why),",
+            "and the row whose only point is bf16 (`kilolayer bf16 + fused AdamW`) is skipped with the reason in",
+            "its note;",
+        ]
+    return precision + [
+        "`per-layer compile` = `torch.compile` on each layer (`train.compile: layers`;",
+        "x-transformers' layer list holds lists of modules, so it gets only the whole-model row);",
+        "`whole-model compile` = `torch.compile` of embeddings, layers and LM head once (`train.compile: model`);",
+        "`fused AdamW` = `torch.optim.AdamW(fused=True)` (`train.fused_optimizer`). `compile s` is the first",
+        "step's extra time.",
+    ]
+
+
 def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: float) -> str:
     m = ts["machine"]
     v = m["versions"]
@@ -224,6 +307,7 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         f"- Date: {m['date']}; total time {seconds / 60:.1f} min",
         f"- CPU: {m['cpu']}, {m['cores']} cores visible, torch threads {m['torch_threads']}; "
         f"flags: {', '.join(m['flags']) or 'n/a'}",
+        *_precision_lines(ts),
         f"- Load average (1/5/15 min) before / after the speed run: {ts['load_before']} / {ts['load_after']}; "
         f"memory run: {mem['load_before']} / {mem['load_after']}",
         f"- Python {m['python']}, torch {v['torch']}, kilolayer {v['kilolayer']}, torchscale {v['torchscale']}, "
@@ -256,13 +340,8 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "it can differ from the ratio of the tokens/s medians when rounds vary; `x best peer fast path` is the",
         "same against the fastest peer fast-path row. MFU = tokens/s x model FLOPs per token",
         "(`kilolayer.training_flops` per sample / tokens + 6 d V for the head) / the best large-GEMM rate of the",
-        "same dtype measured in this run.",
-        "Fast-path rows: `bf16` = CPU autocast to bfloat16 with fp32 weights and optimizer state",
-        "(`train.precision: bf16`); `per-layer compile` = `torch.compile` on each layer (`train.compile: layers`;",
-        "x-transformers' layer list holds lists of modules, so it gets only the whole-model row);",
-        "`whole-model compile` = `torch.compile` of embeddings, layers and LM head once (`train.compile: model`);",
-        "`fused AdamW` = `torch.optim.AdamW(fused=True)` (`train.fused_optimizer`). `compile s` is the first",
-        "step's extra time.",
+        "precision the row's matmuls run in (fp32 or bf16), measured in this run.",
+        *_fast_rows_text(ts),
         "",
         train_step.format_result(ts),
         "",
@@ -305,23 +384,29 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads for the speed runs (default 1: on a shared machine a second OpenMP thread stalls "
         "whenever another process holds a core, which skews ratios; use 2 on an idle 2-core machine)",
     )
+    common.add_fast_precision_arg(parser)
     parser.add_argument("--rounds", type=int, help="timed rounds per speed config (default 6)")
     args = parser.parse_args(argv)
     common.apply_threads(args.threads)
     t0 = time.perf_counter()
-    ts = train_step.run(smoke=args.smoke, rounds=args.rounds)
+    ts = train_step.run(smoke=args.smoke, rounds=args.rounds, fast_precision=args.fast_precision)
     print(train_step.format_result(ts), flush=True)
-    prof = profile_step.run(smoke=args.smoke, threads=1)  # shares that do not depend on the machine's load
+    # one thread: shares that do not depend on the machine's load; the fast path as the speed run chose it
+    prof = profile_step.run(smoke=args.smoke, threads=1, choice=ts["fast_precision"])
     print(profile_step.format_result(prof), flush=True)
     mem = memory.run(smoke=args.smoke)
     print(memory.format_result(mem), flush=True)
     seconds = time.perf_counter() - t0
-    extra = (" --smoke" if args.smoke else "") + f" --threads {args.threads}"
+    smoke = " --smoke" if args.smoke else ""
+    extra = f"{smoke} --threads {args.threads}"
+    fast = f" --fast-precision {args.fast_precision}" if args.fast_precision != "auto" else ""
     commands = [
-        f"python -m benchmarks.run_all --out {args.out}{extra}" + (f" --rounds {args.rounds}" if args.rounds else ""),
+        f"python -m benchmarks.run_all --out {args.out}{extra}{fast}"
+        + (f" --rounds {args.rounds}" if args.rounds else ""),
         "# or one at a time:",
-        f"python -m benchmarks.train_step{extra} --out train_step.json",
-        f"python -m benchmarks.profile_step{' --smoke' if args.smoke else ''} --threads 1 --out profile.json",
+        f"python -m benchmarks.train_step{extra}{fast} --out train_step.json",
+        f"python -m benchmarks.profile_step{smoke} --threads 1 --fast-precision {ts['fast_precision']['precision']} "
+        "--out profile.json",
         f"python -m benchmarks.memory{extra} --out memory.json",
     ]
     out = Path(args.out)

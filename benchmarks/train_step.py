@@ -4,18 +4,21 @@ A step is forward + LM head + cross-entropy on random tokens + backward +
 AdamW. All implementations live in one process and run in turn, one step
 each per round (the order rotates every round), so load from other processes
 hits them alike; ratios are medians of per-round ratios. Each library runs in
-eager fp32 and on the fast path (bf16 autocast, ``torch.compile``, fused
-AdamW): kilolayer with per-layer compile (``train.compile: layers``) and
-whole-model compile (``train.compile: model``), torchscale with either (its
-layers are modules its forward calls), x-transformers with whole-model compile
-(its layer list holds lists of modules, nothing one can compile per layer).
-Also measured: kilolayer with fused AdamW alone and with bf16 + fused AdamW, every
-compile's time, the loss after 50 steps of the fast path under each compile
-mode against fp32 from the same seed on the same data, and MFU = model FLOP/s
-(kilolayer.training_flops + 6 d V for the head) over the best large-GEMM rate
-of the same dtype measured in the same run.
+eager fp32 and on the fast path (``torch.compile``, fused AdamW, and bf16
+autocast where this CPU's bf16 GEMM is at least as fast as its fp32 one, else
+fp32; ``--fast-precision`` forces either): kilolayer with per-layer compile
+(``train.compile: layers``) and whole-model compile (``train.compile: model``),
+torchscale with either (its layers are modules its forward calls),
+x-transformers with whole-model compile (its layer list holds lists of modules,
+nothing one can compile per layer). Also measured: kilolayer with fused AdamW
+alone and with bf16 + fused AdamW (skipped, with the reason in its note, when
+the fast path is fp32), every compile's time, the loss after 50 steps of the
+fast path under each compile mode against eager fp32 from the same seed on the
+same data, and MFU = model FLOP/s (kilolayer.training_flops + 6 d V for the
+head) over the best large-GEMM rate of the precision the row runs in, measured
+in the same run.
 
-    python -m benchmarks.train_step [--smoke] [--rounds R] [--out FILE]
+    python -m benchmarks.train_step [--smoke] [--rounds R] [--fast-precision auto|bf16|fp32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,18 +31,9 @@ import time
 import torch
 
 from benchmarks import common
-from benchmarks.common import (
-    EAGER,
-    FAST,
-    FAST_MODEL,
-    FAST_MODES,
-    PEER_LIBRARIES,
-    StepOptions,
-    TrainStep,
-    Variant,
-    fast_variant,
-)
+from benchmarks.common import EAGER, PEER_LIBRARIES, StepOptions, TrainStep, Variant, fast_modes, fast_variant
 from benchmarks.peers import Spec, build, model_flops_per_token
+from kilolayer.train import metrics
 
 CONFIGS = {
     "d256x12": Spec(width=256, layers=12, heads=4, ffn=1024, seq_len=128, vocab=256),
@@ -52,20 +46,28 @@ BATCH, SMOKE_BATCH = 16, 2
 SCHEME = "deepnorm"
 
 
-VARIANTS = [
-    Variant("torchscale", "torchscale", EAGER),
-    Variant("x-transformers", "x-transformers", EAGER),
-    Variant("kilolayer", "kilolayer", EAGER),
-    Variant("kilolayer, bias=False", "kilolayer", EAGER, bias=False),
-    Variant("kilolayer fp32 + fused AdamW", "kilolayer", StepOptions("fp32", False, True)),
-    Variant("kilolayer bf16 + fused AdamW", "kilolayer", StepOptions("bf16", False, True)),
-    # the fast path of every library (benchmarks.gpu races these rows on a GPU)
-    fast_variant("kilolayer", FAST),
-    fast_variant("kilolayer", FAST_MODEL),
-    fast_variant("x-transformers", FAST_MODEL),
-    fast_variant("torchscale", FAST_MODEL),
-    fast_variant("torchscale", FAST),
-]
+def variants(fast_precision: str, skip_bf16: str | None = None) -> list[Variant]:
+    """The race's rows with the fast path in ``fast_precision``; ``skip_bf16``: the note of the row whose only
+    point is bf16 (bf16 + fused AdamW), which is then not run."""
+    fast = fast_modes(fast_precision)
+    return [
+        Variant("torchscale", "torchscale", EAGER),
+        Variant("x-transformers", "x-transformers", EAGER),
+        Variant("kilolayer", "kilolayer", EAGER),
+        Variant("kilolayer, bias=False", "kilolayer", EAGER, bias=False),
+        Variant("kilolayer fp32 + fused AdamW", "kilolayer", StepOptions("fp32", False, True)),
+        Variant("kilolayer bf16 + fused AdamW", "kilolayer", StepOptions("bf16", False, True), skip=skip_bf16),
+        # the fast path of every library, under the same switches
+        fast_variant("kilolayer", fast["layers"]),
+        fast_variant("kilolayer", fast["model"]),
+        fast_variant("x-transformers", fast["model"]),
+        fast_variant("torchscale", fast["model"]),
+        fast_variant("torchscale", fast["layers"]),
+    ]
+
+
+#: the rows where bf16 is fast (benchmarks.gpu races the fast-path ones on a GPU)
+VARIANTS = variants("bf16")
 PEERS = PEER_LIBRARIES
 
 
@@ -87,9 +89,10 @@ def loss_agreement(
     seed: int = 0,
     rtol: float = 0.02,
     backend: str = "inductor",
+    precision: str = "bf16",
 ) -> dict:
-    """Train kilolayer fp32-eager and on the fast path under each compile mode (``modes``: per layer, whole
-    model) from the same init on the same batches; compare each fast path's losses with fp32's.
+    """Train kilolayer fp32-eager and on the fast path in ``precision`` under each compile mode (per layer,
+    whole model) from the same init on the same batches; compare each fast path's losses with fp32's.
 
     The data is ``pool`` fixed random batches in turn, so the loss falls (the model memorises them). The
     top-level ``loss_fast``, ``final_*`` and ``max_abs_diff`` are the per-layer mode's; ``agree`` is every
@@ -104,7 +107,7 @@ def loss_agreement(
 
     a = curve(EAGER)
     modes = {}
-    for mode, options in FAST_MODES.items():
+    for mode, options in fast_modes(precision).items():
         b = curve(options)
         diff = [abs(x - y) for x, y in zip(a, b)]
         final_rel = diff[-1] / abs(a[-1])
@@ -124,6 +127,7 @@ def loss_agreement(
         "steps": steps,
         "lr": lr,
         "pool": pool,
+        "precision": precision,
         "loss_fp32": a,
         "loss_fast": layers["loss"],
         "first_loss": a[0],
@@ -144,17 +148,22 @@ def run(
     loss_steps: int | None = None,
     configs: list[str] | None = None,
     warm_cache: bool = False,
+    fast_precision: str = "auto",
 ) -> dict:
-    """Measure every config; compiles start from an empty inductor cache unless ``warm_cache``."""
+    """Measure every config; compiles start from an empty inductor cache unless ``warm_cache``. The fast path
+    runs in ``fast_precision`` (``auto``: decided from the GEMM peaks measured first,
+    :func:`benchmarks.common.choose_fast_precision`)."""
     if warm_cache:
-        return _run(smoke, rounds, loss_steps, configs)
+        return _run(smoke, rounds, loss_steps, configs, fast_precision)
     with common.fresh_compiles():
-        result = _run(smoke, rounds, loss_steps, configs)
+        result = _run(smoke, rounds, loss_steps, configs, fast_precision)
     result["compile_cache"] = "fresh"
     return result
 
 
-def _run(smoke: bool, rounds: int | None, loss_steps: int | None, configs: list[str] | None) -> dict:
+def _run(
+    smoke: bool, rounds: int | None, loss_steps: int | None, configs: list[str] | None, fast_precision: str
+) -> dict:
     specs = SMOKE_CONFIGS if smoke else CONFIGS
     if configs:
         unknown = [c for c in configs if c not in specs]
@@ -171,19 +180,23 @@ def _run(smoke: bool, rounds: int | None, loss_steps: int | None, configs: list[
         "compile_cache": "warm",
     }
     t0 = time.perf_counter()
-    result["peak_flops"] = {
-        "fp32": common.gemm_peak(torch.float32, n=256 if smoke else 2048, seconds=0.05 if smoke else 1.0),
-        "bf16": common.gemm_peak(torch.bfloat16, n=256 if smoke else 2048, seconds=0.05 if smoke else 1.0),
-    }
+    gemm = {"n": 256, "seconds": 0.05} if smoke else {"n": 2048, "seconds": 1.0}
+    result["peak_flops"], result["peak_gemm_n"] = common.measure_peaks(**gemm)
+    choice = common.choose_fast_precision(result["peak_flops"], result["machine"]["flags"], fast_precision)
+    result["fast_precision"] = choice
+    rows = variants(choice["precision"], choice["skip_bf16"])
     result["configs"] = {}
     for key, spec in specs.items():
         spec = spec.with_(scheme=SCHEME)
-        res = measure(spec, batch_size, rounds, VARIANTS, backend=backend)
+        res = measure(spec, batch_size, rounds, rows, backend=backend)
         common.add_mfu(res, res["model_flops_per_token"], result["peak_flops"])
         result["configs"][key] = res
-    # re-measure the peaks after the models: the better of the two is the peak
-    for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        again = common.gemm_peak(dtype, n=256 if smoke else 2048, seconds=0.05 if smoke else 1.0)
+    # re-measure, after the models, the peaks that some row's MFU is against: the better of the two is the peak
+    used = {
+        row["options"]["precision"] for res in result["configs"].values() for row in res["variants"] if "mfu" in row
+    }
+    for key in (p for p in common.PRECISIONS if p in used):
+        again = common.gemm_peak(metrics.DTYPES[key], n=result["peak_gemm_n"][key], seconds=gemm["seconds"])
         if again > result["peak_flops"][key]:
             scale = result["peak_flops"][key] / again
             result["peak_flops"][key] = again
@@ -193,7 +206,9 @@ def _run(smoke: bool, rounds: int | None, loss_steps: int | None, configs: list[
                         row["mfu"] *= scale
     loss_spec = (SMOKE_CONFIGS["smoke"] if smoke else LOSS_SPEC).with_(scheme=SCHEME)
     steps = loss_steps or (3 if smoke else 50)
-    result["loss_agreement"] = loss_agreement(loss_spec, batch_size, steps, backend=backend)
+    result["loss_agreement"] = loss_agreement(
+        loss_spec, batch_size, steps, backend=backend, precision=choice["precision"]
+    )
     result["load_after"] = common.load_average()
     result["seconds"] = time.perf_counter() - t0
     return result
@@ -202,15 +217,40 @@ def _run(smoke: bool, rounds: int | None, loss_steps: int | None, configs: list[
 COLUMNS = common.RACE_COLUMNS
 
 
+def fast_choice(result: dict) -> dict:
+    """``result``'s fast-path precision and why (:func:`benchmarks.common.choose_fast_precision`); results from
+    before the choice was recorded ran it in bf16."""
+    return result.get("fast_precision") or {
+        "precision": "bf16",
+        "requested": "bf16",
+        "reason": "not recorded (bf16, the only fast path then)",
+        "skip_bf16": None,
+    }
+
+
+def fast_precision(result: dict) -> str:
+    """The precision ``result``'s fast path ran in."""
+    return fast_choice(result)["precision"]
+
+
+def fast_path_words(precision: str) -> str:
+    """The fast path's switches in words."""
+    return f"{'bf16 autocast' if precision == 'bf16' else 'fp32'} + torch.compile + fused AdamW"
+
+
 def format_result(result: dict) -> str:
     lines = []
     peaks = result["peak_flops"]
+    sizes = result.get("peak_gemm_n", {})
+    small = sizes.get("bf16", 0) < sizes.get("fp32", 0)
     lines.append(
-        f"Peak GEMM (measured in this run): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
-        f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s"
-        f"; torch threads {result['machine']['torch_threads']}; compile times from a {result['compile_cache']} "
+        f"Peak GEMM (measured in this run): fp32 {common.gflops(peaks['fp32'])} GFLOP/s, "
+        f"bf16 {common.gflops(peaks['bf16'])} GFLOP/s"
+        + (f" (at {sizes['bf16']}x{sizes['bf16']}: slower than fp32 there, so not measured larger)" if small else "")
+        + f"; torch threads {result['machine']['torch_threads']}; compile times from a {result['compile_cache']} "
         "inductor cache"
     )
+    lines.append(f"Fast path: {fast_path_words(fast_precision(result))} ({fast_choice(result)['reason']})")
     for _key, res in result["configs"].items():
         lines.append("")
         lines.append(
@@ -223,7 +263,8 @@ def format_result(result: dict) -> str:
     la = result["loss_agreement"]
     lines.append("")
     per_mode = "; ".join(
-        f"fast path, compile: {mode} {m['final_loss']:.4f} ({100 * m['final_rel_diff']:.2f}%)"
+        f"fast path ({la.get('precision', 'bf16')}), compile: {mode} {m['final_loss']:.4f} "
+        f"({100 * m['final_rel_diff']:.2f}%)"
         for mode, m in la["modes"].items()
     )
     lines.append(
@@ -241,12 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds per config (default 6; smoke 1)")
     parser.add_argument("--loss-steps", type=int, help="steps of the fp32-vs-fast-path loss check (default 50)")
     parser.add_argument("--config", action="append", help=f"only this config ({', '.join(CONFIGS)}); repeatable")
+    common.add_fast_precision_arg(parser)
     parser.add_argument(
         "--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: compile from an empty one)"
     )
     args = parser.parse_args(argv)
     common.apply_threads(args.threads)
-    result = run(args.smoke, args.rounds, args.loss_steps, args.config, args.warm_cache)
+    result = run(args.smoke, args.rounds, args.loss_steps, args.config, args.warm_cache, args.fast_precision)
     return common.finish(result, format_result(result), args.out)
 
 

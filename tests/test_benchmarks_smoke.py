@@ -1,5 +1,8 @@
 """Benchmarks in smoke mode (structure and sanity of their JSON, never timings), and the fast path's numbers.
 
+The fast path runs in bf16 where the measured bf16 GEMM is at least as fast as fp32, else in fp32: the smoke
+runs force each, and the reports are checked on results whose peaks are set to either kind of CPU.
+
 The fast path must not change what the model computes beyond dtype rounding:
 bf16 autocast against fp32 for every residual scheme, the loss of the fast path
 under each ``train.compile`` mode against fp32's, and activation checkpointing
@@ -9,6 +12,7 @@ false, layers (true) or model, and the trainer compiles what it names.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -26,7 +30,7 @@ from kilolayer.train.parallelize import checkpoint_layers, transformer_layers
 
 # benchmarks/ sits next to tests/ and is not an installed package: make it importable under any runner
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import gpu, memory, profile_step, run_all, train_step
+from benchmarks import common, gpu, memory, profile_step, run_all, train_step
 
 
 def _positive(x) -> bool:
@@ -38,8 +42,17 @@ def _positive(x) -> bool:
 
 @pytest.fixture(scope="module")
 def train_result(tmp_path_factory):
+    """The race with the fast path forced to bf16 (what auto picks where bf16 is fast: AMX)."""
     out = tmp_path_factory.mktemp("bench") / "train_step.json"
-    assert train_step.main(["--smoke", "--out", str(out)]) == 0
+    assert train_step.main(["--smoke", "--fast-precision", "bf16", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def train_result_fp32(tmp_path_factory):
+    """The race with the fast path forced to fp32 (what auto picks where bf16 is slower than fp32)."""
+    out = tmp_path_factory.mktemp("bench") / "train_step_fp32.json"
+    assert train_step.main(["--smoke", "--fast-precision", "fp32", "--out", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -74,14 +87,15 @@ FAST_ROWS = {
 }
 
 
-def _check_race(res: dict, ratios: tuple[str, ...]) -> None:
-    """One config's race: every row timed or carrying a one-line note; ratios, MFU, compile times sane."""
+def _check_race(res: dict, ratios: tuple[str, ...], skipped: str | None = None) -> None:
+    """One config's race: every row timed or carrying a one-line note; ratios, MFU, compile times sane.
+    ``skipped``: the note of the rows not run (the bf16-only row where the fast path is fp32)."""
     assert _positive(res["model_flops_per_token"])
     assert res["best_peer_fast"] in {v["name"] for v in res["variants"] if v["peer"] != "kilolayer"}
     fast = {(v["peer"], v["options"]["compile"]) for v in res["variants"] if v["options"]["compile"]}
     assert fast == FAST_ROWS
     for v in res["variants"]:
-        if not v["options"]["compile"]:
+        if not v["options"]["compile"] and v.get("error") != skipped:
             assert "error" not in v, v.get("error")  # only a compile may be refused (it becomes the row's note)
         if "error" in v:
             assert isinstance(v["error"], str) and v["error"] and "\n" not in v["error"]
@@ -96,14 +110,27 @@ def _check_race(res: dict, ratios: tuple[str, ...]) -> None:
             assert v["ratio_vs_best_peer_fast"] == 1.0
 
 
+def _check_mfu(r: dict, res: dict) -> None:
+    """Every timed row's MFU: training FLOPs / time / the peak of the precision the row runs in."""
+    for v in res["variants"]:
+        if "tokens_per_s" in v:
+            peak = r["peak_flops"][v["options"]["precision"]]
+            assert v["mfu"] == pytest.approx(v["tokens_per_s"] * res["model_flops_per_token"] / peak, rel=1e-9)
+
+
 def test_train_step_json(train_result):
     r = train_result
     assert r["machine"]["cores"] >= 1 and r["machine"]["versions"]["torch"]
     assert _positive(r["peak_flops"]["fp32"]) and _positive(r["peak_flops"]["bf16"])
+    choice = r["fast_precision"]
+    assert choice["precision"] == "bf16" and choice["requested"] == "bf16" and choice["skip_bf16"] is None
+    assert choice["reason"].startswith("forced (--fast-precision bf16); measured bf16 GEMM ")
     (res,) = r["configs"].values()
     assert res["tokens_per_step"] == 2 * 16
     names = [v["name"] for v in res["variants"]]
-    assert names == [v.name for v in train_step.VARIANTS]
+    assert names == [v.name for v in train_step.VARIANTS] == [v.name for v in train_step.variants("bf16")]
+    assert all(v["options"]["precision"] == "bf16" for v in res["variants"] if v["options"]["compile"])
+    _check_mfu(r, res)
     assert res["faster_peer"] in ("torchscale", "x-transformers")
     _check_race(res, ("ratio_vs_faster_peer", "ratio_vs_best_peer_fast"))
     for v in res["variants"]:
@@ -119,7 +146,197 @@ def test_train_step_json(train_result):
         assert m["final_rel_diff"] == pytest.approx(abs(m["loss"][-1] - la["loss_fp32"][-1]) / la["loss_fp32"][-1])
         assert m["final_rel_diff"] <= la["rtol"] == 0.02, mode
         assert m["agree"] is True, mode
-    assert la["agree"] is True
+    assert la["agree"] is True and la["precision"] == "bf16"
+
+
+def test_train_step_fp32_fast_path(train_result_fp32):
+    """Forced fp32 (auto's choice where bf16 is slower): every library's fast path is fp32 + compile + fused
+    AdamW, the bf16-only row is not run and says why, MFU is against the fp32 peak, the loss check is fp32's."""
+    r = train_result_fp32
+    choice = r["fast_precision"]
+    assert choice["precision"] == "fp32" and choice["requested"] == "fp32"
+    assert choice["reason"].startswith("forced (--fast-precision fp32); measured bf16 GEMM ")
+    skip = choice["skip_bf16"]
+    assert skip.startswith("skipped: ") and "\n" not in skip
+    (res,) = r["configs"].values()
+    assert [v["name"] for v in res["variants"]] == [v.name for v in train_step.variants("fp32")]
+    _check_race(res, ("ratio_vs_faster_peer", "ratio_vs_best_peer_fast"), skipped=skip)
+    (bf16,) = [v for v in res["variants"] if v["options"]["precision"] == "bf16"]
+    assert bf16["name"] == "kilolayer bf16 + fused AdamW" and bf16["error"] == skip
+    assert "tokens_per_s" not in bf16 and "mfu" not in bf16
+    timed = [v for v in res["variants"] if "tokens_per_s" in v]
+    assert len(timed) == len(res["variants"]) - 1
+    assert all(v["options"]["precision"] == "fp32" for v in timed)
+    assert {v["name"] for v in timed if v["options"]["compile"]} == {
+        "kilolayer fast path (fp32 + per-layer compile + fused AdamW)",
+        "kilolayer fast path (fp32 + whole-model compile + fused AdamW)",
+        "x-transformers fast path (fp32 + whole-model compile + fused AdamW)",
+        "torchscale fast path (fp32 + whole-model compile + fused AdamW)",
+        "torchscale fast path (fp32 + per-layer compile + fused AdamW)",
+    }
+    for v in timed:
+        peak = r["peak_flops"]["fp32"]
+        assert v["mfu"] == pytest.approx(v["tokens_per_s"] * res["model_flops_per_token"] / peak, rel=1e-9)
+    la = r["loss_agreement"]
+    assert la["precision"] == "fp32" and la["agree"] is True
+    for mode, m in la["modes"].items():
+        assert m["options"] == {"precision": "fp32", "compile": mode, "fused_optimizer": True}
+        assert len(m["loss"]) == la["steps"] and m["final_rel_diff"] <= la["rtol"]
+    text = train_step.format_result(r)
+    assert skip in text and "% of fp32" in text and "% of bf16" not in text
+    assert "Fast path: fp32 + torch.compile + fused AdamW (forced (--fast-precision fp32)" in text
+    assert "fast path (fp32), compile: layers" in text
+
+
+SLOW_BF16 = {"fp32": 76e9, "bf16": 1.0e9}  # this AVX2-only EPYC: bf16 has no instructions
+FAST_BF16 = {"fp32": 100e9, "bf16": 700e9}  # a CPU with AMX tiles
+
+
+def test_the_fast_precision_follows_the_measured_peaks():
+    slow = common.choose_fast_precision(SLOW_BF16, ["avx2"])
+    assert slow["precision"] == "fp32" and slow["requested"] == "auto" and slow["bf16_slower"] is True
+    assert slow["reason"] == "auto: bf16 GEMM 1.0 GFLOP/s vs fp32 76 GFLOP/s (0.013x); no bf16 instructions"
+    assert slow["skip_bf16"] == "skipped: bf16 GEMM here is 1.0 GFLOP/s, 76x slower than fp32; no bf16 instructions"
+    fast = common.choose_fast_precision(FAST_BF16, ["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"])
+    assert fast["precision"] == "bf16" and fast["skip_bf16"] is None
+    assert fast["reason"].endswith("(7.0x); bf16 instructions: avx512_bf16, amx_bf16")
+    assert common.choose_fast_precision({"fp32": 5e10, "bf16": 5e10}, [])["precision"] == "bf16"  # at least
+    # forced either way, against the measurement
+    assert common.choose_fast_precision(SLOW_BF16, ["avx2"], "bf16")["precision"] == "bf16"
+    forced = common.choose_fast_precision(FAST_BF16, ["amx_bf16"], "fp32")
+    assert forced["precision"] == "fp32" and forced["reason"].startswith("forced (--fast-precision fp32); ")
+    assert forced["skip_bf16"] == "skipped: --fast-precision fp32 (bf16 GEMM here is 7.0x fp32's)"
+    with pytest.raises(ValueError):
+        common.choose_fast_precision(SLOW_BF16, [], "fp16")
+
+
+@pytest.mark.parametrize(
+    "peaks,requested,want", [(SLOW_BF16, "auto", "fp32"), (FAST_BF16, "auto", "bf16"), (SLOW_BF16, "bf16", "bf16")]
+)
+def test_the_race_runs_the_chosen_fast_path(monkeypatch, peaks, requested, want):
+    """train_step's run: the rows and the loss check follow the choice made from the measured peaks."""
+    raced, checked = [], []
+
+    def fake_measure(spec, batch_size, rounds, variants, seed=0, backend="inductor"):
+        raced.append(variants)
+        return {"variants": [], "model_flops_per_token": 1.0}
+
+    def fake_loss(*args, precision, **kwargs):
+        checked.append(precision)
+        return {}
+
+    monkeypatch.setattr(common, "measure_peaks", lambda n, seconds: (dict(peaks), {"fp32": n, "bf16": n}))
+    monkeypatch.setattr(train_step, "measure", fake_measure)
+    monkeypatch.setattr(train_step, "loss_agreement", fake_loss)
+    r = train_step.run(smoke=True, fast_precision=requested, warm_cache=True)
+    assert r["fast_precision"] == common.choose_fast_precision(peaks, r["machine"]["flags"], requested)
+    assert r["fast_precision"]["precision"] == want and checked == [want]
+    (rows,) = raced
+    assert {v.options.precision for v in rows if v.options.fast} == {want}
+    assert len([v for v in rows if v.options.fast]) == 5
+    (bf16,) = [v for v in rows if v.name == "kilolayer bf16 + fused AdamW"]
+    assert bf16.skip == r["fast_precision"]["skip_bf16"]
+    assert (bf16.skip is None) == (want == "bf16")
+
+
+def test_a_slow_bf16_gemm_is_measured_only_at_the_probe_size(monkeypatch):
+    """Where a quick probe finds bf16 slower, its peak is the probe's: no bf16 product at 2048."""
+    calls = []
+
+    def fake_peak(dtype, n=2048, seconds=1.0, rounds=3):
+        calls.append((dtype, n))
+        return (1e9 if dtype == torch.bfloat16 else 70e9) * (1 if n <= 256 else 1.1)
+
+    monkeypatch.setattr(common, "gemm_peak", fake_peak)
+    peaks, sizes = common.measure_peaks(2048, 1.0)
+    assert peaks == {"fp32": pytest.approx(77e9), "bf16": 1e9} and sizes == {"fp32": 2048, "bf16": 256}
+    assert (torch.bfloat16, 2048) not in calls
+    calls.clear()
+    monkeypatch.setattr(common, "gemm_peak", lambda dtype, n=2048, seconds=1.0, rounds=3: calls.append(n) or 1e10)
+    assert common.measure_peaks(2048, 1.0) == ({"fp32": 1e10, "bf16": 1e10}, {"fp32": 2048, "bf16": 2048})
+    assert calls.count(2048) == 2  # bf16 as fast as fp32: both measured at full size
+
+
+def _on_cpu(result: dict, peaks: dict, flags: list[str]) -> dict:
+    """``result`` as if measured on a CPU with ``peaks`` and ``flags``, the fast precision chosen by auto."""
+    r = copy.deepcopy(result)
+    r["peak_flops"], r["machine"]["flags"] = dict(peaks), list(flags)
+    r["fast_precision"] = common.choose_fast_precision(peaks, flags)
+    return r
+
+
+def _mfu_row(targets: list[dict]) -> dict:
+    (row,) = [t for t in targets if "fast-path MFU >= 30% of the measured bf16 peak" in t["target"]]
+    return row
+
+
+def test_reports_where_bf16_is_slower(train_result_fp32, memory_result, profile_result):
+    """The MFU goal stays a share of the bf16 peak and is not met, saying why; no AMX, no bf16 autocast."""
+    ts = _on_cpu(train_result_fp32, SLOW_BF16, ["avx2"])
+    assert ts["fast_precision"]["precision"] == "fp32"
+    targets = run_all.targets(ts, memory_result)
+    mfu = _mfu_row(targets)
+    (res,) = ts["configs"].values()
+    best = max(
+        (v for v in res["variants"] if v["peer"] == "kilolayer" and v["options"]["compile"] and "mfu" in v),
+        key=lambda v: v["mfu"],
+    )
+    assert mfu["met"] is False
+    assert mfu["measured"] == (
+        "not attainable on this CPU: bf16 GEMM 1.0 GFLOP/s vs fp32 76 GFLOP/s (no bf16 instructions); best "
+        f"attainable: fp32 fast path {100 * best['mfu']:.0f}% of the fp32 peak (compile: {best['options']['compile']})"
+    )
+    race = next(t for t in targets if "best fast path >= 1.2x the best peer" in t["target"])
+    assert "same fast path, fp32 + torch.compile + fused AdamW (" in race["target"]
+    said = run_all.findings(ts, profile_result, memory_result)
+    assert said[0] == (
+        "This CPU's bf16 GEMM peak is 0.013x its fp32 peak (1.0 vs 76 GFLOP/s): bf16 has no hardware support here "
+        "(no bf16 instructions), so the fast path runs in fp32 (torch.compile + fused AdamW, every library alike) "
+        "and the bf16-only row is skipped."
+    )
+    text = "\n".join(said)
+    assert "AMX" not in text and "bf16 autocast" not in text and "of the bf16 peak" not in text
+    assert "same fast path (fp32 + torch.compile + fused AdamW)" in text
+    assert "Fast path (fp32 + torch.compile + fused AdamW) vs eager fp32 after" in text
+    md = run_all.markdown(ts, memory_result, profile_result, ["python -m benchmarks.run_all"], 1.0)
+    assert "AMX" not in md and "`bf16` = CPU autocast" not in md
+    assert (
+        "- Fast path: fp32 + torch.compile + fused AdamW; precision fp32, chosen from the peaks measured before the "
+        "race (auto: bf16 GEMM 1.0 GFLOP/s" in md
+    )
+    (skipped,) = [v for v in res["variants"] if v["options"]["precision"] == "bf16"]
+    assert f"| {skipped['error']} |" in md and "not attainable on this CPU" in md
+
+
+def test_reports_where_bf16_is_fast(train_result, memory_result, profile_result):
+    """bf16 peak 7x fp32's with AMX tiles: the fast path is bf16 and the reports read as they always did."""
+    flags = ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]
+    ts = _on_cpu(train_result, FAST_BF16, flags)
+    assert ts["fast_precision"]["precision"] == "bf16"
+    targets = run_all.targets(ts, memory_result)
+    mfu = _mfu_row(targets)
+    (res,) = ts["configs"].values()
+    best = max(
+        (v for v in res["variants"] if v["peer"] == "kilolayer" and v["options"]["compile"] and "mfu" in v),
+        key=lambda v: v["mfu"],
+    )
+    assert mfu["measured"] == f"{100 * best['mfu']:.0f}% (compile: {best['options']['compile']})"
+    assert mfu["met"] == (best["mfu"] >= run_all.MFU_GOAL)
+    race = next(t for t in targets if "best fast path >= 1.2x the best peer" in t["target"])
+    assert "same fast path, bf16 autocast + torch.compile + fused AdamW (" in race["target"]
+    said = run_all.findings(ts, profile_result, memory_result)
+    assert said[0] == (
+        "This CPU's bf16 GEMM peak is 7.0x its fp32 peak (AMX tiles); LayerNorm, GELU, residual adds, dtype casts, "
+        "attention and the optimizer get no such speed-up, so bf16 MFU is bounded by how much of the step is not GEMM."
+    )
+    text = "\n".join(said)
+    assert "+ bf16 autocast " in text and "of the bf16 peak" in text
+    assert "same fast path (bf16 autocast + torch.compile + fused AdamW)" in text
+    md = run_all.markdown(ts, memory_result, profile_result, ["python -m benchmarks.run_all"], 1.0)
+    assert "`bf16` = CPU autocast" in md and "not attainable" not in md and "skipped: " not in md
+    # the same CPU without AMX names the instructions it has instead
+    plain = run_all.findings(_on_cpu(train_result, FAST_BF16, ["avx512_bf16"]), profile_result, memory_result)
+    assert plain[0].startswith("This CPU's bf16 GEMM peak is 7.0x its fp32 peak (bf16 instructions: avx512_bf16);")
 
 
 def test_gpu_smoke_json(gpu_result):
@@ -201,6 +418,12 @@ def test_memory_json(memory_result):
 
 
 def test_profile_json(profile_result):
+    choice = profile_result["fast_precision"]  # auto: from a quick GEMM of each precision
+    assert choice["requested"] == "auto"
+    assert choice["precision"] == ("bf16" if choice["bf16_over_fp32"] >= 1 else "fp32")
+    fast = [r for r in profile_result["rows"] if r["options"]["fused_optimizer"]]
+    assert fast and all(r["options"]["precision"] == choice["precision"] for r in fast)
+    assert profile_step.format_result(profile_result).startswith(f"Fast path in {choice['precision']} (auto: ")
     for row in profile_result["rows"]:
         assert _positive(row["wall_ms_per_step"])
         assert set(row["share"]) == set(profile_step.KINDS)
