@@ -36,6 +36,31 @@ def test_reverse_task_chance_is_the_target_entropy_not_ln_vocab():
     assert c["loss"] < math.log(cfg.model.vocab_size) - 0.15
 
 
+@pytest.mark.parametrize("eps", [0.1, 0.3])
+def test_chance_under_label_smoothing_is_the_loss_of_the_best_constant_prediction(eps):
+    # the evaluation loss of a label-smoothed seq2seq run is smoothed too: its chance level must be, or a model
+    # that learned something is called chance (at eps 0.1 on de_en, 0.42 nats of smoothing)
+    cfg = load_config(ROOT / "configs/reverse_deepnorm.yaml")
+    plain = chance_level(cfg)
+    cfg = cfg.model_copy(update={"objective": cfg.objective.model_copy(update={"options": {"label_smoothing": eps}})})
+    c = chance_level(cfg)
+    src = load_source(cfg)
+    batches = list(src.eval_batches(cfg.train.batch_size, cfg.train.eval_batches * cfg.train.batch_size))
+    y = torch.cat([b["tgt_out"][~b["tgt_padding_mask"]] for b in batches])
+    V = cfg.model.vocab_size
+    p = torch.bincount(y, minlength=V).double() / len(y)
+    t = (1 - eps) * p + eps / V  # the best input-independent prediction under smoothing
+
+    def smoothed_loss(q):
+        return float(torch.nn.functional.cross_entropy(q.log().expand(len(y), V), y, label_smoothing=eps))
+
+    assert c["loss"] == pytest.approx(smoothed_loss(t), rel=1e-6)
+    # no constant prediction does better: the unsmoothed optimum p (floored) and a mix of the two are worse
+    for q in (p.clamp_min(1e-6) / p.clamp_min(1e-6).sum(), (t + p) / 2):
+        assert smoothed_loss(q) > c["loss"]
+    assert c["loss"] > plain["loss"] and c["accuracy"] == plain["accuracy"]
+
+
 def test_classification_chance_is_the_label_entropy_and_majority_class():
     cfg = load_config(ROOT / "configs/digits_vit.yaml")
     src = load_source(cfg)

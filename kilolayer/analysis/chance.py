@@ -5,7 +5,8 @@ the reverse task that learned only the token frequencies (10 digits and an end
 token) sits at about 2.39 nats, well below ln 13 = 2.56. The chance level here is
 the evaluation loss (and accuracy) of the best predictor that ignores the input,
 on exactly the targets ``kilolayer train`` evaluates: their empirical entropy for
-categorical targets, the target variance for MAE, ln B for a contrastive batch of
+categorical targets (under the training loss's label smoothing where it has one, as
+the evaluation loss is), the target variance for MAE, ln B for a contrastive batch of
 B pairs (see each objective's ``chance``).
 """
 
@@ -30,7 +31,13 @@ def chance_level(config: Config) -> dict:
     torch.manual_seed(tc.seed)
     task = build_task(config, source)
     batches = source.eval_batches(tc.batch_size, tc.eval_batches * tc.batch_size)
-    return {k: float(v) for k, v in task.objective.chance(task.backbone, batches).items()}
+    out = {k: float(v) for k, v in task.objective.chance(task.backbone, batches).items()}
+    return {**out, "method": METHOD}
+
+
+#: how the chance level is computed; a cached one of another method is computed again (2: categorical
+#: targets under the objective's label smoothing)
+METHOD = 2
 
 
 # what the chance level does not depend on: the backbone's shape and scheme, and how training runs
@@ -51,7 +58,9 @@ def chance_of_run(run_dir: str | Path, config: Config) -> dict:
     for configs that differ only in the backbone's shape, which the targets do not depend on)."""
     path = Path(run_dir) / "analysis" / "chance" / "chance.json"
     try:
-        return json.loads(path.read_text())
+        cached = json.loads(path.read_text())
+        if isinstance(cached, dict) and cached.get("method") == METHOD:
+            return cached
     except (OSError, ValueError):
         pass
     key = data_key(config)

@@ -95,11 +95,17 @@ class Objective(nn.Module):
         not categorical. ``index`` fixes any random masking exactly as ``evaluate`` does."""
         return None
 
+    def label_smoothing(self) -> tuple[float, int]:
+        """(epsilon, number of classes) of the training loss's label smoothing; (0, 0) without it."""
+        return 0.0, 0
+
     @torch.no_grad()
     def chance(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
         """Loss and accuracy of the best input-independent predictor on the evaluation targets: predicting
         their empirical distribution p gives cross-entropy H(p) (the entropy, in nats) and accuracy
-        max(p)."""
+        max(p). Under label smoothing epsilon over V classes (:meth:`label_smoothing`), the loss is
+        cross-entropy against the smoothed target t = (1 - epsilon) p + epsilon / V, whose best prediction is
+        t itself: H(t)."""
         counts = None
         for i, batch in enumerate(batches):
             y = self.eval_targets(batch, i)
@@ -110,8 +116,14 @@ class Objective(nn.Module):
         if counts is None or int(counts.sum()) == 0:
             return {"loss": float("nan"), "accuracy": float("nan")}
         p = counts.double() / counts.sum()
+        eps, classes = self.label_smoothing()
+        if eps > 0:
+            full = torch.zeros(max(classes, len(p)), dtype=torch.double)
+            full[: len(p)] = p
+            p = (1 - eps) * full + eps / len(full)
+        accuracy = float(counts.max().double() / counts.sum())
         p = p[p > 0]
-        return {"loss": float(-(p * p.log()).sum()), "accuracy": float(p.max())}
+        return {"loss": float(-(p * p.log()).sum()), "accuracy": accuracy}
 
 
 def _add_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

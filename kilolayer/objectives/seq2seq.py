@@ -43,6 +43,9 @@ class Seq2Seq(Objective):
         if source is not None:
             self.bos, self.eos, self.detokenize = source.bos, source.eos, source.detokenize
 
+    def label_smoothing(self) -> tuple[float, int]:
+        return self.opts.label_smoothing, self.head.out_features
+
     def forward(self, backbone, batch):
         h = backbone(batch["src"], batch["tgt_in"], batch["src_padding_mask"], batch["tgt_padding_mask"])
         logits = self.head(h).float()

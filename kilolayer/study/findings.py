@@ -50,8 +50,8 @@ RULE = (
     "named); a diverged run scores the chance level of its data (the loss of the best predictor that ignores the "
     "input), so it counts against what diverged (a token-similarity comparison has no representation to measure "
     f"in a diverged run, so it is inconclusive there); a run whose loss stays above {LEARNED:g} x chance learned "
-    "nothing, and a claim that needs it to learn is not decided by it (except that a scheme claimed to train is "
-    "contradicted by failing to learn)."
+    "nothing, and a claim that needs it to learn is not decided by it (inconclusive; a *did not hold* that the "
+    "numbers give stands even when the scheme claimed to train learned nothing)."
 )
 
 
