@@ -399,6 +399,29 @@ def test_tiny_training_lowers_validation_loss_with_a_finite_bleu(root, tmp_path)
     assert math.isfinite(evals[-1]["bleu"]) and 0 <= evals[-1]["bleu"] <= 100
 
 
+def test_bleu_is_scored_on_detokenized_text_and_a_perfect_decoder_scores_100(root, monkeypatch):
+    # an oracle decoder that returns each reference's ids: BLEU 100 and exact match 1, and what sacrebleu saw
+    # is the corpus text (detokenized BPE: no word-boundary marks, no ids)
+    import sacrebleu
+
+    from kilolayer.objectives import build_task
+
+    cfg = config(root)
+    cfg.objective.options = {"decode_samples": 8}
+    source = load_source(cfg)
+    task = build_task(cfg, source)
+    batches = list(source.eval_batches(4, 8))
+    queue = [b["tgt_out"].masked_fill(b["tgt_padding_mask"], source.eos) for b in batches]
+    monkeypatch.setattr(task.objective, "greedy", lambda *a, **k: queue.pop(0))
+    seen = {}
+    real = sacrebleu.corpus_bleu
+    monkeypatch.setattr(sacrebleu, "corpus_bleu", lambda hyps, refs: seen.update(hyps=hyps) or real(hyps, refs))
+    out = task.objective.evaluate(task.backbone, batches)
+    assert out["bleu"] == pytest.approx(100.0) and out["exact_match"] == 1.0
+    for h in seen["hyps"]:
+        assert h and "\u2581" not in h and not h.replace(" ", "").isdigit(), h
+
+
 # ------------------------------------------------------------------ missing packages
 
 
