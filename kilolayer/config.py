@@ -197,6 +197,12 @@ class TrainConfig(_Section):
         "activation blocks go back to the system (1,000 layers of width 64: peak 1.39 instead of 2.58 GiB, but "
         "each step 1.8x as slow; train.trim_heap_every, on by default, saves as much for less)",
     )
+    hold_heap: bool = Field(
+        True,
+        description="on the CPU (Linux/glibc) without activation checkpointing: keep the memory a step frees for "
+        "the next step (malloc's mmap threshold 32 MiB, trim threshold 2 GiB) instead of handing it back and "
+        "faulting it in again each step; the resident size stays at the step's peak",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
     diverge_factor: float = Field(

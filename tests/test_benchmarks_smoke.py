@@ -26,11 +26,12 @@ import kilolayer
 from kilolayer import build_model
 from kilolayer.config import load_config
 from kilolayer.errors import ConfigError
+from kilolayer.train import parallelize as P
 from kilolayer.train.parallelize import checkpoint_layers, transformer_layers
 
 # benchmarks/ sits next to tests/ and is not an installed package: make it importable under any runner
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import common, gpu, memory, profile_step, run_all, train_step
+from benchmarks import common, gpu, heap, memory, profile_step, run_all, train_step
 
 
 def _positive(x) -> bool:
@@ -67,6 +68,13 @@ def gpu_result(tmp_path_factory):
 def memory_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "memory.json"
     assert memory.main(["--smoke", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def heap_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "heap.json"
+    assert heap.main(["--smoke", "--out", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -459,8 +467,42 @@ def test_run_all_writes_markdown(train_result, memory_result, profile_result, tm
     assert "compile: layers" in said and "compile: model" in said
 
 
+def test_heap_smoke_json(heap_result):
+    """``benchmarks.heap --smoke``: a held and a default process, each with per-step faults and times."""
+    r = heap_result
+    assert [row["hold_heap"] for row in r["rows"]] == [False, True]
+    held = P._glibc() is not None  # only glibc has the setting
+    for row in r["rows"]:
+        assert len(row["per_pair"]) == r["pairs"] == heap.SMOKE_PAIRS
+        assert all(s["hold_heap"] == (row["hold_heap"] and held) for s in row["per_pair"])
+        assert row["held"] == (row["hold_heap"] and held)
+        assert _positive(row["wall_s"]) and row["minflt"] >= 0 and row["sys_s"] >= 0
+        assert row["wall_s"] == common.median([s["wall_s"] for s in row["per_pair"]])
+    off, on = r["rows"][0]["per_pair"][0], r["rows"][1]["per_pair"][0]
+    assert r["speedup"] == pytest.approx(off["wall_s"] / on["wall_s"])
+
+
+def test_run_all_reports_the_held_heap(train_result, memory_result, profile_result, heap_result):
+    text = run_all.markdown(
+        train_result, memory_result, profile_result, ["python -m benchmarks.run_all"], 1.0, heap_result
+    )
+    assert "## Page faults between steps (`train.hold_heap`)" in text
+    assert "| train.hold_heap | page faults / step |" in text
+    said = run_all.findings(train_result, profile_result, memory_result, heap_result)
+    off, on = heap_result["rows"]
+    line = [x for x in said if x.startswith("train.hold_heap")]
+    if on["held"]:
+        assert line == [run_all._heap_finding(heap_result)]
+        assert f"default / held {heap_result['speedup']:.3f}" in line[0] and f"{off['minflt']:,.0f} pages" in line[0]
+    else:
+        assert line == []  # no sentence about a setting this C library refused
+    assert "## Page faults" not in run_all.markdown(
+        train_result, memory_result, profile_result, ["python -m benchmarks.run_all"], 1.0
+    )
+
+
 def test_scripts_have_help(capsys):
-    for mod in (train_step, memory, profile_step, run_all, gpu):
+    for mod in (train_step, memory, profile_step, run_all, gpu, heap):
         with pytest.raises(SystemExit) as exit_info:
             mod.main(["--help"])
         assert exit_info.value.code == 0

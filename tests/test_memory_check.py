@@ -201,7 +201,7 @@ RSS_SCRIPT = textwrap.dedent("""
     from kilolayer.train.loop import split_batch
     from kilolayer.train.memory import estimate_memory
     from kilolayer.train.optim import build_optimizer
-    from kilolayer.train.parallelize import apply_checkpointing
+    from kilolayer.train.parallelize import apply_checkpointing, hold_heap
     torch.set_num_threads(1)
 
     def status(key):
@@ -216,7 +216,8 @@ RSS_SCRIPT = textwrap.dedent("""
     base = status("VmRSS:")
     torch.manual_seed(0)
     task = build_task(cfg, None).train()  # the model alone: the batches are made above
-    apply_checkpointing(task, cfg)  # as the trainer's parallelize step applies it
+    if not apply_checkpointing(task, cfg) and tc.hold_heap:  # as the trainer's parallelize step applies them
+        hold_heap()
     opt = build_optimizer(task, tc)
     for batch in batches:  # the trainer's step: micro-batches, autocast, clipping, AdamW
         micro = split_batch(batch, tc.accumulate)

@@ -1,0 +1,146 @@
+"""``train.hold_heap`` (kilolayer.train.parallelize.hold_heap): what it asks of glibc, when the trainer asks it,
+and that it stops a training step from faulting in the pages of the last one (in fresh interpreters: a
+process's allocator settings last for its life)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kilolayer.config import load_config
+from kilolayer.train import parallelize as P
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"arch": "encoder", "layers": 2, "width": 16, "heads": 2, "ffn": 32, "vocab_size": 16, "max_len": 8}
+
+
+class FakeLibc:
+    def __init__(self, ok: int = 1):
+        self.calls: list[tuple[int, int]] = []
+        self.ok = ok
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return self.ok
+
+
+@pytest.fixture
+def libc(monkeypatch):
+    fake = FakeLibc()
+    monkeypatch.setattr(P, "_glibc", lambda: fake)
+    for name in (P.HOLD_ENV, *P._GLIBC_ENV):
+        monkeypatch.delenv(name, raising=False)
+    return fake
+
+
+def test_hold_heap_sets_both_thresholds(libc):
+    assert P.hold_heap() is True
+    # M_MMAP_THRESHOLD (-3) at 32 MiB, M_TRIM_THRESHOLD (-1) at the largest int mallopt takes
+    assert libc.calls == [(-3, 32 * 1024 * 1024), (-1, 2**31 - 1)]
+
+
+def test_hold_heap_reports_a_refusal(libc):
+    libc.ok = 0  # mallopt returns 0 when it refuses a value
+    assert P.hold_heap() is False
+
+
+@pytest.mark.parametrize("value", ["0", "off", " False ", "no"])
+def test_hold_heap_off_by_environment(libc, monkeypatch, value):
+    monkeypatch.setenv(P.HOLD_ENV, value)
+    assert P.hold_heap() is False
+    assert libc.calls == []
+
+
+@pytest.mark.parametrize("name", ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"])
+def test_glibcs_own_settings_win(libc, monkeypatch, name):
+    monkeypatch.setenv(name, "65536")
+    assert P.hold_heap() is False
+    assert libc.calls == []
+
+
+def test_not_on_other_c_libraries(monkeypatch):
+    monkeypatch.setattr(P, "_glibc", lambda: None)
+    monkeypatch.delenv(P.HOLD_ENV, raising=False)
+    for name in P._GLIBC_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert P.hold_heap() is False
+
+
+def _task(cfg):
+    from kilolayer.nn.transformer import build_model
+
+    return SimpleNamespace(backbone=build_model(cfg.model), objective=SimpleNamespace(modules=lambda: iter(())))
+
+
+@pytest.mark.parametrize(
+    ("model", "train", "device", "held"),
+    [
+        ({}, {}, "cpu", True),  # the default
+        ({}, {"hold_heap": False}, "cpu", False),
+        ({"checkpoint_activations": True}, {}, "cpu", False),  # the heap trim applies instead
+        ({}, {}, "cuda", False),  # a CUDA step's activations are not on the heap
+    ],
+)
+def test_the_trainer_holds_the_heap_on_the_cpu_without_checkpointing(monkeypatch, model, train, device, held):
+    calls = []
+    monkeypatch.setattr(P, "hold_heap", lambda: calls.append(1) or True)
+    cfg = load_config(
+        {"model": {**SMALL, **model}, "objective": {"name": "mlm"}, "data": {"name": "synthetic"}, "train": train}
+    )
+    env = SimpleNamespace(active=False, device=torch.device(device))
+    P.parallelize(_task(cfg), cfg, env)
+    assert calls == ([1] if held else [])
+
+
+def test_hold_heap_is_a_boolean():
+    assert load_config({"model": SMALL, "objective": {"name": "mlm"}, "data": {"name": "synthetic"}}).train.hold_heap
+    with pytest.raises(ValueError, match="hold_heap"):
+        load_config(
+            {"model": SMALL, "objective": {"name": "mlm"}, "data": {"name": "synthetic"}, "train": {"hold_heap": "x"}}
+        )
+
+
+FAULTS = r"""
+import resource, sys, torch
+from kilolayer.train import parallelize as P
+from benchmarks.common import EAGER, TrainStep, fixed_batch
+from benchmarks.peers import Spec, build
+torch.set_num_threads(1)
+if sys.argv[1] == "hold":
+    assert P.hold_heap()
+spec = Spec(arch="decoder", scheme="pre_ln", width=128, layers=12, heads=2, ffn=512, seq_len=128, vocab=256)
+torch.manual_seed(0)
+step = TrainStep(build("kilolayer", spec), EAGER)
+inputs, targets = fixed_batch(spec, 16)
+for _ in range(3):
+    step(inputs, targets)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):
+    step(inputs, targets)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4)
+"""
+
+
+def _faults_per_step(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != P.HOLD_ENV}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-c", FAULTS, mode]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
+def test_a_held_heap_reuses_the_last_steps_pages():
+    # a step of 12 layers, width 128, batch 16 x 128 tokens frees over 100 MB of activations; with glibc's
+    # dynamic thresholds the next step faults much of it in again (measured here: 3,200-16,800 faults a step
+    # in steady state); held, 0-320
+    held = _faults_per_step("hold")
+    default = _faults_per_step("default")
+    assert default > 1000, default  # the premise: glibc's default does hand pages back between steps
+    assert held < default / 4, (held, default)
