@@ -208,6 +208,10 @@ def test_deepnet_bleu_is_higher_is_better(tmp_path):
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), BLEU), tmp_path)
     # d = DeepNorm's BLEU - Post-LN's: 35 and 34.5
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(34.75) and "BLEU" in f.rule
+    # the table shows what the verdict compares: BLEU first, then the loss
+    row = next(r for r in f.rows if r[0] == "deepnorm")
+    assert row[-1].startswith("BLEU 38.00 (loss ") and ", BLEU 38.50 (loss " in row[-1], row
+    assert not deepnet_postln(_deepnet(GOOD), tmp_path).rows[0][-1].startswith("BLEU")
     one = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, seeds=(0,)), BLEU), tmp_path)
     assert one.verdict.verdict == INCONCLUSIVE and "one seed" in one.verdict.reason  # one seed is never decided
     f = deepnet_preln_bleu(_with_bleu(_deepnet(GOOD), {**BLEU, "pre_ln": lambda l, s: 45.0}), tmp_path)

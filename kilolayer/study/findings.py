@@ -354,7 +354,19 @@ def _depth_label(r, d: int) -> str:
     return f"{d}L-{d}L" if r.point.config.model.arch == "encoder_decoder" else f"{d}L"
 
 
-def _scheme_depth_table(rs, out):
+def _cell_value(r, metric: str) -> str:
+    """A run's final evaluation in a scheme x depth table: the loss (with exact match where logged), or for a
+    BLEU finding the BLEU the verdict compares, then the loss."""
+    loss = f"{r.eval['loss']:.3f}" if "loss" in r.eval else None
+    if metric == "bleu":
+        b = r.eval.get("bleu")
+        bleu = f"BLEU {float(b):.2f}" if b is not None else "BLEU -"
+        return bleu + (f" (loss {loss})" if loss else "")
+    em = r.eval.get("exact_match")
+    return loss + (f" (EM {em:.2f})" if em is not None else "") if loss else "-"
+
+
+def _scheme_depth_table(rs, out, metric: str = "loss"):
     schemes = sorted({_val(r, "model.scheme") for r in rs})
     depths = sorted({_depth(r) for r in rs})
     rows = []
@@ -363,11 +375,7 @@ def _scheme_depth_table(rs, out):
         for d in depths:
             parts = []
             for r in sorted((r for r in rs if _val(r, "model.scheme") == s and _depth(r) == d), key=_seed):
-                em = r.eval.get("exact_match")
-                value = (
-                    f"{r.eval['loss']:.3f}" + (f" (EM {em:.2f})" if em is not None else "") if "loss" in r.eval else "-"
-                )
-                parts.append(_status_cell(r, value))
+                parts.append(_status_cell(r, _cell_value(r, metric)))
             row.append(", ".join(parts) or "-")
         rows.append(row)
     return ["scheme"] + [_depth_label(rs[0], d) for d in depths], rows
@@ -409,7 +417,7 @@ def _scheme_vs(
     rs = _group(results, "deepnet")
     if not {loser, winner} <= {_val(r, "model.scheme") for r in rs}:
         return None  # the study does not compare these two schemes
-    headers, rows = _scheme_depth_table(rs, out)
+    headers, rows = _scheme_depth_table(rs, out, metric)
     deepest = max(_depth(r) for r in rs)
     # a winner that learned nothing is evidence against the claim that it trains
     ev = Evidence(unlearned_decides_against=True)
