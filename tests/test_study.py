@@ -239,8 +239,15 @@ def test_estimate_tiny_study(tmp_path, monkeypatch):
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where probing builds its runs
     spec = load_spec(tiny_spec(tmp_path, grid={"model.scheme": ["post_ln", "deepnorm"]}))
-    est = estimate(spec, jobs=1, probe_steps=2, log=lambda *_: None)
+    said: list[str] = []
+    est = estimate(spec, jobs=1, probe_steps=2, log=said.append)
     assert set(est["points"]) == {p.key for p in expand(spec)}
+    # it says what it probes before each probe (set-up can take minutes), then what it measured
+    keys = [p.key for p in expand(spec)]
+    assert said[0].startswith("[estimate] 2 distinct point(s) to probe, 2 steps each")
+    probing = [line for line in said if " probing " in line]
+    assert len(probing) == 2 and probing[0].startswith(f"[estimate] probing {keys[0]} (1/2)")
+    assert said.index(probing[1]) > said.index(probing[0]) + 1  # the first point's result comes in between
     for p in est["points"].values():
         assert p["step"] > 0 and p["seconds"] > est["startup_seconds"]
         # 4 steps, 2 evaluations, 1 checkpoint, 4 diagnostics

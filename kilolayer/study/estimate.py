@@ -174,12 +174,16 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        distinct = len({_signature(p) for p in points})
+        log(f"[estimate] {distinct} distinct point(s) to probe, {probe_steps} steps each, {threads} thread(s)")
         startup = startup_seconds()
         costs: dict[str, PointCost] = {}
         for p in points:
             sig = _signature(p)
             if sig in costs:
                 continue
+            # set-up (data, tokenizer, model) can take minutes before the first step: say what is being probed
+            log(f"[estimate] probing {p.key} ({len(costs) + 1}/{distinct}) ...")
             t0 = time.perf_counter()
             c = probe(p, probe_steps)
             c.total = extrapolate(p.config, c, startup)
