@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from kilolayer.config import load_config
@@ -367,6 +368,38 @@ def test_bpe_vocabulary_is_deterministic_and_follows_the_training_split(root, tm
     before = path.stat().st_mtime_ns
     load_source(config(root))
     assert path.stat().st_mtime_ns == before
+
+
+def _damage(path: Path, change) -> None:
+    data = torch.load(path, weights_only=True)
+    change(data)
+    torch.save(data, path)
+
+
+@pytest.mark.parametrize(
+    ("entry", "change", "why"),
+    [
+        ("ids", lambda d: d.__setitem__("train_src_len", d["train_src_len"][:-1]), "does not add up"),
+        ("ids", lambda d: d.pop("test_tgt"), "no 'test_tgt'"),
+        ("ids", lambda d: d.__setitem__("validation_tgt", d["validation_tgt"].float()), "expected int32"),
+        ("corpus", lambda d: d.__setitem__("train", [[1, 2]]), "expected [source, target] strings"),
+        ("corpus", lambda d: d.pop("stats"), "no 'stats'"),
+    ],
+)
+def test_a_damaged_cache_is_rebuilt_with_a_warning(root, capsys, entry, change, why):
+    first = load_source(config(root))
+    cache = Path(os.environ["KILOLAYER_CACHE"])
+    (path,) = [p for p in cache.glob(f"{first.record['key']}*.pt") if p.stem.endswith("-ids") == (entry == "ids")]
+    _damage(path, change)
+    P.load_corpus.cache_clear()
+    capsys.readouterr()
+    again = load_source(config(root))
+    err = capsys.readouterr().err
+    assert f"{path}: cache file" in err and why in err and "replacing it" in err, err
+    assert again.splits == first.splits  # the same pairs and ids as before the damage
+    P.load_corpus.cache_clear()
+    load_source(config(root))
+    assert "cache file" not in capsys.readouterr().err  # the rebuilt file is read back without a word
 
 
 def test_vocabulary_bigger_than_the_model_is_one_line(root):

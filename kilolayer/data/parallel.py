@@ -59,7 +59,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kilolayer.data.base import register_source
-from kilolayer.data.cache import cache_dir, cached
+from kilolayer.data.cache import TensorOf, cache_dir, cached
 from kilolayer.data.options import parse_options
 from kilolayer.data.synthetic import Seq2SeqSource
 from kilolayer.errors import ConfigError, InputError
@@ -503,6 +503,38 @@ def load_tokenizer(key: str, corpus: dict, vocab: int):
 # ------------------------------------------------------------------ the source
 
 
+#: what a cached corpus holds: each split's [source, target] pairs and the build's counts
+CORPUS_ENTRY = {**dict.fromkeys(SPLITS, list), "stats": dict}
+
+
+def _check_pairs(corpus: dict) -> None:
+    """A cached corpus's pairs are two strings each (a damaged or foreign file is rebuilt)."""
+    for split in SPLITS:
+        for pair in corpus[split][:1] + corpus[split][-1:]:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+                raise ValueError(f"{split!r} holds {type(pair).__name__} items, expected [source, target] strings")
+
+
+#: what the cached ids of a corpus hold: per split and side, int32 ids end to end and each sentence's length
+IDS_ENTRY = {
+    f"{split}_{side}{part}": TensorOf((torch.int32,), 1)
+    for split in SPLITS
+    for side in ("src", "tgt")
+    for part in ("", "_len")
+}
+
+
+def _check_ids(data: dict) -> None:
+    """The lengths add up to the ids, no length is negative, and each split has as many targets as sources."""
+    for split in SPLITS:
+        for side in ("src", "tgt"):
+            flat, lengths = data[f"{split}_{side}"], data[f"{split}_{side}_len"]
+            if int(lengths.sum()) != flat.numel() or bool((lengths < 0).any()):
+                raise ValueError(f"{split}_{side}_len does not add up to the {flat.numel()} ids of {split}_{side}")
+        if data[f"{split}_src_len"].numel() != data[f"{split}_tgt_len"].numel():
+            raise ValueError(f"{split}: {data[f'{split}_src_len'].numel()} sources but a different number of targets")
+
+
 @lru_cache(maxsize=4)
 def load_corpus(name: str, root: str, opts_json: str) -> tuple[str, dict, dict]:
     """(cache key, corpus, record) of ``name`` under ``root``; builds and caches on the first call."""
@@ -514,7 +546,7 @@ def load_corpus(name: str, root: str, opts_json: str) -> tuple[str, dict, dict]:
     needed = check_packages(name, rootp, kinds)
     versions = package_versions(rootp, needed)
     key = f"{name}-{fingerprint(rootp, name, kinds, opts, versions)}"
-    corpus = cached(key, lambda: build_corpus(rootp, name, kinds, opts))
+    corpus = cached(key, lambda: build_corpus(rootp, name, kinds, opts), CORPUS_ENTRY, _check_pairs)
     record = {"data": name, "root": str(rootp), "packages": versions, **corpus["stats"]}
     record["total"] = {s: len(corpus[s]) for s in SPLITS}
     stats_path = cache_dir() / f"{key}.json"
@@ -573,7 +605,7 @@ def encoded_splits(key: str, corpus: dict, tok, vocab: int) -> dict[str, list[tu
                 out[f"{split}_{name}_len"] = torch.as_tensor([len(e[side]) for e in encoded], dtype=torch.int32)
         return out
 
-    data = cached(f"{key}-{TOKENIZER}{vocab}-ids", build)
+    data = cached(f"{key}-{TOKENIZER}{vocab}-ids", build, IDS_ENTRY, _check_ids)
     splits = {}
     for split in SPLITS:
         sides = []
