@@ -26,6 +26,17 @@ def tiny_decoder(scheme: str = "pre_ln") -> dict:
     }
 
 
+def tiny_lm(**train) -> dict:
+    """A raw config of :func:`tiny_decoder` learning the next byte of Python's standard library (200 kB,
+    32-byte windows, 16 evaluation windows), with ``train`` as its train section."""
+    return {
+        "model": tiny_decoder(),
+        "objective": {"name": "causal_lm"},
+        "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
+        "train": train,
+    }
+
+
 def config(
     objective: str,
     data: str,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from objective_helpers import tiny_lm
 
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
@@ -19,30 +20,16 @@ from kilolayer.train.loop import early_stop_mode, train
 ROOT = Path(__file__).resolve().parents[1]
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-LM = {
-    "model": {
-        "arch": "decoder",
-        "scheme": "pre_ln",
-        "layers": 2,
-        "width": 32,
-        "heads": 2,
-        "ffn": 64,
-        "vocab_size": 262,
-        "max_len": 32,
-    },
-    "objective": {"name": "causal_lm"},
-    "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
-    "train": {
-        "steps": 40,
-        "batch_size": 4,
-        "lr": 1e-3,
-        "log_every": 1,
-        "eval_every": 3,
-        "eval_batches": 2,
-        "keep_checkpoints": 1,
-        "peak_flops": 1e11,
-    },
-}
+LM = tiny_lm(
+    steps=40,
+    batch_size=4,
+    lr=1e-3,
+    log_every=1,
+    eval_every=3,
+    eval_batches=2,
+    keep_checkpoints=1,
+    peak_flops=1e11,
+)
 # The eval loss falls at every evaluation here; told that higher is better, early stopping sees its first
 # evaluation (step 3) as the best and none after it: with patience 3 it stops at step 12, exactly.
 WORSENING = {**LM, "train": {**LM["train"], "patience": 3, "early_stop_mode": "max"}}

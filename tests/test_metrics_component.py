@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from objective_helpers import tiny_lm
 
 from kilolayer import rundir
 from kilolayer.config import load_config
@@ -16,21 +17,7 @@ from kilolayer.objectives import build_task
 from kilolayer.train import metrics as M
 from kilolayer.train.loop import train
 
-LM = {
-    "model": {
-        "arch": "decoder",
-        "scheme": "pre_ln",
-        "layers": 2,
-        "width": 32,
-        "heads": 2,
-        "ffn": 64,
-        "vocab_size": 262,
-        "max_len": 32,
-    },
-    "objective": {"name": "causal_lm"},
-    "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
-    "train": {"steps": 6, "batch_size": 4, "lr": 1e-3, "log_every": 2},
-}
+LM = tiny_lm(steps=6, batch_size=4, lr=1e-3, log_every=2)
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from objective_helpers import tiny_lm
 
 from kilolayer import rundir
 from kilolayer.cli import main
@@ -30,21 +31,7 @@ HARNESS = ROOT / "tests" / "train_harness.py"
 # subprocesses use one thread like the in-process runs (tests/conftest.py), so losses compare bit for bit
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-LM = {
-    "model": {
-        "arch": "decoder",
-        "scheme": "pre_ln",
-        "layers": 2,
-        "width": 32,
-        "heads": 2,
-        "ffn": 64,
-        "vocab_size": 262,
-        "max_len": 32,
-    },
-    "objective": {"name": "causal_lm"},
-    "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
-    "train": {"steps": 12, "batch_size": 4, "lr": 1e-3, "warmup": 2, "log_every": 1, "checkpoint_every": 4},
-}
+LM = tiny_lm(steps=12, batch_size=4, lr=1e-3, warmup=2, log_every=1, checkpoint_every=4)
 
 
 def cfg_with(**train) -> dict:

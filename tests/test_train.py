@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from objective_helpers import tiny_lm
 
 from kilolayer.cli import main
 from kilolayer.config import load_config
@@ -50,21 +51,7 @@ TINY_S2S = {
     },
 }
 
-TINY_LM = {
-    "model": {
-        "arch": "decoder",
-        "scheme": "pre_ln",
-        "layers": 2,
-        "width": 32,
-        "heads": 2,
-        "ffn": 64,
-        "vocab_size": 262,
-        "max_len": 32,
-    },
-    "objective": {"name": "causal_lm"},
-    "data": {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 16}},
-    "train": {"steps": 6, "batch_size": 4, "lr": 1e-3, "log_every": 1},
-}
+TINY_LM = tiny_lm(steps=6, batch_size=4, lr=1e-3, log_every=1)
 
 
 def losses(run: Path, split: str = "train") -> list[tuple[int, float]]:
