@@ -1,12 +1,13 @@
 """What ``train.hold_heap`` saves: page faults, system time and step time of a CPU training step.
 
-Each point runs in its own process (an allocator setting lasts for the process's life): build the model, call
-:func:`kilolayer.train.parallelize.hold_heap` as the trainer does for an un-checkpointed CPU run (or not),
-take two warm-up steps, then time ``--steps`` steady-state fp32 training steps (forward, LM head,
-cross-entropy, backward, AdamW: ``benchmarks.common.TrainStep``) and read the process's ``getrusage``: minor page
-faults, system and user CPU seconds, and wall seconds, per step. Held and default processes take turns, pair by
-pair, so drift in the machine's load hits both alike; ``x default`` is the median over pairs of (default step
-time / held step time).
+Each point runs in its own process (an allocator setting lasts for the process's life): build the model,
+then call :func:`kilolayer.train.parallelize.hold_heap` as the trainer's ``parallelize`` step does for an
+un-checkpointed CPU run (or not), take two warm-up steps, then time steady-state fp32 training steps
+(forward, LM head, cross-entropy, backward, AdamW: ``benchmarks.common.TrainStep``) and read the process's
+``getrusage``: minor page faults, system and user CPU seconds, and wall seconds, per step. Held and default
+processes take turns, pair by pair, so drift in the machine's load hits both alike. Each row gives the
+medians of its processes; the speed-up is the median over pairs of (default step time / held step time).
+glibc's own ``MALLOC_*`` and ``GLIBC_TUNABLES`` settings are removed from the points' environment.
 
     python -m benchmarks.heap [--smoke] [--pairs N] [--out FILE]
 """
@@ -44,10 +45,10 @@ def run_point(hold: bool, spec: Spec, batch_size: int, steps: int) -> dict:
     from benchmarks.peers import build
     from kilolayer.train.parallelize import hold_heap
 
-    held = hold_heap() if hold else False
     torch.manual_seed(0)
     step = TrainStep(build("kilolayer", spec), EAGER)
     inputs, targets = fixed_batch(spec, batch_size)
+    held = hold_heap() if hold else False  # after the model is built, where the trainer's parallelize step is
     for _ in range(2):
         step(inputs, targets)
     before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -65,6 +66,7 @@ def run_point(hold: bool, spec: Spec, batch_size: int, steps: int) -> dict:
 
 def _spawn(hold: bool, spec: Spec, batch_size: int, steps: int, threads: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in _ENV_OUT}
+    env.pop("GLIBC_TUNABLES", None)
     env.update(OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
     point = json.dumps({"hold": hold, "spec": spec.to_dict(), "batch_size": batch_size, "steps": steps})
     cmd = [sys.executable, "-m", "benchmarks.heap", "--point", point, "--threads", str(threads)]

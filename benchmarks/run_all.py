@@ -181,7 +181,8 @@ def _heap_finding(hp: dict) -> str | None:
         f"train.hold_heap (on by default for un-checkpointed CPU runs): a {hp['label']} step faulted "
         f"{off['minflt']:,.0f} pages in and spent {off['sys_s']:.3f} s in the kernel with glibc's default, "
         f"{on['minflt']:,.0f} and {on['sys_s']:.3f} s held; step time {off['wall_s']:.3f} vs {on['wall_s']:.3f} s "
-        f"(default / held {hp['speedup']:.3f}, median over {hp['pairs']} pairs of processes)."
+        f"(medians of each setting's processes); default / held step time {hp['speedup']:.3f} (median over "
+        f"{hp['pairs']} pairs of processes)."
     )
 
 

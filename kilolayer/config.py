@@ -199,9 +199,10 @@ class TrainConfig(_Section):
     )
     hold_heap: bool = Field(
         True,
-        description="on the CPU (Linux/glibc) without activation checkpointing: keep the memory a step frees for "
-        "the next step (malloc's mmap threshold 32 MiB, trim threshold 2 GiB) instead of handing it back and "
-        "faulting it in again each step; the resident size stays at the step's peak",
+        description="on the CPU (Linux/glibc) with no layer checkpointed: keep the memory a step frees for the "
+        "next step (malloc's mmap threshold 32 MiB, trim threshold 2 GiB) instead of handing it back and faulting "
+        "it in again each step; process-wide until the process exits, which keeps the memory it used at its "
+        "highest; glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings win; KILOLAYER_HOLD_HEAP=0 turns it off",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")

@@ -24,8 +24,8 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
   of width 128 (batch 16 x 128 tokens, one thread, fresh processes taking turns) that was 8,000-23,000
   page faults and 0.02-0.06 s of system time in a 1.16-1.23 s step, and 0-170 faults, no measurable system
   time and 1.10-1.14 s held (``python -m benchmarks.heap``). The setting is process-wide and lasts for the
-  process's life (each study point trains in its own process); with layers checkpointed the heap trim above
-  applies instead.
+  process's life (each study point trains in its own process); with any layer checkpointed (a contrastive
+  text tower's too) the heap trim above applies instead.
 * ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer
   (:func:`compile_layers`; the stack's Python loop, embeddings, heads and loss stay eager, and layers of one
   shape share one compiled graph, so compile time hardly grows with depth); ``model`` compiles the whole task
@@ -162,16 +162,33 @@ HOLD_ENV = "KILOLAYER_HOLD_HEAP"
 _GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
+def _glibc_malloc_settings() -> list[str]:
+    """glibc's own malloc settings in this process's environment (non-empty ``MALLOC_*_`` variables, and
+    ``glibc.malloc.*`` tunables in ``GLIBC_TUNABLES``): a user who set them decides the allocator's behaviour."""
+    found = [name for name in _GLIBC_ENV if os.environ.get(name, "").strip()]
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc." in tunables:
+        found.append("GLIBC_TUNABLES")
+    return found
+
+
 def hold_heap() -> bool:
     """Keep the memory a training step frees for the next step, for the rest of this process (glibc): fix the
     mmap threshold at 32 MiB and the trim threshold at 2 GiB, so the activations of one step reuse the pages of
     the last instead of being handed back and faulted in again, page by page, as glibc's dynamic thresholds do
     after a step frees its activations. Returns whether it was set: not on other C libraries or systems, nor
-    when one of glibc's own ``MALLOC_*_`` settings is in the environment (which then wins), nor with
-    ``KILOLAYER_HOLD_HEAP=0``. The resident size stays at the largest step's peak between steps."""
+    when glibc's own settings are in the environment (non-empty ``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_TOP_PAD_``, or ``glibc.malloc.*`` in ``GLIBC_TUNABLES``: they win),
+    nor with ``KILOLAYER_HOLD_HEAP=0`` (or false, off, no). With another allocator preloaded (jemalloc,
+    tcmalloc) it may return True and change nothing.
+
+    It cannot be undone: glibc's dynamic thresholds stay off for the process's life, which then keeps the
+    memory it has used at its highest (up to 2 GiB free at the heap's top) until it exits. A later
+    checkpointed run in the same process still hands free pages back through :class:`HeapTrimmer`
+    (``malloc_trim`` ignores the trim threshold)."""
     if os.environ.get(HOLD_ENV, "").strip().lower() in ("0", "false", "off", "no"):
         return False
-    if any(name in os.environ for name in _GLIBC_ENV):
+    if _glibc_malloc_settings():
         return False
     libc = _glibc()
     if libc is None:
