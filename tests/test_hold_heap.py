@@ -159,3 +159,30 @@ def test_a_held_heap_reuses_the_last_steps_pages():
     default = sum(_faults_per_step("default") for _ in range(2))
     assert default > 2000, default  # the premise: glibc's default does hand pages back between steps
     assert held < default / 4, (held, default)
+
+
+def test_the_held_heap_is_recorded_and_stays_held(libc):
+    before = P._HELD[0]
+    try:
+        P._HELD[0] = False
+        libc.ok = 0
+        assert P.hold_heap() is False and P.heap_held() is False
+        libc.ok = 1
+        assert P.hold_heap() is True and P.heap_held() is True
+        libc.ok = 0  # a later refusal does not undo what glibc already holds
+        assert P.hold_heap() is False and P.heap_held() is True
+    finally:
+        P._HELD[0] = before
+
+
+def test_a_completed_run_says_whether_its_heap_was_held(tmp_path):
+    from objective_helpers import tiny_lm
+
+    from kilolayer import rundir
+    from kilolayer.train.loop import train
+
+    train(tiny_lm(steps=2, batch_size=2, log_every=1), tmp_path / "run", quiet=True)
+    st = rundir.read_status(tmp_path / "run")
+    assert st["status"] == "completed" and st["heap_held"] is P.heap_held()
+    if P._glibc() is not None and not P._glibc_malloc_settings() and not os.environ.get(P.HOLD_ENV):
+        assert st["heap_held"] is True  # the default, on the CPU with nothing checkpointed

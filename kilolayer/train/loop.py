@@ -46,7 +46,7 @@ from kilolayer.train import metrics as M
 from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.memory import check_memory
 from kilolayer.train.optim import build_optimizer, build_scheduler
-from kilolayer.train.parallelize import parallelize
+from kilolayer.train.parallelize import heap_held, parallelize
 
 # early_stop_mode auto: these evaluation metrics are better higher, every other one lower
 HIGHER_IS_BETTER = ("accuracy", "exact_match", "bleu")
@@ -782,7 +782,7 @@ class Trainer:
                     best_step=self.state["best_step"], best=self.state["best"], early_stop_metric=tc.early_stop_metric
                 )
             fields.update(M.summarize(rundir.read_metrics(self.out)))
-            fields.update(peak_flops=self.peak.flops, peak_flops_source=self.peak.source)
+            fields.update(peak_flops=self.peak.flops, peak_flops_source=self.peak.source, heap_held=heap_held())
             self.life.finish("completed", step, self._plateau_reason() if plateau else "step budget", **fields)
         return result
 

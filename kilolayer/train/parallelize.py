@@ -193,10 +193,22 @@ def hold_heap() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    return (
+    held = (
         libc.mallopt(_M_MMAP_THRESHOLD, HOLD_MMAP_THRESHOLD) == 1
         and libc.mallopt(_M_TRIM_THRESHOLD, HOLD_TRIM_THRESHOLD) == 1
     )
+    _HELD[0] = _HELD[0] or held
+    return held
+
+
+#: whether :func:`hold_heap` has held this process's heap (it stays held)
+_HELD = [False]
+
+
+def heap_held() -> bool:
+    """Whether this process's heap is held (:func:`hold_heap` succeeded in it at some point): a completed
+    run's ``status.json`` records it as ``heap_held``, so step times of runs can be compared knowingly."""
+    return _HELD[0]
 
 
 def checkpoint_layers(backbone: nn.Module, pin_mmap: bool = False, trim_every: int = TRIM_EVERY) -> None:
