@@ -5,6 +5,7 @@ packages are extracted, their counts."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -376,30 +377,93 @@ def _damage(path: Path, change) -> None:
     torch.save(data, path)
 
 
+def _middle(data: dict, split: str, value) -> None:
+    data[split][len(data[split]) // 2] = value
+
+
+def _negative_lengths(d: dict) -> None:
+    lengths = d["train_src_len"]
+    lengths[0] += lengths[1] + 1  # the lengths still add up
+    lengths[1] = -1
+
+
+def _flip_byte(path: Path) -> None:
+    # a damaged file header (a byte changed inside a tensor's data is not noticed: the format has no checksum)
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
 @pytest.mark.parametrize(
     ("entry", "change", "why"),
     [
-        ("ids", lambda d: d.__setitem__("train_src_len", d["train_src_len"][:-1]), "does not add up"),
+        ("ids", lambda d: d["train_src_len"].__setitem__(0, d["train_src_len"][0] + 1), "does not add up"),
         ("ids", lambda d: d.pop("test_tgt"), "no 'test_tgt'"),
         ("ids", lambda d: d.__setitem__("validation_tgt", d["validation_tgt"].float()), "expected int32"),
+        ("ids", lambda d: d["train_tgt"].__setitem__(0, 10_000), "ids outside [0, "),
+        ("ids", lambda d: d["train_tgt"].__setitem__(0, -3), "ids outside [0, "),
+        ("ids", _negative_lengths, "a negative length"),
+        (
+            "ids",  # the last train pair dropped on both sides, consistently
+            lambda d: (
+                [d.__setitem__(k, d[k][: -int(d[k + "_len"][-1])]) for k in ("train_src", "train_tgt")]
+                + [d.__setitem__(k, d[k][:-1]) for k in ("train_src_len", "train_tgt_len")]
+            ),
+            "the corpus",
+        ),
         ("corpus", lambda d: d.__setitem__("train", [[1, 2]]), "expected [source, target] strings"),
+        ("corpus", lambda d: _middle(d, "train", [1, 2]), "expected [source, target] strings"),
+        ("corpus", lambda d: _middle(d, "test", None), "expected [source, target] strings"),
         ("corpus", lambda d: d.pop("stats"), "no 'stats'"),
+        ("corpus", lambda d: d.__setitem__("stats", {"raw": {}}), "'stats' has no 'pairs', 'dropped'"),
+        ("corpus", "flip", "unreadable"),
+        ("ids", "flip", "unreadable"),
     ],
 )
 def test_a_damaged_cache_is_rebuilt_with_a_warning(root, capsys, entry, change, why):
     first = load_source(config(root))
     cache = Path(os.environ["KILOLAYER_CACHE"])
-    (path,) = [p for p in cache.glob(f"{first.record['key']}*.pt") if p.stem.endswith("-ids") == (entry == "ids")]
-    _damage(path, change)
+    key = first.record["key"]
+    (path,) = [p for p in cache.glob(f"{key}*.pt") if p.stem.endswith("-ids") == (entry == "ids")]
+    corpus_file = cache / f"{key}.pt"
+    before = corpus_file.read_bytes()
+    if change == "flip":
+        _flip_byte(path)
+    else:
+        _damage(path, change)
+    if entry == "corpus":
+        # without the tokenizer and the ids, the corpus is read to build them: nothing downstream hides it
+        for p in [*cache.glob(f"{key}-*.json"), *cache.glob(f"{key}-*-ids.pt")]:
+            p.unlink()
     P.load_corpus.cache_clear()
     capsys.readouterr()
     again = load_source(config(root))
     err = capsys.readouterr().err
     assert f"{path}: cache file" in err and why in err and "replacing it" in err, err
-    assert again.splits == first.splits  # the same pairs and ids as before the damage
+    assert again.splits == first.splits and again.record == first.record  # the same pairs, ids and counts
+    assert corpus_file.read_bytes() == before or entry == "corpus"
+    if entry == "corpus":
+        assert torch.load(corpus_file, weights_only=True) == torch.load(io.BytesIO(before), weights_only=True)
     P.load_corpus.cache_clear()
     load_source(config(root))
     assert "cache file" not in capsys.readouterr().err  # the rebuilt file is read back without a word
+
+
+def test_ids_belong_to_their_tokenizer(root):
+    # another tokenizer (another tokenizers version retraining from the same texts) never reads these ids
+    first = load_source(config(root))
+    cache = Path(os.environ["KILOLAYER_CACHE"])
+    (ids,) = cache.glob("*-ids.pt")
+    (tok,) = cache.glob("*-bpe3-*.json")
+    data = json.loads(tok.read_text())
+    vocab = data["model"]["vocab"]
+    a, b = sorted(t for t in vocab if vocab[t] > 3)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # the same size, other ids
+    tok.write_text(json.dumps(data))
+    P.load_corpus.cache_clear()
+    again = load_source(config(root))
+    assert len(list(cache.glob("*-ids.pt"))) == 2 and ids.is_file()  # a second entry, the first untouched
+    assert again.vocab_size == first.vocab_size and again.splits != first.splits
 
 
 def test_vocabulary_bigger_than_the_model_is_one_line(root):

@@ -244,7 +244,8 @@ def test_estimate_tiny_study(tmp_path, monkeypatch):
     assert set(est["points"]) == {p.key for p in expand(spec)}
     # it says what it probes before each probe (set-up can take minutes), then what it measured
     keys = [p.key for p in expand(spec)]
-    assert said[0].startswith("[estimate] 2 distinct point(s) to probe, 2 steps each")
+    assert said[0].startswith("[estimate] 2 distinct point(s) to probe (seeds of a point cost the same)")
+    assert "timed over 2 steps after 2 warm-up steps" in said[0]
     probing = [line for line in said if " probing " in line]
     assert len(probing) == 2 and probing[0].startswith(f"[estimate] probing {keys[0]} (1/2)")
     assert said.index(probing[1]) > said.index(probing[0]) + 1  # the first point's result comes in between

@@ -222,6 +222,11 @@ def test_deepnet_bleu_diverged_scores_zero_and_missing_bleu_is_named(tmp_path):
     status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, status), BLEU), tmp_path)
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(38.25)  # DeepNorm's BLEU - 0
+    row = next(r for r in f.rows if r[0] == "post_ln")
+    assert row[-1].startswith("diverged@") and row[-1].endswith("(BLEU 0)"), row  # what the verdict scores it
+    nan = {**BLEU, "pre_ln": lambda l, s: float("nan")}
+    row = next(r for r in deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), nan), tmp_path).rows if r[0] == "pre_ln")
+    assert row[-1].startswith("BLEU - (loss "), row  # no finite BLEU: not evidence, and not shown as one
     no_bleu = {**BLEU, "deepnorm": lambda l, s: None if s == 1 else 38.0}
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), no_bleu), tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and "BLEU of seed 1 (no finite value" in f.verdict.reason

@@ -505,14 +505,18 @@ def load_tokenizer(key: str, corpus: dict, vocab: int):
 
 #: what a cached corpus holds: each split's [source, target] pairs and the build's counts
 CORPUS_ENTRY = {**dict.fromkeys(SPLITS, list), "stats": dict}
+STATS_KEYS = ("raw", "pairs", "dropped")
 
 
 def _check_pairs(corpus: dict) -> None:
-    """A cached corpus's pairs are two strings each (a damaged or foreign file is rebuilt)."""
+    """Every pair of a cached corpus is two strings, and its counts are all there (else the file is rebuilt)."""
     for split in SPLITS:
-        for pair in corpus[split][:1] + corpus[split][-1:]:
-            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-                raise ValueError(f"{split!r} holds {type(pair).__name__} items, expected [source, target] strings")
+        for i, pair in enumerate(corpus[split]):
+            if not (type(pair) in (list, tuple) and len(pair) == 2 and type(pair[0]) is str and type(pair[1]) is str):
+                raise ValueError(f"{split!r} pair {i} is {pair!r:.60}, expected [source, target] strings")
+    missing = [k for k in STATS_KEYS if not isinstance(corpus["stats"].get(k), dict)]
+    if missing:
+        raise ValueError(f"'stats' has no {', '.join(map(repr, missing))}")
 
 
 #: what the cached ids of a corpus hold: per split and side, int32 ids end to end and each sentence's length
@@ -524,15 +528,26 @@ IDS_ENTRY = {
 }
 
 
-def _check_ids(data: dict) -> None:
-    """The lengths add up to the ids, no length is negative, and each split has as many targets as sources."""
-    for split in SPLITS:
-        for side in ("src", "tgt"):
-            flat, lengths = data[f"{split}_{side}"], data[f"{split}_{side}_len"]
-            if int(lengths.sum()) != flat.numel() or bool((lengths < 0).any()):
-                raise ValueError(f"{split}_{side}_len does not add up to the {flat.numel()} ids of {split}_{side}")
-        if data[f"{split}_src_len"].numel() != data[f"{split}_tgt_len"].numel():
-            raise ValueError(f"{split}: {data[f'{split}_src_len'].numel()} sources but a different number of targets")
+def _ids_checker(corpus: dict, vocab: int):
+    """The check of a corpus's cached ids: per split as many sentences on each side as the corpus has pairs,
+    lengths that are not negative and add up to the ids, and every id in [0, vocab)."""
+
+    def check(data: dict) -> None:
+        for split in SPLITS:
+            for side in ("src", "tgt"):
+                flat, lengths = data[f"{split}_{side}"], data[f"{split}_{side}_len"]
+                if lengths.numel() != len(corpus[split]):
+                    raise ValueError(
+                        f"{split}_{side}_len has {lengths.numel()} sentences, the corpus {len(corpus[split])} pairs"
+                    )
+                if lengths.numel() and int(lengths.min()) < 0:
+                    raise ValueError(f"{split}_{side}_len has a negative length")
+                if int(lengths.sum()) != flat.numel():
+                    raise ValueError(f"{split}_{side}_len does not add up to the {flat.numel()} ids of {split}_{side}")
+                if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
+                    raise ValueError(f"{split}_{side} holds ids outside [0, {vocab})")
+
+    return check
 
 
 @lru_cache(maxsize=4)
@@ -547,7 +562,7 @@ def load_corpus(name: str, root: str, opts_json: str) -> tuple[str, dict, dict]:
     versions = package_versions(rootp, needed)
     key = f"{name}-{fingerprint(rootp, name, kinds, opts, versions)}"
     corpus = cached(key, lambda: build_corpus(rootp, name, kinds, opts), CORPUS_ENTRY, _check_pairs)
-    record = {"data": name, "root": str(rootp), "packages": versions, **corpus["stats"]}
+    record = {**corpus["stats"], "data": name, "root": str(rootp), "packages": versions}
     record["total"] = {s: len(corpus[s]) for s in SPLITS}
     stats_path = cache_dir() / f"{key}.json"
     if not stats_path.is_file():
@@ -605,7 +620,12 @@ def encoded_splits(key: str, corpus: dict, tok, vocab: int) -> dict[str, list[tu
                 out[f"{split}_{name}_len"] = torch.as_tensor([len(e[side]) for e in encoded], dtype=torch.int32)
         return out
 
-    data = cached(f"{key}-{TOKENIZER}{vocab}-ids", build, IDS_ENTRY, _check_ids)
+    # the ids belong to this very tokenizer (one retrained from the same texts may differ: another tokenizers
+    # version), so its content names the entry
+    tok_hash = hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]
+    data = cached(
+        f"{key}-{TOKENIZER}{vocab}-{tok_hash}-ids", build, IDS_ENTRY, _ids_checker(corpus, tok.get_vocab_size())
+    )
     splits = {}
     for split in SPLITS:
         sides = []

@@ -180,7 +180,10 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
     torch.set_num_threads(threads)
     try:
         distinct = len({_signature(p) for p in points})
-        log(f"[estimate] {distinct} distinct point(s) to probe, {probe_steps} steps each, {threads} thread(s)")
+        log(
+            f"[estimate] {distinct} distinct point(s) to probe (seeds of a point cost the same), each timed over "
+            f"{probe_steps} steps after 2 warm-up steps, with {threads} thread(s)"
+        )
         startup = startup_seconds()
         costs: dict[str, PointCost] = {}
         for p in points:

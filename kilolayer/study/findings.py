@@ -354,13 +354,13 @@ def _depth_label(r, d: int) -> str:
     return f"{d}L-{d}L" if r.point.config.model.arch == "encoder_decoder" else f"{d}L"
 
 
-def _cell_value(r, metric: str) -> str:
+def _cell_value(r, metric: str, out) -> str:
     """A run's final evaluation in a scheme x depth table: the loss (with exact match where logged), or for a
-    BLEU finding the BLEU the verdict compares, then the loss."""
+    BLEU finding the BLEU the verdict compares (:func:`bleu_of`; ``-`` where it has none), then the loss."""
     loss = f"{r.eval['loss']:.3f}" if "loss" in r.eval else None
     if metric == "bleu":
-        b = r.eval.get("bleu")
-        bleu = f"BLEU {float(b):.2f}" if b is not None else "BLEU -"
+        b = bleu_of(r, out)
+        bleu = f"BLEU {b:.2f}" if b is not None else "BLEU -"
         return bleu + (f" (loss {loss})" if loss else "")
     em = r.eval.get("exact_match")
     return loss + (f" (EM {em:.2f})" if em is not None else "") if loss else "-"
@@ -375,7 +375,10 @@ def _scheme_depth_table(rs, out, metric: str = "loss"):
         for d in depths:
             parts = []
             for r in sorted((r for r in rs if _val(r, "model.scheme") == s and _depth(r) == d), key=_seed):
-                parts.append(_status_cell(r, _cell_value(r, metric)))
+                cell = _status_cell(r, _cell_value(r, metric, out))
+                if metric == "bleu" and r.status == "diverged":
+                    cell += " (BLEU 0)"  # what the verdict scores it
+                parts.append(cell)
             row.append(", ".join(parts) or "-")
         rows.append(row)
     return ["scheme"] + [_depth_label(rs[0], d) for d in depths], rows
