@@ -14,8 +14,8 @@ x their cost + analyses. The study's wall-clock estimate replays the runner's sc
 order, each group's points handed to K workers as they come free. What it cannot see: a run that
 diverges stops early, and a machine busy with other work is slower. The probes share one process, so they
 run with glibc's default allocator (``train.hold_heap`` off: holding the heap cannot be undone within a
-process); a point without activation checkpointing holds it in its real run, where a step measured up to
-about 5% faster.
+process); a point without activation checkpointing holds it in its real run, which saves the kernel's
+page-fault time (about 3% of a step of a 24-layer, width-128 decoder here).
 """
 
 from __future__ import annotations

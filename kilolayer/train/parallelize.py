@@ -20,12 +20,12 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
   split at every layer, nor for CUDA activations, which are not on the heap.
 * ``train.hold_heap`` (on by default; CPU, Linux/glibc, nothing checkpointed): :func:`hold_heap` keeps the
   memory one step frees for the next. glibc's default hands the top of the heap back to the system once a
-  step has freed its activations, and the next step faults the same pages in again. On a 24-layer decoder
-  of width 128 (batch 16 x 128 tokens, one thread, fresh processes taking turns) that was 8,000-23,000
-  page faults and 0.02-0.06 s of system time in a 1.16-1.23 s step, and 0-170 faults, no measurable system
-  time and 1.10-1.14 s held (``python -m benchmarks.heap``). The setting is process-wide and lasts for the
-  process's life (each study point trains in its own process); with any layer checkpointed (a contrastive
-  text tower's too) the heap trim above applies instead.
+  step has freed its activations, and the next step faults the same pages in again. On a 24-layer DeepNorm
+  decoder of width 128 (batch 16 x 128 tokens, one thread, fresh processes taking turns; ``python -m
+  benchmarks.heap``) that was 14,700 page faults and 0.041 s of system time a step, and 320 faults and 0.001 s
+  held; the step time (about 1.4 s) moved by less than this machine's noise. The setting is process-wide
+  and lasts for the process's life (each study point trains in its own process); with any layer
+  checkpointed (a contrastive text tower's too) the heap trim above applies instead.
 * ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer
   (:func:`compile_layers`; the stack's Python loop, embeddings, heads and loss stay eager, and layers of one
   shape share one compiled graph, so compile time hardly grows with depth); ``model`` compiles the whole task
