@@ -493,7 +493,10 @@ def test_run_all_reports_the_held_heap(train_result, memory_result, profile_resu
     line = [x for x in said if x.startswith("train.hold_heap")]
     if on["held"]:
         assert line == [run_all._heap_finding(heap_result)]
-        assert f"default / held {heap_result['speedup']:.3f}" in line[0] and f"{off['minflt']:,.0f} pages" in line[0]
+        assert (
+            f"default / held step time {heap_result['speedup']:.3f}" in line[0]
+            and f"{off['minflt']:,.0f} pages" in line[0]
+        )
     else:
         assert line == []  # no sentence about a setting this C library refused
     assert "## Page faults" not in run_all.markdown(
