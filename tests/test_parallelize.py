@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from objective_helpers import tiny_lm
 
 from kilolayer.config import load_config
 from kilolayer.data import load_source
+from kilolayer.errors import InputError
 from kilolayer.objectives import Objective, build_task
 from kilolayer.train import distributed as D
 from kilolayer.train.loop import split_batch
@@ -191,3 +193,28 @@ def test_an_objective_missing_a_required_method_is_refused_at_definition():
             return torch.zeros(())
 
     assert Complete.tokens is Base.tokens
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        tiny_lm(),
+        {"model": S2S, "objective": {"name": "seq2seq"}, "data": {"name": "synthetic", "task": "reverse"}},
+    ],
+    ids=["decoder", "encoder_decoder"],
+)
+def test_a_whole_token_task_compiles_to_one_graph(section):
+    """``train.compile: model`` traces the task as one graph: the embedding's id-range check (a value read out of a
+    tensor, which would split the graph before every embedding) runs in eager mode only, where it still refuses
+    ids outside the vocabulary with the field's name."""
+    cfg = load_config(section)
+    source = load_source(cfg)
+    task = build_task(cfg, source).train()
+    batch = source.train_batch(0, 4)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(task)(batch)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    key = "tokens" if "tokens" in batch else "src"
+    bad = {**batch, key: batch[key].clone().fill_(cfg.model.vocab_size)}
+    with pytest.raises(InputError, match=rf"ids must lie in \[0, {cfg.model.vocab_size}\)"):
+        task(bad)

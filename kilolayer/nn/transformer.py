@@ -65,7 +65,10 @@ class TokenEmbedding(nn.Module):
             )
         if tokens.shape[1] > self.max_len:
             raise InputError(f"{name}: length {tokens.shape[1]} exceeds model.max_len={self.max_len}")
-        if tokens.device.type == "cpu" and tokens.numel():
+        # The id range is read on the CPU only (elsewhere it would wait for the device), and only in eager mode:
+        # reading a value out of a tensor would split a compiled graph (train.compile: model), and the
+        # trainer's data sources are checked against model.vocab_size when a run is built.
+        if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.vocab_size:
                 raise InputError(f"{name}: ids must lie in [0, {self.vocab_size}), got [{lo}, {hi}]")
