@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -265,6 +266,40 @@ def test_estimate_tiny_study(tmp_path, monkeypatch):
     assert est["wall_seconds"] == pytest.approx(est["compute_seconds"])  # one job: one after the other
     assert not list(tmp_path.glob("study*"))  # probing leaves nothing behind in the project
     assert not list(scratch.glob("kilolayer-estimate-*"))  # nor in the temporary directory it probed in
+
+
+def test_estimate_probes_points_that_differ_only_in_their_analyses_apart(tmp_path, monkeypatch):
+    """Analyses run after training and cost time of their own (on their own data, where a group names it): two
+    points alike up to their analyses are two probes, each running its point's analyses on its data; seeds stay
+    one probe."""
+    from kilolayer.study import estimate as E
+
+    spec = load_spec(tiny_spec(tmp_path, grid={"model.scheme": ["post_ln"]}))
+    (base,) = expand(spec)
+    variants = [
+        base,
+        dataclasses.replace(base, name="seed1", config=base.config.model_copy(deep=True)),
+        dataclasses.replace(base, name="smooth", analyses=["smoothness"]),
+        dataclasses.replace(base, name="smooth_ptb", analyses=["smoothness"], analysis_data={"name": "ptb"}),
+    ]
+    variants[1].config.train.seed = 1
+    probed = []
+
+    def fake_probe(point, steps):
+        probed.append((point.name, point.analyses, point.analysis_data))
+        return E.PointCost(1.0, 0.1, 0.0, 0.0, 0.0, 5.0 * len(point.analyses))
+
+    monkeypatch.setattr(E, "expand", lambda _spec: variants)
+    monkeypatch.setattr(E, "probe", fake_probe)
+    monkeypatch.setattr(E, "startup_seconds", lambda: 0.0)
+    est = E.estimate(spec, jobs=1, probe_steps=1, log=lambda _line: None)
+    assert probed == [
+        (base.name, [], None),
+        ("smooth", ["smoothness"], None),
+        ("smooth_ptb", ["smoothness"], {"name": "ptb"}),
+    ]
+    seconds = {k.split("/")[1]: v["analyses"] for k, v in est["points"].items()}
+    assert seconds == {base.name: 0.0, "seed1": 0.0, "smooth": 5.0, "smooth_ptb": 5.0}
 
 
 def test_still_improving_flags_unconverged_runs():

@@ -139,7 +139,7 @@ def probe(point: Point, probe_steps: int = 5) -> PointCost:
             diagnostics = time.perf_counter() - t0
         t0 = time.perf_counter()
         for name in point.analyses:
-            run_analysis(name, run_dir)
+            run_analysis(name, run_dir, point.analysis_data)
         spent = time.perf_counter() - t0
     return PointCost(setup, step, evaluation, checkpoint, diagnostics, spent)
 
@@ -152,10 +152,12 @@ def startup_seconds() -> float:
 
 
 def _signature(p: Point) -> str:
-    """Points equal up to their seed cost the same."""
+    """Points equal up to their seed cost the same; the analyses run after training, and the data they read, are
+    part of the cost."""
     data = p.config.model_dump()
     data["train"].pop("seed", None)
     data["train"].pop("init_from", None)
+    data["analyses"] = {"names": sorted(p.analyses), "data": p.analysis_data}
     return json.dumps(data, sort_keys=True, default=str)
 
 
