@@ -367,19 +367,23 @@ def _cell_value(r, metric: str, out) -> str:
 
 
 def _scheme_depth_table(rs, out, metric: str = "loss"):
+    """Scheme x depth: each cell the final evaluation of every seed of the study (``seed N:`` before each where
+    there are several; a seed with no run there reads ``missing``)."""
     schemes = sorted({_val(r, "model.scheme") for r in rs})
     depths = sorted({_depth(r) for r in rs})
+    seeds = _seeds(rs)
     rows = []
     for s in schemes:
         row = [s]
         for d in depths:
             parts = []
-            for r in sorted((r for r in rs if _val(r, "model.scheme") == s and _depth(r) == d), key=_seed):
-                cell = _status_cell(r, _cell_value(r, metric, out))
-                if metric == "bleu" and r.status == "diverged":
+            for seed in seeds:
+                r = _run(rs, s, d, seed)
+                cell = _status_cell(r, _cell_value(r, metric, out) if r is not None else "")
+                if metric == "bleu" and r is not None and r.status == "diverged":
                     cell += " (BLEU 0)"  # what the verdict scores it
-                parts.append(cell)
-            row.append(", ".join(parts) or "-")
+                parts.append(f"seed {seed}: {cell}" if len(seeds) > 1 else cell)
+            row.append(", ".join(parts))
         rows.append(row)
     return ["scheme"] + [_depth_label(rs[0], d) for d in depths], rows
 
