@@ -45,9 +45,15 @@ def test_hold_heap_sets_both_thresholds(libc):
     assert libc.calls == [(-3, 32 * 1024 * 1024), (-1, 2**31 - 1)]
 
 
-def test_hold_heap_reports_a_refusal(libc):
+def test_hold_heap_reports_a_refusal(libc, capsys):
     libc.ok = 0  # mallopt returns 0 when it refuses a value
     assert P.hold_heap() is False
+    assert capsys.readouterr().err == (
+        "kilolayer: warning: train.hold_heap: glibc's mallopt refused the thresholds; the heap follows glibc's "
+        "defaults\n"
+    )
+    libc.ok = 1
+    assert P.hold_heap() is True and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("value", ["0", "off", " False ", "no"])

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kilolayer import rundir
 from kilolayer.config import Config
 from kilolayer.nn.transformer import Backbone
 from kilolayer.train import distributed as D
@@ -197,6 +198,8 @@ def hold_heap() -> bool:
         libc.mallopt(_M_MMAP_THRESHOLD, HOLD_MMAP_THRESHOLD) == 1
         and libc.mallopt(_M_TRIM_THRESHOLD, HOLD_TRIM_THRESHOLD) == 1
     )
+    if not held:  # glibc itself said no: unexpected, unlike the settings above, which a user chose
+        rundir.warn("train.hold_heap: glibc's mallopt refused the thresholds; the heap follows glibc's defaults")
     _HELD[0] = _HELD[0] or held
     return held
 
