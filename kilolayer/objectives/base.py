@@ -65,11 +65,12 @@ class Objective(nn.Module):
 
     @torch.no_grad()
     def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
-        """Default: mean loss over the batches, weighted by ``tokens``."""
+        """Default: mean loss over the batches, each weighted by its ``loss_weight`` (the mean over all the
+        evaluation targets, however the batches divide them)."""
         total = weight = 0.0
         for batch in batches:
             loss, _ = self(backbone, batch)
-            w = self.tokens(batch)
+            w = self.loss_weight(batch)
             total, weight = total + float(loss) * w, weight + w
         return {"loss": total / max(weight, 1)}
 
@@ -89,6 +90,10 @@ class Objective(nn.Module):
     def tokens(self, batch: dict) -> int:
         """Tokens the backbone processes in ``batch``."""
         raise NotImplementedError(f"{type(self).__name__}.tokens (required; checked at class definition)")
+
+    def loss_weight(self, batch: dict) -> int:
+        """How many targets ``forward``'s loss on ``batch`` is the mean over. Default: ``tokens(batch)``."""
+        return self.tokens(batch)
 
     def eval_targets(self, batch: dict, index: int) -> torch.Tensor | None:
         """The class ids evaluation batch ``index`` is scored on (1-D, long), or None if the targets are

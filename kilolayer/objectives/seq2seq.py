@@ -113,5 +113,9 @@ class Seq2Seq(Objective):
     def tokens(self, batch):
         return int((~batch["src_padding_mask"]).sum() + (~batch["tgt_padding_mask"]).sum())
 
+    def loss_weight(self, batch):
+        # the loss is a mean over the target's tokens; the source's do not count
+        return int((~batch["tgt_padding_mask"]).sum())
+
     def eval_targets(self, batch, index):
         return batch["tgt_out"][~batch["tgt_padding_mask"]]
