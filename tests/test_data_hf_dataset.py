@@ -62,6 +62,7 @@ def test_images_with_captions_give_contrastive_batches(tmp_path):
     assert set(batch) == {"images", "tokens", "padding_mask", "labels"}
     for tokens, y in zip(batch["tokens"], batch["labels"].tolist()):
         assert decode(tokens) == ["a dark one", "a bright one"][y]
+    assert s.text_vocab == 262 > int(batch["tokens"].max())  # byte captions: what a text tower must hold
 
 
 def test_dataset_dict_keeps_its_own_splits(tmp_path):

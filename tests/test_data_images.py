@@ -111,6 +111,7 @@ def test_image_captions_pairs_images_with_captions(tmp_path, tsv):
         colour = decode(tokens).split(" ")[1]
         assert int(img.mean(dim=(1, 2)).argmax()) == {"red": 0, "green": 1, "blue": 2}[colour]
     assert (len(s), s.eval_size, s.split_size("test")) == (6, 3, 3)
+    assert s.text_vocab == 262 > int(b["tokens"].max())  # byte captions: what a text tower must hold
 
 
 def test_image_captions_bad_inputs(tmp_path):

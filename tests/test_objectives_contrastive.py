@@ -109,6 +109,11 @@ def test_recall_at_1_against_direct_computation():
         ({"text_model": {"layers": 0}}, "objective.options.text_model.layers=0"),
         ({"text_model": {"colour": 1}}, "objective.options.text_model.colour: unknown key"),
         ({"embed_dim": 0}, "objective.options.embed_dim=0"),
+        # byte captions: ids 0-255, padding 256, and the byte vocabulary's special ids
+        (
+            {"text_model": {"vocab_size": 100}},
+            "objective.options.text_model.vocab_size=100: the captions of data.name='digit_captions' need at least 262",
+        ),
     ],
 )
 def test_bad_options_give_one_line(options, message):

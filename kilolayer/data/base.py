@@ -31,6 +31,9 @@ class Source(ABC):
     """
 
     num_classes: int | None = None  # the number of label classes, for sources whose batches carry ``labels``
+    # sources of images with captions: the caption ids (padding included) lie below this; the contrastive
+    # objective checks its text tower's vocabulary against it when the run is built
+    text_vocab: int | None = None
 
     def __init__(self, seed: int):
         self.seed = seed

@@ -23,7 +23,7 @@ from kilolayer.config import Config
 from kilolayer.data.base import register_source
 from kilolayer.data.memory import MemorySource, SplitOptions, split_indices
 from kilolayer.data.options import parse_options
-from kilolayer.data.vocab import PAD, encode
+from kilolayer.data.vocab import BYTE_VOCAB, PAD, encode
 from kilolayer.errors import ConfigError
 
 NUM_CLASSES = 10
@@ -110,7 +110,7 @@ def digit_captions(config: Config) -> MemorySource:
     g = torch.Generator().manual_seed(opts.split_seed + 1)
     templates = torch.randint(len(TEMPLATES), (len(labels),), generator=g)
     captions = [encode(caption(int(y), int(t))) for y, t in zip(labels, templates)]
-    return MemorySource(
+    source = MemorySource(
         config.train.seed,
         {"images": images, "tokens": captions, "labels": labels},
         splits,
@@ -119,3 +119,5 @@ def digit_captions(config: Config) -> MemorySource:
         num_classes=NUM_CLASSES,
         where="data.name='digit_captions'",
     )
+    source.text_vocab = BYTE_VOCAB
+    return source

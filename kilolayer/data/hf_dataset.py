@@ -156,7 +156,7 @@ def hf_dataset(config: Config) -> MemorySource:
             check_vocab(config.model.vocab_size, tok)
         max_len = opts.max_len or (config.model.max_len if not opts.image else 64)
         columns["tokens"] = encode_all([str(t) for t in column(opts.text)], tok, max_len, opts.add_cls)
-    return MemorySource(
+    source = MemorySource(
         config.train.seed,
         columns,
         ranges,
@@ -165,3 +165,6 @@ def hf_dataset(config: Config) -> MemorySource:
         num_classes=num_classes,
         where=f"data.path={path}",
     )
+    if opts.text and opts.image:
+        source.text_vocab = tok.vocab_size
+    return source

@@ -193,4 +193,5 @@ def image_captions(config: Config) -> MemorySource:
         config.train.seed, columns, splits, opts.eval_split, pad_id=tok.pad_id, where=f"data.path={root}"
     )
     source.files = files
+    source.text_vocab = tok.vocab_size
     return source

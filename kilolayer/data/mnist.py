@@ -51,7 +51,7 @@ from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.digits import WORDS
 from kilolayer.data.memory import MemorySource, split_indices
 from kilolayer.data.options import parse_options
-from kilolayer.data.vocab import PAD, encode
+from kilolayer.data.vocab import BYTE_VOCAB, PAD, encode
 from kilolayer.errors import ConfigError, InputError
 
 NUM_CLASSES = 10
@@ -403,6 +403,8 @@ def build_source(config: Config, kind: str, captions: bool = False) -> ImageSour
         mean=mean,
         std=std,
     )
+    if captions:
+        source.text_vocab = BYTE_VOCAB
     if kind == "fashion_mnist":
         source.classes = list(FASHION_CLASSES)
     elif kind == "mnist":

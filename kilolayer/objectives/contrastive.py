@@ -113,6 +113,12 @@ class Contrastive(Objective):
             raise ConfigError("objective.options.image_pool='cls': model.cls_token is false; use image_pool: mean")
         self.text_pool = opts.text_pool
         self.text_config = text_model_config(m, opts.text_model)
+        needed = getattr(source, "text_vocab", None)
+        if needed and self.text_config.vocab_size < needed:
+            raise ConfigError(
+                f"objective.options.text_model.vocab_size={self.text_config.vocab_size}: the captions of "
+                f"data.name={config.data.name!r} need at least {needed}"
+            )
         self.text = build_model(self.text_config)
         self.image_proj = nn.Linear(m.width, opts.embed_dim, bias=False)
         self.text_proj = nn.Linear(self.text_config.width, opts.embed_dim, bias=False)
