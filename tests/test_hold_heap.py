@@ -45,15 +45,23 @@ def test_hold_heap_sets_both_thresholds(libc):
     assert libc.calls == [(-3, 32 * 1024 * 1024), (-1, 2**31 - 1)]
 
 
-def test_hold_heap_reports_a_refusal(libc, capsys):
+def test_hold_heap_reports_a_refusal_once(libc, capsys, monkeypatch):
+    monkeypatch.setattr(P, "_WARNED", [False])
     libc.ok = 0  # mallopt returns 0 when it refuses a value
     assert P.hold_heap() is False
     assert capsys.readouterr().err == (
-        "kilolayer: warning: train.hold_heap: glibc's mallopt refused the thresholds; the heap follows glibc's "
-        "defaults\n"
+        "kilolayer: warning: train.hold_heap: glibc's mallopt refused the mmap threshold; the heap is not held\n"
     )
+    assert P.hold_heap() is False and capsys.readouterr().err == ""  # once a process
     libc.ok = 1
     assert P.hold_heap() is True and capsys.readouterr().err == ""
+
+
+def test_hold_heap_names_the_threshold_refused(libc, capsys, monkeypatch):
+    monkeypatch.setattr(P, "_WARNED", [False])
+    monkeypatch.setattr(libc, "mallopt", lambda param, value: int(param == P._M_MMAP_THRESHOLD))
+    assert P.hold_heap() is False
+    assert "refused the trim threshold (the mmap threshold is set); the heap is not held" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "off", " False ", "no"])

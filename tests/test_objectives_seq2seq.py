@@ -37,4 +37,4 @@ def test_evaluation_loss_is_the_mean_over_target_tokens():
             count += int(keep.sum())
             src_tokens += int((~b["src_padding_mask"]).sum())
     assert src_tokens != count  # the two weightings differ on this data
-    assert got == pytest.approx(nll / count, rel=1e-5)
+    assert got == pytest.approx(nll / count, rel=1e-6)  # source + target weights would be 9e-5 off here

@@ -283,7 +283,7 @@ def test_estimate_probes_points_that_differ_only_in_their_analyses_apart(tmp_pat
         dataclasses.replace(base, name="smooth_ptb", analyses=["smoothness"], analysis_data={"name": "ptb"}),
     ]
     variants[1].config.train.seed = 1
-    probed = []
+    probed, real_probe = [], E.probe
 
     def fake_probe(point, steps):
         probed.append((point.name, point.analyses, point.analysis_data))
@@ -300,6 +300,12 @@ def test_estimate_probes_points_that_differ_only_in_their_analyses_apart(tmp_pat
     ]
     seconds = {k.split("/")[1]: v["analyses"] for k, v in est["points"].items()}
     assert seconds == {base.name: 0.0, "seed1": 0.0, "smooth": 5.0, "smooth_ptb": 5.0}
+
+    # a real probe runs the point's analyses on the data they read, as the study will
+    ran = []
+    monkeypatch.setattr(E, "run_analysis", lambda name, run_dir, data=None: ran.append((name, data)))
+    real_probe(variants[3], 1)
+    assert ran == [("smoothness", {"name": "ptb"})]
 
 
 def test_still_improving_flags_unconverged_runs():

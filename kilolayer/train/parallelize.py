@@ -194,18 +194,19 @@ def hold_heap() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    held = (
-        libc.mallopt(_M_MMAP_THRESHOLD, HOLD_MMAP_THRESHOLD) == 1
-        and libc.mallopt(_M_TRIM_THRESHOLD, HOLD_TRIM_THRESHOLD) == 1
-    )
-    if not held:  # glibc itself said no: unexpected, unlike the settings above, which a user chose
-        rundir.warn("train.hold_heap: glibc's mallopt refused the thresholds; the heap follows glibc's defaults")
+    mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, HOLD_MMAP_THRESHOLD) == 1
+    held = mmap_set and libc.mallopt(_M_TRIM_THRESHOLD, HOLD_TRIM_THRESHOLD) == 1
+    if not held and not _WARNED[0]:  # glibc itself said no: unexpected, unlike the settings a user chose above
+        _WARNED[0] = True
+        which = "the trim threshold (the mmap threshold is set)" if mmap_set else "the mmap threshold"
+        rundir.warn(f"train.hold_heap: glibc's mallopt refused {which}; the heap is not held")
     _HELD[0] = _HELD[0] or held
     return held
 
 
-#: whether :func:`hold_heap` has held this process's heap (it stays held)
+#: whether :func:`hold_heap` has held this process's heap (it stays held); whether it has warned of a refusal
 _HELD = [False]
+_WARNED = [False]
 
 
 def heap_held() -> bool:
