@@ -214,6 +214,29 @@ def test_deepnet_bleu_is_higher_is_better(tmp_path):
     assert deepnet_postln(_deepnet(GOOD), tmp_path).rows[0][-1] == "seed 0: 0.050, seed 1: 0.060"
 
 
+def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_decided(tmp_path):
+    """Two learning rates in the deepnet group give each scheme, depth and seed two runs: the one-run comparison
+    of the rule is not defined, so every DeepNet verdict is inconclusive and says why, and the table shows both
+    runs of a cell, named by their learning rate (before, the first run found was compared and shown alone)."""
+    import copy
+
+    results = []
+    for lr, scale in ((1e-3, 1.0), (3e-3, 2.0)):
+        for r in _deepnet(GOOD, update={"post_ln": lambda l, s: 40.0, "deepnorm": lambda l, s: 1.0}):
+            r = copy.deepcopy(r)
+            r.point.values["train.lr"] = lr
+            r.eval["loss"] *= scale
+            results.append(r)
+    for finding in (deepnet_postln, deepnet_preln, deepnet_update):
+        f = finding(results, tmp_path)
+        assert f.verdict.verdict == INCONCLUSIVE, (f.name, f.verdict)
+        assert f.verdict.reason.startswith("the deepnet group varies train.lr besides the scheme, depth and seed")
+    post = next(r for r in deepnet_postln(results, tmp_path).rows if r[0] == "post_ln")
+    assert post[-1] == "seed 0 lr=0.001: 1.900, seed 0 lr=0.003: 3.800, seed 1 lr=0.001: 1.910, seed 1 lr=0.003: 3.820"
+    # the same evidence at one learning rate is decided
+    assert deepnet_postln(results[: len(results) // 2], tmp_path).verdict.verdict == HELD
+
+
 def test_scheme_depth_table_names_each_seed_and_a_missing_run(tmp_path):
     """The table under a DeepNet verdict names each seed's run where the study has several, and a seed with no run
     at a scheme and depth reads ``missing`` there (and the verdict counts it as missing evidence); with one seed

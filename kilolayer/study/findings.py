@@ -29,6 +29,7 @@ Nothing is decided in advance: the verdicts come from the numbers.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -344,6 +345,28 @@ def slope(depths: list[int], values: list[float]) -> float:
 # ---------------------------------------------------------------- DeepNet
 
 
+#: what a DeepNet comparison may vary between its runs: anything else varied makes it undecidable
+_DEEPNET_AXES = {"model.scheme", "model.layers", "model.decoder_layers", "train.seed"}
+
+
+def _other_axes(rs) -> list[str]:
+    """The grid keys besides scheme, depth and seed whose values differ between the runs ``rs``: with any, one
+    scheme, depth and seed has several runs, and a comparison of one run each would pick among them blindly."""
+    keys = sorted({k for r in rs for k in r.point.values} - _DEEPNET_AXES)
+    return [k for k in keys if len({json.dumps(r.point.values.get(k), sort_keys=True, default=str) for r in rs}) > 1]
+
+
+def _several_settings(v: Verdict, axes: list[str]) -> Verdict:
+    """``v`` made inconclusive because the group varies ``axes`` besides scheme, depth and seed."""
+    v.verdict = INCONCLUSIVE
+    v.reason = (
+        f"the deepnet group varies {', '.join(axes)} besides the scheme, depth and seed, so a scheme, depth and "
+        "seed has several runs and the rule's one-run comparison is not defined; give each setting of "
+        f"{', '.join(axes)} a group of its own"
+    )
+    return v
+
+
 def _run(rs, scheme: str, depth: int, seed):
     """The run of ``scheme`` at ``depth`` layers per side with ``seed``, or None."""
     found = [r for r in rs if _depth(r) == depth and _val(r, "model.scheme") == scheme and _seed(r) == seed]
@@ -372,17 +395,21 @@ def _scheme_depth_table(rs, out, metric: str = "loss"):
     schemes = sorted({_val(r, "model.scheme") for r in rs})
     depths = sorted({_depth(r) for r in rs})
     seeds = _seeds(rs)
+    others = _other_axes(rs)  # several runs to a cell: each is named by these
     rows = []
     for s in schemes:
         row = [s]
         for d in depths:
             parts = []
             for seed in seeds:
-                r = _run(rs, s, d, seed)
-                cell = _status_cell(r, _cell_value(r, metric, out) if r is not None else "")
-                if metric == "bleu" and r is not None and r.status == "diverged":
-                    cell += " (BLEU 0)"  # what the verdict scores it
-                parts.append(f"seed {seed}: {cell}" if len(seeds) > 1 else cell)
+                found = [r for r in rs if _depth(r) == d and _val(r, "model.scheme") == s and _seed(r) == seed]
+                for r in found or [None]:
+                    cell = _status_cell(r, _cell_value(r, metric, out) if r is not None else "")
+                    if metric == "bleu" and r is not None and r.status == "diverged":
+                        cell += " (BLEU 0)"  # what the verdict scores it
+                    label = [f"seed {seed}"] if len(seeds) > 1 else []
+                    label += [f"{k.split('.')[-1]}={_val(r, k)}" for k in others if r is not None]
+                    parts.append(f"{' '.join(label)}: {cell}" if label else cell)
             row.append(", ".join(parts))
         rows.append(row)
     return ["scheme"] + [_depth_label(rs[0], d) for d in depths], rows
@@ -437,6 +464,9 @@ def _scheme_vs(
             else:
                 ev.add(seed, loss_of(a, out) - loss_of(b, out), f"seed {seed}")
     v = ev.decide(margin, " BLEU" if metric == "bleu" else " nats")
+    others = _other_axes(rs)
+    if others:
+        v = _several_settings(v, others)
     at = _depth_label(rs[0], deepest)
     must = f"{winner} must have learned (loss ≤ {LEARNED:g} x chance)"
     if metric == "bleu":
@@ -580,6 +610,9 @@ def deepnet_update(results, out):
             ok = ua > 0 and ub > 0 and math.isfinite(ua) and math.isfinite(ub)
             ev.add(seed, math.log(ua / ub) if ok else None, f"first updates of seed {seed} ({ua:g}, {ub:g})")
     v = ev.decide(math.log(1.5), " (ln ratio)")
+    others = _other_axes(everything)
+    if others:
+        v = _several_settings(v, others)
     rule = (
         "d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "
         f"on a fixed probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 "
