@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from objective_helpers import tiny_lm
+from objective_helpers import TINY_TEXT, tiny_lm
 
 from kilolayer.config import load_config
 from kilolayer.data import load_source
@@ -200,8 +200,13 @@ def test_an_objective_missing_a_required_method_is_refused_at_definition():
     [
         tiny_lm(),
         {"model": S2S, "objective": {"name": "seq2seq"}, "data": {"name": "synthetic", "task": "reverse"}},
+        {
+            "model": TINY_TEXT,
+            "objective": {"name": "classification"},
+            "data": {"name": "stdlib_packages", "options": {"max_per_class": 20, "packages": ["xml", "email"]}},
+        },
     ],
-    ids=["decoder", "encoder_decoder"],
+    ids=["decoder", "encoder_decoder", "classifier"],
 )
 def test_a_whole_token_task_compiles_to_one_graph(section):
     """``train.compile: model`` traces the task as one graph: the embedding's id-range check (a value read out of a

@@ -230,11 +230,42 @@ def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_deci
     for finding in (deepnet_postln, deepnet_preln, deepnet_update):
         f = finding(results, tmp_path)
         assert f.verdict.verdict == INCONCLUSIVE, (f.name, f.verdict)
-        assert f.verdict.reason.startswith("the deepnet group varies train.lr besides the scheme, depth and seed")
+        assert f.verdict.reason.startswith(
+            "the deepnet group has several runs of one scheme, depth and seed, differing in train.lr, so"
+        )
+        assert math.isnan(f.verdict.mean) and not f.verdict.per_seed  # no numbers from blindly picked runs
     post = next(r for r in deepnet_postln(results, tmp_path).rows if r[0] == "post_ln")
-    assert post[-1] == "seed 0 lr=0.001: 1.900, seed 0 lr=0.003: 3.800, seed 1 lr=0.001: 1.910, seed 1 lr=0.003: 3.820"
+    assert post[-1] == (
+        "seed 0 train.lr=0.001: 1.900, seed 0 train.lr=0.003: 3.800, "
+        "seed 1 train.lr=0.001: 1.910, seed 1 train.lr=0.003: 3.820"
+    )
+    rows = deepnet_update(results, tmp_path).rows
+    assert {r[0] for r in rows} == {
+        f"{s} train.lr={lr}" for s in ("deepnorm", "post_ln", "pre_ln") for lr in (0.001, 0.003)
+    }
     # the same evidence at one learning rate is decided
     assert deepnet_postln(results[: len(results) // 2], tmp_path).verdict.verdict == HELD
+
+
+def test_a_value_tied_to_the_depth_is_not_a_second_run_but_an_untied_decoder_depth_is(tmp_path):
+    """A learning rate set per depth by a combined grid key leaves one run per scheme, depth and seed, and the
+    verdict is decided; decoder depths varied apart from ``model.layers`` give two runs to a cell, named by
+    ``model.decoder_layers``."""
+    import copy
+
+    tied = _deepnet(GOOD)
+    for r in tied:
+        r.point.values["train.lr"] = {2: 1e-3, 6: 7e-4, 18: 5e-4}[r.point.config.model.layers]
+    f = deepnet_postln(tied, tmp_path)
+    assert f.verdict.verdict == HELD and not any("train.lr" in str(c) for row in f.rows for c in row)
+    untied = []
+    for dec in (6, 18):
+        for r in _deepnet(GOOD):
+            r = copy.deepcopy(r)
+            r.point.values["model.decoder_layers"] = dec
+            untied.append(r)
+    f = deepnet_postln(untied, tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "differing in model.decoder_layers" in f.verdict.reason, f.verdict
 
 
 def test_scheme_depth_table_names_each_seed_and_a_missing_run(tmp_path):

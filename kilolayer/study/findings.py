@@ -345,26 +345,32 @@ def slope(depths: list[int], values: list[float]) -> float:
 # ---------------------------------------------------------------- DeepNet
 
 
-#: what a DeepNet comparison may vary between its runs: anything else varied makes it undecidable
-_DEEPNET_AXES = {"model.scheme", "model.layers", "model.decoder_layers", "train.seed"}
-
-
 def _other_axes(rs) -> list[str]:
-    """The grid keys besides scheme, depth and seed whose values differ between the runs ``rs``: with any, one
-    scheme, depth and seed has several runs, and a comparison of one run each would pick among them blindly."""
-    keys = sorted({k for r in rs for k in r.point.values} - _DEEPNET_AXES)
-    return [k for k in keys if len({json.dumps(r.point.values.get(k), sort_keys=True, default=str) for r in rs}) > 1]
+    """The grid keys that tell apart the runs of one scheme, depth (``model.layers``) and seed, where some has
+    several: a comparison of one run each would pick among them blindly. Empty when each has one run (a value
+    tied to the depth or scheme by a combined grid key is not a second run)."""
+    cells: dict[tuple, list] = defaultdict(list)
+    for r in rs:
+        cells[(_val(r, "model.scheme"), _depth(r), _seed(r))].append(r)
+    crowded = [c for c in cells.values() if len(c) > 1]
+    if not crowded:
+        return []
+    keys = sorted({k for r in rs for k in r.point.values} - {"model.scheme", "model.layers", "train.seed"})
+
+    def differs(key, runs):
+        return len({json.dumps(r.point.values.get(key), sort_keys=True, default=str) for r in runs}) > 1
+
+    return [k for k in keys if any(differs(k, c) for c in crowded)] or ["no grid key (a point repeated)"]
 
 
 def _several_settings(v: Verdict, axes: list[str]) -> Verdict:
-    """``v`` made inconclusive because the group varies ``axes`` besides scheme, depth and seed."""
-    v.verdict = INCONCLUSIVE
-    v.reason = (
-        f"the deepnet group varies {', '.join(axes)} besides the scheme, depth and seed, so a scheme, depth and "
-        "seed has several runs and the rule's one-run comparison is not defined; give each setting of "
-        f"{', '.join(axes)} a group of its own"
+    """``v`` made inconclusive because runs of one scheme, depth and seed differ in ``axes``: the numbers it was
+    computed from were picked blindly, so they are dropped; an earlier reason is kept after this one."""
+    reason = (
+        f"the deepnet group has several runs of one scheme, depth and seed, differing in {', '.join(axes)}, so "
+        f"the rule's one-run comparison is not defined; give each setting of {', '.join(axes)} a group of its own"
     )
-    return v
+    return Verdict(INCONCLUSIVE, margin=v.margin, reason=reason + (f"; {v.reason}" if v.reason else ""))
 
 
 def _run(rs, scheme: str, depth: int, seed):
@@ -408,7 +414,7 @@ def _scheme_depth_table(rs, out, metric: str = "loss"):
                     if metric == "bleu" and r is not None and r.status == "diverged":
                         cell += " (BLEU 0)"  # what the verdict scores it
                     label = [f"seed {seed}"] if len(seeds) > 1 else []
-                    label += [f"{k.split('.')[-1]}={_val(r, k)}" for k in others if r is not None]
+                    label += [f"{k}={_val(r, k)}" for k in others if r is not None]
                     parts.append(f"{' '.join(label)}: {cell}" if label else cell)
             row.append(", ".join(parts))
         rows.append(row)
@@ -587,11 +593,11 @@ def deepnet_update(results, out):
     everything = _group(results, "deepnet")
     deepest = max(_depth(r) for r in everything)
     rows = []
+    others = _other_axes(everything)  # several runs of one scheme, depth and seed: each row names its own
     for r in sorted(rs, key=lambda r: (_val(r, "model.scheme"), _depth(r), _seed(r))):
         ups = [d["update"] for d in r.diagnostics]
-        rows.append(
-            [_val(r, "model.scheme"), _depth(r), _seed(r), _fmt(max(ups) if ups else None), _fmt(_first_update(r))]
-        )
+        scheme = " ".join([str(_val(r, "model.scheme")), *(f"{k}={_val(r, k)}" for k in others)])
+        rows.append([scheme, _depth(r), _seed(r), _fmt(max(ups) if ups else None), _fmt(_first_update(r))])
     ev = Evidence()
     for seed in _seeds(everything):
         a, b = _run(everything, "post_ln", deepest, seed), _run(everything, "deepnorm", deepest, seed)
@@ -610,7 +616,6 @@ def deepnet_update(results, out):
             ok = ua > 0 and ub > 0 and math.isfinite(ua) and math.isfinite(ub)
             ev.add(seed, math.log(ua / ub) if ok else None, f"first updates of seed {seed} ({ua:g}, {ub:g})")
     v = ev.decide(math.log(1.5), " (ln ratio)")
-    others = _other_axes(everything)
     if others:
         v = _several_settings(v, others)
     rule = (
