@@ -210,8 +210,8 @@ def test_deepnet_bleu_is_higher_is_better(tmp_path):
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(34.75) and "BLEU" in f.rule
     # the table shows what the verdict compares: BLEU first, then the loss
     row = next(r for r in f.rows if r[0] == "deepnorm")
-    assert row[-1] == "seed 0: BLEU 38.00 (loss 0.050), seed 1: BLEU 38.50 (loss 0.060)", row
-    assert deepnet_postln(_deepnet(GOOD), tmp_path).rows[0][-1] == "seed 0: 0.050, seed 1: 0.060"
+    assert row[-1] == "BLEU 38.00 (loss 0.050) / BLEU 38.50 (loss 0.060)", row
+    assert deepnet_postln(_deepnet(GOOD), tmp_path).rows[0][-1] == "0.050 / 0.060"
 
 
 def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_decided(tmp_path):
@@ -268,10 +268,10 @@ def test_a_value_tied_to_the_depth_is_not_a_second_run_but_an_untied_decoder_dep
     assert f.verdict.verdict == INCONCLUSIVE and "differing in model.decoder_layers" in f.verdict.reason, f.verdict
 
 
-def test_scheme_depth_table_names_each_seed_and_a_missing_run(tmp_path):
-    """The table under a DeepNet verdict names each seed's run where the study has several, and a seed with no run
-    at a scheme and depth reads ``missing`` there (and the verdict counts it as missing evidence); with one seed
-    a cell is that run's value alone."""
+def test_scheme_depth_table_lists_each_seed_and_a_missing_run(tmp_path):
+    """The table under a DeepNet verdict lists every seed's run in seed order, which a note under it states, and a
+    seed with no run at a scheme and depth reads ``missing`` there (and the verdict counts it as missing
+    evidence); with one seed a cell is that run's value alone, and there is no such note."""
     results = [
         r
         for r in _deepnet(GOOD)
@@ -279,10 +279,12 @@ def test_scheme_depth_table_names_each_seed_and_a_missing_run(tmp_path):
     ]
     f = deepnet_postln(results, tmp_path)
     post = next(r for r in f.rows if r[0] == "post_ln")
-    assert post[1:] == ["seed 0: 1.900, seed 1: missing"] * 3, post
+    assert post[1:] == ["1.900 / missing"] * 3, post
+    assert f.notes[0] == "Each cell: seed 0 / 1, in that order (missing: that seed has no run there)."
     assert f.verdict.verdict == INCONCLUSIVE, f.verdict
     one = deepnet_postln(_deepnet(GOOD, seeds=(0,)), tmp_path)
     assert [r[1:] for r in one.rows] == [["0.050"] * 3, ["1.900"] * 3, ["1.400"] * 3], one.rows
+    assert not one.notes[0].startswith("Each cell")
     one = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, seeds=(0,)), BLEU), tmp_path)
     assert one.verdict.verdict == INCONCLUSIVE and "one seed" in one.verdict.reason  # one seed is never decided
     f = deepnet_preln_bleu(_with_bleu(_deepnet(GOOD), {**BLEU, "pre_ln": lambda l, s: 45.0}), tmp_path)
@@ -294,10 +296,10 @@ def test_deepnet_bleu_diverged_scores_zero_and_missing_bleu_is_named(tmp_path):
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, status), BLEU), tmp_path)
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(38.25)  # DeepNorm's BLEU - 0
     row = next(r for r in f.rows if r[0] == "post_ln")
-    assert row[-1] == "seed 0: diverged@30 (BLEU 0), seed 1: diverged@30 (BLEU 0)", row  # what the verdict scores it
+    assert row[-1] == "diverged@30 (BLEU 0) / diverged@30 (BLEU 0)", row  # what the verdict scores it
     nan = {**BLEU, "pre_ln": lambda l, s: float("nan")}
     row = next(r for r in deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), nan), tmp_path).rows if r[0] == "pre_ln")
-    assert row[-1] == "seed 0: BLEU - (loss 1.400), seed 1: BLEU - (loss 1.400)", row  # no finite BLEU: not shown
+    assert row[-1] == "BLEU - (loss 1.400) / BLEU - (loss 1.400)", row  # no finite BLEU: not shown as one
     no_bleu = {**BLEU, "deepnorm": lambda l, s: None if s == 1 else 38.0}
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), no_bleu), tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and "BLEU of seed 1 (no finite value" in f.verdict.reason

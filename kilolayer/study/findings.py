@@ -396,8 +396,9 @@ def _cell_value(r, metric: str, out) -> str:
 
 
 def _scheme_depth_table(rs, out, metric: str = "loss"):
-    """Scheme x depth: each cell the final evaluation of every seed of the study (``seed N:`` before each where
-    there are several; a seed with no run there reads ``missing``)."""
+    """Scheme x depth: each cell the final evaluation of every seed of the study, in seed order, `` / `` between
+    them (:func:`_cells_note` says so under the table); a seed with no run there reads ``missing``. Where one
+    seed has several runs in a cell, each is labelled with its seed and the keys that tell them apart."""
     schemes = sorted({_val(r, "model.scheme") for r in rs})
     depths = sorted({_depth(r) for r in rs})
     seeds = _seeds(rs)
@@ -413,12 +414,19 @@ def _scheme_depth_table(rs, out, metric: str = "loss"):
                     cell = _status_cell(r, _cell_value(r, metric, out) if r is not None else "")
                     if metric == "bleu" and r is not None and r.status == "diverged":
                         cell += " (BLEU 0)"  # what the verdict scores it
-                    label = [f"seed {seed}"] if len(seeds) > 1 else []
-                    label += [f"{k}={_val(r, k)}" for k in others if r is not None]
-                    parts.append(f"{' '.join(label)}: {cell}" if label else cell)
-            row.append(", ".join(parts))
+                    label = [f"seed {seed}"] + [f"{k}={_val(r, k)}" for k in others if r is not None]
+                    parts.append(f"{' '.join(label)}: {cell}" if others else cell)
+            row.append((", " if others else " / ").join(parts))
         rows.append(row)
     return ["scheme"] + [_depth_label(rs[0], d) for d in depths], rows
+
+
+def _cells_note(rs) -> list[str]:
+    """What the cells of :func:`_scheme_depth_table` list, where they list several seeds without labels."""
+    seeds = _seeds(rs)
+    if len(seeds) < 2 or _other_axes(rs):
+        return []
+    return [f"Each cell: seed {' / '.join(map(str, seeds))}, in that order (missing: that seed has no run there)."]
 
 
 def _chance_note(runs, out, unit=" nats") -> list[str]:
@@ -495,7 +503,7 @@ def _scheme_vs(
         v,
         headers,
         rows,
-        notes=_chance_note(deep, out),
+        notes=_cells_note(rs) + _chance_note(deep, out),
     )
 
 
