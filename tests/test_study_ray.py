@@ -655,6 +655,39 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
 
 
 @pytest.mark.slow
+def test_ray_trains_a_point_again_when_its_source_moved(ray_head, tmp_path):
+    """The Ray executor's own dispatch of ``init_from`` points: a fine-tuning run that started from step 2 of its
+    source, which has since been resumed to its chosen checkpoint (step 4), is set aside whole and trained again
+    from step 4, as the local runner does (tests/test_study_init_from.py); a further run trains nothing."""
+    from test_study_init_from import SPEC, with_train
+
+    from kilolayer import rundir
+    from kilolayer.study.spec import StudySpec, expand
+    from kilolayer.train.loop import train
+
+    spec = write_spec(tmp_path / "spec.yaml", SPEC)
+    pre, ft = expand(StudySpec.model_validate(SPEC))
+    out = tmp_path / "study"
+    src, dep = pre.run_dir(out), ft.run_dir(out)
+    train(with_train(pre.config, steps=2), src, quiet=True)  # the source, stopped at step 2
+    rundir.write_status(src, "interrupted", 2, "interrupted by SIGTERM at step 2 (checkpoint step 2 saved)")
+    train(ft.config, dep, quiet=True, sets=[f"train.init_from={src}"])  # fine-tuned from that step 2
+    assert rundir.read_status(dep)["init_from"]["step"] == 2
+    cmd = (spec, "--out", out, "--executor", "ray", "--address", ray_head.address)
+    rc, so, se = finish(study(*cmd))
+    assert rc == 0, so + se
+    assert rundir.read_status(src)["step"] == 4
+    assert rundir.read_status(dep)["init_from"] == {"path": str(src.resolve()), "step": 4}
+    stale = dep.with_name("seed=0.stale-1")
+    assert rundir.read_status(stale)["init_from"]["step"] == 2 and (stale / rundir.CHECKPOINTS).is_dir()
+    assert "ft/seed=0: training again from scratch: it started from step 2 of pre/seed=0" in so + se
+    before = files_state(out / "runs")
+    rc, so, se = finish(study(*cmd))
+    assert rc == 0, so + se
+    assert files_state(out / "runs") == before  # nothing stale any more: nothing trained
+
+
+@pytest.mark.slow
 def test_nproc_per_run_trains_under_torchrun_like_torchrun_itself(ray_head, tmp_path):
     """--nproc-per-run 2: the point is a 2-process DDP run (gloo on CPU) inside its Ray task, and gives the
     losses of the same config under a plain `torchrun --nproc-per-node 2`, bit for bit."""

@@ -154,8 +154,9 @@ def _wait_unlocked(run_dir: Path, seconds: float) -> None:
 
 
 def train_task(point: Point, out: str, token_path: str, token: str, threads: int, nproc: int, cwd: str) -> dict:
-    """Task: train one point (skipped if finished). Returns its status, seconds, whether it trained and the
-    node; raises :class:`TrainingProcessDied` (Ray retries) when the training process was killed."""
+    """Task: train one point (skipped if finished). Returns its status, seconds, whether it trained, the node
+    and the runner's other lines for the driver to write; raises :class:`TrainingProcessDied` (Ray retries)
+    when the training process was killed."""
     import ray
 
     context = ray.get_runtime_context()
@@ -170,10 +171,11 @@ def train_task(point: Point, out: str, token_path: str, token: str, threads: int
         _wait_unlocked(point.run_dir(out_dir), LOCK_WAIT_S)
         # a point uses the GPUs it reserved, and none without (Ray leaves them all visible then)
         env = {} if context.get_accelerator_ids().get("GPU") else {"CUDA_VISIBLE_DEVICES": ""}
+        lines: list[str] = []
         a = train_point(
             point,
             out_dir,
-            log=lambda *_: None,
+            log=lines.append,
             threads=threads,
             nproc=nproc,
             cwd=Path(cwd) if os.path.isdir(cwd) else None,
@@ -185,7 +187,11 @@ def train_task(point: Point, out: str, token_path: str, token: str, threads: int
     if a.trained and a.status not in FINISHED and (a.crashed or a.status == "interrupted"):
         reason = read_status(point.run_dir(out_dir)).get("reason", "")
         raise TrainingProcessDied(f"{point.key}: {a.status} ({reason}); the retry resumes it")
-    return {"status": a.status, "seconds": a.seconds, "trained": a.trained, "node": node}
+    # what the runner said besides its start and end lines, which the driver writes itself (a run set aside to
+    # train again from scratch, a source it waits for)
+    routine = (f"[study] train {point.key}", f"[study] {point.key}: {a.status} (")
+    said = [line for line in lines if not line.startswith(routine)]
+    return {"status": a.status, "seconds": a.seconds, "trained": a.trained, "node": node, "log": said}
 
 
 def analysis_task(point: Point, out: str, threads: int) -> list[str]:
@@ -489,6 +495,8 @@ class _Driver:
             self.ended.add(p.key)
             self.progress.say(f"[study] {p.key}: failed ({_error_line(value)})")
             return
+        for line in value.get("log", ()):
+            self.progress.say(line)
         if not value["trained"]:
             self.ran.discard(p.key)
         else:
