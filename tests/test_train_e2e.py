@@ -174,3 +174,72 @@ def test_deepnet_diagnostics_postln_vs_deepnorm(tmp_path):
     assert post[0]["update"] > 3 * deep[0]["update"], (post[0]["update"], deep[0]["update"])
     # every LayerNorm's input magnitude is logged: 2 post-norms per layer
     assert len(deep[0]["ln_input"]) == 48 and all(v > 0 for v in deep[0]["ln_input"])
+
+
+def _children(pid: int) -> list[int]:
+    """The PIDs whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_stop_and_save_when_torchrun_is_killed(tmp_path):
+    """``kill -9`` of torchrun itself (which can forward no signal then): each rank gets SIGTERM from the kernel,
+    saves a checkpoint, records ``interrupted`` and exits, instead of training on as an orphan holding the run."""
+    import os
+    import signal
+    import time
+
+    sets = ["model.layers=2", "model.decoder_layers=2", "train.steps=100000", "train.log_every=1"]
+    sets += ["train.batch_size=8", "train.eval_every=0", "objective.options.decode_samples=0"]
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dump_yaml(load_config(ROOT / "configs" / "reverse_deepnorm.yaml", sets)))
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "kilolayer", "train", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "log", "w") as log:
+        agent = subprocess.Popen(
+            [*cmd, "--out", str(run), "--quiet"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run / "metrics.jsonl").exists() and len(records(run, "train")) >= 5):
+            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-2000:]
+            time.sleep(0.5)
+        ranks = [p for p in _children(agent.pid) if _alive(p)]
+        assert len(ranks) == 2, ranks
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 120
+        while any(_alive(p) for p in ranks):
+            assert time.monotonic() < deadline, "ranks kept training after torchrun died"
+            time.sleep(0.5)
+        st = json.loads((run / "status.json").read_text())
+        assert st["status"] == "interrupted" and st["reason"].startswith("interrupted by SIGTERM"), st
+        assert st["last_checkpoint"] == st["step"] >= 5, st
+    finally:
+        for p in ranks:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()

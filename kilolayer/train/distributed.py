@@ -9,7 +9,10 @@ parallelism.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +36,31 @@ class Dist:
         return self.world > 1
 
 
+def die_with_launcher() -> bool:
+    """Under torchrun on Linux: have this process get SIGTERM when its launcher dies, however it died (``kill
+    -9`` included), so that it saves a checkpoint, records ``interrupted`` and exits instead of training on as an
+    orphan that holds the run's lock (torchrun forwards the signals it can catch itself). Returns whether it
+    was set (a launcher that dies between reading the parent's PID and setting the signal is caught by reading
+    it again)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    launcher = os.getppid()
+    try:
+        ok = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+    if ok and os.getppid() != launcher:  # it died between the two reads: the signal will never come
+        os.kill(os.getpid(), signal.SIGTERM)
+    return ok
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def setup(device_choice: str = "auto") -> Dist:
-    """Read torchrun's environment, pick the device, start the process group if there is more than one process."""
+    """Read torchrun's environment, pick the device, start the process group if there is more than one process
+    (each then stops with its launcher: :func:`die_with_launcher`)."""
+    die_with_launcher()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
