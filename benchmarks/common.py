@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -191,7 +192,10 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {msg[0] if msg else ''}"[:300]
 
 
-def _free(device: torch.device) -> None:
+def free(device: torch.device) -> None:
+    """Hand a failed or finished variant's memory back: a compiled module holds itself in a reference cycle, so
+    its parameters outlive ``del`` until a collection."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -224,7 +228,9 @@ def prepare(
     except Exception as err:  # a compile failure (or out of memory) is a result to report, not a crash
         entry["error"] = one_line(err)
         entry["traceback"] = traceback.format_exc(limit=3)
-        _free(device)
+    if "step" not in entry:
+        model = step = None
+        free(device)
     return entry
 
 
@@ -260,15 +266,23 @@ def race(
     live = [e for e in entries if "step" in e]
     for e in live:
         e["times"] = []
+    cuda = device.type == "cuda"
     for r in range(rounds):
         k = r % len(live) if live else 0
         for e in live[k:] + live[:k]:
+            failed = None
             try:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
                 e["times"].append(timed(lambda step=e["step"]: step(inputs, targets)))
+                if cuda:  # the step's peak, with every variant's weights and optimizer state resident
+                    e["peak_gib"] = max(e.get("peak_gib", 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
             except Exception as err:  # a later recompile that fails, or memory running out
-                e["error"] = one_line(err)
+                failed = one_line(err)
+            if failed is not None:  # outside the except block: its traceback no longer holds the step's frames
+                e["error"] = failed
                 del e["step"], e["times"]
-                _free(device)
+                free(device)
         live = [e for e in live if "step" in e]
     by_name = {e["name"]: e for e in entries}
     timed_ = [v for v in variants if "times" in by_name[v.name]]

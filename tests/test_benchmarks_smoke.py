@@ -359,9 +359,25 @@ def test_gpu_smoke_json(gpu_result):
         assert [v["name"] for v in res["variants"]] == [v.name for v in gpu.VARIANTS]
         assert all(v["options"]["precision"] == "bf16" and v["options"]["fused_optimizer"] for v in res["variants"])
         assert res["faster_peer"] is None  # no eager peers on the GPU
+        assert res["sdpa_backend"] == "cpu"  # on CUDA: the kernel PyTorch's chooser picks for the shape
         _check_race(res, ("ratio_vs_best_peer_fast",))
     text = gpu.format_result(r)
     assert "x best peer fast path" in text and "x faster peer" not in text
+    assert "SDPA kernel: cpu" in text and "| peak GiB |" in text
+
+
+def test_gpu_race_hands_over_each_shape_when_it_is_done():
+    """A GPU run cut short by its host keeps what it finished: each shape's results are handed over (printed,
+    and written to --out) as soon as that shape is done, with every shape finished so far."""
+    seen = []
+    result = gpu.run(
+        smoke=True,
+        rounds=1,
+        configs=["smoke_deep", "smoke_wide"],
+        done=lambda r, k: seen.append((k, list(r["configs"]))),
+    )
+    assert seen == [("smoke_deep", ["smoke_deep"]), ("smoke_wide", ["smoke_deep", "smoke_wide"])]
+    assert list(result["configs"]) == ["smoke_deep", "smoke_wide"]
 
 
 def test_gpu_without_cuda_is_one_line(capsys, monkeypatch):

@@ -120,6 +120,11 @@ def test_vendor_figures():
     assert M.vendor_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=False) == 67e12
     assert M.vendor_peak("NVIDIA A100-SXM4-80GB", "bf16", tf32=False) == 312e12
     assert M.vendor_peak("Some Future GPU", "bf16", tf32=False) is None
+    # whole names: an NVL card is not the SXM one, an L40 not an L4 (it has no figure here: measured)
+    assert M.vendor_peak("NVIDIA H200 NVL", "bf16", tf32=False) == 835.5e12
+    assert M.vendor_peak("NVIDIA L4", "bf16", tf32=False) == 121e12
+    assert M.vendor_peak("NVIDIA L40S", "bf16", tf32=False) == 362.05e12
+    assert M.vendor_peak("NVIDIA L40", "bf16", tf32=False) is None
 
 
 def test_given_peak_measures_nothing(monkeypatch):

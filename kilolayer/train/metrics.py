@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import sys
 import time
@@ -52,7 +53,8 @@ CACHE_FILE = "peak_flops.json"
 # dense (no sparsity) tensor-core figures from the vendors' data sheets, FLOP/s: (bf16, tf32, fp32).
 # Matched against torch.cuda.get_device_name, most specific name first.
 VENDOR_PEAKS: list[tuple[str, tuple[float, float, float]]] = [
-    ("H200", (989e12, 494.5e12, 67e12)),
+    ("H200 NVL", (835.5e12, 417.5e12, 60e12)),
+    ("H200", (989e12, 494.5e12, 67e12)),  # SXM
     ("H100 NVL", (835e12, 417.5e12, 60e12)),
     ("H100 PCIe", (756e12, 378e12, 51e12)),
     ("H100", (989e12, 494.5e12, 67e12)),  # SXM
@@ -206,7 +208,8 @@ def cpu_peak(dtype: torch.dtype, budget_s: float = 1.5) -> tuple[float, int]:
 def vendor_peak(name: str, precision: str, tf32: bool) -> float | None:
     """The vendor's dense figure for a GPU called ``name`` in ``precision`` (fp32 as TF32 if ``tf32``)."""
     for key, (bf16, tf32_peak, fp32) in VENDOR_PEAKS:
-        if key.lower() in name.lower():
+        # a whole-word match, first in the table's order: "L4" is not an "L40", "H200" not an "H200 NVL"
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
             return bf16 if precision == "bf16" else tf32_peak if tf32 else fp32
     return None
 
