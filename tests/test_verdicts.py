@@ -234,6 +234,7 @@ def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_deci
             "the deepnet group has several runs of one scheme, depth and seed, differing in train.lr, so"
         )
         assert math.isnan(f.verdict.mean) and not f.verdict.per_seed  # no numbers from blindly picked runs
+        assert "mean d" not in f.verdict.reason, f.verdict.reason  # nor their description, in the report
     post = next(r for r in deepnet_postln(results, tmp_path).rows if r[0] == "post_ln")
     assert post[-1] == (
         "seed 0 train.lr=0.001: 1.900, seed 0 train.lr=0.003: 3.800, "
@@ -245,6 +246,29 @@ def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_deci
     }
     # the same evidence at one learning rate is decided
     assert deepnet_postln(results[: len(results) // 2], tmp_path).verdict.verdict == HELD
+
+
+def test_several_runs_a_cell_with_bleu_a_diverged_run_and_one_seed(tmp_path):
+    """Constructed evidence on top of two learning rates: the BLEU verdict is inconclusive for the same reason; a
+    diverged run is shown as such in its labelled cell; with one seed the reason says that too; and no number
+    from the blindly picked runs is stated."""
+    import copy
+
+    status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
+    for seeds in ((0, 1), (0,)):
+        results = []
+        for lr in (1e-3, 3e-3):
+            for r in _with_bleu(_deepnet(GOOD, status, seeds=seeds), BLEU):
+                r = copy.deepcopy(r)
+                r.point.values["train.lr"] = lr
+                results.append(r)
+        f = deepnet_postln_bleu(results, tmp_path)
+        assert f.verdict.verdict == INCONCLUSIVE, f.verdict
+        assert f.verdict.reason.startswith("the deepnet group has several runs of one scheme, depth and seed")
+        post = next(r for r in f.rows if r[0] == "post_ln")
+        assert post[-1].startswith("seed 0 train.lr=0.001: diverged@30 (BLEU 0), seed 0 train.lr=0.003: diverged@30")
+        assert ("one seed" in f.verdict.reason) == (seeds == (0,)), f.verdict.reason
+        assert "mean d" not in f.verdict.reason and "BLEU of seed" not in f.verdict.reason, f.verdict.reason
 
 
 def test_a_value_tied_to_the_depth_is_not_a_second_run_but_an_untied_decoder_depth_is(tmp_path):

@@ -363,14 +363,17 @@ def _other_axes(rs) -> list[str]:
     return [k for k in keys if any(differs(k, c) for c in crowded)] or ["no grid key (a point repeated)"]
 
 
-def _several_settings(v: Verdict, axes: list[str]) -> Verdict:
+def _several_settings(v: Verdict, axes: list[str], seeds: int) -> Verdict:
     """``v`` made inconclusive because runs of one scheme, depth and seed differ in ``axes``: the numbers it was
-    computed from were picked blindly, so they are dropped; an earlier reason is kept after this one."""
+    computed from (its mean, bounds and the reason that states them) came from blindly picked runs, so they are
+    dropped; a study of ``seeds`` < 2 seeds is said to be undecidable on that count too."""
     reason = (
         f"the deepnet group has several runs of one scheme, depth and seed, differing in {', '.join(axes)}, so "
         f"the rule's one-run comparison is not defined; give each setting of {', '.join(axes)} a group of its own"
     )
-    return Verdict(INCONCLUSIVE, margin=v.margin, reason=reason + (f"; {v.reason}" if v.reason else ""))
+    if seeds < 2:
+        reason += "; with one seed no verdict is decided either"
+    return Verdict(INCONCLUSIVE, margin=v.margin, reason=reason)
 
 
 def _run(rs, scheme: str, depth: int, seed):
@@ -480,7 +483,7 @@ def _scheme_vs(
     v = ev.decide(margin, " BLEU" if metric == "bleu" else " nats")
     others = _other_axes(rs)
     if others:
-        v = _several_settings(v, others)
+        v = _several_settings(v, others, len(_seeds(rs)))
     at = _depth_label(rs[0], deepest)
     must = f"{winner} must have learned (loss ≤ {LEARNED:g} x chance)"
     if metric == "bleu":
@@ -625,7 +628,7 @@ def deepnet_update(results, out):
             ev.add(seed, math.log(ua / ub) if ok else None, f"first updates of seed {seed} ({ua:g}, {ub:g})")
     v = ev.decide(math.log(1.5), " (ln ratio)")
     if others:
-        v = _several_settings(v, others)
+        v = _several_settings(v, others, len(_seeds(everything)))
     rule = (
         "d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "
         f"on a fixed probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 "
