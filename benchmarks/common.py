@@ -228,7 +228,7 @@ def prepare(
     except Exception as err:  # a compile failure (or out of memory) is a result to report, not a crash
         entry["error"] = one_line(err)
         entry["traceback"] = traceback.format_exc(limit=3)
-    if "step" not in entry:
+    if "step" not in entry:  # a failed variant: drop this frame's references to its model, then collect it
         model = step = None
         free(device)
     return entry
