@@ -18,12 +18,14 @@ from kilolayer.train import metrics as M
 from kilolayer.train.loop import train
 
 LM = tiny_lm(steps=6, batch_size=4, lr=1e-3, log_every=2)
+LOAD_PER_CPU = M.load_per_cpu
 
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    """Each test measures into a cache folder of its own."""
+    """Each test measures into a cache folder of its own, on a machine whose load is unknown unless it says."""
     monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(M, "load_per_cpu", lambda: None)
 
 
 # ---------------------------------------------------------------- FLOPs, rates, MFU
@@ -152,6 +154,48 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     # a damaged cache file is measured again and replaced
     (tmp_path / "cache" / M.CACHE_FILE).write_text("{not json")
     assert M.device_peak("cpu", "fp32").source.startswith("measured") and len(calls) == 3
+
+
+def test_a_peak_measured_on_a_busy_machine_is_measured_again_when_it_is_quiet(tmp_path, monkeypatch):
+    """Other processes can only slow a GEMM down: a figure taken at a load of BUSY_LOAD or more per CPU is
+    measured again by the first run on a quieter machine, the higher figure kept; a quiet figure never is."""
+    rates, loads, calls = iter([3.0e10, 5.0e10, 4.0e10, 9.9e10]), iter([1.6, 1.2, 0.3, 0.1, 1.5]), []
+
+    def fake(dtype, budget_s=1.5, **kw):
+        calls.append(dtype)
+        return next(rates), 512
+
+    monkeypatch.setattr(M, "quick_gemm_rate", fake)
+    monkeypatch.setattr(M, "load_per_cpu", lambda: next(loads))
+    busy = M.device_peak("cpu", "fp32")  # load 1.6: measured, flagged
+    assert busy.flops == 3.0e10 and "load of 1.60 per CPU" in busy.source and len(calls) == 1
+    still = M.device_peak("cpu", "fp32")  # load 1.2: still busy, the cached figure stands
+    assert still.flops == 3.0e10 and still.source.startswith("cached") and len(calls) == 1
+    quiet = M.device_peak("cpu", "fp32")  # load 0.3: measured again
+    assert quiet.flops == 5.0e10 and quiet.source.startswith("measured") and "load" not in quiet.source
+    assert len(calls) == 2
+    entry = next(iter(json.loads((tmp_path / "cache" / M.CACHE_FILE).read_text()).values()))
+    assert entry["load_per_cpu"] == 0.3 and entry["flops"] == 5.0e10
+    for _ in range(2):  # loads 0.1 and 1.5: a quiet figure is final
+        assert M.device_peak("cpu", "fp32").flops == 5.0e10
+    assert len(calls) == 2
+
+
+def test_a_quiet_remeasurement_never_lowers_the_peak(monkeypatch):
+    rates, loads = iter([6.0e10, 2.0e10]), iter([2.0, 0.2])
+    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: (next(rates), 256))
+    monkeypatch.setattr(M, "load_per_cpu", lambda: next(loads))
+    assert M.device_peak("cpu", "fp32").flops == 6.0e10
+    again = M.device_peak("cpu", "fp32")
+    assert again.flops == 6.0e10 and again.source.startswith("measured")
+
+
+def test_the_load_is_per_usable_cpu(monkeypatch):
+    monkeypatch.setattr(M.os, "getloadavg", lambda: (3.0, 0.0, 0.0))
+    monkeypatch.setattr(M, "_usable_cpus", lambda: 4)
+    assert LOAD_PER_CPU() == 0.75
+    monkeypatch.setattr(M.os, "getloadavg", lambda: (_ for _ in ()).throw(OSError("no load average")))
+    assert LOAD_PER_CPU() is None
 
 
 def test_gemm_measurement_is_quick_and_leaves_the_rng_alone():
