@@ -226,7 +226,9 @@ def _spoil_lengths(d):
         (_spoil_shape, "'test_labels' is a tensor of 2 dimensions [20, 1], expected 1"),
         (_spoil_lengths, "the cached arrays: 40 train images but 39 train labels"),
         (lambda d: d["train_labels"], "a Tensor, expected a dict"),
-        (None, "unreadable (UnpicklingError"),
+        (lambda d: d, "has no checksum (written by an older kilolayer)"),
+        ("flip", "does not match its SHA-256 checksum (a damaged byte)"),
+        ("text", "unreadable (UnpicklingError"),
     ],
 )
 def test_a_cache_file_with_the_wrong_content_is_rebuilt_with_one_warning(tmp_path, monkeypatch, capsys, spoil, why):
@@ -234,10 +236,19 @@ def test_a_cache_file_with_the_wrong_content_is_rebuilt_with_one_warning(tmp_pat
     arrays = idx_folder(tmp_path / "d")
     source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
     (entry,) = (tmp_path / "cache").iterdir()
-    if spoil is None:
+    if spoil == "text":
         entry.write_bytes(b"not a tensor file")
-    else:
-        torch.save(spoil(torch.load(entry, weights_only=True)), entry)
+    elif spoil == "flip":  # one bit of the test images, which torch.load reads without complaint
+        raw = bytearray(entry.read_bytes())
+        at = raw.find(arrays["test_images"].numpy().tobytes())
+        assert at > 0 and raw.count(arrays["test_images"].numpy().tobytes()) == 1
+        raw[at + 3] ^= 0x01
+        entry.write_bytes(raw)
+        assert not torch.equal(torch.load(entry, weights_only=True)["test_images"], arrays["test_images"])
+    else:  # written by torch.save alone: no checksum
+        saved = torch.load(entry, weights_only=True)
+        assert saved.pop(C.DIGEST_KEY) == C.digest(saved)
+        torch.save(spoil(saved), entry)
     capsys.readouterr()
     s = source("idx", path=tmp_path / "d", image_size=8, patch_size=2)
     err = capsys.readouterr().err

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from kilolayer.config import load_config
+from kilolayer.data import cache as C
 from kilolayer.data import load_source
 from kilolayer.data import parallel as P
 from kilolayer.errors import ConfigError, InputError
@@ -372,7 +373,9 @@ def test_bpe_vocabulary_is_deterministic_and_follows_the_training_split(root, tm
 
 
 def _damage(path: Path, change) -> None:
+    """Rewritten by torch.save alone, without the checksum: what the content says is what must be caught."""
     data = torch.load(path, weights_only=True)
+    data.pop(C.DIGEST_KEY)
     change(data)
     torch.save(data, path)
 
@@ -388,10 +391,22 @@ def _negative_lengths(d: dict) -> None:
 
 
 def _flip_byte(path: Path) -> None:
-    # a damaged file header (a byte changed inside a tensor's data is not noticed: the format has no checksum)
+    # a damaged file header
     raw = bytearray(path.read_bytes())
     raw[0] ^= 0xFF
     path.write_bytes(bytes(raw))
+
+
+def _flip_data_bit(path: Path) -> None:
+    # one bit inside the largest tensor's data: torch.load reads it without complaint, the checksum does not
+    data = torch.load(path, weights_only=True)
+    key = max((k for k, v in data.items() if isinstance(v, torch.Tensor)), key=lambda k: data[k].nbytes)
+    raw, body = bytearray(path.read_bytes()), data[key].numpy().tobytes()
+    at = raw.find(body)
+    assert at > 0 and raw.count(body) == 1
+    raw[at + len(body) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert not torch.equal(torch.load(path, weights_only=True)[key], data[key])
 
 
 @pytest.mark.parametrize(
@@ -418,6 +433,7 @@ def _flip_byte(path: Path) -> None:
         ("corpus", lambda d: d.__setitem__("stats", {"raw": {}}), "'stats' has no 'pairs', 'dropped'"),
         ("corpus", "flip", "unreadable"),
         ("ids", "flip", "unreadable"),
+        ("ids", "bit", "does not match its SHA-256 checksum"),
     ],
 )
 def test_a_damaged_cache_is_rebuilt_with_a_warning(root, capsys, entry, change, why):
@@ -429,6 +445,8 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(root, capsys, entry, change, 
     before = corpus_file.read_bytes()
     if change == "flip":
         _flip_byte(path)
+    elif change == "bit":
+        _flip_data_bit(path)
     else:
         _damage(path, change)
     if entry == "corpus":
