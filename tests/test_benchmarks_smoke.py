@@ -557,22 +557,24 @@ TINY_LM = {
 def test_the_trainer_compiles_what_train_compile_names(tmp_path, monkeypatch, mode):
     """layers: each Transformer layer, nothing else; model: the task (backbone, head, loss) once; false: nothing.
     The compile itself runs with the aot_eager backend here (no C++ build); the trainer's steps go through it."""
-    from torch import nn
 
     from kilolayer.objectives.base import Task
     from kilolayer.train import loop
 
-    compiled, original = [], nn.Module.compile
+    compiled, original = [], torch.compile
 
-    def compile_(module, **options):
-        compiled.append(module)
-        original(module, **{**options, "backend": "aot_eager"})
+    def compile_(fn, **options):  # nn.Module.compile calls torch.compile on the module's _call_impl
+        compiled.append((fn.__self__, fn.__name__))
+        return original(fn, **{**options, "backend": "aot_eager"})
 
-    monkeypatch.setattr(nn.Module, "compile", compile_)
+    monkeypatch.setattr(torch, "compile", compile_)
     made, build = [], loop.build_task
+
+    made_keys = []
 
     def build_task(*args, **kwargs):
         made.append(build(*args, **kwargs))
+        made_keys.append(made[-1].state_dict().keys())
         return made[-1]
 
     monkeypatch.setattr(loop, "build_task", build_task)
@@ -580,12 +582,14 @@ def test_the_trainer_compiles_what_train_compile_names(tmp_path, monkeypatch, mo
     assert result == {"status": "completed", "step": 2}
     (task,) = made
     if mode == "layers":
-        assert compiled == transformer_layers(task.backbone) and len(compiled) == 2
-    elif mode == "model":
-        assert compiled == [task] and isinstance(task, Task)
+        layers = transformer_layers(task.backbone)
+        assert compiled == [(m, "_call_impl") for m in layers] and len(compiled) == 2
+        assert all(getattr(m, "_compiled_call_impl", None) is not None for m in layers)
+    elif mode == "model":  # the task's compute: backbone, head and loss, after the objective's eager prepare
+        assert compiled == [(task, "compute")] and isinstance(task, Task)
+        assert "compute" in vars(task) and task.state_dict().keys() == made_keys[0]
     else:
         assert compiled == []
-    assert all(getattr(m, "_compiled_call_impl", None) is not None for m in compiled)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in rows if r["split"] == "train")

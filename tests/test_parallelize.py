@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from objective_helpers import TINY_TEXT, tiny_lm
+from objective_helpers import TINY_IMAGE, TINY_TEXT, tiny_lm
 
 from kilolayer.config import load_config
 from kilolayer.data import load_source
@@ -16,7 +16,7 @@ from kilolayer.objectives import Objective, build_task
 from kilolayer.train import distributed as D
 from kilolayer.train.loop import split_batch
 from kilolayer.train.memory import estimate_memory
-from kilolayer.train.parallelize import parallelize, transformer_layers
+from kilolayer.train.parallelize import compile_model, parallelize, transformer_layers
 
 S2S = {"arch": "encoder_decoder", "layers": 3, "decoder_layers": 3, "width": 32, "heads": 4, "ffn": 64}
 
@@ -195,31 +195,92 @@ def test_an_objective_missing_a_required_method_is_refused_at_definition():
     assert Complete.tokens is Base.tokens
 
 
-@pytest.mark.parametrize(
-    "section",
-    [
-        tiny_lm(),
-        {"model": S2S, "objective": {"name": "seq2seq"}, "data": {"name": "synthetic", "task": "reverse"}},
-        {
-            "model": TINY_TEXT,
-            "objective": {"name": "classification"},
-            "data": {"name": "stdlib_packages", "options": {"max_per_class": 20, "packages": ["xml", "email"]}},
-        },
-    ],
-    ids=["decoder", "encoder_decoder", "classifier"],
-)
-def test_a_whole_token_task_compiles_to_one_graph(section):
-    """``train.compile: model`` traces the task as one graph: the embedding's id-range check (a value read out of a
-    tensor, which would split the graph before every embedding) runs in eager mode only, where it still refuses
-    ids outside the vocabulary with the field's name."""
-    cfg = load_config(section)
+PACKAGES = {"max_per_class": 20, "packages": ["xml", "email"]}
+WHOLE_TASKS = {
+    "decoder": tiny_lm(),
+    "encoder_decoder": {
+        "model": S2S,
+        "objective": {"name": "seq2seq"},
+        "data": {"name": "synthetic", "task": "reverse"},
+    },
+    "classifier": {
+        "model": TINY_TEXT,
+        "objective": {"name": "classification"},
+        "data": {"name": "stdlib_packages", "options": PACKAGES},
+    },
+    "mlm": {"model": TINY_TEXT, "objective": {"name": "mlm"}, "data": {"name": "stdlib_packages", "options": PACKAGES}},
+    "mae": {"model": TINY_IMAGE, "objective": {"name": "mae"}, "data": {"name": "digits"}},
+    "contrastive": {
+        "model": TINY_IMAGE,
+        "objective": {"name": "contrastive", "options": {"embed_dim": 32, "text_model": {"layers": 1, "width": 32}}},
+        "data": {"name": "digit_captions"},
+    },
+}
+
+
+@pytest.mark.parametrize("name", WHOLE_TASKS)
+def test_a_whole_task_compiles_to_one_graph(name):
+    """``train.compile: model`` traces :meth:`Task.compute` as one graph for every objective: the objective's
+    ``prepare`` draws the step's masks (a CPU generator seeded by a value read out of the global RNG) and MLM's
+    index list (its length depends on the data) eagerly first; stats stay tensors until the task reads them out;
+    the embedding's id-range check runs in eager mode only, where it still refuses ids outside the vocabulary
+    with the field's name."""
+    cfg = load_config(WHOLE_TASKS[name])
     source = load_source(cfg)
     task = build_task(cfg, source).train()
     batch = source.train_batch(0, 4)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(task)(batch)
+    explained = torch._dynamo.explain(task.compute)(task.objective.prepare(batch))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    key = "tokens" if "tokens" in batch else "src"
-    bad = {**batch, key: batch[key].clone().fill_(cfg.model.vocab_size)}
-    with pytest.raises(InputError, match=rf"ids must lie in \[0, {cfg.model.vocab_size}\)"):
-        task(bad)
+    if cfg.model.input == "tokens":
+        key = "tokens" if "tokens" in batch else "src"
+        bad = {**batch, key: batch[key].clone().fill_(cfg.model.vocab_size)}
+        with pytest.raises(InputError, match=rf"ids must lie in \[0, {cfg.model.vocab_size}\)"):
+            task(bad)
+
+
+@pytest.mark.parametrize("name", ["mlm", "mae", "contrastive"])
+def test_a_compiled_task_trains_as_the_eager_one(name):
+    """Five steps from the same seed, eager and under ``train.compile: model`` (aot_eager: the same graph without
+    a C++ build): the same losses and stats, the same weights after, though MLM selects another number of
+    positions each step; that varying length compiles at most twice (static, then dynamic), never per step."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled: bool):
+        cfg = load_config(WHOLE_TASKS[name])
+        source = load_source(cfg)
+        torch.manual_seed(0)
+        task = build_task(cfg, source).train()
+        if compiled:
+            compile_model(task, backend="aot_eager")
+            prepare = task.objective.prepare
+
+            def recording(batch):
+                out = prepare(batch)
+                selected.extend(v[1].numel() for k, v in out.items() if k == "mlm_drawn")
+                return out
+
+            task.objective.prepare = recording
+        opt = torch.optim.AdamW(task.parameters(), lr=1e-3)
+        torch.manual_seed(1)
+        history = []
+        for step in range(5):
+            loss, stats = task(source.train_batch(step, 8))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            history.append((float(loss.detach()), stats))
+        return history, task.state_dict()
+
+    selected = []
+    torch._dynamo.reset()
+    counters.clear()
+    (eager, eager_weights), (compiled, compiled_weights) = run(False), run(True)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    for (a, sa), (b, sb) in zip(eager, compiled):
+        assert b == pytest.approx(a, rel=1e-5) and sb.keys() == sa.keys()
+        assert all(isinstance(v, float) and v == pytest.approx(sa[k], rel=1e-5, abs=1e-6) for k, v in sb.items())
+    for key, w in eager_weights.items():
+        torch.testing.assert_close(compiled_weights[key], w, rtol=1e-4, atol=1e-5)
+    if name == "mlm":  # the point of the dynamic length: the compiled steps selected different numbers
+        assert len(set(selected)) > 1, selected

@@ -30,7 +30,13 @@ class Objective(nn.Module):
     model alone): the objective then takes its defaults and checks nothing about the data.
 
     * ``forward(backbone, batch) -> (loss, stats)``: ``loss`` a scalar tensor,
-      ``stats`` floats worth logging (e.g. accuracy on the batch).
+      ``stats`` values worth logging (e.g. accuracy on the batch): floats, or 0-dim tensors, which
+      :class:`Task` reads out after the step (a value read out inside ``forward`` would split a compiled
+      graph in two).
+    * ``prepare(batch) -> batch`` (optional): what must run eagerly before ``forward`` when the task is
+      compiled as a whole (``train.compile: model``): random draws from a CPU generator, index lists
+      whose length depends on the data. ``forward`` must give the same result on a prepared batch as on
+      the raw one, which it prepares itself.
     * ``evaluate(backbone, batches) -> dict``: metrics over an evaluation set;
       must contain ``loss``.
     * ``represent(backbone, batch) -> Tensor``: the network output F(x, theta)
@@ -62,6 +68,10 @@ class Objective(nn.Module):
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
         """(scalar loss, stats) for one batch."""
         raise NotImplementedError(f"{type(self).__name__}.forward (required; checked at class definition)")
+
+    def prepare(self, batch: dict) -> dict:
+        """The training batch with this step's eager work done (see the class docstring). Default: as is."""
+        return batch
 
     @torch.no_grad()
     def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
@@ -148,4 +158,10 @@ class Task(nn.Module):
         self.objective = objective
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(loss, stats as floats) of one training batch: the objective's eager ``prepare``, then
+        :meth:`compute`, the part ``train.compile: model`` compiles."""
+        loss, stats = self.compute(self.objective.prepare(batch))
+        return loss, {k: float(v) for k, v in stats.items()}
+
+    def compute(self, batch: dict) -> tuple[torch.Tensor, dict]:
         return self.objective(self.backbone, batch)

@@ -157,7 +157,7 @@ class Contrastive(Objective):
             sim = img @ txt.t()
             target = torch.arange(len(img), device=img.device)
             acc = 0.5 * ((sim.argmax(1) == target).float().mean() + (sim.argmax(0) == target).float().mean())
-        return loss, {"accuracy": float(acc), "logit_scale": float(scale.detach())}
+        return loss, {"accuracy": acc, "logit_scale": scale.detach()}
 
     @torch.no_grad()
     def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:

@@ -74,6 +74,9 @@ def constant_patch_fraction(images: torch.Tensor, patch: int) -> float:
     return float((spread <= tol).float().mean())
 
 
+DRAWN = "mae_drawn"  # the batch key under which :meth:`MAE.prepare` leaves the step's masking
+
+
 def random_masking(batch: int, length: int, keep: int, generator: torch.Generator, device) -> tuple:
     """(keep_idx (B, K), restore (B, L), mask (B, L) with 1 = hidden) from per-sample random permutations."""
     noise = torch.rand(batch, length, generator=generator).to(device)
@@ -160,12 +163,18 @@ class MAE(Objective):
             target = (target - mean) / (var + 1e-6).sqrt()
         return target
 
+    def masking(self, images: torch.Tensor, generator: torch.Generator) -> tuple:
+        """One random masking of ``images``: (keep_idx, restore, mask) as :func:`random_masking`."""
+        return random_masking(images.shape[0], self.num_patches, self.keep, generator, images.device)
+
     def reconstruct(
-        self, backbone: nn.Module, images: torch.Tensor, generator: torch.Generator, observe=None
+        self, backbone: nn.Module, images: torch.Tensor, generator: torch.Generator | tuple, observe=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(predicted patches (B, L, p*p*C), mask (B, L), 1 = hidden) for one random masking."""
+        """(predicted patches (B, L, p*p*C), mask (B, L), 1 = hidden) for one random masking, drawn from
+        ``generator`` or given (a :meth:`masking`)."""
         B = images.shape[0]
-        keep, restore, mask = random_masking(B, self.num_patches, self.keep, generator, images.device)
+        drawn = generator if isinstance(generator, tuple) else self.masking(images, generator)
+        keep, restore, mask = drawn
         x = backbone.embed(images, keep=keep)  # (B, cls + K, width): only the visible patches
         latent = backbone.encoder(x, observe=observe)
         y = self.decoder_embed(latent)
@@ -189,8 +198,12 @@ class MAE(Objective):
         pred, mask = self.reconstruct(backbone, images, generator)
         return self.masked_loss(pred, self.targets(backbone, images), mask)
 
+    def prepare(self, batch: dict) -> dict:
+        return {**batch, DRAWN: self.masking(batch_inputs(batch, "inputs", "images"), step_generator())}
+
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
-        return self._loss(backbone, batch, step_generator()), {}
+        batch = batch if DRAWN in batch else self.prepare(batch)
+        return self._loss(backbone, batch, batch[DRAWN]), {}
 
     @torch.no_grad()
     def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:

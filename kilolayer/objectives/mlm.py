@@ -37,6 +37,14 @@ from kilolayer.objectives.base import Objective, register_objective
 from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator, token_count
 
 IGNORE = -100
+DRAWN = "mlm_drawn"  # the batch key under which :meth:`MLM.prepare` leaves the step's masking
+
+
+def selected(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat indices of the positions ``targets`` scores, i.e. not ``IGNORE``; the ids there)."""
+    flat = targets.reshape(-1)
+    index = (flat != IGNORE).nonzero().squeeze(1)
+    return index, flat.index_select(0, index)
 
 
 class MLMOptions(BaseModel):
@@ -117,29 +125,43 @@ class MLM(Objective):
 
     def masked_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean cross-entropy, number correct) over the selected positions; others never reach the head."""
-        sel = targets != IGNORE
-        logits = self.head(hidden[sel]).float()
-        gold = targets[sel]
+        return self.selected_loss(hidden, *selected(targets))
+
+    def selected_loss(
+        self, hidden: torch.Tensor, index: torch.Tensor, gold: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean cross-entropy, number correct) at the flat positions ``index`` of ``hidden`` (B, T, width), whose
+        original ids are ``gold``. An index list rather than a boolean mask: a compiled graph takes its length as
+        a dynamic size, where selecting by a mask would split the graph."""
         if gold.numel() == 0:
             return hidden.sum() * 0.0, torch.zeros((), device=hidden.device)
+        logits = self.head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)).float()
         return F.cross_entropy(logits, gold), (logits.argmax(-1) == gold).sum()
 
-    def _step(self, backbone, batch, generator):
-        tokens = batch_inputs(batch, "tokens", "inputs")
-        mask = batch.get("padding_mask")
-        inputs, targets = self.corrupt(tokens, mask, generator)
-        loss, correct = self.masked_loss(backbone(inputs, mask), targets)
-        return loss, correct, int((targets != IGNORE).sum())
+    def draw(self, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(model inputs, flat indices of the selected positions, their original ids) for one masking."""
+        inputs, targets = self.corrupt(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"), generator)
+        return (inputs, *selected(targets))
+
+    def prepare(self, batch: dict) -> dict:
+        return {**batch, DRAWN: self.draw(batch, step_generator())}
+
+    def _step(self, backbone, batch, drawn):
+        inputs, index, gold = drawn
+        return self.selected_loss(backbone(inputs, batch.get("padding_mask")), index, gold)
 
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
-        loss, correct, n = self._step(backbone, batch, step_generator())
-        return loss, {"accuracy": float(correct) / max(n, 1)}
+        batch = batch if DRAWN in batch else self.prepare(batch)
+        loss, correct = self._step(backbone, batch, batch[DRAWN])
+        return loss, {"accuracy": correct / max(batch[DRAWN][2].numel(), 1)}
 
     @torch.no_grad()
     def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
         total = correct = count = 0.0
         for i, batch in enumerate(batches):
-            loss, right, n = self._step(backbone, batch, eval_generator(i))
+            drawn = self.draw(batch, eval_generator(i))
+            loss, right = self._step(backbone, batch, drawn)
+            n = drawn[2].numel()
             total += float(loss) * n
             correct += float(right)
             count += n

@@ -260,10 +260,11 @@ def compile_layers(backbone: nn.Module, **options) -> None:
 
 
 def compile_model(task: nn.Module, **options) -> None:
-    """``torch.compile`` the whole task in place (``options`` go to ``nn.Module.compile``): calling ``task(batch)``
-    runs backbone, objective heads and loss as compiled code; evaluation and diagnostics, which call the
-    objective and backbone directly, stay eager."""
-    task.compile(**options)
+    """``torch.compile`` the whole task in place (``options`` go to ``torch.compile``): calling ``task(batch)``
+    runs the objective's eager ``prepare`` (random masks, index lists), then backbone, objective heads and loss
+    as compiled code (:meth:`Task.compute <kilolayer.objectives.base.Task.compute>`); evaluation and diagnostics,
+    which call the objective and backbone directly, stay eager. Weights and their names are untouched."""
+    task.compute = torch.compile(task.compute, **options)
 
 
 def distribute(task: nn.Module, mode: str, env: D.Dist) -> nn.Module:
