@@ -22,18 +22,41 @@ from __future__ import annotations
 
 import copy
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kilolayer.errors import ConfigError
 
 Arch = Literal["encoder", "decoder", "encoder_decoder"]
 
 
-class _Section(BaseModel):
+def _numeric(annotation: Any) -> bool:
+    """Whether a field of this type takes a number and not a bool (``int``, ``float | None``, ...)."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    kinds = args or (annotation,)
+    return bool not in kinds and any(k in (int, float) for k in kinds)
+
+
+class NumbersNotBools(BaseModel):
+    """A base for config models: ``true``/``false`` given for a number is refused. Pydantic would read them as
+    1 and 0, so ``train.steps: true`` would train one step and ``train.peak_flops: true`` divide by 1 FLOP/s."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            raise PydanticCustomError("bool_number", "expected a number, not {value}", {"value": str(value).lower()})
+        return value
+
+
+class _Section(NumbersNotBools):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

@@ -51,6 +51,10 @@ BAD = {
     "bad choice": (["model.arch=rnn"], None, ["model.arch='rnn'", "encoder", "decoder", "encoder_decoder"]),
     "patches on a decoder": (["model.input=patches", "model.arch=decoder"], None, ["model.input", "encoder"]),
     "set without =": (["model.width"], None, ["model.width", "key.path=value"]),
+    # pydantic alone would read true as 1: a one-step run, a peak of 1 FLOP/s
+    "true for a count": (["train.steps=true"], None, ["train.steps=True", "expected a number, not true"]),
+    "true for a peak": (["train.peak_flops=true"], None, ["train.peak_flops=True", "expected a number, not true"]),
+    "false for a rate": (["model.dropout=false"], None, ["model.dropout=False", "expected a number, not false"]),
 }
 
 
@@ -215,3 +219,27 @@ def test_good_inputs_pass():
     assert MODELS["encoder"](ids).shape == (2, 5, 16)
     assert MODELS["encoder_decoder"](ids, ids[:, :3]).shape == (2, 3, 16)
     assert MODELS["patches"](torch.zeros(2, 3, 8, 8)).shape == (2, 5, 16)
+
+
+@pytest.mark.parametrize(
+    "sets, fragments",
+    [
+        (["data.options.max_per_class=true"], ["data.options.max_per_class=True", "expected a number, not true"]),
+        (["objective.options.num_classes=true"], ["objective.options.num_classes=True", "not true"]),
+    ],
+)
+def test_options_refuse_a_bool_for_a_number(sets, fragments):
+    from kilolayer.data import load_source
+    from kilolayer.objectives import build_task
+
+    cfg = load_config("configs/stdlib_classify.yaml", sets=sets)
+    with pytest.raises(ConfigError) as info:
+        build_task(cfg, load_source(cfg))
+    msg = one_line(str(info.value))
+    assert all(f in msg for f in fragments), msg
+
+
+def test_bools_stay_bools_and_numbers_numbers():
+    cfg = load_config(None, sets=["train.fused_optimizer=true", "train.compile=true", "train.peak_flops=2e11"])
+    assert cfg.train.fused_optimizer is True and cfg.train.compile == "layers" and cfg.train.peak_flops == 2e11
+    assert load_config(None, sets=["train.steps=7"]).train.steps == 7

@@ -13,15 +13,16 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.errors import ConfigError
 
 SPLITS = ("train", "validation", "test")
 
 
-class SplitOptions(BaseModel):
+class SplitOptions(NumbersNotBools):
     """Options every in-memory source accepts (subclasses add their own)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from kilolayer.config import Config
+from kilolayer.config import Config, NumbersNotBools
 from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.digits import WORDS
@@ -148,7 +148,7 @@ def fashion_caption(label: int, template: int) -> str:
 CAPTIONS = {"mnist": (mnist_caption, len(MNIST_TEMPLATES)), "fashion_mnist": (fashion_caption, len(FASHION_TEMPLATES))}
 
 
-class IdxOptions(BaseModel):
+class IdxOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
 
     split_seed: int = 0

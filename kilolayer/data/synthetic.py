@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from kilolayer.config import NumbersNotBools
 from kilolayer.data import vocab
 from kilolayer.data.base import Source, register_source
 from kilolayer.data.options import parse_options
@@ -22,7 +23,7 @@ from kilolayer.errors import ConfigError, InputError
 PAD, BOS, EOS, FIRST = 0, 1, 2, 3
 
 
-class SyntheticOptions(BaseModel):
+class SyntheticOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
     vocab: int = Field(10, ge=2, le=100_000, description="symbols (copy/reverse/sort)")
     min_len: int = Field(4, ge=1)
@@ -152,7 +153,7 @@ def synthetic(config) -> Synthetic:
     return src
 
 
-class ParallelOptions(BaseModel):
+class ParallelOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
     source: str = Field(..., description="source-language file, one sentence per line")
     target: str = Field(..., description="target-language file, aligned line by line")

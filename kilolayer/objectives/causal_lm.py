@@ -10,15 +10,16 @@ import math
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from torch import nn
 
+from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.objectives.base import Objective, register_objective
 
 
-class CausalLMOptions(BaseModel):
+class CausalLMOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")  # none: a stray key is a one-line error, not silently ignored
 
 

@@ -22,9 +22,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import nn
 
+from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError
@@ -32,7 +33,7 @@ from kilolayer.objectives.base import Objective, register_objective
 from kilolayer.objectives.common import batch_inputs, pool, token_count
 
 
-class ClassificationOptions(BaseModel):
+class ClassificationOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
 
     pool: Literal["cls", "mean"] | None = None

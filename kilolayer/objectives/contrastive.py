@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 from torch import nn
 
-from kilolayer.config import ModelConfig, format_validation_error
+from kilolayer.config import ModelConfig, NumbersNotBools, format_validation_error
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.data.vocab import BYTE_VOCAB
@@ -50,7 +50,7 @@ TEXT_MODEL_DEFAULTS = dict(
 )
 
 
-class ContrastiveOptions(BaseModel):
+class ContrastiveOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
 
     text_model: dict[str, Any] = Field(default_factory=dict)

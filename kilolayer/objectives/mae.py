@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import nn
 
-from kilolayer.config import ModelConfig
+from kilolayer.config import ModelConfig, NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError
@@ -36,7 +36,7 @@ from kilolayer.objectives.base import Objective, register_objective
 from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator
 
 
-class MAEOptions(BaseModel):
+class MAEOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
 
     mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)

@@ -26,9 +26,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import nn
 
+from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.data.text import tokenizer_for
@@ -47,7 +48,7 @@ def selected(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return index, flat.index_select(0, index)
 
 
-class MLMOptions(BaseModel):
+class MLMOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
 
     mask_prob: float = Field(0.15, gt=0.0, le=1.0)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import nn
 
+from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.data.synthetic import Seq2SeqSource
@@ -14,7 +15,7 @@ from kilolayer.errors import ConfigError
 from kilolayer.objectives.base import Objective, register_objective
 
 
-class Seq2SeqOptions(BaseModel):
+class Seq2SeqOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
     decode_samples: int = Field(256, ge=0, description="evaluation samples decoded greedily (0 = none)")
