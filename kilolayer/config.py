@@ -201,8 +201,8 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16"] = "fp32"
     compile: Literal[False, "layers", "model"] = Field(
         False,
-        description="torch.compile: false (eager), layers (each Transformer layer; true means this) or model "
-        "(the whole task: backbone, heads and loss, once)",
+        description="torch.compile: false (eager), layers (each Transformer layer, the objective's towers' too; "
+        "true means this) or model (the whole task: backbone, heads and loss, once)",
     )
     fused_optimizer: bool = Field(False, description="AdamW(fused=True) instead of the multi-tensor (foreach) path")
     trim_heap_every: int = Field(
@@ -211,14 +211,14 @@ class TrainConfig(_Section):
         strict=True,  # an integer, not `true` (which would read as 1: a trim after every layer)
         description="with activation checkpointing on Linux/glibc: hand the heap's free pages back to the system "
         "(malloc_trim) every this many checkpointed layers, forward and backward, on the CPU and without "
-        "train.compile; 0: never (1,000 layers of width 64: peak 1.31 instead of 2.58 GiB, at about the same "
-        "step time)",
+        "train.compile; 0: never (1,000 layers of width 64: peak 1.37 instead of 2.50 GiB, step 15.3 instead of "
+        "19.2 s; docs/benchmarks.md)",
     )
     pin_mmap: bool = Field(
         False,
         description="with activation checkpointing on Linux/glibc: pin malloc's mmap threshold at 64 KiB, so freed "
-        "activation blocks go back to the system (1,000 layers of width 64: peak 1.39 instead of 2.58 GiB, but "
-        "each step 1.8x as slow; train.trim_heap_every, on by default, saves as much for less)",
+        "activation blocks go back to the system (1,000 layers of width 64: peak 1.39 instead of 2.50 GiB, but "
+        "each step 1.5x as slow as with train.trim_heap_every, on by default, which saves as much for less)",
     )
     hold_heap: bool = Field(
         True,

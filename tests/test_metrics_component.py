@@ -187,7 +187,46 @@ def test_a_quiet_remeasurement_never_lowers_the_peak(monkeypatch):
     monkeypatch.setattr(M, "load_per_cpu", lambda: next(loads))
     assert M.device_peak("cpu", "fp32").flops == 6.0e10
     again = M.device_peak("cpu", "fp32")
-    assert again.flops == 6.0e10 and again.source.startswith("measured")
+    assert again.flops == 6.0e10 and again.source.startswith("cached") and "2e+10 FLOP/s, below" in again.source
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[" * 100_000 + "]" * 100_000,  # deeper than the JSON parser goes
+        '{"KEY": {"flops": ' + "9" * 401 + "}}",  # an integer no float holds
+        '{"KEY": {"flops": true}}',
+        '{"KEY": {"flops": 5e10, "load_per_cpu": ' + "9" * 401 + "}}",
+        '{"KEY": {"flops": -1}}',
+        '{"KEY": []}',
+        "[1, 2]",
+    ],
+    ids=["nested", "huge_flops", "bool_flops", "huge_load", "negative", "list_entry", "list"],
+)
+def test_a_damaged_or_hostile_peak_cache_is_measured_again(tmp_path, monkeypatch, content):
+    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: (4.0e10, 256))
+    M.device_peak("cpu", "fp32")
+    path = tmp_path / "cache" / M.CACHE_FILE
+    (key,) = json.loads(path.read_text())
+    path.write_text(content.replace("KEY", key))
+    peak = M.device_peak("cpu", "fp32")
+    if "load_per_cpu" in content:  # the figure is fine; a load that is no number is ignored
+        assert peak.flops == 5e10
+    else:
+        assert peak == M.Peak(4.0e10, peak.source) and peak.source.startswith("measured")
+
+
+def test_a_cache_folder_that_cannot_be_written_only_costs_a_measurement(tmp_path, monkeypatch):
+    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: (4.0e10, 256))
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "file"))
+    assert M.device_peak("cpu", "fp32").flops == 4.0e10
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    monkeypatch.setenv("KILOLAYER_CACHE", str(readonly))
+    monkeypatch.setattr(M.Path, "write_text", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only")))
+    monkeypatch.setattr(M.Path, "unlink", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only")))
+    assert M.device_peak("cpu", "fp32").flops == 4.0e10
 
 
 def test_the_load_is_per_usable_cpu(monkeypatch):
@@ -288,7 +327,14 @@ def test_several_threads_count_at_least_threads_times_one(monkeypatch):
 def test_an_impossible_mfu_is_reported(tmp_path, capsys):
     train(LM, tmp_path / "run", quiet=True, sets=["train.peak_flops=1000"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is too low; set train.peak_flops" in err[0] and "(train.peak_flops)" in err[0]
+    assert len(err) == 1 and err[0].endswith("(train.peak_flops) is too low; raise train.peak_flops"), err
+
+
+def test_an_impossible_mfu_from_a_cached_peak_says_how_to_measure_again(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: (1000.0, 256))
+    train(LM, tmp_path / "run", quiet=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is too low; set train.peak_flops, or delete the cached figure" in err[0], err
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_named():

@@ -284,3 +284,17 @@ def test_a_compiled_task_trains_as_the_eager_one(name):
         torch.testing.assert_close(compiled_weights[key], w, rtol=1e-4, atol=1e-5)
     if name == "mlm":  # the point of the dynamic length: the compiled steps selected different numbers
         assert len(set(selected)) > 1, selected
+
+
+@pytest.mark.parametrize("name", ["mae", "contrastive"])
+def test_per_layer_compile_reaches_the_objectives_own_towers(name):
+    """``train.compile: layers`` compiles every Transformer layer the task trains: the backbone's, MAE's decoder's
+    and the contrastive text tower's (before, only the backbone's: 2 of 4 and 2 of 6 layers)."""
+    from kilolayer.nn.layers import Layer
+
+    cfg = load_config({**WHOLE_TASKS[name], "train": {"compile": "layers"}})
+    task = build_task(cfg, load_source(cfg))
+    layers = [m for m in task.modules() if isinstance(m, Layer)]
+    assert len(layers) > len(transformer_layers(task.backbone))
+    parallelize(task, cfg, D.Dist())
+    assert all(getattr(m, "_compiled_call_impl", None) is not None for m in layers)

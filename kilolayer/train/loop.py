@@ -717,10 +717,15 @@ class Trainer:
         eff = self.meter.report()
         if eff.get("mfu", 0) > 1 and not self.peak_warned:
             self.peak_warned = True
+            fix = (
+                "raise train.peak_flops"
+                if self.peak.source == "train.peak_flops"
+                else f"set train.peak_flops, or delete the cached figure ({M.CACHE_FILE} in the cache folder) to "
+                "measure it again"
+            )
             rundir.warn(
                 f"MFU {100 * eff['mfu']:.0f}% at step {step}: the peak of {self.peak.flops:.3g} "
-                f"FLOP/s ({self.peak.source}) is too low; set train.peak_flops, or delete the "
-                f"cached figure ({M.CACHE_FILE} in the cache folder) to measure it again"
+                f"FLOP/s ({self.peak.source}) is too low; {fix}"
             )
         lr = self.scheduler.get_last_lr()[0]
         record = {"step": step, "split": "train", "loss": stats.loss, "lr": lr, "grad_norm": float(stats.grad_norm)}

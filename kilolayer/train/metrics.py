@@ -269,7 +269,7 @@ def _read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, not JSON, nested past the parser's depth
         return {}
 
 
@@ -298,8 +298,9 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
     try:
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a read-only or full cache folder: measured again next time
+    except OSError:  # a read-only or full cache folder, or a file where it should be: measured again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def measured_peak(device: torch.device, precision: str, measure: Callable[[], tuple[float, int]] | None = None) -> Peak:
@@ -326,12 +327,19 @@ def measured_peak(device: torch.device, precision: str, measure: Callable[[], tu
                         else (lambda: cpu_peak(dtype))
                     )
                 flops, n = measure()
-                if _positive(flops) and _usable(entry) and entry["flops"] > flops:
-                    flops, n = float(entry["flops"]), entry.get("n", n)  # a peak: the busy figure was higher
+                busy = entry if _usable(entry) else None
                 entry = {"flops": flops, "n": n, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                if busy is not None and float(busy["flops"]) > flops:  # a peak: the busy figure was higher
+                    entry["flops"] = float(busy["flops"])
                 if load is not None:
                     entry["load_per_cpu"] = round(load, 2)
                 _write_cache(path, key, entry)
+                if entry["flops"] != flops:
+                    return Peak(
+                        entry["flops"],
+                        f"cached: {precision} GEMM on {where} ({path}); measured again at a lower load, "
+                        f"{flops:.3g} FLOP/s, below the cached figure, which stands",
+                    )
                 return Peak(flops, f"measured: {precision} GEMM {n}x{n} on {where}{_busy_note(load)}")
     note = _busy_note(entry.get("load_per_cpu"))
     return Peak(float(entry["flops"]), f"cached: {precision} GEMM on {where} ({path}){note}")
@@ -390,7 +398,13 @@ def device_peak(device: str | torch.device, precision: str, given: float | None 
 
 
 def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+    """A finite number above 0 (not a bool, not an integer too large for a float)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x) and x > 0
+    except OverflowError:
+        return False
 
 
 # ---------------------------------------------------------------- peak memory

@@ -12,26 +12,27 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
   glibc) the forward pass, and the backward pass at the same layers, hand the heap's free pages back to the
   system (:class:`HeapTrimmer`, ``malloc_trim``): each recomputed layer frees its activation blocks between
   long-lived tensors, and the holes stay resident otherwise. At 1,000 layers of width 64 that cut the peak
-  from 2.58 to 1.31 GiB at about the same step time (pages handed back and then reused are faulted in
-  again, and each trim walks the heap's free blocks). ``train.pin_mmap`` instead pins glibc's mmap
-  threshold (:func:`pin_mmap_threshold`), so every such block is a fresh mapping: 1.39 GiB, but each step
-  took 1.8x as long; it stays opt-in. The trim runs in eager
+  from 2.50 to 1.37 GiB, and the step took 15.3 s instead of 19.2 s (docs/benchmarks.md; pages handed back
+  and then reused are faulted in again, and each trim walks the heap's free blocks). ``train.pin_mmap``
+  instead pins glibc's mmap threshold (:func:`pin_mmap_threshold`), so every such block is a fresh mapping:
+  1.39 GiB, but each step took 23.0 s, 1.5x as long as with the trim; it stays opt-in. The trim runs in eager
   layers on the CPU only: not inside a compiled graph (``train.compile``), whose graphs a call out would
   split at every layer, nor for CUDA activations, which are not on the heap.
 * ``train.hold_heap`` (on by default; CPU, Linux/glibc, nothing checkpointed): :func:`hold_heap` keeps the
   memory one step frees for the next. glibc's default hands the top of the heap back to the system once a
   step has freed its activations, and the next step faults the same pages in again. On a 24-layer DeepNorm
   decoder of width 128 (batch 16 x 128 tokens, one thread, fresh processes taking turns; ``python -m
-  benchmarks.heap``) that was 14,700 page faults and 0.041 s of system time a step, and 320 faults and 0.001 s
-  held; the step time (about 1.4 s) moved by less than this machine's noise. The setting is process-wide
-  and lasts for the process's life (each study point trains in its own process); with any layer
+  benchmarks.heap``, docs/benchmarks.md) that was 21,720 page faults and 0.054 s of system time a step, and 299
+  faults and 0.000 s held; the step time (about 1.1 s) moved by less than this machine's noise. The setting is
+  process-wide and lasts for the process's life (each study point trains in its own process); with any layer
   checkpointed (a contrastive text tower's too) the heap trim above applies instead.
-* ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer
-  (:func:`compile_layers`; the stack's Python loop, embeddings, heads and loss stay eager, and layers of one
-  shape share one compiled graph, so compile time hardly grows with depth); ``model`` compiles the whole task
-  once (:func:`compile_model`: backbone, objective heads and loss together, more to fuse, but the layer loop is
-  unrolled into the graph, so compile time grows with depth); ``false``: eager. Both compile in place, so
-  parameter names and checkpoints do not change.
+* ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer, the
+  backbone's and those of the objective's own towers (:func:`compile_layers`; the stack's Python loop,
+  embeddings, heads and loss stay eager, and layers of one shape share one compiled graph, so compile time
+  hardly grows with depth); ``model`` compiles the whole task once (:func:`compile_model`: backbone, objective
+  heads and loss together after the objective's eager ``prepare``, more to fuse, but the layer loop is unrolled
+  into the graph, so compile time grows with depth); ``false``: eager. Both compile in place, so parameter
+  names and checkpoints do not change.
 * under ``torchrun``, ``train.parallel``: ``fsdp`` shards each layer and then the whole task (FSDP2's
   ``fully_shard``); ``ddp`` wraps the task in ``DistributedDataParallel``. One process: nothing.
 """
@@ -50,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kilolayer import rundir
 from kilolayer.config import Config
+from kilolayer.nn.layers import Layer
 from kilolayer.nn.transformer import Backbone
 from kilolayer.train import distributed as D
 
@@ -253,9 +255,11 @@ def apply_checkpointing(task: nn.Module, config: Config) -> list[nn.Module]:
     return chosen
 
 
-def compile_layers(backbone: nn.Module, **options) -> None:
-    """``torch.compile`` each Transformer layer in place (``options`` go to ``nn.Module.compile``)."""
-    for layer in transformer_layers(backbone):
+def compile_layers(module: nn.Module, **options) -> None:
+    """``torch.compile`` each Transformer layer in ``module`` in place (``options`` go to ``nn.Module.compile``):
+    given a task, the backbone's and those of the objective's own towers (MAE's decoder, the contrastive text
+    tower)."""
+    for layer in [m for m in module.modules() if isinstance(m, Layer)]:
         layer.compile(**options)
 
 
@@ -273,8 +277,6 @@ def distribute(task: nn.Module, mode: str, env: D.Dist) -> nn.Module:
         return task
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
-
-        from kilolayer.nn.layers import Layer
 
         for module in task.modules():  # the heads' own layers too (MAE's decoder, CLIP's text tower)
             if isinstance(module, Layer):
@@ -294,7 +296,7 @@ def parallelize(task: nn.Module, config: Config, env: D.Dist) -> nn.Module:
     if config.train.hold_heap and not checkpointed and env.device.type == "cpu":
         hold_heap()
     if config.train.compile == "layers":
-        compile_layers(task.backbone)
+        compile_layers(task)
     elif config.train.compile == "model":
         compile_model(task)
     return distribute(task, config.train.parallel, env)
