@@ -37,6 +37,34 @@ def tiny_lm(**train) -> dict:
     }
 
 
+# one small task per objective (encoder-decoder: the reversal task), for tests that go through every objective
+SMALL_PACKAGES = {"max_per_class": 20, "packages": ["xml", "email"]}
+WHOLE_TASKS = {
+    "decoder": tiny_lm(),
+    "encoder_decoder": {
+        "model": {"arch": "encoder_decoder", "layers": 3, "decoder_layers": 3, "width": 32, "heads": 4, "ffn": 64},
+        "objective": {"name": "seq2seq"},
+        "data": {"name": "synthetic", "task": "reverse"},
+    },
+    "classifier": {
+        "model": TINY_TEXT,
+        "objective": {"name": "classification"},
+        "data": {"name": "stdlib_packages", "options": SMALL_PACKAGES},
+    },
+    "mlm": {
+        "model": TINY_TEXT,
+        "objective": {"name": "mlm"},
+        "data": {"name": "stdlib_packages", "options": SMALL_PACKAGES},
+    },
+    "mae": {"model": TINY_IMAGE, "objective": {"name": "mae"}, "data": {"name": "digits"}},
+    "contrastive": {
+        "model": TINY_IMAGE,
+        "objective": {"name": "contrastive", "options": {"embed_dim": 32, "text_model": {"layers": 1, "width": 32}}},
+        "data": {"name": "digit_captions"},
+    },
+}
+
+
 def config(
     objective: str,
     data: str,

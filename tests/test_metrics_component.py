@@ -8,12 +8,13 @@ import math
 
 import pytest
 import torch
-from objective_helpers import tiny_lm
+from objective_helpers import WHOLE_TASKS, tiny_lm
 
 from kilolayer import rundir
 from kilolayer.config import load_config
 from kilolayer.data import load_source
 from kilolayer.objectives import build_task
+from kilolayer.objectives.base import head_weights
 from kilolayer.train import metrics as M
 from kilolayer.train.loop import train
 
@@ -31,42 +32,34 @@ def own_cache(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- FLOPs, rates, MFU
 
 
-def test_flops_per_token_is_the_formula():
+def test_train_flops_of_a_decoder_are_the_formula():
     L, d, f, V = 2, 32, 64, 262
     matmul = L * (4 * d * d + 2 * d * f)
-    cfg = load_config(LM).model
-    # at the model's full length (32) and no head: 6 N + 12 L d T
-    assert M.model_flops_per_token(cfg) == 6 * matmul + 12 * L * d * 32
-    # 31 tokens a sample (next-token targets), the LM head's d x V weights
-    assert M.model_flops_per_token(cfg, 31, head=d * V) == 6 * matmul + 12 * L * d * 31 + 6 * d * V
-    # a frozen backbone runs forward only: a third of its training FLOPs, the head still trains
-    assert M.model_flops_per_token(cfg, 31, head=d * V, frozen_backbone=True) == pytest.approx(
-        (6 * matmul + 12 * L * d * 31) / 3 + 6 * d * V, rel=1e-12
-    )
     cfg = load_config(LM)
     task = build_task(cfg, load_source(cfg))
-    assert M.head_weights(task.objective) == d * V
+    assert head_weights(task.objective) == d * V
+    # 4 samples of 33 bytes: 32 inputs and 32 next-byte targets each; 6 N T + 12 L d T^2 a sample, the LM head's
+    # d x V weights on every target
+    batch = {"tokens": torch.zeros(4, 33, dtype=torch.long)}
+    assert task.objective.train_flops(batch) == 4 * (6 * matmul * 32 + 12 * L * d * 32 * 32) + 6 * d * V * 4 * 32
+    # padding: the mean valid length a sample
+    padded = {**batch, "padding_mask": torch.zeros(4, 33, dtype=torch.bool)}
+    padded["padding_mask"][:2, 17:] = True  # two samples of 16 targets, two of 32: 24 on average
+    assert task.objective.train_flops(padded) == pytest.approx(
+        4 * (6 * matmul * 24 + 12 * L * d * 24 * 24) + 6 * d * V * 96, rel=1e-12
+    )
 
 
-def test_flops_per_token_of_an_encoder_decoder_splits_the_tokens():
-    cfg = load_config(
-        {
-            "model": {
-                "arch": "encoder_decoder",
-                "layers": 2,
-                "decoder_layers": 3,
-                "width": 32,
-                "heads": 2,
-                "ffn": 64,
-                "max_len": 16,
-            }
-        }
-    ).model
-    d, f = 32, 64
+def test_train_flops_of_an_encoder_decoder_count_source_and_target_apart():
+    """S source and T target tokens (S != T, the decoder deeper than the encoder); the head on targets only."""
+    model = {"arch": "encoder_decoder", "layers": 2, "decoder_layers": 3, "width": 32, "heads": 2, "ffn": 64}
+    cfg = load_config({"model": model, "objective": {"name": "seq2seq"}, "data": {"name": "synthetic"}})
+    task = build_task(cfg, load_source(cfg))
+    d, f, V = 32, 64, cfg.model.vocab_size
     enc = 2 * (4 * d * d + 2 * d * f)
     dec = 3 * (4 * d * d + 2 * d * f) + 3 * 4 * d * d  # + cross-attention (Q, K, V, O)
-    S = T = 10  # 20 tokens a sample: 10 source, 10 target
-    flops = (
+    S, T, B = 7, 12, 4
+    per_sample = (
         6 * enc * S
         + 12 * 2 * d * S * S
         + 6 * (dec - 3 * 2 * d * d) * T
@@ -74,14 +67,68 @@ def test_flops_per_token_of_an_encoder_decoder_splits_the_tokens():
         + 6 * (3 * 2 * d * d) * S
         + 12 * 3 * d * T * S
     )
-    assert M.model_flops_per_token(cfg, 20) == pytest.approx(flops / 20, rel=1e-12)
+    batch = {
+        "src": torch.zeros(B, S, dtype=torch.long),
+        "src_padding_mask": torch.zeros(B, S, dtype=torch.bool),
+        "tgt_in": torch.zeros(B, T, dtype=torch.long),
+        "tgt_out": torch.zeros(B, T, dtype=torch.long),
+        "tgt_padding_mask": torch.zeros(B, T, dtype=torch.bool),
+    }
+    assert task.objective.train_flops(batch) == pytest.approx(B * per_sample + 6 * d * V * B * T, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(WHOLE_TASKS) + ["probe"])
+def test_train_flops_are_the_matmuls_a_step_runs(name):
+    """Every objective's ``train_flops`` against torch's FlopCounterMode over one real forward and backward, with
+    SDPA on its math path so that attention is counted as the matrix products it is: the same number. The
+    seq2seq head runs on target tokens only, MAE's encoder on the visible patches and its decoder on all, the
+    classifier's head once per sample (over a frozen backbone, a probe: forward only below the head)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = load_config(WHOLE_TASKS["classifier" if name == "probe" else name])
+    source = load_source(cfg)
+    task = build_task(cfg, source).train()
+    if name == "probe":  # as train.freeze_backbone with train.init_from leaves it
+        task.backbone.requires_grad_(False)
+        probe = cfg.train.model_copy(update={"freeze_backbone": True})
+        task.objective.config = cfg.model_copy(update={"train": probe})
+    raw = source.train_batch(0, 8)  # no padding: padded positions run but are not model FLOPs
+    batch = task.objective.prepare(
+        {k: torch.zeros_like(v) if k.endswith("padding_mask") else v for k, v in raw.items()}
+    )
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss, _ = task.compute(batch)
+        loss.backward()
+    counted = counter.get_total_flops()
+    if name == "contrastive":  # the batch accuracy's similarity matrix, computed without gradients
+        counted -= 2 * 8 * 8 * task.objective.image_proj.out_features
+    assert task.objective.train_flops(batch) == pytest.approx(counted, rel=1e-9)
+
+
+def test_the_trainer_counts_each_steps_flops():
+    """A run's FLOP/s is the objective's train_flops of each step over the training time."""
+    cfg = load_config(WHOLE_TASKS["mlm"])
+    source = load_source(cfg)
+    task = build_task(cfg, source)
+    raw = source.train_batch(0, 8)
+    expected = task.objective.train_flops(raw)
+    drawn = task.objective.prepare(raw)
+    # the expected selection (mask_prob of the candidates) against the one drawn: within sampling noise
+    assert task.objective.train_flops(drawn) == pytest.approx(expected, rel=0.05)
+    now = [0.0]
+    meter = M.Efficiency(None, M.Peak(1e9, "test"), "cpu", clock=lambda: now[0])
+    meter.add(100, expected)
+    meter.add(100, 2 * expected)
+    now[0] += 3.0
+    r = meter.report()
+    assert r["flops_per_s"] == pytest.approx(expected) and r["mfu"] == pytest.approx(expected / 1e9)
 
 
 def test_meter_rates_over_a_known_time():
     now = [100.0]
     peak = M.Peak(1e9, "test")
-    meter = M.Efficiency(None, peak, "cpu", processes=2, clock=lambda: now[0])
-    meter.set_flops_per_token(3000.0)
+    meter = M.Efficiency(3000.0, peak, "cpu", processes=2, clock=lambda: now[0])
     meter.add(600)
     now[0] += 2.0
     with meter.paused():  # an evaluation: 0.5 s that are not training time
@@ -107,8 +154,17 @@ def test_summarize_means_and_maximum():
         {"step": 2, "split": "train", "tokens_per_s": 300.0, "mfu": 0.3, "peak_mem_gib": 1.5},
         {"step": 3, "split": "train", "loss": 2.0},
     ]
+    # without the running token count every window weighs alike
     assert M.summarize(recs) == pytest.approx({"tokens_per_s": 200.0, "mfu": 0.2, "peak_mem_gib": 1.5})
     assert M.summarize([]) == {}
+    # with it, each window by its time: 1,000 tokens at 100/s (10 s), then 3,000 at 300/s (10 s), then 100 at
+    # 100/s (1 s): 4,100 tokens in 21 s
+    timed = [
+        {"step": 1, "split": "train", "tokens": 1000, "tokens_per_s": 100.0, "mfu": 0.1},
+        {"step": 2, "split": "train", "tokens": 4000, "tokens_per_s": 300.0, "mfu": 0.3},
+        {"step": 3, "split": "train", "tokens": 4100, "tokens_per_s": 100.0, "mfu": 0.1},
+    ]
+    assert M.summarize(timed) == pytest.approx({"tokens_per_s": 4100 / 21, "mfu": (1 + 3 + 0.1) / 21})
 
 
 # ---------------------------------------------------------------- the peak
@@ -259,15 +315,16 @@ def test_a_run_reports_its_efficiency(tmp_path):
     recs = [r for r in rundir.read_metrics(run) if r["split"] == "train"]
     assert [r["step"] for r in recs] == [2, 4, 6]
     st = rundir.read_status(run)
-    cfg = load_config(LM)
-    fpt = M.model_flops_per_token(cfg.model, 32, 32 * 262)  # data.seq_len 32: 32 next-token targets a sample
+    L, d, f, V, T = 2, 32, 64, 262, 32  # data.seq_len 32: 32 inputs and 32 next-token targets a sample
+    fpt = 6 * L * (4 * d * d + 2 * d * f) + 12 * L * d * T + 6 * d * V
     for r in recs:
         assert r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0.05
         assert r["flops_per_s"] == pytest.approx(r["tokens_per_s"] * fpt, rel=1e-9)
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / st["peak_flops"], rel=1e-9)
     # the CPU's fp32 GEMM peak was measured in this run (the cache was empty) and recorded
     assert st["peak_flops_source"].startswith("measured: fp32 GEMM")
-    assert st["mfu"] == pytest.approx(sum(r["mfu"] for r in recs) / 3)
+    seconds = [(b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip([{"tokens": 0}, *recs], recs)]
+    assert st["mfu"] == pytest.approx(sum(r["mfu"] * s for r, s in zip(recs, seconds)) / sum(seconds))
     assert st["peak_mem_gib"] == max(r["peak_mem_gib"] for r in recs)
     assert st["stopped_early"] is False and st["reason"] == "step budget"
 

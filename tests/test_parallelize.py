@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from objective_helpers import TINY_IMAGE, TINY_TEXT, tiny_lm
+from objective_helpers import WHOLE_TASKS
 
 from kilolayer.config import load_config
 from kilolayer.data import load_source
@@ -193,29 +193,6 @@ def test_an_objective_missing_a_required_method_is_refused_at_definition():
             return torch.zeros(())
 
     assert Complete.tokens is Base.tokens
-
-
-PACKAGES = {"max_per_class": 20, "packages": ["xml", "email"]}
-WHOLE_TASKS = {
-    "decoder": tiny_lm(),
-    "encoder_decoder": {
-        "model": S2S,
-        "objective": {"name": "seq2seq"},
-        "data": {"name": "synthetic", "task": "reverse"},
-    },
-    "classifier": {
-        "model": TINY_TEXT,
-        "objective": {"name": "classification"},
-        "data": {"name": "stdlib_packages", "options": PACKAGES},
-    },
-    "mlm": {"model": TINY_TEXT, "objective": {"name": "mlm"}, "data": {"name": "stdlib_packages", "options": PACKAGES}},
-    "mae": {"model": TINY_IMAGE, "objective": {"name": "mae"}, "data": {"name": "digits"}},
-    "contrastive": {
-        "model": TINY_IMAGE,
-        "objective": {"name": "contrastive", "options": {"embed_dim": 32, "text_model": {"layers": 1, "width": 32}}},
-        "data": {"name": "digit_captions"},
-    },
-}
 
 
 @pytest.mark.parametrize("name", WHOLE_TASKS)

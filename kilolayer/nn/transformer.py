@@ -121,11 +121,12 @@ class PatchEmbedding(nn.Module):
     def forward(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``keep`` (B, K) patch indices to embed (MAE's visible patches); all patches if None."""
         self.check(images)
-        x = self.proj(self.patchify(images))
-        offset = 1 if self.cls is not None else 0
-        x = x + self.positions[offset:]
-        if keep is not None:
-            x = torch.gather(x, 1, keep[..., None].expand(-1, -1, x.shape[-1]))
+        patches = self.patchify(images)
+        positions = self.positions[1 if self.cls is not None else 0 :]
+        if keep is not None:  # select first: only the kept patches are projected
+            patches = torch.gather(patches, 1, keep[..., None].expand(-1, -1, patches.shape[-1]))
+            positions = positions[keep]
+        x = self.proj(patches) + positions
         if self.cls is not None:
             cls = (self.cls + self.positions[:1]).expand(x.shape[0], -1, -1)
             x = torch.cat([cls, x], dim=1)

@@ -42,6 +42,10 @@ class Objective(nn.Module):
     * ``represent(backbone, batch) -> Tensor``: the network output F(x, theta)
       on a probe batch, for DeepNet's model-update diagnostic.
     * ``tokens(batch) -> int``: tokens the backbone processes, for tokens/s.
+    * ``train_flops(batch) -> float``: model FLOPs of one training step (forward and backward) on ``batch``,
+      from its shapes (docs/bamboo.md#model-flops-and-mfu), for MFU. The default counts the backbone at the
+      batch's mean tokens per sample (split evenly between source and target for an encoder-decoder) and the
+      objective's matmul weights once per token; objectives whose heads run on other tokens override it.
     * ``chance(backbone, batches) -> dict``: the evaluation ``loss`` (and ``accuracy``, where the
       objective reports one) of the best predictor that ignores the input, on the same evaluation
       targets: the level a model that learned nothing sits at. Objectives with categorical targets
@@ -101,6 +105,27 @@ class Objective(nn.Module):
         """Tokens the backbone processes in ``batch``."""
         raise NotImplementedError(f"{type(self).__name__}.tokens (required; checked at class definition)")
 
+    def train_flops(self, batch: dict) -> float:
+        """Model FLOPs of one training step on ``batch`` (see the class docstring)."""
+        tokens, samples = self.tokens(batch), batch_size(batch)
+        per = max(tokens / samples, 1.0)
+        if self.config.model.arch == "encoder_decoder":
+            return self.backbone_flops(samples, per / 2, per / 2) + 6.0 * head_weights(self) * tokens
+        return self.backbone_flops(samples, per) + 6.0 * head_weights(self) * tokens
+
+    def backbone_flops(self, samples: int, length: float, target: float | None = None, model=None) -> float:
+        """Training FLOPs of ``samples`` sequences through the backbone (or the stack ``model`` configures): the
+        encoder's ``length`` tokens, the decoder's ``target`` (default ``length``). A third of them when
+        ``train.freeze_backbone`` keeps the task's own backbone out of the backward pass."""
+        from kilolayer.nn.budget import training_flops
+
+        cfg = model or self.config.model
+        length = max(float(length), 1.0)
+        flops = samples * training_flops(cfg, length, max(float(target or length), 1.0))
+        if model is None and self.config.train.freeze_backbone:
+            flops /= 3  # forward only: no gradients for the backbone's weights or inputs
+        return flops
+
     def loss_weight(self, batch: dict) -> int:
         """How many targets ``forward``'s loss on ``batch`` is the mean over. Default: ``tokens(batch)``."""
         return self.tokens(batch)
@@ -139,6 +164,19 @@ class Objective(nn.Module):
         accuracy = float(counts.max().double() / counts.sum())
         p = p[p > 0]
         return {"loss": float(-(p * p.log()).sum()), "accuracy": accuracy}
+
+
+def head_weights(module: nn.Module) -> int:
+    """Matmul weights of ``module``'s linear layers (an objective's heads; a decoder or tower of its own)."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def batch_size(batch: dict) -> int:
+    """The number of samples in ``batch``: the first dimension of its first tensor."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim():
+            return max(int(value.shape[0]), 1)
+    return 1
 
 
 def _add_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError
-from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.objectives.base import Objective, batch_size, head_weights, register_objective
 from kilolayer.objectives.common import batch_inputs, pool, token_count
 
 
@@ -108,6 +108,12 @@ class Classification(Objective):
 
     def eval_targets(self, batch: dict, index: int) -> torch.Tensor:
         return batch["labels"]
+
+    def train_flops(self, batch: dict) -> float:
+        # the head runs once per sample, on the pooled features (its input gradient is needed even over a frozen
+        # backbone: the head's LayerNorm trains)
+        B = batch_size(batch)
+        return self.backbone_flops(B, self.tokens(batch) / B) + 6.0 * head_weights(self) * B
 
     def tokens(self, batch: dict) -> int:
         x, mask = self._inputs(batch)

@@ -36,7 +36,7 @@ from kilolayer.data.options import parse_options
 from kilolayer.data.vocab import BYTE_VOCAB
 from kilolayer.errors import ConfigError
 from kilolayer.nn.transformer import build_model
-from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.objectives.base import Objective, batch_size, register_objective
 from kilolayer.objectives.common import pool, token_count
 
 TEXT_MODEL_DEFAULTS = dict(
@@ -205,6 +205,16 @@ class Contrastive(Objective):
 
     def analysis_inputs(self, batch: dict):
         return {"inputs": batch["images"], "padding_mask": None}, None
+
+    def train_flops(self, batch: dict) -> float:
+        """The image tower on each image's patches, the text tower on the captions' tokens, both projections
+        once per sample, and the B x B similarity matrix."""
+        B = batch_size(batch)
+        text_tokens = token_count(batch["tokens"], batch.get("padding_mask"))
+        towers = self.backbone_flops(B, self.image_seq_len)
+        towers += self.backbone_flops(B, text_tokens / B, model=self.text_config)
+        projections = 6.0 * B * (self.image_proj.weight.numel() + self.text_proj.weight.numel())
+        return towers + projections + 6.0 * B * B * self.image_proj.out_features
 
     def tokens(self, batch: dict) -> int:
         images = batch["images"]

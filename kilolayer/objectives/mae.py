@@ -32,7 +32,7 @@ from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError
 from kilolayer.nn.residual import SCHEMES, Depth, make_scheme
 from kilolayer.nn.transformer import Stack
-from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.objectives.base import Objective, batch_size, register_objective
 from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator
 
 
@@ -121,6 +121,7 @@ class MAE(Objective):
             activation=m.activation,
             norm_eps=m.norm_eps,
         )
+        self.decoder_config = dec
         scheme = make_scheme(dec.scheme, Depth("encoder", dec.layers))
         self.decoder_embed = nn.Linear(m.width, width)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
@@ -238,6 +239,16 @@ class MAE(Objective):
     def analysis_inputs(self, batch: dict):
         # over-smoothing is measured on the encoder over whole images, as for a supervised ViT
         return {"inputs": batch_inputs(batch, "inputs", "images"), "padding_mask": None}, None
+
+    def train_flops(self, batch: dict) -> float:
+        """The encoder on the visible patches (and CLS), the decoder and its prediction on every position, the
+        decoder's input projection on the encoder's outputs."""
+        B = batch_size(batch)
+        seen, full = self.keep + self.cls, self.num_patches + self.cls
+        encoder = self.backbone_flops(B, seen)
+        decoder = self.backbone_flops(B, full, model=self.decoder_config)
+        projections = 6.0 * B * (self.decoder_embed.weight.numel() * seen + self.predict.weight.numel() * full)
+        return encoder + decoder + projections
 
     def tokens(self, batch: dict) -> int:
         return batch_inputs(batch, "inputs", "images").shape[0] * (self.keep + self.cls)

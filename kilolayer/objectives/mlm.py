@@ -34,7 +34,7 @@ from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.data.text import tokenizer_for
 from kilolayer.errors import ConfigError
-from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.objectives.base import Objective, batch_size, head_weights, register_objective
 from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator, token_count
 
 IGNORE = -100
@@ -180,6 +180,21 @@ class MLM(Objective):
             batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"), eval_generator(index)
         )
         return targets[targets != IGNORE]
+
+    def train_flops(self, batch: dict) -> float:
+        """The encoder on every token; the head on the selected ones: those of a prepared batch, else the
+        expected number (``mask_prob`` of the candidates, at least one)."""
+        tokens, B = self.tokens(batch), batch_size(batch)
+        if DRAWN in batch:
+            selected = batch[DRAWN][2].numel()
+        else:
+            ids, mask = batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask")
+            candidate = ~torch.isin(ids, self.special_ids.to(ids.device))
+            if mask is not None:
+                candidate &= ~mask
+            count = int(candidate.sum())
+            selected = min(count, max(1.0, self.mask_prob * count)) if count else 0
+        return self.backbone_flops(B, tokens / B) + 6.0 * head_weights(self) * selected
 
     def tokens(self, batch: dict) -> int:
         return token_count(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"))

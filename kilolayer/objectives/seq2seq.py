@@ -12,7 +12,7 @@ from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.data.synthetic import Seq2SeqSource
 from kilolayer.errors import ConfigError
-from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.objectives.base import Objective, batch_size, head_weights, register_objective
 
 
 class Seq2SeqOptions(NumbersNotBools):
@@ -113,6 +113,12 @@ class Seq2Seq(Objective):
 
     def tokens(self, batch):
         return int((~batch["src_padding_mask"]).sum() + (~batch["tgt_padding_mask"]).sum())
+
+    def train_flops(self, batch):
+        # the source through the encoder, the target through the decoder, the LM head on target tokens only
+        B = batch_size(batch)
+        src, tgt = int((~batch["src_padding_mask"]).sum()), int((~batch["tgt_padding_mask"]).sum())
+        return self.backbone_flops(B, src / B, tgt / B) + 6.0 * head_weights(self) * tgt
 
     def loss_weight(self, batch):
         # the loss is a mean over the target's tokens; the source's do not count

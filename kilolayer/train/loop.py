@@ -174,6 +174,7 @@ class StepStats:
     loss: float  # the step's loss, averaged over micro-batches and processes
     grad_norm: torch.Tensor  # the global gradient norm before clipping
     tokens: int  # tokens the backbone processed on this process
+    flops: float  # model FLOPs of the step on this process (the objective's train_flops)
     layer_grads: tuple[list[str], list[float]] | None  # per-layer gradient norms, on diagnostic steps
 
 
@@ -590,7 +591,7 @@ class Trainer:
         norms, and clipping to ``train.clip``. The gradients are left for :meth:`_update`."""
         tc, env = self.config.train, self.env
         micro = split_batch(self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world), tc.accumulate)
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens, flops = 0.0, 0, 0.0
         for i, mb in enumerate(micro):
             mb = to_device(mb, env.device)
             with self._no_sync(i < len(micro) - 1):
@@ -599,12 +600,13 @@ class Trainer:
                 (loss / len(micro)).backward()
             loss_sum += float(loss.detach()) / len(micro)
             tokens += self.task.objective.tokens(mb)
+            flops += self.task.objective.train_flops(mb)
         loss_value = D.all_mean(loss_sum, env)
         reduce = (lambda t: _all_sum(t, env)) if env.active else None
         layer_grads = diag.grad_norms(self.task.backbone, reduce) if self._diagnostic_step(step) else None
         params = [p for p in self.task.parameters() if p.grad is not None]
         gnorm = torch.nn.utils.clip_grad_norm_(params, tc.clip if tc.clip > 0 else float("inf"))
-        return StepStats(loss_value, gnorm, tokens, layer_grads)
+        return StepStats(loss_value, gnorm, tokens, flops, layer_grads)
 
     def _no_sync(self, skip: bool):
         """DDP's ``no_sync`` for a micro-batch whose gradients are not all-reduced yet."""
@@ -635,9 +637,7 @@ class Trainer:
         self.state["tokens"] += stats.tokens * self.env.world
         self.step = step  # its update is applied: a failure from here on is at this step
         if self.meter is not None:
-            if self.meter.flops_per_token is None:
-                self.meter.set_flops_per_token(self._flops_per_token(stats.tokens))
-            self.meter.add(stats.tokens * self.env.world)
+            self.meter.add(stats.tokens * self.env.world, stats.flops * self.env.world)
 
     def _evaluate_on_schedule(self, step: int) -> tuple[bool, bool]:
         """Evaluate every ``train.eval_every`` steps and at the last; returns (a new best, early stop)."""
@@ -759,14 +759,6 @@ class Trainer:
         self.peak = M.device_peak(self.env.device, tc.precision, tc.peak_flops)
         self.peak_warned = False
         return M.Efficiency(None, self.peak, self.env.device, processes=self.env.world)
-
-    def _flops_per_token(self, tokens: int) -> float:
-        """Model FLOPs per token at the tokens per sample the first step showed (``tokens`` on this process)."""
-        tc = self.config.train
-        samples = max(1, tc.batch_size // self.env.world)
-        return M.model_flops_per_token(
-            self.config.model, tokens / samples, M.head_weights(self.task.objective), frozen_backbone=tc.freeze_backbone
-        )
 
     def _agree(self, flag: bool) -> bool:
         """True on every process if it is true on any (decisions that lead to collective work)."""

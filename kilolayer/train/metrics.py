@@ -9,12 +9,13 @@ Anything that times training steps can use it (the training loop, ``benchmarks/`
         ...
     meter.report()  # {"tokens_per_s", "flops_per_s", "mfu", "peak_mem_gib"} since the previous report
 
-* **Model FLOPs** are those of docs/bamboo.md#model-flops-and-mfu: per token, 6 x matmul weights +
-  12 x layers x heads x head size x sequence length (:func:`kilolayer.nn.budget.training_flops`),
-  plus 6 x the objective's own matmul weights (its heads) per token. Non-matmul
-  work is not counted. With a frozen backbone (a linear probe) the backbone
-  only runs forward: a third of its training FLOPs.
-* **MFU** = tokens/s x model FLOPs per token / (peak FLOP/s x processes).
+* **Model FLOPs** are those of docs/bamboo.md#model-flops-and-mfu, counted per step by the objective
+  (``Objective.train_flops``) from the batch's shapes: 6 x matmul weights x the tokens they act on +
+  12 x layers x width x query length x key length (:func:`kilolayer.nn.budget.training_flops`), for the
+  backbone and for the heads and towers the objective runs, on the tokens each runs on. Non-matmul work
+  is not counted. With a frozen backbone (a linear probe) the backbone only runs forward: a third of its
+  training FLOPs.
+* **MFU** = model FLOP/s / (peak FLOP/s x processes).
 * **Peak FLOP/s**: ``train.peak_flops`` when given; on CUDA the vendor's dense
   figure for the GPUs in :data:`VENDOR_PEAKS` (bf16; fp32 counts as TF32 where
   PyTorch lets matmuls use TF32, else as plain FP32), any other GPU measured;
@@ -48,7 +49,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 GIB = 2**30
 CACHE_FILE = "peak_flops.json"
@@ -71,31 +71,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------- model FLOPs
-
-
-def head_weights(objective: nn.Module) -> int:
-    """Matmul weights the objective owns (its heads; a decoder or tower of its own counts the same way)."""
-    return sum(m.weight.numel() for m in objective.modules() if isinstance(m, nn.Linear))
-
-
-def model_flops_per_token(
-    model, tokens_per_sample: float | None = None, head: int = 0, frozen_backbone: bool = False
-) -> float:
-    """Training FLOPs per token: the backbone's (``training_flops`` for one sample of ``tokens_per_sample``
-    tokens, split evenly between source and target for an encoder-decoder; default the model's full length)
-    plus ``6 x head`` for the objective's ``head`` matmul weights."""
-    from kilolayer.nn.budget import budget, training_flops
-
-    if tokens_per_sample is None:
-        per_token = budget(model).flops_per_token
-    else:
-        arch = model["arch"] if isinstance(model, dict) else model.arch
-        n = max(1.0, float(tokens_per_sample))
-        length = max(1, round(n / 2 if arch == "encoder_decoder" else n))
-        per_token = training_flops(model, length, length) / n
-    if frozen_backbone:
-        per_token /= 3  # forward only: no gradients for the backbone's weights or inputs
-    return per_token + 6.0 * head
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, processes: int = 1) -> float:
@@ -445,8 +420,9 @@ def peak_memory(device: str | torch.device) -> int:
 class Efficiency:
     """Tokens/s, model FLOP/s, MFU and peak memory over windows of training time.
 
-    ``flops_per_token`` may be None until the first step shows the tokens per sample (see
-    :meth:`set_flops_per_token`); ``processes`` devices share the counted tokens. ``clock`` is for tests.
+    Each step adds its tokens and, where its caller counts them per step (the trainer: the objective's
+    ``train_flops``), its model FLOPs; steps added without FLOPs count ``flops_per_token`` per token (None: no
+    FLOP/s or MFU). ``processes`` devices share the counted tokens and FLOPs. ``clock`` is for tests.
     """
 
     def __init__(
@@ -460,14 +436,18 @@ class Efficiency:
         self.flops_per_token, self.peak, self.device = flops_per_token, peak, torch.device(device)
         self.processes, self.clock = processes, clock
         self.tokens = 0
+        self.flops = 0.0
         self.paused_s = 0.0
         self.t0 = clock()
 
-    def set_flops_per_token(self, value: float) -> None:
-        self.flops_per_token = value
-
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, flops: float | None = None) -> None:
+        """One step's tokens and model FLOPs (all processes together)."""
         self.tokens += int(tokens)
+        if flops is None:
+            if self.flops_per_token is not None:
+                self.flops += tokens * self.flops_per_token
+        else:
+            self.flops += float(flops)
 
     @contextlib.contextmanager
     def paused(self):
@@ -484,28 +464,37 @@ class Efficiency:
         seconds = max(now - self.t0 - self.paused_s, 1e-9)
         rate = self.tokens / seconds
         out = {"tokens_per_s": rate}
-        if self.flops_per_token is not None:
-            out["flops_per_s"] = rate * self.flops_per_token  # all processes together
-            out["mfu"] = mfu(rate, self.flops_per_token, self.peak.flops, self.processes)
+        if self.flops > 0:
+            out["flops_per_s"] = self.flops / seconds  # all processes together
+            out["mfu"] = out["flops_per_s"] / (self.peak.flops * self.processes)
         out["peak_mem_gib"] = peak_memory(self.device) / GIB
-        self.tokens, self.paused_s, self.t0 = 0, 0.0, now
+        self.tokens, self.flops, self.paused_s, self.t0 = 0, 0.0, 0.0, now
         return out
 
 
 def summarize(records: Iterable[dict]) -> dict:
-    """A run's efficiency from its train records: mean ``tokens_per_s`` and ``mfu`` over the records that carry
-    them, and the largest ``peak_mem_gib``. Keys without any value are left out."""
-    cols: dict[str, list[float]] = {"tokens_per_s": [], "mfu": [], "peak_mem_gib": []}
-    for r in records:
-        if r.get("split", "train") != "train":
+    """A run's efficiency from its train records: ``tokens_per_s`` and ``mfu`` over its whole training time, and
+    the largest ``peak_mem_gib``. Each record covers the training time since the one before, which its new tokens
+    (``tokens`` is the run's running count) over its ``tokens_per_s`` give, so a long window weighs more than a
+    short one; where a record lacks the count, every window weighs alike. Keys without any value are left out."""
+    train = [r for r in records if r.get("split", "train") == "train"]
+    rows, before = [], 0.0
+    for r in train:
+        if not _positive(r.get("tokens_per_s")):
             continue
-        for k, xs in cols.items():
-            if _positive(r.get(k)):
-                xs.append(float(r[k]))
+        count = r.get("tokens")
+        new = count - before if _positive(count) and count > before else None
+        before = count if _positive(count) else before
+        rows.append((float(r["tokens_per_s"]), r.get("mfu"), new))
+    timed = all(new is not None for _, _, new in rows)
+    windows = [new / rate if timed else 1.0 for rate, _, new in rows]
     out = {}
-    for k in ("tokens_per_s", "mfu"):
-        if cols[k]:
-            out[k] = sum(cols[k]) / len(cols[k])
-    if cols["peak_mem_gib"]:
-        out["peak_mem_gib"] = max(cols["peak_mem_gib"])
+    if rows:
+        out["tokens_per_s"] = sum(rate * w for (rate, _, _), w in zip(rows, windows)) / sum(windows)
+    scored = [(float(m), w) for (_, m, _), w in zip(rows, windows) if _positive(m)]
+    if scored:
+        out["mfu"] = sum(m * w for m, w in scored) / sum(w for _, w in scored)
+    mem = [float(r["peak_mem_gib"]) for r in train if _positive(r.get("peak_mem_gib"))]
+    if mem:
+        out["peak_mem_gib"] = max(mem)
     return out
