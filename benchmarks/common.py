@@ -43,8 +43,8 @@ class StepOptions:
     loss on fp32 logits) with fp32 weights, gradients and optimizer state (``train.precision``).
     ``compile`` (``train.compile``): ``False``; ``layers`` (``True`` means this): ``torch.compile`` applied to
     each layer in place; ``model``: to the whole model (backbone and LM head) once, in place.
-    ``fused_optimizer``: AdamW's fused kernel, else its foreach one, instead of
-    the per-tensor loop (``train.fused_optimizer``).
+    ``fused_optimizer``: AdamW's fused kernel instead of its multi-tensor (foreach) path, the trainer's
+    default (``train.fused_optimizer``).
     """
 
     precision: str = "fp32"
@@ -80,13 +80,15 @@ FAST, FAST_MODEL = FAST_MODES["layers"], FAST_MODES["model"]
 
 
 def make_optimizer(model: torch.nn.Module, fused: bool, lr: float = 1e-4) -> torch.optim.Optimizer:
+    """AdamW as the trainer makes it: the multi-tensor (foreach) path, its default, or the fused kernel
+    (``train.fused_optimizer``); a device without the fused kernel is refused, not silently given another."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not fused:
-        return torch.optim.AdamW(params, lr=lr, foreach=False)
+        return torch.optim.AdamW(params, lr=lr, foreach=True)
     try:
         return torch.optim.AdamW(params, lr=lr, fused=True)
-    except (RuntimeError, ValueError):
-        return torch.optim.AdamW(params, lr=lr, foreach=True)
+    except (RuntimeError, ValueError) as err:
+        raise NotSupported(f"fused AdamW: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
 
 def compile_layers(model: LM, backend: str = "inductor") -> None:

@@ -4,6 +4,7 @@ process's allocator settings last for its life)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -200,3 +201,11 @@ def test_a_completed_run_says_whether_its_heap_was_held(tmp_path):
     assert st["status"] == "completed" and st["heap_held"] is P.heap_held()
     if P._glibc() is not None and not P._glibc_malloc_settings() and not os.environ.get(P.HOLD_ENV):
         assert st["heap_held"] is True  # the default, on the CPU with nothing checkpointed
+    # a fresh process told not to hold it says so (this one's heap may be held for good by now)
+    config = tmp_path / "off.yaml"
+    config.write_text(json.dumps(tiny_lm(steps=2, batch_size=2, log_every=1, hold_heap=False)))
+    env = {k: v for k, v in os.environ.items() if k != P.HOLD_ENV}
+    cmd = [sys.executable, "-m", "kilolayer", "train", str(config), "--out", str(tmp_path / "off"), "--quiet"]
+    subprocess.run(cmd, check=True, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300)
+    st = rundir.read_status(tmp_path / "off")
+    assert st["status"] == "completed" and st["heap_held"] is False
