@@ -36,23 +36,44 @@ from kilolayer.errors import ConfigError
 Arch = Literal["encoder", "decoder", "encoder_decoder"]
 
 
-def _numeric(annotation: Any) -> bool:
-    """Whether a field of this type takes a number and not a bool (``int``, ``float | None``, ...)."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
-    kinds = args or (annotation,)
-    return bool not in kinds and any(k in (int, float) for k in kinds)
+def _bool_for_number(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` holds a bool where ``annotation`` wants a number: the value itself (``int``,
+    ``float | None``, ``Literal[0, 1]``), or an item of a list, tuple, set or dict value it types
+    (``tuple[float, float]``, ``list[int]``, ``dict[str, float]``)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _bool_for_number(value, args[0])
+    if origin in (typing.Union, types.UnionType):
+        if isinstance(value, bool):
+            return bool not in args and any(_bool_for_number(value, a) for a in args)
+        return any(_bool_for_number(value, a) for a in args if a is not type(None))
+    if isinstance(value, bool):
+        if origin is typing.Literal:
+            return not any(isinstance(a, bool) for a in args) and any(isinstance(a, (int, float)) for a in args)
+        return annotation in (int, float)
+    if origin in (list, set, frozenset) and args and isinstance(value, (list, tuple, set)):
+        return any(_bool_for_number(v, args[0]) for v in value)
+    if origin is tuple and args and isinstance(value, (list, tuple)):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return any(_bool_for_number(v, args[0]) for v in value)
+        return any(_bool_for_number(v, a) for v, a in zip(value, args))
+    if origin is dict and len(args) == 2 and isinstance(value, dict):
+        return any(_bool_for_number(v, args[1]) for v in value.values())
+    return False
 
 
 class NumbersNotBools(BaseModel):
-    """A base for config models: ``true``/``false`` given for a number is refused. Pydantic would read them as
-    1 and 0, so ``train.steps: true`` would train one step and ``train.peak_flops: true`` divide by 1 FLOP/s."""
+    """A base for config models: ``true``/``false`` given for a number, or inside a list, tuple or mapping of
+    numbers, is refused. Pydantic would read them as 1 and 0, so ``train.steps: true`` would train one step
+    and ``train.peak_flops: true`` divide by 1 FLOP/s."""
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
-            raise PydanticCustomError("bool_number", "expected a number, not {value}", {"value": str(value).lower()})
+        if field is not None and _bool_for_number(value, field.annotation):
+            shown = str(value).lower() if isinstance(value, bool) else "true/false"
+            raise PydanticCustomError("bool_number", "expected a number, not {value}", {"value": shown})
         return value
 
 

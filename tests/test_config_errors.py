@@ -5,9 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
 import pytest
 import torch
+from pydantic import Field
 
 from kilolayer import ConfigError, InputError, build_model, load_config
 from kilolayer.cli import main
@@ -243,3 +245,37 @@ def test_bools_stay_bools_and_numbers_numbers():
     cfg = load_config(None, sets=["train.fused_optimizer=true", "train.compile=true", "train.peak_flops=2e11"])
     assert cfg.train.fused_optimizer is True and cfg.train.compile == "layers" and cfg.train.peak_flops == 2e11
     assert load_config(None, sets=["train.steps=7"]).train.steps == 7
+
+
+@pytest.mark.parametrize(
+    "value, annotation, refused",
+    [
+        (True, int, True),
+        (True, bool, False),
+        (True, bool | int, False),  # a bool is one of the choices
+        (False, Literal[False, "layers"], False),
+        (True, Literal[0, 1], True),
+        ((False, 0.5), tuple[float, float], True),
+        ((0.9, 0.5), tuple[float, float], False),
+        ([True], list[int], True),
+        ([True], list[bool], False),
+        ((1, True), tuple[int, ...], True),
+        ({"a": True}, dict[str, float], True),
+        ({"k": [True]}, dict[str, list[int]], True),
+        (True, Annotated[int, Field(ge=0)] | None, True),
+        (True, float | str, True),
+        ("x", float | str, False),
+        (None, float | None, False),
+        (True, Literal["a"], False),
+    ],
+)
+def test_a_bool_is_refused_wherever_a_number_is_wanted(value, annotation, refused):
+    from kilolayer.config import _bool_for_number
+
+    assert _bool_for_number(value, annotation) is refused
+
+
+def test_a_bool_inside_a_list_of_numbers_is_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, sets=["train.betas=[false,0.9]"])
+    assert one_line(str(info.value)) == "train.betas=[False, 0.9]: expected a number, not true/false"

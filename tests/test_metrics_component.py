@@ -113,7 +113,9 @@ def test_the_trainer_counts_each_steps_flops():
     task = build_task(cfg, source)
     raw = source.train_batch(0, 8)
     expected = task.objective.train_flops(raw)
+    torch.manual_seed(0)
     drawn = task.objective.prepare(raw)
+    assert task.objective.prepare(drawn) is drawn  # prepared once: the trainer's batch keeps its draw
     # the expected selection (mask_prob of the candidates) against the one drawn: within sampling noise
     assert task.objective.train_flops(drawn) == pytest.approx(expected, rel=0.05)
     now = [0.0]
@@ -123,6 +125,21 @@ def test_the_trainer_counts_each_steps_flops():
     now[0] += 3.0
     r = meter.report()
     assert r["flops_per_s"] == pytest.approx(expected) and r["mfu"] == pytest.approx(expected / 1e9)
+
+
+def test_a_runs_flops_are_its_objectives_of_each_step(tmp_path):
+    """An MAE run (every batch the same shape): each train record's FLOP/s over tokens/s is the objective's
+    train_flops over tokens of one such batch, so the trainer counted what the objective counts."""
+    section = {**WHOLE_TASKS["mae"], "train": {"steps": 4, "batch_size": 8, "log_every": 2}}
+    train(section, tmp_path / "run", quiet=True)
+    cfg = load_config(section)
+    source = load_source(cfg)
+    objective = build_task(cfg, source).objective
+    batch = source.train_batch(0, 8)
+    per_token = objective.train_flops(batch) / objective.tokens(batch)
+    recs = [r for r in rundir.read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert len(recs) == 2
+    assert all(r["flops_per_s"] / r["tokens_per_s"] == pytest.approx(per_token, rel=1e-9) for r in recs)
 
 
 def test_meter_rates_over_a_known_time():
@@ -157,12 +174,12 @@ def test_summarize_means_and_maximum():
     # without the running token count every window weighs alike
     assert M.summarize(recs) == pytest.approx({"tokens_per_s": 200.0, "mfu": 0.2, "peak_mem_gib": 1.5})
     assert M.summarize([]) == {}
-    # with it, each window by its time: 1,000 tokens at 100/s (10 s), then 3,000 at 300/s (10 s), then 100 at
-    # 100/s (1 s): 4,100 tokens in 21 s
+    # with it, each window by the training seconds it covers: 1,000 tokens at 100/s (10 s), then 3,000 at
+    # 300/s (10 s), then 100 at 100/s (1 s): 4,100 tokens in 21 s
     timed = [
-        {"step": 1, "split": "train", "tokens": 1000, "tokens_per_s": 100.0, "mfu": 0.1},
-        {"step": 2, "split": "train", "tokens": 4000, "tokens_per_s": 300.0, "mfu": 0.3},
-        {"step": 3, "split": "train", "tokens": 4100, "tokens_per_s": 100.0, "mfu": 0.1},
+        {"step": 1, "split": "train", "train_s": 10.0, "tokens_per_s": 100.0, "mfu": 0.1},
+        {"step": 2, "split": "train", "train_s": 10.0, "tokens_per_s": 300.0, "mfu": 0.3},
+        {"step": 3, "split": "train", "train_s": 1.0, "tokens_per_s": 100.0, "mfu": 0.1},
     ]
     assert M.summarize(timed) == pytest.approx({"tokens_per_s": 4100 / 21, "mfu": (1 + 3 + 0.1) / 21})
 
@@ -323,7 +340,8 @@ def test_a_run_reports_its_efficiency(tmp_path):
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / st["peak_flops"], rel=1e-9)
     # the CPU's fp32 GEMM peak was measured in this run (the cache was empty) and recorded
     assert st["peak_flops_source"].startswith("measured: fp32 GEMM")
-    seconds = [(b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip([{"tokens": 0}, *recs], recs)]
+    seconds = [r["train_s"] for r in recs]
+    assert all(s > 0 for s in seconds)
     assert st["mfu"] == pytest.approx(sum(r["mfu"] * s for r, s in zip(recs, seconds)) / sum(seconds))
     assert st["peak_mem_gib"] == max(r["peak_mem_gib"] for r in recs)
     assert st["stopped_early"] is False and st["reason"] == "step budget"

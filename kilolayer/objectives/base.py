@@ -36,7 +36,8 @@ class Objective(nn.Module):
     * ``prepare(batch) -> batch`` (optional): what must run eagerly before ``forward`` when the task is
       compiled as a whole (``train.compile: model``): random draws from a CPU generator, index lists
       whose length depends on the data. ``forward`` must give the same result on a prepared batch as on
-      the raw one, which it prepares itself.
+      the raw one, which it prepares itself; preparing a prepared batch returns it as it is (the trainer
+      prepares each micro-batch, then counts its FLOPs on what was drawn).
     * ``evaluate(backbone, batches) -> dict``: metrics over an evaluation set;
       must contain ``loss``.
     * ``represent(backbone, batch) -> Tensor``: the network output F(x, theta)
@@ -121,7 +122,7 @@ class Objective(nn.Module):
 
         cfg = model or self.config.model
         length = max(float(length), 1.0)
-        flops = samples * training_flops(cfg, length, max(float(target or length), 1.0))
+        flops = samples * training_flops(cfg, length, max(float(length if target is None else target), 1.0))
         if model is None and self.config.train.freeze_backbone:
             flops /= 3  # forward only: no gradients for the backbone's weights or inputs
         return flops
@@ -199,7 +200,7 @@ class Task(nn.Module):
         """(loss, stats as floats) of one training batch: the objective's eager ``prepare``, then
         :meth:`compute`, the part ``train.compile: model`` compiles."""
         loss, stats = self.compute(self.objective.prepare(batch))
-        return loss, {k: float(v) for k, v in stats.items()}
+        return loss, {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in stats.items()}
 
     def compute(self, batch: dict) -> tuple[torch.Tensor, dict]:
         return self.objective(self.backbone, batch)

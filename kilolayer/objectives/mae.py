@@ -200,10 +200,12 @@ class MAE(Objective):
         return self.masked_loss(pred, self.targets(backbone, images), mask)
 
     def prepare(self, batch: dict) -> dict:
+        if DRAWN in batch:
+            return batch
         return {**batch, DRAWN: self.masking(batch_inputs(batch, "inputs", "images"), step_generator())}
 
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
-        batch = batch if DRAWN in batch else self.prepare(batch)
+        batch = self.prepare(batch)
         return self._loss(backbone, batch, batch[DRAWN]), {}
 
     @torch.no_grad()

@@ -145,14 +145,14 @@ class MLM(Objective):
         return (inputs, *selected(targets))
 
     def prepare(self, batch: dict) -> dict:
-        return {**batch, DRAWN: self.draw(batch, step_generator())}
+        return batch if DRAWN in batch else {**batch, DRAWN: self.draw(batch, step_generator())}
 
     def _step(self, backbone, batch, drawn):
         inputs, index, gold = drawn
         return self.selected_loss(backbone(inputs, batch.get("padding_mask")), index, gold)
 
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
-        batch = batch if DRAWN in batch else self.prepare(batch)
+        batch = self.prepare(batch)
         loss, correct = self._step(backbone, batch, batch[DRAWN])
         return loss, {"accuracy": correct / max(batch[DRAWN][2].numel(), 1)}
 

@@ -593,7 +593,7 @@ class Trainer:
         micro = split_batch(self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world), tc.accumulate)
         loss_sum, tokens, flops = 0.0, 0, 0.0
         for i, mb in enumerate(micro):
-            mb = to_device(mb, env.device)
+            mb = self.task.objective.prepare(to_device(mb, env.device))  # its masks drawn: FLOPs counted on them
             with self._no_sync(i < len(micro) - 1):
                 with _autocast(tc.precision, env.device):
                     loss, _ = self.model(mb)
@@ -717,12 +717,13 @@ class Trainer:
         eff = self.meter.report()
         if eff.get("mfu", 0) > 1 and not self.peak_warned:
             self.peak_warned = True
-            fix = (
-                "raise train.peak_flops"
-                if self.peak.source == "train.peak_flops"
-                else f"set train.peak_flops, or delete the cached figure ({M.CACHE_FILE} in the cache folder) to "
-                "measure it again"
-            )
+            if self.peak.source.startswith(("measured", "cached")):
+                fix = (
+                    f"set train.peak_flops, or delete the cached figure ({M.CACHE_FILE} in the cache folder) to "
+                    "measure it again"
+                )
+            else:  # given, or a vendor's figure
+                fix = "set train.peak_flops" if self.peak.source != "train.peak_flops" else "raise train.peak_flops"
             rundir.warn(
                 f"MFU {100 * eff['mfu']:.0f}% at step {step}: the peak of {self.peak.flops:.3g} "
                 f"FLOP/s ({self.peak.source}) is too low; {fix}"
@@ -732,7 +733,7 @@ class Trainer:
         self.log.write({**record, "tokens": self.state["tokens"], **eff})
         self.progress.update(
             step,
-            f"loss {stats.loss:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s MFU {100 * eff['mfu']:.1f}%",
+            f"loss {stats.loss:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s MFU {100 * eff.get('mfu', 0.0):.1f}%",
         )
 
     def _stop_signal(self) -> int:

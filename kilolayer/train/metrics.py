@@ -464,7 +464,7 @@ class Efficiency:
         now = self.clock()
         seconds = max(now - self.t0 - self.paused_s, 1e-9)
         rate = self.tokens / seconds
-        out = {"tokens_per_s": rate}
+        out = {"tokens_per_s": rate, "train_s": seconds}
         if self.flops > 0:
             out["flops_per_s"] = self.flops / seconds  # all processes together
             out["mfu"] = out["flops_per_s"] / (self.peak.flops * self.processes)
@@ -474,27 +474,17 @@ class Efficiency:
 
 
 def summarize(records: Iterable[dict]) -> dict:
-    """A run's efficiency from its train records: ``tokens_per_s`` and ``mfu`` over its whole training time, and
-    the largest ``peak_mem_gib``. Each record covers the training time since the one before, which its new tokens
-    (``tokens`` is the run's running count) over its ``tokens_per_s`` give, so a long window weighs more than a
-    short one; where a record lacks the count, every window weighs alike. Keys without any value are left out."""
+    """A run's efficiency from its train records: ``tokens_per_s`` and ``mfu`` over its whole training time, each
+    record weighted by the training seconds it covers (``train_s``), and the largest ``peak_mem_gib``. Records
+    without ``train_s`` (written before it was recorded) weigh one second each. Keys without any value are
+    left out."""
     train = [r for r in records if r.get("split", "train") == "train"]
-    rows, before = [], 0.0
-    for r in train:
-        if not _positive(r.get("tokens_per_s")):
-            continue
-        count = r.get("tokens")
-        new = count - before if _positive(count) and count > before else None
-        before = count if _positive(count) else before
-        rows.append((float(r["tokens_per_s"]), r.get("mfu"), new))
-    timed = all(new is not None for _, _, new in rows)
-    windows = [new / rate if timed else 1.0 for rate, _, new in rows]
+    rows = [(r, float(r["train_s"]) if _positive(r.get("train_s")) else 1.0) for r in train]
     out = {}
-    if rows:
-        out["tokens_per_s"] = sum(rate * w for (rate, _, _), w in zip(rows, windows)) / sum(windows)
-    scored = [(float(m), w) for (_, m, _), w in zip(rows, windows) if _positive(m)]
-    if scored:
-        out["mfu"] = sum(m * w for m, w in scored) / sum(w for _, w in scored)
+    for key in ("tokens_per_s", "mfu"):
+        scored = [(float(r[key]), w) for r, w in rows if _positive(r.get(key))]
+        if scored:
+            out[key] = sum(v * w for v, w in scored) / sum(w for _, w in scored)
     mem = [float(r["peak_mem_gib"]) for r in train if _positive(r.get("peak_mem_gib"))]
     if mem:
         out["peak_mem_gib"] = max(mem)
