@@ -12,7 +12,7 @@ error records ``failed`` with its reason. Nothing in the directory changes until
 training has started: a run refused during set-up keeps its status.
 
 Train records carry the run's efficiency (:mod:`kilolayer.train.metrics`: ``tokens_per_s``, ``flops_per_s``,
-``mfu``, ``peak_mem_gib``, over the training time since the previous record; evaluation, diagnostics and
+``mfu``, ``peak_mem_gib``, ``train_s``, over the training time since the previous record; evaluation, diagnostics and
 checkpoints are not training time). With ``train.patience`` > 0 the run stops early once that many
 evaluations in a row have not improved ``train.early_stop_metric`` by ``train.min_delta``; every
 improvement is saved as a checkpoint that rotation never removes while the run needs it (the best), and

@@ -3,11 +3,11 @@
 Anything that times training steps can use it (the training loop, ``benchmarks/``)::
 
     peak = device_peak(device, "fp32")                     # FLOP/s, with where the figure came from
-    meter = Efficiency(flops_per_token, peak, device)
-    meter.add(tokens)                                     # after each step
+    meter = Efficiency(None, peak, device)                # or a fixed flops_per_token
+    meter.add(tokens, flops)                              # after each step: its tokens and model FLOPs
     with meter.paused():                                  # evaluation, checkpoints: not training time
         ...
-    meter.report()  # {"tokens_per_s", "flops_per_s", "mfu", "peak_mem_gib"} since the previous report
+    meter.report()  # {"tokens_per_s", "flops_per_s", "mfu", "peak_mem_gib", "train_s"} since the previous report
 
 * **Model FLOPs** are those of docs/bamboo.md#model-flops-and-mfu, counted per step by the objective
   (``Objective.train_flops``) from the batch's shapes: 6 x matmul weights x the tokens they act on +
