@@ -599,6 +599,16 @@ def test_a_repeated_sigterm_is_one_request_but_a_later_one_stops_at_once(monkeyp
     clock[0] += loop.StopSignals.ECHO_S + 0.1
     with pytest.raises(loop.Interrupted, match="second SIGTERM"):
         stop._handle(signal.SIGTERM, None)
+    # later, but the parent has died meanwhile (the process was reparented): its death signal, not a request
+    parent = [1000]
+    monkeypatch.setattr(loop.os, "getppid", lambda: parent[0])
+    orphan = loop.StopSignals()
+    orphan.armed = True
+    orphan._handle(signal.SIGTERM, None)
+    clock[0] += 10 * loop.StopSignals.ECHO_S
+    parent[0] = 1
+    orphan._handle(signal.SIGTERM, None)
+    assert orphan.signum == signal.SIGTERM
     ctrl_c = loop.StopSignals()
     ctrl_c.armed = True
     ctrl_c._handle(signal.SIGINT, None)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import shutil
 import signal
@@ -131,8 +132,10 @@ class StopSignals:
     """SIGINT and SIGTERM: during set-up they stop at once; once the loop runs (``armed``), the first asks
     it to stop at the next step boundary (with a checkpoint) and a second one stops at once. A SIGTERM within
     :data:`ECHO_S` of the first SIGTERM is not a second request: when a study driver with several threads
-    dies, Linux sends its child the parent-death signal once per exiting thread. Installed only in the main
-    thread (where Python allows it)."""
+    dies, Linux sends its child the parent-death signal once per exiting thread. Nor is a SIGTERM that finds
+    the process orphaned (its parent, a study driver or torchrun, has exited since the first): that is the
+    parent's death arriving late, on a loaded machine after the checkpoint has begun. Installed only in the
+    main thread (where Python allows it)."""
 
     #: seconds within which a repeated SIGTERM counts as the same request
     ECHO_S = 2.0
@@ -141,6 +144,7 @@ class StopSignals:
         self.signum = 0
         self.armed = False
         self.first_at = 0.0
+        self.parent = os.getppid()
         self._previous: dict = {}
 
     def install(self) -> StopSignals:
@@ -154,7 +158,8 @@ class StopSignals:
         if not self.armed:
             raise Interrupted(f"interrupted by {name} before training started", signum)
         if self.signum:
-            echo = signum == self.signum == signal.SIGTERM and time.monotonic() - self.first_at < self.ECHO_S
+            soon = time.monotonic() - self.first_at < self.ECHO_S
+            echo = signum == self.signum == signal.SIGTERM and (soon or os.getppid() != self.parent)
             if echo:
                 return
             raise Interrupted(f"stopped at once by a second {name}; the newest complete checkpoint is kept", signum)
