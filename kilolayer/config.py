@@ -232,14 +232,14 @@ class TrainConfig(_Section):
         strict=True,  # an integer, not `true` (which would read as 1: a trim after every layer)
         description="with activation checkpointing on Linux/glibc: hand the heap's free pages back to the system "
         "(malloc_trim) every this many checkpointed layers, forward and backward, on the CPU and without "
-        "train.compile; 0: never (1,000 layers of width 64: peak 1.37 instead of 2.50 GiB, step 15.3 instead of "
-        "19.2 s; docs/benchmarks.md)",
+        "train.compile; 0: never (1,000 layers of width 64: about half the peak, at no measurable cost in step "
+        "time; docs/benchmarks.md)",
     )
     pin_mmap: bool = Field(
         False,
         description="with activation checkpointing on Linux/glibc: pin malloc's mmap threshold at 64 KiB, so freed "
-        "activation blocks go back to the system (1,000 layers of width 64: peak 1.39 instead of 2.50 GiB, but "
-        "each step 1.5x as slow as with train.trim_heap_every, on by default, which saves as much for less)",
+        "activation blocks go back to the system (1,000 layers of width 64: about half the peak, but each step "
+        "about 1.5x as slow as with train.trim_heap_every, on by default, which saves as much for less)",
     )
     hold_heap: bool = Field(
         True,

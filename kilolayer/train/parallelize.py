@@ -11,19 +11,19 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
   (:func:`apply_checkpointing`). Every ``train.trim_heap_every`` checkpointed layers (default 32; Linux,
   glibc) the forward pass, and the backward pass at the same layers, hand the heap's free pages back to the
   system (:class:`HeapTrimmer`, ``malloc_trim``): each recomputed layer frees its activation blocks between
-  long-lived tensors, and the holes stay resident otherwise. At 1,000 layers of width 64 that cut the peak
-  from 2.50 to 1.37 GiB, and the step took 15.3 s instead of 19.2 s (docs/benchmarks.md; pages handed back
-  and then reused are faulted in again, and each trim walks the heap's free blocks). ``train.pin_mmap``
-  instead pins glibc's mmap threshold (:func:`pin_mmap_threshold`), so every such block is a fresh mapping:
-  1.39 GiB, but each step took 23.0 s, 1.5x as long as with the trim; it stays opt-in. The trim runs in eager
+  long-lived tensors, and the holes stay resident otherwise. At 1,000 layers of width 64 that about halves
+  the peak, at no measurable cost in step time (docs/benchmarks.md; pages handed back and then reused are
+  faulted in again, and each trim walks the heap's free blocks). ``train.pin_mmap`` instead pins glibc's
+  mmap threshold (:func:`pin_mmap_threshold`), so every such block is a fresh mapping: about as small, but
+  each step took about 1.5x as long as with the trim; it stays opt-in. The trim runs in eager
   layers on the CPU only: not inside a compiled graph (``train.compile``), whose graphs a call out would
   split at every layer, nor for CUDA activations, which are not on the heap.
 * ``train.hold_heap`` (on by default; CPU, Linux/glibc, nothing checkpointed): :func:`hold_heap` keeps the
   memory one step frees for the next. glibc's default hands the top of the heap back to the system once a
   step has freed its activations, and the next step faults the same pages in again. On a 24-layer DeepNorm
   decoder of width 128 (batch 16 x 128 tokens, one thread, fresh processes taking turns; ``python -m
-  benchmarks.heap``, docs/benchmarks.md) that was 21,720 page faults and 0.054 s of system time a step, and 299
-  faults and 0.000 s held; the step time (about 1.1 s) moved by less than this machine's noise. The setting is
+  benchmarks.heap``, docs/benchmarks.md) that was over 20,000 page faults and 0.05-0.08 s of system time a step,
+  and about 300 faults and no system time held; the step time moved by less than this machine's noise. The setting is
   process-wide and lasts for the process's life (each study point trains in its own process); with any layer
   checkpointed (a contrastive text tower's too) the heap trim above applies instead.
 * ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer, the
