@@ -106,8 +106,9 @@ def test_train_flops_are_the_matmuls_a_step_runs(name):
     assert task.objective.train_flops(batch) == pytest.approx(counted, rel=1e-9)
 
 
-def test_the_trainer_counts_each_steps_flops():
-    """A run's FLOP/s is the objective's train_flops of each step over the training time."""
+def test_mlms_expected_flops_are_near_the_drawn_ones_and_the_meter_sums_them():
+    """Without a draw, MLM counts its head on the expected selection (within sampling noise of a draw); the meter's
+    FLOP/s is the sum of the steps' FLOPs over the training time."""
     cfg = load_config(WHOLE_TASKS["mlm"])
     source = load_source(cfg)
     task = build_task(cfg, source)
@@ -119,7 +120,7 @@ def test_the_trainer_counts_each_steps_flops():
     # the expected selection (mask_prob of the candidates) against the one drawn: within sampling noise
     assert task.objective.train_flops(drawn) == pytest.approx(expected, rel=0.05)
     now = [0.0]
-    meter = M.Efficiency(None, M.Peak(1e9, "test"), "cpu", clock=lambda: now[0])
+    meter = M.Efficiency(M.Peak(1e9, "test"), "cpu", clock=lambda: now[0])
     meter.add(100, expected)
     meter.add(100, 2 * expected)
     now[0] += 3.0
@@ -145,12 +146,12 @@ def test_a_runs_flops_are_its_objectives_of_each_step(tmp_path):
 def test_meter_rates_over_a_known_time():
     now = [100.0]
     peak = M.Peak(1e9, "test")
-    meter = M.Efficiency(3000.0, peak, "cpu", processes=2, clock=lambda: now[0])
-    meter.add(600)
+    meter = M.Efficiency(peak, "cpu", processes=2, clock=lambda: now[0])
+    meter.add(600, 600 * 3000.0)
     now[0] += 2.0
     with meter.paused():  # an evaluation: 0.5 s that are not training time
         now[0] += 0.5
-    meter.add(900)
+    meter.add(900, 900 * 3000.0)
     now[0] += 1.0
     r = meter.report()
     assert r["tokens_per_s"] == pytest.approx(1500 / 3.0)

@@ -169,13 +169,17 @@ class MAE(Objective):
         return random_masking(images.shape[0], self.num_patches, self.keep, generator, images.device)
 
     def reconstruct(
-        self, backbone: nn.Module, images: torch.Tensor, generator: torch.Generator | tuple, observe=None
+        self,
+        backbone: nn.Module,
+        images: torch.Tensor,
+        generator: torch.Generator | None = None,
+        observe=None,
+        masking: tuple | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(predicted patches (B, L, p*p*C), mask (B, L), 1 = hidden) for one random masking, drawn from
-        ``generator`` or given (a :meth:`masking`)."""
+        """(predicted patches (B, L, p*p*C), mask (B, L), 1 = hidden) for one random masking: ``masking`` (a
+        :meth:`masking`) if given, else one drawn from ``generator``."""
         B = images.shape[0]
-        drawn = generator if isinstance(generator, tuple) else self.masking(images, generator)
-        keep, restore, mask = drawn
+        keep, restore, mask = masking if masking is not None else self.masking(images, generator)
         x = backbone.embed(images, keep=keep)  # (B, cls + K, width): only the visible patches
         latent = backbone.encoder(x, observe=observe)
         y = self.decoder_embed(latent)
@@ -194,9 +198,9 @@ class MAE(Objective):
         return (per_patch * mask).sum() / mask.sum()
 
     # -- the Objective interface
-    def _loss(self, backbone, batch, generator) -> torch.Tensor:
+    def _loss(self, backbone, batch, masking: tuple) -> torch.Tensor:
         images = batch_inputs(batch, "inputs", "images")
-        pred, mask = self.reconstruct(backbone, images, generator)
+        pred, mask = self.reconstruct(backbone, images, masking=masking)
         return self.masked_loss(pred, self.targets(backbone, images), mask)
 
     def prepare(self, batch: dict) -> dict:
@@ -212,8 +216,9 @@ class MAE(Objective):
     def evaluate(self, backbone: nn.Module, batches: Iterable[dict]) -> dict:
         total = count = 0.0
         for i, batch in enumerate(batches):
-            n = batch_inputs(batch, "inputs", "images").shape[0]
-            total += float(self._loss(backbone, batch, eval_generator(i))) * n
+            images = batch_inputs(batch, "inputs", "images")
+            n = images.shape[0]
+            total += float(self._loss(backbone, batch, self.masking(images, eval_generator(i)))) * n
             count += n
         return {"loss": total / max(count, 1)}
 

@@ -764,7 +764,7 @@ class Trainer:
             rundir.warn(slow)
         self.peak = M.device_peak(self.env.device, tc.precision, tc.peak_flops)
         self.peak_warned = False
-        return M.Efficiency(None, self.peak, self.env.device, processes=self.env.world)
+        return M.Efficiency(self.peak, self.env.device, processes=self.env.world)
 
     def _agree(self, flag: bool) -> bool:
         """True on every process if it is true on any (decisions that lead to collective work)."""

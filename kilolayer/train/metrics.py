@@ -3,7 +3,7 @@
 Anything that times training steps can use it (the training loop, ``benchmarks/``)::
 
     peak = device_peak(device, "fp32")                     # FLOP/s, with where the figure came from
-    meter = Efficiency(None, peak, device)                # or a fixed flops_per_token
+    meter = Efficiency(peak, device)
     meter.add(tokens, flops)                              # after each step: its tokens and model FLOPs
     with meter.paused():                                  # evaluation, checkpoints: not training time
         ...
@@ -421,34 +421,29 @@ def peak_memory(device: str | torch.device) -> int:
 class Efficiency:
     """Tokens/s, model FLOP/s, MFU and peak memory over windows of training time.
 
-    Each step adds its tokens and, where its caller counts them per step (the trainer: the objective's
-    ``train_flops``), its model FLOPs; steps added without FLOPs count ``flops_per_token`` per token (None: no
-    FLOP/s or MFU). ``processes`` devices share the counted tokens and FLOPs. ``clock`` is for tests.
+    Each step adds its tokens and its model FLOPs (the trainer: the objective's ``train_flops``); a window
+    without FLOPs reports no FLOP/s or MFU. ``processes`` devices share the counted tokens and FLOPs. ``clock``
+    is for tests.
     """
 
     def __init__(
         self,
-        flops_per_token: float | None,
         peak: Peak,
         device: str | torch.device = "cpu",
         processes: int = 1,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        self.flops_per_token, self.peak, self.device = flops_per_token, peak, torch.device(device)
+        self.peak, self.device = peak, torch.device(device)
         self.processes, self.clock = processes, clock
         self.tokens = 0
         self.flops = 0.0
         self.paused_s = 0.0
         self.t0 = clock()
 
-    def add(self, tokens: int, flops: float | None = None) -> None:
+    def add(self, tokens: int, flops: float = 0.0) -> None:
         """One step's tokens and model FLOPs (all processes together)."""
         self.tokens += int(tokens)
-        if flops is None:
-            if self.flops_per_token is not None:
-                self.flops += tokens * self.flops_per_token
-        else:
-            self.flops += float(flops)
+        self.flops += float(flops)
 
     @contextlib.contextmanager
     def paused(self):
