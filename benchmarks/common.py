@@ -23,6 +23,7 @@ from torch import nn
 
 from benchmarks.peers import LM, NotSupported, Spec, batch, build, versions
 from kilolayer.train import metrics
+from kilolayer.train.engine import apply_update, forward_backward
 
 PRECISIONS = ("fp32", "bf16")
 #: ``train.compile``'s modes: eager, each layer, the whole model
@@ -137,11 +138,10 @@ class TrainStep:
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def __call__(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor) -> float:
-        loss = self.loss(inputs, targets)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())  # waits for the device: a timed step is a finished step
+        # the training engine's two halves; float() of the loss waits for the device: a timed step is a finished one
+        loss = forward_backward([(inputs, targets)], lambda b: self.loss(*b))
+        apply_update(self.optimizer)
+        return loss
 
 
 def fixed_batch(spec: Spec, batch_size: int, seed: int = 0, device: str | torch.device = "cpu"):

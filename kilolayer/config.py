@@ -249,6 +249,12 @@ class TrainConfig(_Section):
         "highest; glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings win; KILOLAYER_HOLD_HEAP=0 turns it off",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="intra-op threads of the training process (default: the process's setting; a resume reuses the "
+        "count its run recorded, since float reductions, and so bit-exact resume, depend on it)",
+    )
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
     diverge_factor: float = Field(
         10.0, gt=1, description="diverged if the smoothed loss exceeds factor x its running minimum after warm-up ..."

@@ -559,7 +559,7 @@ def test_the_trainer_compiles_what_train_compile_names(tmp_path, monkeypatch, mo
     The compile itself runs with the aot_eager backend here (no C++ build); the trainer's steps go through it."""
 
     from kilolayer.objectives.base import Task
-    from kilolayer.train import loop
+    from kilolayer.train import engine, run
 
     compiled, original = [], torch.compile
 
@@ -568,7 +568,7 @@ def test_the_trainer_compiles_what_train_compile_names(tmp_path, monkeypatch, mo
         return original(fn, **{**options, "backend": "aot_eager"})
 
     monkeypatch.setattr(torch, "compile", compile_)
-    made, build = [], loop.build_task
+    made, build = [], engine.build_task
 
     made_keys = []
 
@@ -577,8 +577,8 @@ def test_the_trainer_compiles_what_train_compile_names(tmp_path, monkeypatch, mo
         made_keys.append(made[-1].state_dict().keys())
         return made[-1]
 
-    monkeypatch.setattr(loop, "build_task", build_task)
-    result = loop.train(TINY_LM, tmp_path / "run", quiet=True, sets=[f"train.compile={str(mode).lower()}"])
+    monkeypatch.setattr(engine, "build_task", build_task)
+    result = run.train(TINY_LM, tmp_path / "run", quiet=True, sets=[f"train.compile={str(mode).lower()}"])
     assert result == {"status": "completed", "step": 2}
     (task,) = made
     if mode == "layers":

@@ -495,7 +495,7 @@ def test_vocabulary_bigger_than_the_model_is_one_line(root):
 
 
 def test_tiny_training_lowers_validation_loss_with_a_finite_bleu(root, tmp_path):
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     cfg = config(root).model_dump()
     cfg["objective"]["options"] = {"decode_samples": 16}

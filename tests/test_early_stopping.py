@@ -15,7 +15,8 @@ from objective_helpers import tiny_lm
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.train.checkpoint import read_weights
-from kilolayer.train.loop import early_stop_mode, train
+from kilolayer.train.policies import early_stop_mode
+from kilolayer.train.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -194,7 +194,7 @@ def test_a_completed_run_says_whether_its_heap_was_held(tmp_path):
     from objective_helpers import tiny_lm
 
     from kilolayer import rundir
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     train(tiny_lm(steps=2, batch_size=2, log_every=1), tmp_path / "run", quiet=True)
     st = rundir.read_status(tmp_path / "run")

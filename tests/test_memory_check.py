@@ -198,7 +198,7 @@ RSS_SCRIPT = textwrap.dedent("""
     from test_memory_check import _batch
     from kilolayer.config import load_config
     from kilolayer.objectives import build_task
-    from kilolayer.train.loop import split_batch
+    from kilolayer.train.engine import split_batch
     from kilolayer.train.memory import estimate_memory
     from kilolayer.train.optim import build_optimizer
     from kilolayer.train.parallelize import apply_checkpointing, hold_heap

@@ -16,7 +16,7 @@ from kilolayer.data import load_source
 from kilolayer.objectives import build_task
 from kilolayer.objectives.base import head_weights
 from kilolayer.train import metrics as M
-from kilolayer.train.loop import train
+from kilolayer.train.run import train
 
 LM = tiny_lm(steps=6, batch_size=4, lr=1e-3, log_every=2)
 LOAD_PER_CPU = M.load_per_cpu

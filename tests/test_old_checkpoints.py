@@ -19,7 +19,7 @@ from kilolayer.nn.residual import old_keys, upgrade_state_dict
 from kilolayer.objectives import build_task
 from kilolayer.train.checkpoint import read_weights
 from kilolayer.train.init_from import load_pretrained
-from kilolayer.train.loop import train
+from kilolayer.train.run import train
 
 MODEL = {"width": 16, "heads": 2, "ffn": 32, "vocab_size": 16, "max_len": 16}
 S2S = {**MODEL, "arch": "encoder_decoder", "layers": 2, "decoder_layers": 2}

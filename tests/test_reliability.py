@@ -23,8 +23,8 @@ from kilolayer.cli import main
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import KilolayerError
 from kilolayer.train import checkpoint as ckpt
-from kilolayer.train.loop import Trainer, train
 from kilolayer.train.optim import lr_factor
+from kilolayer.train.run import Run, train
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "train_harness.py"
@@ -431,8 +431,7 @@ def test_a_non_run_directory_is_refused_and_left_alone(tmp_path, capsys):
 
 def test_a_run_without_a_checkpoint_is_replaced_only_with_overwrite(tmp_path, capsys):
     run = tmp_path / "run"
-    trainer = Trainer(load_config(LM), run, quiet=True)  # set up, then "killed" before its first step
-    trainer.close()
+    Run(load_config(LM), run, quiet=True).close()  # set up, then "killed" before its first step
     assert rundir.read_status(run)["status"] == "running" and rundir.complete_checkpoints(run) == []
     (run / "notes.txt").write_text("mine")
     wide = str(write_config(tmp_path, {**LM, "model": {**LM["model"], "width": 64}}))
@@ -587,7 +586,7 @@ def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):
 
 
 def test_a_repeated_sigterm_is_one_request_but_a_later_one_stops_at_once(monkeypatch):
-    from kilolayer.train import loop
+    from kilolayer.train import signals as loop
 
     clock = [100.0]
     monkeypatch.setattr(loop.time, "monotonic", lambda: clock[0])

@@ -373,6 +373,20 @@ def device_peak(device: str | torch.device, precision: str, given: float | None 
     return measured_peak(device, precision)
 
 
+def peak_too_low(peak: Peak, mfu_value: float, step: int) -> str:
+    """The warning for an MFU above 100%: the peak it divides by is too low, and how to fix that source."""
+    if peak.source.startswith(("measured", "cached")):
+        fix = (
+            f"set train.peak_flops, or delete the cached figure ({CACHE_FILE} in the cache folder) to measure it again"
+        )
+    else:  # given, or a vendor's figure
+        fix = "set train.peak_flops" if peak.source != "train.peak_flops" else "raise train.peak_flops"
+    return (
+        f"MFU {100 * mfu_value:.0f}% at step {step}: the peak of {peak.flops:.3g} FLOP/s ({peak.source}) is too low; "
+        f"{fix}"
+    )
+
+
 def _positive(x) -> bool:
     """A finite number above 0 (not a bool, not an integer too large for a float)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
