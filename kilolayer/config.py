@@ -230,23 +230,17 @@ class TrainConfig(_Section):
         32,
         ge=0,
         strict=True,  # an integer, not `true` (which would read as 1: a trim after every layer)
-        description="with activation checkpointing on Linux/glibc: hand the heap's free pages back to the system "
-        "(malloc_trim) every this many checkpointed layers, forward and backward, on the CPU and without "
-        "train.compile; 0: never (1,000 layers of width 64: about half the peak, at no measurable cost in step "
-        "time; docs/benchmarks.md)",
+        description="with activation checkpointing: hand the heap's free pages back every this many layers; "
+        "0: never (kilolayer.train.heap)",
     )
     pin_mmap: bool = Field(
         False,
-        description="with activation checkpointing on Linux/glibc: pin malloc's mmap threshold at 64 KiB, so freed "
-        "activation blocks go back to the system (1,000 layers of width 64: about half the peak, but each step "
-        "about 1.5x as slow as with train.trim_heap_every, on by default, which saves as much for less)",
+        description="with activation checkpointing: pin glibc's mmap threshold at 64 KiB (kilolayer.train.heap)",
     )
     hold_heap: bool = Field(
         True,
-        description="on the CPU (Linux/glibc) with no layer checkpointed: keep the memory a step frees for the "
-        "next step (malloc's mmap threshold 32 MiB, trim threshold 2 GiB) instead of handing it back and faulting "
-        "it in again each step; process-wide until the process exits, which keeps the memory it used at its "
-        "highest; glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings win; KILOLAYER_HOLD_HEAP=0 turns it off",
+        description="on the CPU with no layer checkpointed: keep the memory a step frees for the next "
+        "(kilolayer.train.heap)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(

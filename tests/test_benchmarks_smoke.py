@@ -26,7 +26,7 @@ import kilolayer
 from kilolayer import build_model
 from kilolayer.config import load_config
 from kilolayer.errors import ConfigError
-from kilolayer.train import parallelize as P
+from kilolayer.train import heap as H
 from kilolayer.train.parallelize import checkpoint_layers, transformer_layers
 
 # benchmarks/ sits next to tests/ and is not an installed package: make it importable under any runner
@@ -487,7 +487,7 @@ def test_heap_smoke_json(heap_result):
     """``benchmarks.heap --smoke``: a held and a default process, each with per-step faults and times."""
     r = heap_result
     assert [row["hold_heap"] for row in r["rows"]] == [False, True]
-    held = P._glibc() is not None  # only glibc has the setting
+    held = H._glibc() is not None  # only glibc has the setting
     for row in r["rows"]:
         assert len(row["per_pair"]) == r["pairs"] == heap.SMOKE_PAIRS
         assert all(s["hold_heap"] == (row["hold_heap"] and held) for s in row["per_pair"])

@@ -175,6 +175,7 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
     which holds F(x, theta_0)); None if the run has no complete checkpoint."""
     from kilolayer.data import load_source
     from kilolayer.rundir import checkpoint_step, intact_checkpoint, load_run
+    from kilolayer.train import heap
     from kilolayer.train.parallelize import apply_checkpointing
 
     ckpt = intact_checkpoint(run_dir)
@@ -187,7 +188,8 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
         current, ln_names, ln_input = diag.probe(task.objective, task.backbone, start.probe_batch)
         update = diag.update_size(current, start.reference)
         source = load_source(config)
-        apply_checkpointing(task, config)  # the gradients below take what training takes, no more
+        # the gradients below take what training takes, no more
+        apply_checkpointing(task, config, heap.apply(task, config, dev))
         task.train()
         tc = config.train
         micro = [to_device(mb, dev) for mb in split_batch(source.train_batch(step, tc.batch_size, 0, 1), tc.accumulate)]

@@ -37,9 +37,9 @@ from kilolayer.train import checkpoint as ckpt
 from kilolayer.train import distributed as D
 from kilolayer.train import metrics as M
 from kilolayer.train.engine import Engine, StepStats
+from kilolayer.train.heap import heap_held
 from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.memory import check_memory
-from kilolayer.train.parallelize import heap_held
 from kilolayer.train.policies import early_stop_mode
 from kilolayer.train.signals import Interrupted, StopSignals
 
