@@ -40,6 +40,7 @@ from kilolayer.train.engine import Engine, StepStats
 from kilolayer.train.heap import heap_held
 from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.memory import check_memory
+from kilolayer.train.peak import cpu_bf16_warning, device_peak, peak_too_low
 from kilolayer.train.policies import early_stop_mode
 from kilolayer.train.signals import Interrupted, StopSignals
 
@@ -374,7 +375,7 @@ class Run:
         eff = self.meter.report()
         if eff.get("mfu", 0) > 1 and not self.peak_warned:
             self.peak_warned = True
-            rundir.warn(M.peak_too_low(self.peak, eff["mfu"], step))
+            rundir.warn(peak_too_low(self.peak, eff["mfu"], step))
         lr = self.engine.lr()
         record = {"step": step, "split": "train", "loss": stats.loss, "lr": lr, "grad_norm": float(stats.grad_norm)}
         self.log.write({**record, "tokens": self.engine.tokens, **eff})
@@ -384,13 +385,13 @@ class Run:
         )
 
     def _meter(self) -> M.Efficiency:
-        """Rank 0's efficiency meter; the device's peak is given, a vendor figure, or measured once per machine
-        (before any step is timed)."""
+        """Rank 0's efficiency meter, with the device's peak from :mod:`kilolayer.train.peak` (given, a vendor
+        figure, or measured once per machine, before any step is timed)."""
         tc = self.config.train
-        slow = M.cpu_bf16_warning(tc.precision, self.env.device)
+        slow = cpu_bf16_warning(tc.precision, self.env.device)
         if slow:
             rundir.warn(slow)
-        self.peak = M.device_peak(self.env.device, tc.precision, tc.peak_flops)
+        self.peak = device_peak(self.env.device, tc.precision, tc.peak_flops)
         self.peak_warned = False
         return M.Efficiency(self.peak, self.env.device, processes=self.env.world)
 
