@@ -40,7 +40,6 @@ from kilolayer.train.engine import Engine, StepStats
 from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.memory import check_memory
 from kilolayer.train.parallelize import heap_held
-from kilolayer.train.policies import early_stop_mode
 from kilolayer.train.signals import Interrupted, StopSignals
 
 
@@ -201,12 +200,7 @@ class Run:
     def _restore(self, path: Path) -> None:
         data = ckpt.upgrade_checkpoint(self.engine.task, ckpt.load_checkpoint(path))
         ckpt.check_fits(path / "model.safetensors", data["model"], self.engine.task.state_dict())
-        tracked = None
-        if "early_stop_metric" not in data["state"]["trainer"]:  # a checkpoint that predates the record
-            previous = self._saved_config()
-            if previous is not None:
-                tracked = (previous.train.early_stop_metric, early_stop_mode(previous.train))
-        dropped = self.engine.load_state(data, path, tracked)
+        dropped = self.engine.load_state(data, path)
         if dropped and self.env.main:
             rundir.warn(dropped)
         self.start_step = self.engine.step
