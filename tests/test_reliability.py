@@ -208,7 +208,7 @@ def test_resume_cannot_go_back_before_its_step(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["constant", "inverse_sqrt"])
 def test_longer_resume_equals_one_run_when_the_schedule_does_not_depend_on_steps(tmp_path, schedule):
-    """README: `--resume --set train.steps=N2` after an N1-step run = one N2-step run, bit for bit, when
+    """docs/training.md: `--resume --set train.steps=N2` after an N1-step run = one N2-step run, bit for bit, when
     the learning rate up to N1 does not depend on train.steps (constant, inverse_sqrt)."""
     cfg = cfg_with(schedule=schedule)
     train(cfg, tmp_path / "one", quiet=True)
@@ -219,7 +219,7 @@ def test_longer_resume_equals_one_run_when_the_schedule_does_not_depend_on_steps
 
 
 def test_longer_cosine_resume_is_replanned_and_differs_from_one_run(tmp_path):
-    """README: with cosine the lr depends on train.steps, so the resumed run is NOT one long run; from the
+    """docs/training.md: with cosine the lr depends on train.steps, so the resumed run is NOT one long run; from the
     resume step on it follows the cosine planned for the new train.steps."""
     cfg = cfg_with(schedule="cosine")
     train(cfg, tmp_path / "one", quiet=True)

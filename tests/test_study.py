@@ -433,9 +433,9 @@ def test_shipped_study_specs_load():
         assert points, path
 
 
-def test_readme_study_example_is_the_shipped_spec():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("`configs/study_depth_sweep.yaml`:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+def test_the_documented_study_example_is_the_shipped_spec():
+    page = (ROOT / "docs" / "studies.md").read_text()
+    block = page.split("`configs/study_depth_sweep.yaml`:\n\n```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(block) == yaml.safe_load((ROOT / "configs" / "study_depth_sweep.yaml").read_text())
 
 
