@@ -577,7 +577,6 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
     from kilolayer.config import load_config
     from kilolayer.data import load_source
-    from kilolayer.nn.residual import upgrade_state_dict
     from kilolayer.objectives import build_task
     from kilolayer.train.checkpoint import check_fits, read_weights
 
@@ -589,7 +588,7 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     if ckpt is None:
         raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
     task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
-    weights = upgrade_state_dict(task, read_weights(ckpt / "model.safetensors"))  # issue 13's renamed keys too
+    weights = read_weights(ckpt / "model.safetensors")
     check_fits(ckpt / "model.safetensors", weights, task.state_dict())
     task.load_state_dict(weights)
     return config, task.to(device).eval()
