@@ -80,13 +80,12 @@ def os_error(err: BaseException, path: str | Path | None = None) -> RunDirError:
 
 def is_run_dir(path: str | Path) -> bool:
     """Whether ``path`` holds a kilolayer run: a status.json of ours (written first, when training starts),
-    or config.yaml beside metrics.jsonl or checkpoints/ (runs from before status.json was written at start)."""
+    or a loadable config.yaml beside metrics.jsonl or checkpoints/ of ours (a run without a status.json)."""
     path = Path(path)
     if not path.is_dir():
         return False
     if read_status(path).get("status") in STATUSES:
         return True
-    # an older run: a config.yaml that kilolayer can load, beside metrics or checkpoints that are ours
     if not (path / CONFIG).is_file():
         return False
     try:
