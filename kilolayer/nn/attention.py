@@ -1,7 +1,7 @@
 """Multi-head attention through PyTorch's scaled_dot_product_attention.
 
 Self-attention keeps Q, K and V in one fused matrix (one GEMM); cross-attention
-fuses K and V. :meth:`Attention.weights` still hands out each projection's own
+fuses K and V. :meth:`Attention.weights` hands out each projection's own
 slice, so every scheme initialises Q, K, V and O separately. With
 ``fp32_on_cpu`` (the default), bf16/fp16 inputs on CPU (autocast) are attended
 in fp32: faster there, and the softmax is computed in fp32.
