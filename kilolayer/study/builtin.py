@@ -252,7 +252,7 @@ def _bamboo_text_groups(
     shapes, seeds, steps: dict, seq_len: int = 128, stop: dict | None = None, batch_size: int = 32
 ) -> list[dict]:
     """Text as bytes, ``seq_len`` per window: package classification of Python standard-library source (the
-    labelled text we have; sequence-level), masked-byte MLM on Penn Treebank then fine-tuning on that
+    labelled text set that needs no download; sequence-level), masked-byte MLM on Penn Treebank then fine-tuning on that
     classification, and next-byte prediction on Penn Treebank (token-level); each to its plateau with a
     ``stop`` setting (:func:`_until_plateau`)."""
     l0, w0, h0 = shapes[0]

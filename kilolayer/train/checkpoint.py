@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from kilolayer import rundir
 from kilolayer.errors import InputError
 
-# the listing moved to kilolayer.rundir; these names stay importable from here
+# the checkpoint listing lives in kilolayer.rundir; re-exported for the trainer and tests that import it here
 from kilolayer.rundir import (  # noqa: F401
     STEP_DIR,
     checkpoint_dir,
