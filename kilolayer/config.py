@@ -6,16 +6,12 @@ value and what is allowed (see :func:`format_validation_error`).
 
 Names of plugins (``model.scheme``, ``objective.name``, ``data.name``) are
 checked against their registry (:class:`kilolayer.registry.Registry`), the one
-list of what exists, so adding a scheme, an objective or a data source touches
-only its own package. The registries live with their plugins, above this
-module: a plugin's module imports torch, the model or the data options, all of
-which import this module. So the lookup is lazy: the validator imports the
-plugin package when a config is validated, by which time every module has
-finished importing. At load time this module imports only the errors; the
-lookups are its only edges upward, and ``tests/test_layering.py`` lists them.
-Checking at validation time rather than at build time keeps the error where the
-value was given: ``kilolayer train`` refuses before it creates a run directory,
-and a study rejects a bad grid point before it trains any.
+list of what exists. The registries live with their plugins, which import this
+module, so each validator imports its plugin package lazily; these lookups are
+this module's only edges upward (``tests/test_layering.py`` lists them).
+Checking at validation time keeps the error where the value was given:
+``kilolayer train`` refuses before it creates a run directory, and a study
+rejects a bad grid point before it trains any.
 """
 
 from __future__ import annotations
@@ -232,14 +228,13 @@ class TrainConfig(_Section):
         strict=True,  # an integer, not `true` (which would read as 1: a trim after every layer)
         description="with activation checkpointing on Linux/glibc: hand the heap's free pages back to the system "
         "(malloc_trim) every this many checkpointed layers, forward and backward, on the CPU and without "
-        "train.compile; 0: never (1,000 layers of width 64: about half the peak, at no measurable cost in step "
-        "time; docs/benchmarks.md)",
+        "train.compile; 0: never (what it saves: docs/benchmarks.md)",
     )
     pin_mmap: bool = Field(
         False,
         description="with activation checkpointing on Linux/glibc: pin malloc's mmap threshold at 64 KiB, so freed "
-        "activation blocks go back to the system (1,000 layers of width 64: about half the peak, but each step "
-        "about 1.5x as slow as with train.trim_heap_every, on by default, which saves as much for less)",
+        "activation blocks go back to the system; slower per step than train.trim_heap_every (on by default), "
+        "which saves as much (docs/benchmarks.md)",
     )
     hold_heap: bool = Field(
         True,
@@ -285,7 +280,7 @@ class TrainConfig(_Section):
     @field_validator("compile", mode="before")
     @classmethod
     def _compile_mode(cls, value: Any) -> Any:
-        # true was the only way on before the modes existed: old configs and saved runs mean per layer
+        # true (a plain yes) means the per-layer mode
         if value is True:
             return "layers"
         if value is False or (isinstance(value, str) and value in ("layers", "model")):

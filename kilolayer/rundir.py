@@ -80,13 +80,12 @@ def os_error(err: BaseException, path: str | Path | None = None) -> RunDirError:
 
 def is_run_dir(path: str | Path) -> bool:
     """Whether ``path`` holds a kilolayer run: a status.json of ours (written first, when training starts),
-    or config.yaml beside metrics.jsonl or checkpoints/ (runs from before status.json was written at start)."""
+    or a loadable config.yaml beside metrics.jsonl or checkpoints/ of ours (a run without a status.json)."""
     path = Path(path)
     if not path.is_dir():
         return False
     if read_status(path).get("status") in STATUSES:
         return True
-    # an older run: a config.yaml that kilolayer can load, beside metrics or checkpoints that are ours
     if not (path / CONFIG).is_file():
         return False
     try:
@@ -577,7 +576,6 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
     from kilolayer.config import load_config
     from kilolayer.data import load_source
-    from kilolayer.nn.residual import upgrade_state_dict
     from kilolayer.objectives import build_task
     from kilolayer.train.checkpoint import check_fits, read_weights
 
@@ -589,7 +587,7 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     if ckpt is None:
         raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
     task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
-    weights = upgrade_state_dict(task, read_weights(ckpt / "model.safetensors"))  # issue 13's renamed keys too
+    weights = read_weights(ckpt / "model.safetensors")
     check_fits(ckpt / "model.safetensors", weights, task.state_dict())
     task.load_state_dict(weights)
     return config, task.to(device).eval()

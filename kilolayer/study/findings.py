@@ -918,8 +918,8 @@ def bamboo_smoothing(results, out):
 def pretraining_problem(r, results, out) -> str | None:
     """Why the pre-training behind fine-tuned run ``r`` (its point's ``init_from_point``) makes ``r`` no evidence,
     or None: the pre-training run must have completed, and ``r`` must have started from the checkpoint that
-    stands for it now (recorded in ``r``'s status as ``init_from.step``; for runs that predate that record,
-    ``r`` must have started after the pre-training finished)."""
+    stands for it now (recorded in ``r``'s status as ``init_from.step``; without that record, ``r`` must have
+    started after the pre-training finished)."""
     from kilolayer.rundir import checkpoint_step, chosen_checkpoint, read_status
 
     key = getattr(r.point, "init_from_point", None) if r is not None else None

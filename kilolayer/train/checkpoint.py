@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from kilolayer import rundir
 from kilolayer.errors import InputError
 
-# the listing moved to kilolayer.rundir; these names stay importable from here
+# the checkpoint listing lives in kilolayer.rundir; re-exported for the trainer and tests that import it here
 from kilolayer.rundir import (  # noqa: F401
     STEP_DIR,
     checkpoint_dir,
@@ -179,30 +179,6 @@ def check_fits(path: Path, weights: dict[str, torch.Tensor], expected: dict[str,
     extra = sorted(set(weights) - set(expected))
     if extra:
         raise InputError(f"{path}: does not fit this model: unexpected {extra[0]!r}")
-
-
-def upgrade_checkpoint(task: torch.nn.Module, data: dict) -> dict:
-    """``data`` (from :func:`load_checkpoint`) with the tensor names of a checkpoint written before issue 13
-    renamed to ``task``'s (:func:`kilolayer.nn.residual.upgrade_state_dict`), in the weights and, where the
-    optimizer state names parameters (as a distributed run saves it), there too. Nothing is dropped."""
-    from kilolayer.nn.residual import old_keys, upgrade_state_dict
-
-    model = upgrade_state_dict(task, data["model"])
-    if model is data["model"]:
-        return data
-    renames = {old: new for old, new in old_keys(task).items() if old in data["model"] and new in model}
-    optim = data["optimizer"].get("optimizer") if isinstance(data.get("optimizer"), dict) else None
-    if isinstance(optim, dict) and isinstance(optim.get("state"), dict):
-        optim = {
-            **optim,
-            "state": {renames.get(k, k) if isinstance(k, str) else k: v for k, v in optim["state"].items()},
-            "param_groups": [
-                {**g, "params": [renames.get(k, k) if isinstance(k, str) else k for k in g.get("params", [])]}
-                for g in optim.get("param_groups", [])
-            ],
-        }
-        data = {**data, "optimizer": {**data["optimizer"], "optimizer": optim}}
-    return {**data, "model": model}
 
 
 def load_checkpoint(path: Path) -> dict:

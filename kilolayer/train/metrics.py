@@ -220,9 +220,8 @@ def cpu_flags() -> set[str] | None:
 
 def cpu_bf16_warning(precision: str, device: torch.device, flags: set[str] | None = None) -> str | None:
     """A warning when ``precision`` is bf16 on a CPU without bf16 instructions, where autocast's bf16 matrix
-    products are emulated and run many times slower than fp32 (on an AVX2-only AMD EPYC here, a 256 x 256
-    bf16 GEMM measured 1.4 GFLOP/s against 95 in fp32, docs/benchmarks.md); None otherwise, or where the flags
-    are unknown."""
+    products are emulated and run many times slower than fp32 (figures: docs/benchmarks.md); None otherwise, or
+    where the flags are unknown."""
     if precision != "bf16" or torch.device(device).type != "cpu":
         return None
     flags = cpu_flags() if flags is None else flags
@@ -484,9 +483,8 @@ class Efficiency:
 
 def summarize(records: Iterable[dict]) -> dict:
     """A run's efficiency from its train records: ``tokens_per_s`` and ``mfu`` over its whole training time, each
-    record weighted by the training seconds it covers (``train_s``), and the largest ``peak_mem_gib``. Records
-    without ``train_s`` (written before it was recorded) weigh one second each. Keys without any value are
-    left out."""
+    record weighted by the training seconds it covers (``train_s``; one second where absent), and the largest
+    ``peak_mem_gib``. Keys without any value are left out."""
     train = [r for r in records if r.get("split", "train") == "train"]
     rows = [(r, float(r["train_s"]) if _positive(r.get("train_s")) else 1.0) for r in train]
     out = {}

@@ -8,24 +8,20 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
   recomputes one layer at a time. The module tree, hence parameter names and checkpoints, is unchanged. A
   backbone that an objective builds from a model section of its own (the contrastive objective's text tower,
   ``objective.options.text_model``) is checkpointed when that section sets ``checkpoint_activations``
-  (:func:`apply_checkpointing`). Every ``train.trim_heap_every`` checkpointed layers (default 32; Linux,
-  glibc) the forward pass, and the backward pass at the same layers, hand the heap's free pages back to the
-  system (:class:`HeapTrimmer`, ``malloc_trim``): each recomputed layer frees its activation blocks between
-  long-lived tensors, and the holes stay resident otherwise. At 1,000 layers of width 64 that about halves
-  the peak, at no measurable cost in step time (docs/benchmarks.md; pages handed back and then reused are
-  faulted in again, and each trim walks the heap's free blocks). ``train.pin_mmap`` instead pins glibc's
-  mmap threshold (:func:`pin_mmap_threshold`), so every such block is a fresh mapping: about as small, but
-  each step took about 1.5x as long as with the trim; it stays opt-in. The trim runs in eager
-  layers on the CPU only: not inside a compiled graph (``train.compile``), whose graphs a call out would
+  (:func:`apply_checkpointing`). Every ``train.trim_heap_every`` checkpointed layers (Linux, glibc) the
+  forward pass, and the backward pass at the same layers, hand the heap's free pages back to the system
+  (:class:`HeapTrimmer`, ``malloc_trim``): each recomputed layer frees its activation blocks between
+  long-lived tensors, and the holes would stay resident otherwise. ``train.pin_mmap`` instead pins glibc's
+  mmap threshold (:func:`pin_mmap_threshold`), so every such block is a fresh mapping: it saves as much but
+  costs step time, so it is opt-in (figures for both: docs/benchmarks.md). The trim runs in eager layers on
+  the CPU only: not inside a compiled graph (``train.compile``), whose graphs a call out would
   split at every layer, nor for CUDA activations, which are not on the heap.
 * ``train.hold_heap`` (on by default; CPU, Linux/glibc, nothing checkpointed): :func:`hold_heap` keeps the
   memory one step frees for the next. glibc's default hands the top of the heap back to the system once a
-  step has freed its activations, and the next step faults the same pages in again. On a 24-layer DeepNorm
-  decoder of width 128 (batch 16 x 128 tokens, one thread, fresh processes taking turns; ``python -m
-  benchmarks.heap``, docs/benchmarks.md) that was over 20,000 page faults and 0.05-0.08 s of system time a step,
-  and about 300 faults and no system time held; the step time moved by less than this machine's noise. The setting is
-  process-wide and lasts for the process's life (each study point trains in its own process); with any layer
-  checkpointed (a contrastive text tower's too) the heap trim above applies instead.
+  step has freed its activations, and the next step faults the same pages in again (page faults and system
+  time with and without: ``python -m benchmarks.heap``, docs/benchmarks.md). The setting is process-wide and
+  lasts for the process's life (each study point trains in its own process); with any layer checkpointed (a
+  contrastive text tower's too) the heap trim above applies instead.
 * ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer, the
   backbone's and those of the objective's own towers (:func:`compile_layers`; the stack's Python loop,
   embeddings, heads and loss stay eager, and layers of one shape share one compiled graph, so compile time
@@ -87,9 +83,8 @@ class HeapTrimmer:
     Why: a checkpointed layer keeps only its input, and in the backward pass recomputes its activations,
     frees them and moves on. Those blocks come from the heap between tensors that live on (the kept inputs,
     the gradients), so the freed holes stay resident and the peak grows with depth. Trimming does not move
-    any tensor or change any number; a page handed back and then reused is faulted in again, and each call
-    walks the heap's free blocks (at every 32 layers of a 1,000-layer step, no measurable difference).
-    ``trim`` replaces ``malloc_trim`` (tests count the calls)."""
+    any tensor or change any number; its cost is a page fault for each page handed back and reused, and a
+    walk of the heap's free blocks per call. ``trim`` replaces ``malloc_trim`` (tests count the calls)."""
 
     def __init__(self, every: int = TRIM_EVERY, trim: Callable[[], object] | None = None):
         if trim is None:

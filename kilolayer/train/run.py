@@ -198,7 +198,7 @@ class Run:
         return err
 
     def _restore(self, path: Path) -> None:
-        data = ckpt.upgrade_checkpoint(self.engine.task, ckpt.load_checkpoint(path))
+        data = ckpt.load_checkpoint(path)
         ckpt.check_fits(path / "model.safetensors", data["model"], self.engine.task.state_dict())
         dropped = self.engine.load_state(data, path)
         if dropped and self.env.main:
