@@ -12,9 +12,7 @@ import torch
 from torch import nn
 
 from kilolayer.data.base import Source
-from kilolayer.registry import Registry
-
-OBJECTIVES: Registry[type[Objective]] = Registry("objective.name", "objective")
+from kilolayer.registry import OBJECTIVES
 
 
 def register_objective(cls: type[Objective]) -> type[Objective]:
