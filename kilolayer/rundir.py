@@ -1,4 +1,4 @@
-"""The run directory: its layout, status, metrics, checkpoints, lock and loading.
+"""The run directory: its layout, status, metrics, checkpoints and lock.
 
 Everything that reads or writes a run directory goes through this module, so the
 layout is defined once::
@@ -508,7 +508,7 @@ def is_locked(run_dir: str | Path) -> bool:
         return False
 
 
-# ---------------------------------------------------------------- loading a run
+# ---------------------------------------------------------------- the checkpoint and evaluation that stand for a run
 
 
 def chosen_checkpoint(run_dir: str | Path, patience: int = 0, on_damaged=warn) -> Path | None:
@@ -569,27 +569,3 @@ def recorded_init_from(run_dir: str | Path) -> dict | None:
     if isinstance(found, dict) and isinstance(found.get("step"), int) and not isinstance(found["step"], bool):
         return found
     return None
-
-
-def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | None = None):
-    """(config, task) of a finished or running kilolayer run, with the weights of ``checkpoint`` (default: the
-    one that stands for the run, :func:`chosen_checkpoint`: the newest intact one; with early stopping, the
-    best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
-    from kilolayer.config import load_config
-    from kilolayer.data import load_source
-    from kilolayer.nn.residual import upgrade_state_dict
-    from kilolayer.objectives import build_task
-    from kilolayer.train.checkpoint import check_fits, read_weights
-
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG).is_file():
-        raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
-    config = load_config(run_dir / CONFIG)
-    ckpt = Path(checkpoint) if checkpoint is not None else chosen_checkpoint(run_dir, config.train.patience)
-    if ckpt is None:
-        raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
-    task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
-    weights = upgrade_state_dict(task, read_weights(ckpt / "model.safetensors"))  # issue 13's renamed keys too
-    check_fits(ckpt / "model.safetensors", weights, task.state_dict())
-    task.load_state_dict(weights)
-    return config, task.to(device).eval()

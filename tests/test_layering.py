@@ -32,13 +32,7 @@ LAYERS: list[set[str]] = [
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 # (importer, imported, reason): an edge upward that is there on purpose. Prefixes match submodules.
-EXCEPTIONS: list[tuple[str, str, str]] = [
-    (
-        "kilolayer.rundir",
-        "kilolayer.train.checkpoint",
-        "load_run reads a checkpoint's weights with the reader that lives beside the writer (function-level)",
-    ),
-]
+EXCEPTIONS: list[tuple[str, str, str]] = []
 
 
 def module_name(path: Path) -> str:

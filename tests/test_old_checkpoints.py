@@ -17,7 +17,7 @@ from kilolayer.config import load_config
 from kilolayer.data import load_source
 from kilolayer.nn.residual import old_keys, upgrade_state_dict
 from kilolayer.objectives import build_task
-from kilolayer.train.checkpoint import read_weights
+from kilolayer.train.checkpoint import load_run, read_weights
 from kilolayer.train.init_from import load_pretrained
 from kilolayer.train.loop import train
 
@@ -139,13 +139,13 @@ def test_an_old_run_resumes_bit_for_bit_loads_and_initialises_another(tmp_path, 
     full, old = tmp_path / "full", tmp_path / "old"
     train(cfg, full, quiet=True)
     train(cfg, old, quiet=True, sets=["train.steps=4"])
-    _, expected = rundir.load_run(old)  # step 4, read before the rewrite
+    _, expected = load_run(old)  # step 4, read before the rewrite
     _to_old_format(old)
     weights = read_weights(rundir.latest_checkpoint(old) / "model.safetensors")
     assert any(key.endswith(".shortcut" if scheme == "admin" else ".gain") for key in weights)
 
     # kilolayer analyze, the doctor and the study report read runs through load_run
-    _, task = rundir.load_run(old)
+    _, task = load_run(old)
     _same_parameters(task, expected)
 
     # train.init_from copies the old run's backbone

@@ -401,7 +401,7 @@ def smoothness_of_run(
     ``exclude_blank`` (with the share of patch tokens left out as blank, ``blank_share``), ``after_final_norm``
     and ``method`` (:data:`SMOOTHNESS_METHOD`)."""
     from kilolayer.data import load_source
-    from kilolayer.rundir import load_run
+    from kilolayer.train.checkpoint import load_run
 
     run_dir = Path(run_dir)
     config, task = load_run(run_dir, device=device)
