@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +34,9 @@ from pathlib import Path
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import KilolayerError
-from kilolayer.registry import Registry
 from kilolayer.rundir import FINISHED, read_metrics, read_status
+from kilolayer.study.analyses import STAMP, analysis_stamp, run_analysis
 from kilolayer.study.spec import Point, StudySpec, expand
-
-# a group's ``analyses: [NAME]``: fn(run_dir, target) writes target/NAME.json for one completed run (the spec's
-# validation reads this registry)
-ANALYSES: Registry[Callable[[Path, Path], None]] = Registry("analyses", "analysis")
 
 
 @dataclass
@@ -324,54 +319,6 @@ def run_point(point: Point, out: Path, log=print, threads: int | None = None) ->
     """Train one point unless it already finished. Returns (status, seconds, trained now)."""
     a = train_point(point, out, log, threads)
     return a.status, a.seconds, a.trained
-
-
-@ANALYSES.register("smoothness")
-def smoothness_analysis(run_dir: Path, target: Path, data: dict | None = None) -> None:
-    """Over-smoothing curves on the run's own validation data, or on ``data`` (a data section: the group's
-    ``analysis_data``, so that every group of a modality is measured on the same inputs), through the stack's
-    observer (as ``kilolayer analyze --run``)."""
-    from kilolayer.analysis.smoothness import save_smoothness, smoothness_of_run
-
-    save_smoothness(smoothness_of_run(run_dir, data=data, samples=256), target)
-
-
-def _smoothness_version() -> int:
-    from kilolayer.analysis.smoothness import SMOOTHNESS_METHOD
-
-    return SMOOTHNESS_METHOD
-
-
-smoothness_analysis.version = _smoothness_version
-STAMP = "stamp.json"
-
-
-def _measured_step(run_dir: Path) -> int | None:
-    """The step of the checkpoint that stands for the run (what an analysis loads); None without one."""
-    try:
-        chosen = rundir.chosen_checkpoint(run_dir, rundir.run_patience(run_dir), on_damaged=lambda _: None)
-    except KilolayerError:
-        return None
-    return rundir.checkpoint_step(chosen) if chosen is not None else None
-
-
-def analysis_stamp(name: str, data: dict | None = None, run_dir: Path | None = None) -> dict:
-    """What a saved result of analysis ``name`` was measured with: the analysis's version (a ``version``
-    callable or int on its function; 1 without), its data section and the step of the run's checkpoint it
-    measured (a run resumed to more steps is measured again). A result with another stamp is redone."""
-    version = getattr(ANALYSES.get(name), "version", 1)
-    step = _measured_step(Path(run_dir)) if run_dir is not None else None
-    return {"analysis": name, "version": version() if callable(version) else version, "data": data, "step": step}
-
-
-def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
-    """Run analysis ``name`` (registered in :data:`ANALYSES`) on a finished run, on ``data`` if given (else the
-    run's own); results go to run_dir/analysis/name, with the stamp of :func:`analysis_stamp`."""
-    target = Path(run_dir) / "analysis" / name
-    fn = ANALYSES.get(name)
-    fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
-    rundir.write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")
-    return target
 
 
 def run_analyses(point: Point, out: Path, log=print) -> None:
