@@ -15,6 +15,7 @@ from pathlib import Path
 from kilolayer import rundir
 from kilolayer.errors import KilolayerError
 from kilolayer.registry import Registry
+from kilolayer.rundir import RunDir
 
 ANALYSES: Registry[Callable[[Path, Path], None]] = Registry("analyses", "analysis")
 
@@ -43,7 +44,7 @@ STAMP = "stamp.json"
 def _measured_step(run_dir: Path) -> int | None:
     """The step of the checkpoint that stands for the run (what an analysis loads); None without one."""
     try:
-        chosen = rundir.chosen_checkpoint(run_dir, rundir.run_patience(run_dir), on_damaged=lambda _: None)
+        chosen = RunDir(run_dir).checkpoint(on_damaged=lambda _: None)
     except KilolayerError:
         return None
     return rundir.checkpoint_step(chosen) if chosen is not None else None
