@@ -14,7 +14,7 @@ from objective_helpers import tiny_lm
 
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
-from kilolayer.train.checkpoint import read_weights
+from kilolayer.train.checkpoint import load_run, read_weights
 from kilolayer.train.policies import early_stop_mode
 from kilolayer.train.run import train
 
@@ -76,18 +76,18 @@ def test_keeps_the_best_checkpoint_and_load_run_uses_it(tmp_path):
     assert (st["step"], st["best_step"], st["stopped_early"]) == (12, 3, True)
     # keep_checkpoints 1: the newest (12) and the best it names (3); 6 and 9 rotated away
     assert steps(run) == [3, 12]
-    config, task = rundir.load_run(run)
+    config, task = load_run(run)
     best = read_weights(rundir.checkpoint_dir(run, 3) / "model.safetensors")
     newest = read_weights(rundir.checkpoint_dir(run, 12) / "model.safetensors")
     loaded = task.state_dict()
     assert all(torch.equal(loaded[k], best[k]) for k in best)
     assert not all(torch.equal(best[k], newest[k]) for k in best)
     assert rundir.chosen_checkpoint(run, patience=3) == rundir.checkpoint_dir(run, 3)
-    _, task = rundir.load_run(run, checkpoint=rundir.checkpoint_dir(run, 12))  # a caller may name one
+    _, task = load_run(run, checkpoint=rundir.checkpoint_dir(run, 12))  # a caller may name one
     assert all(torch.equal(task.state_dict()[k], newest[k]) for k in newest)
     # without early stopping the newest stands for the run
     (run / "config.yaml").write_text(dump_yaml(load_config(cfg(WORSENING, patience=0))))
-    _, task = rundir.load_run(run)
+    _, task = load_run(run)
     assert all(torch.equal(task.state_dict()[k], newest[k]) for k in newest)
 
 

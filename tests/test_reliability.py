@@ -23,6 +23,7 @@ from kilolayer.cli import main
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import KilolayerError
 from kilolayer.train import checkpoint as ckpt
+from kilolayer.train.checkpoint import load_run
 from kilolayer.train.optim import lr_factor
 from kilolayer.train.run import Run, train
 
@@ -381,7 +382,7 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_p
     bad = rundir.checkpoint_dir(run, 12) / "model.safetensors"
     _flip_tensor_byte(bad)
     ckpt.read_weights(bad)  # still a well-formed file: only the checksum can tell
-    _, task = rundir.load_run(run)
+    _, task = load_run(run)
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and str(bad) in warning[0] and "step_00000008" in warning[0], warning
     good = ckpt.read_weights(rundir.checkpoint_dir(run, 8) / "model.safetensors")

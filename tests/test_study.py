@@ -444,7 +444,8 @@ def test_an_analysis_is_redone_when_its_version_or_data_change(tmp_path, monkeyp
     point's; a result from another version of the measurement, or on other inputs, is measured again."""
     from kilolayer.config import load_config
     from kilolayer.rundir import write_status
-    from kilolayer.study.runner import ANALYSES, STAMP, run_analyses
+    from kilolayer.study.analyses import ANALYSES, STAMP
+    from kilolayer.study.runner import run_analyses
     from kilolayer.study.spec import Point
 
     calls = []

@@ -174,7 +174,8 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
     """Measure the newest intact checkpoint of ``run_dir`` against ``start`` (a replay of the same config,
     which holds F(x, theta_0)); None if the run has no complete checkpoint."""
     from kilolayer.data import load_source
-    from kilolayer.rundir import checkpoint_step, intact_checkpoint, load_run
+    from kilolayer.rundir import checkpoint_step, intact_checkpoint
+    from kilolayer.train.checkpoint import load_run
     from kilolayer.train.parallelize import apply_checkpointing
 
     ckpt = intact_checkpoint(run_dir)

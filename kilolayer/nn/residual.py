@@ -29,9 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kilolayer.registry import Registry
-
-SCHEMES: Registry[type[Scheme]] = Registry("model.scheme", "residual scheme")
+from kilolayer.registry import SCHEMES
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kilolayer import rundir
+from kilolayer.config import load_config
+from kilolayer.data import load_source
 from kilolayer.errors import InputError
+from kilolayer.objectives import build_task
 
 # the checkpoint listing lives in kilolayer.rundir; re-exported for the trainer and tests that import it here
 from kilolayer.rundir import (  # noqa: F401
@@ -37,7 +40,6 @@ from kilolayer.rundir import (  # noqa: F401
     checkpoint_dir,
     complete_checkpoints,
     latest_checkpoint,
-    load_run,
     remove_partial,
 )
 
@@ -195,3 +197,21 @@ def load_checkpoint(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise InputError(f"{path / 'state.json'}: unreadable ({err.__class__.__name__})") from None
     return out
+
+
+def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | None = None):
+    """(config, task) of a finished or running kilolayer run, with the weights of ``checkpoint`` (default: the
+    one that stands for the run, :func:`kilolayer.rundir.chosen_checkpoint`: the newest intact one; with early
+    stopping, the best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
+    run_dir = Path(run_dir)
+    if not (run_dir / rundir.CONFIG).is_file():
+        raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
+    config = load_config(run_dir / rundir.CONFIG)
+    ckpt = Path(checkpoint) if checkpoint is not None else rundir.chosen_checkpoint(run_dir, config.train.patience)
+    if ckpt is None:
+        raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
+    task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
+    weights = read_weights(ckpt / "model.safetensors")
+    check_fits(ckpt / "model.safetensors", weights, task.state_dict())
+    task.load_state_dict(weights)
+    return config, task.to(device).eval()

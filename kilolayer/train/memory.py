@@ -245,10 +245,8 @@ def estimate_memory(
     )
     batch = max(1, tc.batch_size // tc.accumulate // world)
     ckpt = m.checkpoint_activations
-    # the backbone's sequences: MAE's encoder sees only the visible patches (+ CLS)
-    length = m.seq_len
-    if hasattr(objective, "keep") and hasattr(objective, "num_patches"):
-        length = objective.keep + int(m.cls_token)
+    # the backbone's sequences, as long as the objective shows it (MAE's encoder: the visible patches + CLS)
+    length = objective.backbone_length(m.seq_len)
     acts = 0
     if m.arch == "encoder":
         acts += _stack_bytes((_config_layers(m, "encoder", m.layers, False)), prec, batch, length, length, ckpt)
@@ -272,7 +270,7 @@ def estimate_memory(
         elif isinstance(mod, Stack) and id(mod) not in towers:
             acts += _stack_bytes(_module_layers(mod), prec, batch, m.seq_len, m.seq_len, False)
     # vocabulary heads: logits over every token (MLM: over the masked share)
-    share = float(getattr(objective, "mask_prob", 1.0))
+    share = objective.vocab_share
     for mod in objective.modules():
         if isinstance(mod, torch.nn.Linear) and mod.out_features == m.vocab_size and m.input == "tokens":
             acts += int((14 if bf16 else 12) * m.vocab_size * batch * length * share)
