@@ -14,7 +14,7 @@ torchscale 0.3.0 computes softmax(QK^T)V itself. The variants take turns, one st
 (``kilolayer.train.peak.device_peak``; measured where the GPU is not in its table).
 
 Shapes: seq 1024, batch 8 (8,192 tokens a step), vocabulary 32,768; d=1024 x 24L (16 heads, FFN 4096,
-0.37B parameters) and d=512 x 96L (8 heads, FFN 2048, 0.34B). By arithmetic (not yet measured on a GPU): at
+0.37B parameters) and d=512 x 96L (8 heads, FFN 2048, 0.34B). By arithmetic: at
 16 bytes a parameter (fp32 weights, gradients, two AdamW moments) the five models of a shape hold about 30 GiB
 together, and the largest step's activations (torchscale's attention probabilities, kept in fp32 and bf16, at
 96 layers) about 50 GiB more, within an H200's 141 GB; each row records the peak memory its steps allocated

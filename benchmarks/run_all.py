@@ -25,7 +25,7 @@ def _variant(res: dict, name: str) -> dict | None:
     return next((v for v in res["variants"] if v["name"] == name and "tokens_per_s" in v), None)
 
 
-#: this issue's goals
+#: the targets the generated page checks
 EAGER_GOAL = 1.05  # kilolayer eager fp32 / the faster peer's eager fp32
 FAST_GOAL = 1.2  # kilolayer's best fast path / the best peer on the same fast path
 MFU_GOAL = 0.30  # kilolayer's best fast path at the first config (d=256 x 12), share of the measured bf16 peak
@@ -72,7 +72,7 @@ def _mfu_target(ts: dict, res: dict) -> dict | None:
 
 
 def targets(ts: dict, mem: dict) -> list[dict]:
-    """Each target of the issue with the measured figure and whether it was met."""
+    """Each target with the measured figure and whether it was met."""
     out = []
     words = train_step.fast_path_words(train_step.fast_precision(ts))
     for _key, res in ts["configs"].items():

@@ -218,14 +218,8 @@ COLUMNS = common.RACE_COLUMNS
 
 
 def fast_choice(result: dict) -> dict:
-    """``result``'s fast-path precision and why (:func:`benchmarks.common.choose_fast_precision`); results from
-    before the choice was recorded ran it in bf16."""
-    return result.get("fast_precision") or {
-        "precision": "bf16",
-        "requested": "bf16",
-        "reason": "not recorded (bf16, the only fast path then)",
-        "skip_bf16": None,
-    }
+    """``result``'s fast-path precision and why (:func:`benchmarks.common.choose_fast_precision`)."""
+    return result["fast_precision"]
 
 
 def fast_precision(result: dict) -> str:

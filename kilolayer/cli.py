@@ -15,10 +15,8 @@ from kilolayer.errors import ConfigError, KilolayerError
 from kilolayer.study import cli as study_cli
 from kilolayer.train import cli as train_cli
 
-# The command groups that live beside their code; each has register(subparsers). Plain imports, measured for
-# issue 13: build_parser imported all four on every command before too, they add about 0.07 s between them
-# (python -X importtime), and `kilolayer --help` is dominated by torch, which kilolayer/__init__ loads anyway
-# (median of 5 interleaved runs on a loaded 2-core box: 7.8 s with the old importlib list, 7.2 s with these).
+# The command groups that live beside their code; each has register(subparsers). Plain imports: they cost
+# little beside torch, which kilolayer/__init__ loads anyway.
 SUBCOMMANDS = (train_cli, study_cli, analysis_cli, doctor_cli)
 
 

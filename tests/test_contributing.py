@@ -97,7 +97,7 @@ def test_every_registry_the_guide_names(tmp_path):
         "kilolayer.data.SOURCES": "data.name",
         "kilolayer.study.findings.FINDINGS": "study.findings",
         "kilolayer.study.builtin.BUILTIN": "study",
-        "kilolayer.study.runner.ANALYSES": "analyses",
+        "kilolayer.study.analyses.ANALYSES": "analyses",
     }
     for path, field in named.items():
         module, attr = path.rsplit(".", 1)

@@ -591,7 +591,7 @@ def test_real_packages_counts_and_hygiene():
     root = str(real_root())
     opts = P.ParallelOptions()
     _, corpus, rec = P.load_corpus("de_en", root, opts.model_dump_json())
-    # measured on Debian 12 with the versions below (README, "Translation: de_en")
+    # measured on Debian 12 with the versions below (docs/data.md, "Translation: de_en and fr_en")
     if rec["packages"] == {
         "libreoffice-help-en-us": "4:7.4.7-1+deb12u14",
         "libreoffice-help-de": "4:7.4.7-1+deb12u14",

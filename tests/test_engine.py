@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -133,3 +134,27 @@ def test_early_stopping_starts_over_under_another_metric():
     line = other.resume(saved, 8)
     assert "tracked 'loss' (mode min) until step 8" in line and "best 1.5 at step 4, 1 evaluations" in line
     assert (other.best, other.bad_evals) == (None, 0)
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "two_step_run"
+
+
+def test_a_run_directory_written_by_the_earlier_trainer_resumes_where_it_left_off(tmp_path):
+    """``fixtures/two_step_run`` was written by the trainer of release commit 5ee3c92 (one thread): a tiny LM
+    trained for 2 of its 4 steps. Resumed here, it trains steps 3 and 4 as that trainer's uninterrupted run did
+    (``uninterrupted.json``; to float rounding, since another CPU reduces in another order) and exactly as this
+    engine's own uninterrupted run does."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run, ignore=shutil.ignore_patterns("uninterrupted.json"))
+    result = train(None, run, resume=True, quiet=True, sets=["train.steps=4"])
+    assert result == {"status": "completed", "step": 4}
+    resumed = [r for r in rundir.read_metrics(run) if r["step"] > 2]
+    then = [r for r in json.loads((FIXTURE / "uninterrupted.json").read_text()) if r["step"] > 2]
+    assert [(r["step"], r["split"]) for r in resumed] == [(r["step"], r["split"]) for r in then]
+    for now, old in zip(resumed, then):
+        for key in ("loss", "grad_norm", "update", "ln_input"):
+            if key in old:
+                assert now[key] == pytest.approx(old[key], rel=1e-5, abs=1e-7), (now["step"], key)
+    whole = tmp_path / "whole"
+    train(load_config(run / "config.yaml").model_dump(), whole, quiet=True)
+    assert _train_losses(run) == _train_losses(whole)

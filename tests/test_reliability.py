@@ -23,6 +23,7 @@ from kilolayer.cli import main
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import KilolayerError
 from kilolayer.train import checkpoint as ckpt
+from kilolayer.train.checkpoint import load_run
 from kilolayer.train.optim import lr_factor
 from kilolayer.train.run import Run, train
 
@@ -208,7 +209,7 @@ def test_resume_cannot_go_back_before_its_step(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["constant", "inverse_sqrt"])
 def test_longer_resume_equals_one_run_when_the_schedule_does_not_depend_on_steps(tmp_path, schedule):
-    """README: `--resume --set train.steps=N2` after an N1-step run = one N2-step run, bit for bit, when
+    """docs/training.md: `--resume --set train.steps=N2` after an N1-step run = one N2-step run, bit for bit, when
     the learning rate up to N1 does not depend on train.steps (constant, inverse_sqrt)."""
     cfg = cfg_with(schedule=schedule)
     train(cfg, tmp_path / "one", quiet=True)
@@ -219,7 +220,7 @@ def test_longer_resume_equals_one_run_when_the_schedule_does_not_depend_on_steps
 
 
 def test_longer_cosine_resume_is_replanned_and_differs_from_one_run(tmp_path):
-    """README: with cosine the lr depends on train.steps, so the resumed run is NOT one long run; from the
+    """docs/training.md: with cosine the lr depends on train.steps, so the resumed run is NOT one long run; from the
     resume step on it follows the cosine planned for the new train.steps."""
     cfg = cfg_with(schedule="cosine")
     train(cfg, tmp_path / "one", quiet=True)
@@ -381,7 +382,7 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_p
     bad = rundir.checkpoint_dir(run, 12) / "model.safetensors"
     _flip_tensor_byte(bad)
     ckpt.read_weights(bad)  # still a well-formed file: only the checksum can tell
-    _, task = rundir.load_run(run)
+    _, task = load_run(run)
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and str(bad) in warning[0] and "step_00000008" in warning[0], warning
     good = ckpt.read_weights(rundir.checkpoint_dir(run, 8) / "model.safetensors")

@@ -4,7 +4,7 @@
 train`` drives, in memory: the same seed, initialisation, batches, step, AdamW, learning-rate schedule and
 divergence rule, for ``steps`` optimiser steps, without touching the disk. After each step it records what
 ``train.diagnostics_every`` logs (per-layer gradient norms before clipping, the model update
-``||F(x, theta_t) - F(x, theta_0)||`` on the trainer's probe batch, the mean input magnitude of every
+``||F(x, theta_t) - F(x, theta_0)||`` on the engine's probe batch, the mean input magnitude of every
 LayerNorm) and the training loss. Because data and initialisation depend only on the seeds, step 1 of
 a replay is step 1 of the real run: ``kilolayer doctor RUN_DIR`` uses it for runs trained without
 diagnostics, and the forecast uses it before any run exists.
@@ -42,7 +42,7 @@ class Step:
 
 @dataclass
 class Replay:
-    """The steps replayed; ``stopped`` says why fewer than asked were run (the trainer's divergence rule, or a
+    """The steps replayed; ``stopped`` says why fewer than asked were run (the engine's divergence rule, or a
     non-finite output)."""
 
     steps: list[Step]
@@ -163,7 +163,7 @@ class AtCheckpoint:
     """DeepNet's quantities at a run's newest intact checkpoint (step ``step``)."""
 
     step: int
-    update: float  # ||F(x, theta_step) - F(x, theta_0)|| on the trainer's probe batch
+    update: float  # ||F(x, theta_step) - F(x, theta_0)|| on the engine's probe batch
     layers: list[str]
     grad_norm: list[float]  # on the training batch the run would take next
     ln_names: list[str]
@@ -174,8 +174,9 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
     """Measure the newest intact checkpoint of ``run_dir`` against ``start`` (a replay of the same config,
     which holds F(x, theta_0)); None if the run has no complete checkpoint."""
     from kilolayer.data import load_source
-    from kilolayer.rundir import checkpoint_step, intact_checkpoint, load_run
+    from kilolayer.rundir import checkpoint_step, intact_checkpoint
     from kilolayer.train import heap
+    from kilolayer.train.checkpoint import load_run
     from kilolayer.train.parallelize import apply_checkpointing
 
     ckpt = intact_checkpoint(run_dir)

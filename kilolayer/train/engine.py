@@ -313,12 +313,11 @@ class Engine:
             "extra": {"reference": self.reference.cpu()} if self.reference is not None else None,
         }
 
-    def load_state(self, data: dict, source: Path, tracked: tuple[str, str] | None = None) -> str:
+    def load_state(self, data: dict, source: Path) -> str:
         """Continue from a checkpoint's contents (read from ``source``, named in errors): weights, optimizer
         moments and schedule position, the rules' state and the RNG streams. The optimizer's hyper-parameters
         and the schedule's formula come from this engine's config (a resume may change ``train.*``).
-        ``tracked`` is the early-stopping metric and mode of a checkpoint too old to record them. Returns a
-        line to show if early stopping starts over ("" otherwise)."""
+        Returns a line to show if early stopping starts over ("" otherwise)."""
         tc = self.config.train
         st = data["state"]
         if tc.steps < int(st["step"]):
@@ -352,7 +351,7 @@ class Engine:
         self.divergence.load_state_dict(saved)
         self.tokens = int(saved.get("tokens", 0))
         self.init_from = saved.get("init_from")
-        dropped = self.early_stopping.resume(saved, self.step, tracked)
+        dropped = self.early_stopping.resume(saved, self.step)
         set_rng_state(data["rng"], st["rng"])
         extra = data.get("extra") or {}
         if "reference" in extra:

@@ -154,9 +154,8 @@ def finite_positive(x) -> bool:
 
 def summarize(records: Iterable[dict]) -> dict:
     """A run's efficiency from its train records: ``tokens_per_s`` and ``mfu`` over its whole training time, each
-    record weighted by the training seconds it covers (``train_s``), and the largest ``peak_mem_gib``. Records
-    without ``train_s`` (written before it was recorded) weigh one second each. Keys without any value are
-    left out."""
+    record weighted by the training seconds it covers (``train_s``; one second where absent), and the largest
+    ``peak_mem_gib``. Keys without any value are left out."""
     train = [r for r in records if r.get("split", "train") == "train"]
     rows = [(r, float(r["train_s"]) if finite_positive(r.get("train_s")) else 1.0) for r in train]
     out = {}

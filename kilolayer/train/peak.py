@@ -182,9 +182,8 @@ def cpu_flags() -> set[str] | None:
 
 def cpu_bf16_warning(precision: str, device: torch.device, flags: set[str] | None = None) -> str | None:
     """A warning when ``precision`` is bf16 on a CPU without bf16 instructions, where autocast's bf16 matrix
-    products are emulated and run many times slower than fp32 (on an AVX2-only AMD EPYC here, a 256 x 256
-    bf16 GEMM measured 1.4 GFLOP/s against 95 in fp32, docs/benchmarks.md); None otherwise, or where the flags
-    are unknown."""
+    products are emulated and run many times slower than fp32 (figures: docs/benchmarks.md); None otherwise, or
+    where the flags are unknown."""
     if precision != "bf16" or torch.device(device).type != "cpu":
         return None
     flags = cpu_flags() if flags is None else flags

@@ -108,16 +108,12 @@ class EarlyStopping:
             "min_delta": self.min_delta,
         }
 
-    def resume(self, saved: dict, step: int, tracked: tuple[str, str] | None = None) -> str:
+    def resume(self, saved: dict, step: int) -> str:
         """Continue from the state of a checkpoint at ``step``. The best and the count carry on only under the
-        metric and mode they were found with (``saved`` says which; ``tracked`` is the fallback for a state that
-        does not); under another they start over, and the returned line says what was dropped ("" otherwise).
-        A changed ``min_delta`` applies from here on."""
+        metric and mode they were found with; under another they start over, and the returned line says what
+        was dropped ("" otherwise). A changed ``min_delta`` applies from here on."""
         best, best_step, bad = saved.get("best"), saved.get("best_step"), int(saved.get("bad_evals", 0))
-        if "early_stop_metric" in saved:
-            was = (saved["early_stop_metric"], saved.get("early_stop_mode"))
-        else:
-            was = tracked or (self.metric, self.mode)
+        was = (saved.get("early_stop_metric", self.metric), saved.get("early_stop_mode", self.mode))
         if was == (self.metric, self.mode):
             self.best, self.best_step, self.bad_evals = best, best_step, bad
             return ""

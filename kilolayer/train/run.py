@@ -41,7 +41,6 @@ from kilolayer.train.heap import heap_held
 from kilolayer.train.logging import MetricsLog, Progress
 from kilolayer.train.memory import check_memory
 from kilolayer.train.peak import cpu_bf16_warning, device_peak, peak_too_low
-from kilolayer.train.policies import early_stop_mode
 from kilolayer.train.signals import Interrupted, StopSignals
 
 
@@ -200,14 +199,9 @@ class Run:
         return err
 
     def _restore(self, path: Path) -> None:
-        data = ckpt.upgrade_checkpoint(self.engine.task, ckpt.load_checkpoint(path))
+        data = ckpt.load_checkpoint(path)
         ckpt.check_fits(path / "model.safetensors", data["model"], self.engine.task.state_dict())
-        tracked = None
-        if "early_stop_metric" not in data["state"]["trainer"]:  # a checkpoint that predates the record
-            previous = self._saved_config()
-            if previous is not None:
-                tracked = (previous.train.early_stop_metric, early_stop_mode(previous.train))
-        dropped = self.engine.load_state(data, path, tracked)
+        dropped = self.engine.load_state(data, path)
         if dropped and self.env.main:
             rundir.warn(dropped)
         self.start_step = self.engine.step

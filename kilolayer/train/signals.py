@@ -19,13 +19,11 @@ class Interrupted(KilolayerError):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM: during set-up they stop at once; once the loop runs (``armed``), the first asks
-    it to stop at the next step boundary (with a checkpoint) and a second one stops at once. A SIGTERM within
-    :data:`ECHO_S` of the first SIGTERM is not a second request: when a study driver with several threads
-    dies, Linux sends its child the parent-death signal once per exiting thread. Nor is a SIGTERM that finds
-    the process orphaned (its parent, a study driver or torchrun, has exited since the first): that is the
-    parent's death arriving late, on a loaded machine after the checkpoint has begun. Installed only in the
-    main thread (where Python allows it)."""
+    """SIGINT and SIGTERM: during set-up they stop at once; once the loop runs (``armed``), the first asks it to
+    stop at the next step boundary (with a checkpoint) and a second one stops at once. Two kinds of SIGTERM
+    repeat the first request rather than make a second: one within :data:`ECHO_S` of it (Linux sends the
+    parent-death signal once per exiting thread of the parent), and one that finds the process orphaned since
+    (the parent's death, delivered late). Installed only in the main thread (where Python allows it)."""
 
     #: seconds within which a repeated SIGTERM counts as the same request
     ECHO_S = 2.0
