@@ -7,6 +7,7 @@ non-zero exit (2 for bad input, 3 for a diverged training run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from kilolayer.analysis import cli as analysis_cli
@@ -202,11 +203,34 @@ def cmd_presets(args) -> int:
     return 0
 
 
+#: commands that compute in this process take their thread count from the policy (``train`` applies it itself)
+COMPUTING = ("doctor", "analyze")
+
+
+@contextlib.contextmanager
+def _threads(command: str):
+    """The thread policy's count (:mod:`kilolayer.train.threads`) while a computing command runs."""
+    if command not in COMPUTING:
+        yield
+        return
+    import torch
+
+    from kilolayer.train.threads import policy
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(policy().count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with _threads(args.command):
+            return int(args.func(args) or 0)
     except KilolayerError as err:
         print(f"kilolayer: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -13,7 +13,15 @@ def cmd_train(args) -> int:
     import os
 
     sets = [*args.set, *([f"train.threads={args.threads}"] if args.threads is not None else [])]
-    result = train(args.config, args.out, resume=args.resume, sets=sets, quiet=args.quiet, overwrite=args.overwrite)
+    result = train(
+        args.config,
+        args.out,
+        resume=args.resume,
+        sets=sets,
+        quiet=args.quiet,
+        overwrite=args.overwrite,
+        auto_threads=True,
+    )
     if os.environ.get("RANK", "0") == "0":
         print(f"{result['status']} at step {result['step']}: {args.out}")
     return 0

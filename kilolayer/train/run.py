@@ -16,9 +16,10 @@ plateau (:class:`~kilolayer.train.policies.EarlyStopping`); every improvement is
 rotation keeps while the run needs it, and ``status.json`` says ``completed`` with ``stopped_early``,
 ``best_step`` and the reason.
 
-A run records its intra-op thread count (``threads`` in ``status.json``) and a resume reuses it unless
-``train.threads`` says otherwise: float reductions are ordered by the thread count, so a resume is bit-exact
-only at the same count.
+Its intra-op thread count follows :mod:`kilolayer.train.threads`; ``status.json`` records it (``threads``,
+``threads_reason``), every train record carries the count it ran at, and a resume reuses the recorded count
+unless ``train.threads`` says otherwise (float reductions are ordered by the thread count, so a resume is
+bit-exact only at the same count).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -36,6 +38,7 @@ from kilolayer.errors import ConfigError, DivergedError, KilolayerError
 from kilolayer.train import checkpoint as ckpt
 from kilolayer.train import distributed as D
 from kilolayer.train import metrics as M
+from kilolayer.train import threads as T
 from kilolayer.train.engine import Engine, StepStats
 from kilolayer.train.heap import heap_held
 from kilolayer.train.logging import MetricsLog, Progress
@@ -56,10 +59,11 @@ class Run:
         quiet: bool = False,
         overwrite: bool = False,
         signals: StopSignals | None = None,
+        threads: T.Threads | None = None,
     ):
         self.config, self.out, self.resume, self.quiet = config, Path(out_dir), resume, quiet
         self.signals = signals
-        self.threads = torch.get_num_threads()
+        self.threads = T.Adapter(threads or T.Threads(torch.get_num_threads(), "this process's setting"))
         tc = config.train
         self.env = D.setup(tc.device)
         if tc.batch_size % (self.env.world * tc.accumulate):
@@ -155,7 +159,7 @@ class Run:
         holds the config trained with now, and a resume is recorded in resume.json."""
         if self.env.main:
             self.life = rundir.Lifecycle(self.out)
-            self.life.fields["threads"] = self.threads  # a resume reuses it: float reductions follow it
+            self._record_threads()
             if self.engine.init_from is not None:  # every status of the run says what it started from
                 self.life.fields["init_from"] = self.engine.init_from
             previous = self._saved_config() if self.resume else None
@@ -177,6 +181,10 @@ class Run:
                 rundir.record_resume(self.out, self.start_step, _changes(previous, self.config))
         self.started = True
         D.barrier(self.env)
+
+    def _record_threads(self) -> None:
+        """The thread count in every status from here on: a resume reuses it (float reductions follow it)."""
+        self.life.fields.update(threads=self.threads.count, threads_reason=self.threads.threads.reason)
 
     def _saved_config(self) -> Config | None:
         try:
@@ -254,6 +262,9 @@ class Run:
                 stats = engine.train_step(step)
                 self._stop_if_diverged(step, stats.loss)
                 engine.update(step, stats)
+                if self.threads.check() is not None and self.life is not None:
+                    self._record_threads()
+                    self.life.running(step)
                 if self.meter is not None:
                     self.meter.add(stats.tokens * self.env.world, stats.flops * self.env.world)
                 self._log_train(step, stats)
@@ -372,7 +383,7 @@ class Run:
             rundir.warn(peak_too_low(self.peak, eff["mfu"], step))
         lr = self.engine.lr()
         record = {"step": step, "split": "train", "loss": stats.loss, "lr": lr, "grad_norm": float(stats.grad_norm)}
-        self.log.write({**record, "tokens": self.engine.tokens, **eff})
+        self.log.write({**record, "tokens": self.engine.tokens, "threads": self.threads.count, **eff})
         self.progress.update(
             step,
             f"loss {stats.loss:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s MFU {100 * eff.get('mfu', 0.0):.1f}%",
@@ -485,6 +496,7 @@ def train(
     sets: list[str] | None = None,
     quiet: bool = False,
     overwrite: bool = False,
+    auto_threads: bool = False,
 ) -> dict:
     """Train a config into ``out_dir`` (see module docstring), holding the directory's lock meanwhile.
 
@@ -494,7 +506,8 @@ def train(
     what a run writes); a non-empty directory that is not a run is always refused. A config whose estimated
     memory exceeds what the device has free is refused in one line before anything is allocated
     (:func:`kilolayer.train.memory.check_memory`). SIGINT and SIGTERM stop at the next step boundary with a
-    checkpoint.
+    checkpoint. ``auto_threads`` (the CLI's) applies :mod:`kilolayer.train.threads`' whole policy; otherwise a
+    count given or recorded is used, else the process's own setting.
     """
     out = Path(out_dir)
     if resume and overwrite:
@@ -506,14 +519,23 @@ def train(
     # skips it): after the directory checks, before the lock, so the directory stays as it was (and before the
     # data is loaded: a classifier whose classes only the data knows is counted with 2, a small head)
     check_memory(config, config.train.device)
-    threads = config.train.threads or (recorded_threads(out) if resume else None)
+    tc = config.train
+    recorded = recorded_threads(out) if resume else None
+    if auto_threads:
+        device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
+        threads = T.policy(tc.threads, recorded, device)
+    elif tc.threads or recorded:
+        threads = T.policy(tc.threads, recorded)
+    else:
+        threads = T.Threads(torch.get_num_threads(), "this process's setting")
     before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads.count)
+    if not quiet and (auto_threads or tc.threads or recorded):
+        print(f"kilolayer: {threads.count} thread{'s' * (threads.count > 1)} ({threads.reason})", file=sys.stderr)
     signals = StopSignals().install()
     run = None
     try:
-        run = Run(config, out, resume=resume, quiet=quiet, overwrite=overwrite, signals=signals)
+        run = Run(config, out, resume=resume, quiet=quiet, overwrite=overwrite, signals=signals, threads=threads)
         return run.run()
     finally:
         signals.restore()
