@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 #: seconds between two checks of an adaptive count
-CHECK_S = 5.0
+CHECK_S = 1.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,123 @@
+"""Runs side by side: the wall time of ``kilolayer train`` alone and with a second run beside it.
+
+For each shape, ``kilolayer train`` runs as a user runs it: the command's whole wall time, start-up included,
+with ``OMP_NUM_THREADS`` removed from its environment. Two thread settings race:
+
+* ``policy``: no count given, so :mod:`kilolayer.train.threads` chooses (and re-checks) it;
+* ``every core``: ``--threads`` = the usable CPUs, what each process takes by itself without a policy.
+
+Per setting: one run alone, then two started together (each one's wall time); the ratio is the mean of the two
+runs' times over the run alone's. Settings take turns shape by shape, so drift in the machine's load hits both.
+
+    python -m benchmarks.side_by_side [--smoke] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks import common
+from kilolayer.train.threads import usable_cpus
+
+#: (name, model section): a small and a wider encoder-decoder reversing digit strings
+SHAPES = [
+    ("12L x 64 (6L-6L)", {"layers": 6, "decoder_layers": 6, "width": 64, "heads": 4, "ffn": 256}),
+    ("6L x 256 (3L-3L)", {"layers": 3, "decoder_layers": 3, "width": 256, "heads": 4, "ffn": 1024}),
+]
+STEPS, SMOKE_STEPS = 60, 2
+
+
+def config(model: dict, steps: int) -> dict:
+    return {
+        "model": {"arch": "encoder_decoder", "scheme": "deepnorm", "vocab_size": 16, "max_len": 24, **model},
+        "objective": {"name": "seq2seq"},
+        "data": {"name": "synthetic", "task": "reverse", "options": {"vocab": 10, "min_len": 4, "max_len": 12}},
+        "train": {"steps": steps, "batch_size": 32, "lr": 1e-3, "warmup": 10, "log_every": 10},
+    }
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+def race(cfg_path: Path, work: Path, runs: int, threads: int | None) -> list[float]:
+    """Wall seconds of ``runs`` ``kilolayer train`` processes started together."""
+    extra = ["--threads", str(threads)] if threads else []
+    procs, t0 = [], time.perf_counter()
+    for i in range(runs):
+        out = work / f"run{time.monotonic_ns()}_{i}"
+        cmd = [sys.executable, "-m", "kilolayer", "train", str(cfg_path), "--out", str(out), "--quiet", *extra]
+        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    seconds = [0.0] * runs
+    pending = dict(enumerate(procs))
+    while pending:
+        for i, p in list(pending.items()):
+            if p.poll() is not None:
+                seconds[i] = time.perf_counter() - t0
+                if p.returncode:
+                    raise RuntimeError(f"kilolayer train exited {p.returncode}: {p.stderr.read().strip()[-300:]}")
+                del pending[i]
+        time.sleep(0.01)
+    return seconds
+
+
+def run(smoke: bool = False) -> dict:
+    cpus = usable_cpus()
+    settings = [("policy", None), (f"every core ({cpus} threads)", cpus)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kilolayer-side-by-side-") as tmp:
+        for shape, model in SHAPES[:1] if smoke else SHAPES:
+            cfg_path = Path(tmp) / f"{len(rows)}.yaml"
+            cfg_path.write_text(yaml.safe_dump(config(model, SMOKE_STEPS if smoke else STEPS)))
+            for name, threads in settings:
+                work = Path(tmp) / f"{len(rows)}-{name.split()[0]}"
+                work.mkdir()
+                alone = race(cfg_path, work, 1, threads)[0]
+                pair = race(cfg_path, work, 2, threads)
+                rows.append(
+                    {
+                        "shape": shape,
+                        "threads": name,
+                        "alone_s": alone,
+                        "side_by_side_s": statistics.fmean(pair),
+                        "ratio": statistics.fmean(pair) / alone,
+                    }
+                )
+                print(rows[-1], flush=True)
+    return {"machine": common.machine(), "cpus": cpus, "steps": SMOKE_STEPS if smoke else STEPS, "rows": rows}
+
+
+def format_result(res: dict) -> str:
+    columns = [
+        ("shape", "model"),
+        ("threads", "threads"),
+        ("alone_s", "alone s"),
+        ("side_by_side_s", "side by side s (each)"),
+        ("ratio", "side by side / alone"),
+    ]
+    rows = [{**r, "ratio": f"{r['ratio']:.2f}x", "alone_s": f"{r['alone_s']:.1f}"} for r in res["rows"]]
+    rows = [{**r, "side_by_side_s": f"{float(r['side_by_side_s']):.1f}"} for r in rows]
+    return common.table(rows, columns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument("--smoke", action="store_true", help="one shape, two steps")
+    args = parser.parse_args(argv)
+    res = run(smoke=args.smoke)
+    return common.finish(res, format_result(res), args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
