@@ -1,4 +1,5 @@
-"""Run a study: every point is a ``kilolayer train`` subprocess, K at a time.
+"""Run a study: every point is a ``kilolayer train`` process of its own, K at a time (locally forked from a
+process that has imported kilolayer once: :mod:`kilolayer.study.forked`).
 
 Finished points (completed or diverged: both are results) are skipped on a
 re-run; failed, interrupted or unfinished ones are resumed (``--resume``) from
@@ -35,6 +36,7 @@ from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import KilolayerError
 from kilolayer.rundir import RunDir
+from kilolayer.study import forked
 from kilolayer.study.analyses import STAMP, analysis_stamp, run_analysis
 from kilolayer.study.spec import Point, StudySpec, expand
 
@@ -264,11 +266,14 @@ def train_point(
         # K concurrent points share the cores instead of each taking them all
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = train_command(point, out, nproc)
-    if os.name == "posix":
-        cmd = [sys.executable, "-c", _REMOTE_SHIM, str(os.getpid()), *cmd]
     launched = time.time()
     with open(logfile, "a") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        if nproc == 1 and not remote and forked.available():  # no interpreter start-up to pay
+            proc = forked.ForkedPoint(cmd[3:], logfile, env, cwd)
+        else:
+            if os.name == "posix":
+                cmd = [sys.executable, "-c", _REMOTE_SHIM, str(os.getpid()), *cmd]
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         try:
             returncode = _wait(proc, forward_interrupt=remote)
         except KeyboardInterrupt:  # Ctrl-C, or a cancelled Ray task: the child has stopped and saved its step

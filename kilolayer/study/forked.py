@@ -1,0 +1,86 @@
+"""Training processes forked from one that has imported kilolayer once.
+
+Each local study point trains in a process of its own, so a crash, a kill or a process-wide setting (the held
+heap, the thread count) stays with its point. A fresh interpreter pays for importing torch and kilolayer
+every time; a point instead starts as a fork of multiprocessing's fork server, which imports them once.
+What a fresh process guarantees still holds: the point has its own PID, log, environment, working directory
+and exit code (``kilolayer train``'s); it gets SIGTERM when the fork server dies, and the fork server exits
+when the driver dies, however it died, so no point trains on as an orphan; Ctrl-C reaches it through the
+terminal's process group (the fork server itself ignores it).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from multiprocessing import forkserver
+from pathlib import Path
+
+#: what the fork server imports once, for every point it forks
+PRELOAD = ["kilolayer.cli"]
+
+
+def available() -> bool:
+    """Forking from a fork server with the parent-death signal: Linux."""
+    return sys.platform.startswith("linux")
+
+
+def _point(argv: list[str], env: dict, logfile: str, cwd: str | None, server: int) -> None:
+    """The forked point: die with the fork server, write to the point's log, then ``kilolayer ARGV``."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != server:  # the fork server died before the line above took effect
+        os._exit(143)
+    fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    from kilolayer.cli import main
+
+    sys.exit(main(argv))
+
+
+class ForkedPoint:
+    """``kilolayer ARGV`` forked from the fork server, with the part of :class:`subprocess.Popen`'s interface that
+    the study runner uses (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``)."""
+
+    def __init__(self, argv: list[str], logfile: Path, env: dict, cwd: Path | None = None):
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+        server = forkserver._forkserver._forkserver_pid
+        args = (list(argv), dict(env), str(logfile), str(cwd) if cwd is not None else None, server)
+        self._process = context.Process(target=_point, args=args, name="kilolayer-point")
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"kilolayer point {self.pid}", timeout)
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self._process.kill()
