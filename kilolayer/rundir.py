@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from kilolayer.errors import InputError, KilolayerError
+from kilolayer.files import write_atomic
 
 CONFIG = "config.yaml"
 STATUS = "status.json"
@@ -136,24 +137,6 @@ def clear_run(path: str | Path) -> None:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-
-
-# ---------------------------------------------------------------- atomic files
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_json(path: str | Path, default=None):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kilolayer.config import Config
+from kilolayer.files import write_atomic
 
 
 def chance_level(config: Config) -> dict:
@@ -69,9 +70,7 @@ def chance_of_run(run_dir: str | Path, config: Config) -> dict:
     result = dict(_MEMO[key])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result) + "\n")
-        tmp.replace(path)
+        write_atomic(path, json.dumps(result) + "\n")
     except OSError:
         pass  # a read-only study directory: compute again next time
     return result
