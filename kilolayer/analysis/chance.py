@@ -36,6 +36,9 @@ def chance_level(config: Config) -> dict:
     return {**out, "method": METHOD}
 
 
+#: a completed run whose final evaluation loss is above this fraction of its chance loss learned nothing
+LEARNED_NOTHING = 0.9
+
 #: how the chance level is computed; a cached one of another method is computed again (2: categorical
 #: targets under the objective's label smoothing)
 METHOD = 2

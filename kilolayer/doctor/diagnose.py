@@ -25,7 +25,7 @@ The rules (each a threshold on one measurement; every number is printed with the
   at least ``LN_GROWTH`` x the first layer's, on a side;
 * over-smoothing: last-layer token cosine similarity at least ``COSINE``;
 * never below chance: the best evaluation loss at or above the chance level; otherwise, a final
-  evaluation loss above 0.9 x chance is "learned nothing" (the study report's rule);
+  evaluation loss above ``LEARNED_NOTHING`` x chance is "learned nothing" (the study report's rule);
 * barely moved: the total update at the last checkpoint below ``BARELY_MOVED`` x the output's size.
 """
 
@@ -36,6 +36,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.config import Config, load_config
 from kilolayer.errors import InputError, KilolayerError
 from kilolayer.rundir import CONFIG, read_json, read_metrics, read_status
@@ -382,12 +383,12 @@ def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[lis
                 dict(c),
             )
         ], []
-    if final > 0.9 * level:
+    if final > LEARNED_NOTHING * level:
         return [
             Finding(
                 "learned_nothing",
                 f"final eval loss {final:.4g} is {final / level:.2f} x the chance level {level:.4g}: learned "
-                f"almost nothing (the study report's rule: above 0.9 x chance)",
+                f"almost nothing (the study report's rule: above {LEARNED_NOTHING:g} x chance)",
                 fix,
                 dict(c),
             )

@@ -2,10 +2,10 @@
 
 * **diverges**: status.json says ``diverged`` (a non-finite loss, or the smoothed loss above
   ``train.diverge_factor`` x its running minimum after warm-up: the engine's rule, kilolayer.train.policies);
-* **stalls**: completed, with a final evaluation loss above 0.9 x the data's chance level — the study
+* **stalls**: completed, with a final evaluation loss above ``LEARNED_NOTHING`` x the data's chance level — the study
   report's "learned nothing" rule (kilolayer/analysis/chance.py: the loss of the best predictor that
   ignores the input, on the run's own evaluation targets);
-* **trains**: completed, with a final evaluation loss at or below 0.9 x chance.
+* **trains**: completed, with a final evaluation loss at or below ``LEARNED_NOTHING`` x chance.
 
 Failed, interrupted and running runs, and a run with no loss logged, have no outcome (``None``).
 """
@@ -16,11 +16,11 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.config import Config
 from kilolayer.rundir import read_json, read_metrics, read_status
 
 OUTCOMES = ("trains", "stalls", "diverges")
-LEARNED_NOTHING = 0.9  # final loss above this fraction of chance: learned nothing (the study report's rule)
 
 _CHANCE: dict[str, dict] = {}
 
