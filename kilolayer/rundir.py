@@ -222,6 +222,15 @@ def metrics_line(record: dict) -> str:
     return json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
 
 
+def logged_number(value) -> float:
+    """A number of a metrics record as a float: the strings ``metrics_line`` writes for NaN and infinities read
+    back as those; null or anything else that is not a number (a diverged run's logs) is NaN."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a run's ``metrics.jsonl`` (``path`` is the run directory or the file). A missing file
     is no records; a cut-off last line (a run killed mid-write, or one still writing) is ignored; any other

@@ -39,7 +39,7 @@ from pathlib import Path
 from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.config import Config, load_config
 from kilolayer.errors import InputError, KilolayerError
-from kilolayer.rundir import CONFIG, read_json, read_metrics, read_status
+from kilolayer.rundir import CONFIG, logged_number, read_json, read_metrics, read_status
 
 GRAD_RATIO = 0.1
 UPDATE_RATIO = 10.0
@@ -125,13 +125,6 @@ def _json_safe(value):
     return value
 
 
-def _number(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _e(x: float) -> str:
     """A number for a diagnosis line: 3 significant digits, scientific when tiny or huge."""
     if x is None or not math.isfinite(x):
@@ -186,10 +179,10 @@ def _diagnostics(records: list[dict]) -> list[dict]:
             {
                 "step": int(r["step"]),
                 "layers": [str(x) for x in layers],
-                "grad_norm": [_number(x) for x in grads],
-                "update": _number(r.get("update")),
+                "grad_norm": [logged_number(x) for x in grads],
+                "update": logged_number(r.get("update")),
                 "ln_names": [str(x) for x in ln_names],
-                "ln_input": [_number(x) for x in ln_input],
+                "ln_input": [logged_number(x) for x in ln_input],
             }
         )
     return sorted(out, key=lambda d: d["step"])
@@ -555,9 +548,9 @@ def measure(
     m["smoothness"] = _smoothness(run, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
 
     # losses against the chance level
-    evals = [_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
+    evals = [logged_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
     trains = [
-        (int(r["step"]), _number(r.get("loss")), _number(r.get("lr")))
+        (int(r["step"]), logged_number(r.get("loss")), logged_number(r.get("lr")))
         for r in records
         if r.get("split") == "train" and "loss" in r
     ]
@@ -595,7 +588,7 @@ def _smoothness(run: Path, samples: int, device: str, notes: list[str], has_chec
             return None
     else:
         return None
-    cos = [_number(v) for v in result["cosine"]]
+    cos = [logged_number(v) for v in result["cosine"]]
     return {"last": cos[-1], "first": cos[0], "per_layer": cos, "source": source}
 
 

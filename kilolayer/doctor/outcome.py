@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.config import Config
-from kilolayer.rundir import read_json, read_metrics, read_status
+from kilolayer.rundir import logged_number, read_json, read_metrics, read_status
 
 OUTCOMES = ("trains", "stalls", "diverges")
 
@@ -47,13 +47,6 @@ def chance(config: Config, run_dir: str | Path | None = None) -> dict:
     return dict(_CHANCE[key])
 
 
-def _number(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 @dataclass
 class Outcome:
     """``label`` (one of OUTCOMES, or None), the evidence, and one line saying why."""
@@ -73,8 +66,8 @@ def outcome(run_dir: str | Path, config: Config, records: list[dict] | None = No
     st = read_status(run_dir)
     status = st.get("status", "missing")
     records = read_metrics(run_dir) if records is None else records
-    evals = [_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
-    trains = [_number(r.get("loss")) for r in records if r.get("split") == "train" and "loss" in r]
+    evals = [logged_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
+    trains = [logged_number(r.get("loss")) for r in records if r.get("split") == "train" and "loss" in r]
     final = evals[-1] if evals else (trains[-1] if trains else math.nan)
     level = chance(config, run_dir)["loss"]
     if status == "diverged":
