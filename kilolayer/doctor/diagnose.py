@@ -37,9 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kilolayer.analysis.chance import LEARNED_NOTHING
+from kilolayer.analysis.stability import read_diagnostics
 from kilolayer.config import Config, load_config
 from kilolayer.errors import InputError, KilolayerError
-from kilolayer.rundir import CONFIG, logged_number, read_json, read_metrics, read_status
+from kilolayer.rundir import CONFIG, METRICS, logged_number, read_json, read_metrics, read_status
 
 GRAD_RATIO = 0.1
 UPDATE_RATIO = 10.0
@@ -164,28 +165,6 @@ def ln_growth(names: list[str], values: list[float]) -> dict[str, float]:
         if len(per) >= 2 and per[0] > 0:
             out[side] = per[-1] / per[0]
     return out
-
-
-def _diagnostics(records: list[dict]) -> list[dict]:
-    out = []
-    for r in records:
-        if r.get("split") != "diagnostics":
-            continue
-        layers, grads = r.get("layers") or [], r.get("grad_norm") or []
-        ln_names, ln_input = r.get("ln_names") or [], r.get("ln_input") or []
-        if len(layers) != len(grads) or len(ln_names) != len(ln_input):
-            raise InputError(f"metrics.jsonl (diagnostics at step {r.get('step')}): names and values differ in length")
-        out.append(
-            {
-                "step": int(r["step"]),
-                "layers": [str(x) for x in layers],
-                "grad_norm": [logged_number(x) for x in grads],
-                "update": logged_number(r.get("update")),
-                "ln_names": [str(x) for x in ln_names],
-                "ln_input": [logged_number(x) for x in ln_input],
-            }
-        )
-    return sorted(out, key=lambda d: d["step"])
 
 
 # ---------------------------------------------------------------- the rules
@@ -457,7 +436,7 @@ def measure(
 
     m: dict = {"status": status.get("status")}
     notes: list[str] = []
-    logged = _diagnostics(records)
+    logged = read_diagnostics(records, run / METRICS)
     start = None
     if replay_steps > 0:
         try:
@@ -467,7 +446,7 @@ def measure(
     m["output_norm"] = start.output_norm if start else None
 
     # gradients and LayerNorm inputs: every logged step, or the replayed first step(s)
-    points = [dict(d, source="logged") for d in logged]
+    points = [dict(asdict(d), source="logged") for d in logged]
     if not points and start is not None:
         points = [
             {
@@ -534,8 +513,8 @@ def measure(
         lr1 = start.steps[0].lr if start and start.steps else config.train.lr
         m["first_update"] = {"value": first["update"], "step": 1, "lr": lr1, "source": first["source"]}
     if logged:
-        top = max(logged, key=lambda d: d["update"] if math.isfinite(d["update"]) else -1)
-        m["max_logged_update"] = {"value": top["update"], "step": top["step"]}
+        top = max(logged, key=lambda d: d.update if math.isfinite(d.update) else -1)
+        m["max_logged_update"] = {"value": top.update, "step": top.step}
     if first is not None and config.model.scheme != "deepnorm" and start is not None:
         ref = deepnorm_first_update(config, device)
         if ref is not None:
