@@ -64,6 +64,26 @@ class Finding:
 
 
 @dataclass
+class Measurements:
+    """Every number the rules read, measured once per run. The per-side lists and the dicts are the evidence a
+    problem quotes; each says where its number came from (``source``: logged, replayed or checkpoint)."""
+
+    status: str | None = None  # status.json's
+    has_checkpoint: bool = False
+    output_norm: float | None = None  # ||F(x, theta_0)|| of the replayed first step
+    grad_ratio: dict[str, list[dict]] = field(default_factory=dict)  # side -> [{step, ratio, source}]: bottom/top
+    ln_growth: dict[str, list[dict]] = field(default_factory=dict)  # side -> [{step, growth, per_layer, source}]
+    first_update: dict | None = None  # {value, step, lr, source}: ||F(x, theta_1) - F(x, theta_0)||
+    deepnorm_first_update: dict | None = None  # {value, source}: the same of DeepNorm at this shape, seed and lr
+    update_bound: dict | None = None  # {coefficient, deepnorm_coefficient, ratio}: DeepNet's bound, x lr
+    max_logged_update: dict | None = None  # {value, step}: the largest update the diagnostics lines logged
+    final_update: dict | None = None  # {value, step, relative}: at the checkpoint; relative to output_norm
+    token_cosine: dict | None = None  # {last, first, per_layer, source}: mean token cosine similarity per layer
+    last_lr: float | None = None  # the learning rate of the last logged training step
+    eval_loss: dict | None = None  # {chance, best_eval, final_eval, evaluations}
+
+
+@dataclass
 class Diagnosis:
     """A run's diagnosis: its outcome, the problems found (``findings``), the checks that passed
     (``fine``), every measurement with its source, and what could not be measured (``notes``)."""
@@ -74,7 +94,7 @@ class Diagnosis:
     outcome: dict | None
     findings: list[Finding]
     fine: list[str]
-    measurements: dict
+    measurements: Measurements
     notes: list[str]
 
     @property
@@ -185,11 +205,11 @@ def _alpha_text(config: Config) -> str:
     return ", ".join(f"{side} alpha {a:.2f}, beta {b:.2f}" for side, (a, b) in consts.items())
 
 
-def gradient_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
-    """Vanishing bottom gradients, from ``m["grad_ratio"]``: side -> [{step, ratio, source}]."""
+def gradient_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[str]]:
+    """Vanishing bottom gradients, from ``m.grad_ratio``."""
     findings, fine = [], []
     scheme = config.model.scheme
-    for side, points in m.get("grad_ratio", {}).items():
+    for side, points in m.grad_ratio.items():
         finite = [p for p in points if math.isfinite(p["ratio"])]
         if not finite:
             continue
@@ -220,12 +240,12 @@ def gradient_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]
     return findings, fine
 
 
-def update_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
-    """A large first update, from ``m["first_update"]``, ``m["deepnorm_first_update"]`` and the bound."""
-    first, ref = m.get("first_update"), m.get("deepnorm_first_update")
+def update_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[str]]:
+    """A large first update, from ``m.first_update``, ``m.deepnorm_first_update`` and ``m.update_bound``."""
+    first, ref = m.first_update, m.deepnorm_first_update
     if not first or not math.isfinite(first["value"]):
         return [], []
-    bound = m.get("bound")
+    bound = m.update_bound
     bound_text = ""
     if bound and bound.get("ratio") is not None and config.model.scheme != "deepnorm":
         bound_text = (
@@ -257,10 +277,10 @@ def update_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
     return [], [f"first update {_e(first['value'])} = {ratio:.2g}x DeepNorm's at this shape and lr"]
 
 
-def ln_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
-    """LayerNorm inputs growing with layer, from ``m["ln_growth"]``: side -> [{step, growth, per_layer}]."""
+def ln_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[str]]:
+    """LayerNorm inputs growing with layer, from ``m.ln_growth``."""
     findings, fine = [], []
-    for side, points in m.get("ln_growth", {}).items():
+    for side, points in m.ln_growth.items():
         if not points:
             continue
         worst = max(points, key=lambda p: p["growth"])
@@ -292,8 +312,8 @@ def ln_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
     return findings, fine
 
 
-def smoothing_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
-    s = m.get("smoothness")
+def smoothing_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[str]]:
+    s = m.token_cosine
     if not s or not math.isfinite(s.get("last", math.nan)):
         return [], []
     if s["last"] >= COSINE:
@@ -319,16 +339,16 @@ def smoothing_findings(config: Config, m: dict) -> tuple[list[Finding], list[str
     return [], [f"last-layer token cosine {s['last']:.3f} (embedding {s['first']:.2f})"]
 
 
-def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[list[Finding], list[str]]:
-    c = m.get("losses")
+def chance_findings(config: Config, m: Measurements, others: list[Finding]) -> tuple[list[Finding], list[str]]:
+    c = m.eval_loss
     if not c or not math.isfinite(c.get("chance", math.nan)):
         return [], []
     best, final, level = c["best_eval"], c["final_eval"], c["chance"]
     if not math.isfinite(best):
         return [], []
     codes = {f.code for f in others}
-    moved = m.get("final_update") or {}
-    if m.get("status") == "diverged":
+    moved = m.final_update or {}
+    if m.status == "diverged":
         fix = "the divergence above ended training before the model learned: fix that first"
     elif "vanishing_gradients" in codes:
         fix = "the vanishing gradients above are the likely cause: fix those first"
@@ -368,18 +388,18 @@ def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[lis
     return [], [f"final eval loss {final:.4g} = {final / level:.2f} x chance {level:.4g}"]
 
 
-def status_findings(config: Config, status: dict, m: dict) -> list[Finding]:
+def status_findings(config: Config, status: dict, m: Measurements) -> list[Finding]:
     st = status.get("status")
     if st == "diverged":
-        lr = m.get("lr_at_end")
+        lr = m.last_lr
         warm = config.train.warmup
         where = (
             f" (lr {_e(lr)}, {'after' if status.get('step', 0) > warm else 'during'} the {warm}-step warm-up)"
             if lr is not None
             else ""
         )
-        first = m.get("first_update") or {}
-        ref = (m.get("deepnorm_first_update") or {}).get("value")
+        first = m.first_update or {}
+        ref = (m.deepnorm_first_update or {}).get("value")
         tie = f"; its first update was {first['value'] / ref:.3g}x DeepNorm's" if first and ref else ""
         return [
             Finding(
@@ -388,7 +408,7 @@ def status_findings(config: Config, status: dict, m: dict) -> list[Finding]:
                 f"lower train.lr (peak {_e(config.train.lr)}) or lengthen train.warmup{tie}"
                 + (
                     "; continue from the last good checkpoint with kilolayer train --resume --set train.lr=..."
-                    if m.get("has_checkpoint")
+                    if m.has_checkpoint
                     else ""
                 ),
                 {"step": status.get("step"), "reason": status.get("reason", "")},
@@ -428,13 +448,13 @@ def measure(
     replay_steps: int = 1,
     smoothness_samples: int = 128,
     device: str = "cpu",
-) -> tuple[dict, list[str]]:
+) -> tuple[Measurements, list[str]]:
     """Every measurement the rules read, with its source, and notes on what could not be measured."""
     from kilolayer.doctor.measure import at_checkpoint, deepnorm_first_update, replay
     from kilolayer.doctor.outcome import chance
     from kilolayer.doctor.theory import update_coefficient
 
-    m: dict = {"status": status.get("status")}
+    m = Measurements(status=status.get("status"))
     notes: list[str] = []
     logged = read_diagnostics(records, run / METRICS)
     start = None
@@ -443,23 +463,12 @@ def measure(
             start = replay(config, replay_steps, device)
         except KilolayerError as err:
             notes.append(f"step 1 not replayed (nothing measured from the seed or checkpoints): {err}")
-    m["output_norm"] = start.output_norm if start else None
+    m.output_norm = start.output_norm if start else None
 
-    # gradients and LayerNorm inputs: every logged step, or the replayed first step(s)
-    points = [dict(asdict(d), source="logged") for d in logged]
+    # gradients and LayerNorm inputs: every logged step, or the replayed first step(s); (source, step's numbers)
+    points = [("logged", d) for d in logged]
     if not points and start is not None:
-        points = [
-            {
-                "step": s.step,
-                "layers": s.layers,
-                "grad_norm": s.grad_norm,
-                "update": s.update,
-                "ln_names": s.ln_names,
-                "ln_input": s.ln_input,
-                "source": "replayed",
-            }
-            for s in start.steps
-        ]
+        points = [("replayed", s) for s in start.steps]
         why = (
             "train.diagnostics_every=0"
             if not config.train.diagnostics_every
@@ -476,55 +485,47 @@ def measure(
             notes.append(f"checkpoint not measured: {err}")
         if ckpt is None and not any("checkpoint not measured" in n for n in notes):
             notes.append("no complete checkpoint: nothing measured at the end of training")
-    m["has_checkpoint"] = ckpt is not None
-    if ckpt is not None and not any(p["step"] == ckpt.step for p in points):
-        points.append(
-            {
-                "step": ckpt.step,
-                "layers": ckpt.layers,
-                "grad_norm": ckpt.grad_norm,
-                "update": ckpt.update,
-                "ln_names": ckpt.ln_names,
-                "ln_input": ckpt.ln_input,
-                "source": "checkpoint",
-            }
-        )
+    m.has_checkpoint = ckpt is not None
+    if ckpt is not None and not any(d.step == ckpt.step for _, d in points):
+        points.append(("checkpoint", ckpt))
     if ckpt is not None:
         rel = ckpt.update / start.output_norm if start.output_norm else None
-        m["final_update"] = {"value": ckpt.update, "step": ckpt.step, "relative": rel}
-    early = [p for p in points if p["source"] != "checkpoint"]
-    chosen = ([early[0], early[-1]] if len(early) > 1 else early) + [p for p in points if p["source"] == "checkpoint"]
-    m["grad_ratio"] = {}
-    m["ln_growth"] = {}
-    for p in chosen:
-        for side, r in side_ratios(p["layers"], p["grad_norm"]).items():
-            m["grad_ratio"].setdefault(side, []).append({"step": p["step"], "ratio": r, "source": p["source"]})
-        per = ln_per_layer(p["ln_names"], p["ln_input"])
-        for side, g in ln_growth(p["ln_names"], p["ln_input"]).items():
-            m["ln_growth"].setdefault(side, []).append(
-                {"step": p["step"], "growth": g, "per_layer": per[side], "source": p["source"]}
+        m.final_update = {"value": ckpt.update, "step": ckpt.step, "relative": rel}
+    early = [p for p in points if p[0] != "checkpoint"]
+    chosen = ([early[0], early[-1]] if len(early) > 1 else early) + [p for p in points if p[0] == "checkpoint"]
+    for source, d in chosen:
+        for side, r in side_ratios(d.layers, d.grad_norm).items():
+            m.grad_ratio.setdefault(side, []).append({"step": d.step, "ratio": r, "source": source})
+        per = ln_per_layer(d.ln_names, d.ln_input)
+        for side, g in ln_growth(d.ln_names, d.ln_input).items():
+            m.ln_growth.setdefault(side, []).append(
+                {"step": d.step, "growth": g, "per_layer": per[side], "source": source}
             )
 
     # the first update, against DeepNorm's at the same shape and lr (empirical) and DeepNet's bound (theory)
-    first = next((p for p in points if p["step"] == 1 and math.isfinite(p["update"])), None)
+    first = next(((source, d) for source, d in points if d.step == 1 and math.isfinite(d.update)), None)
     if first is None and start is not None and start.steps and math.isfinite(start.steps[0].update):
-        first = {"update": start.steps[0].update, "source": "replayed"}
+        first = ("replayed", start.steps[0])
     if first is not None:
         lr1 = start.steps[0].lr if start and start.steps else config.train.lr
-        m["first_update"] = {"value": first["update"], "step": 1, "lr": lr1, "source": first["source"]}
+        m.first_update = {"value": first[1].update, "step": 1, "lr": lr1, "source": first[0]}
     if logged:
         top = max(logged, key=lambda d: d.update if math.isfinite(d.update) else -1)
-        m["max_logged_update"] = {"value": top.update, "step": top.step}
+        m.max_logged_update = {"value": top.update, "step": top.step}
     if first is not None and config.model.scheme != "deepnorm" and start is not None:
         ref = deepnorm_first_update(config, device)
         if ref is not None:
-            m["deepnorm_first_update"] = {"value": ref, "source": "replayed (model.scheme=deepnorm, same seed)"}
+            m.deepnorm_first_update = {"value": ref, "source": "replayed (model.scheme=deepnorm, same seed)"}
     own, dn = update_coefficient(config.model), update_coefficient(config.model, "deepnorm")
     if dn is not None:
-        m["bound"] = {"coefficient": own, "deepnorm_coefficient": dn, "ratio": own / dn if own is not None else None}
+        m.update_bound = {
+            "coefficient": own,
+            "deepnorm_coefficient": dn,
+            "ratio": own / dn if own is not None else None,
+        }
 
     # tokens: the study's cached analysis, or measured through the observer
-    m["smoothness"] = _smoothness(run, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
+    m.token_cosine = _smoothness(run, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
 
     # losses against the chance level
     evals = [logged_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
@@ -534,7 +535,7 @@ def measure(
         if r.get("split") == "train" and "loss" in r
     ]
     if trains:
-        m["lr_at_end"] = next((lr for _, _, lr in reversed(trains) if math.isfinite(lr)), None)
+        m.last_lr = next((lr for _, _, lr in reversed(trains) if math.isfinite(lr)), None)
     try:
         level = chance(config, run)["loss"]
     except (KilolayerError, NotImplementedError) as err:
@@ -542,7 +543,7 @@ def measure(
         notes.append(f"chance level not computed: {err}")
     finite_evals = [e for e in evals if math.isfinite(e)]
     if finite_evals:
-        m["losses"] = {
+        m.eval_loss = {
             "chance": level,
             "best_eval": min(finite_evals),
             "final_eval": evals[-1],
