@@ -53,9 +53,9 @@ LAYER_NORM = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\..*(pre_norm|post_no
 
 
 @dataclass
-class Finding:
-    """One line of a diagnosis: ``code`` (stable name), ``text`` (with its evidence number), the
-    ``suggestion`` tied to that number, and the numbers themselves."""
+class Problem:
+    """A problem a diagnosis found, one line of it: ``code`` (stable name), ``text`` (with its evidence
+    number), the ``suggestion`` tied to that number, and the numbers themselves."""
 
     code: str
     text: str
@@ -92,7 +92,7 @@ class Diagnosis:
     summary: str
     status: dict
     outcome: dict | None
-    findings: list[Finding]
+    findings: list[Problem]
     fine: list[str]
     measurements: Measurements
     notes: list[str]
@@ -193,19 +193,19 @@ def ln_growth(names: list[str], values: list[float]) -> dict[str, float]:
 def _shape(config: Config) -> str:
     m = config.model
     if m.arch == "encoder_decoder":
-        return f"{m.encoder_layers}L-{m.n_decoder_layers}L"
-    return f"{m.encoder_layers or m.n_decoder_layers}L"
+        return f"{m.encoder_depth}L-{m.decoder_depth}L"
+    return f"{m.encoder_depth or m.decoder_depth}L"
 
 
 def _alpha_text(config: Config) -> str:
     from kilolayer.nn.deepnorm import deepnorm_constants
 
     m = config.model
-    consts = deepnorm_constants(m.arch, m.encoder_layers, m.n_decoder_layers)
+    consts = deepnorm_constants(m.arch, m.encoder_depth, m.decoder_depth)
     return ", ".join(f"{side} alpha {a:.2f}, beta {b:.2f}" for side, (a, b) in consts.items())
 
 
-def gradient_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[str]]:
+def gradient_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[str]]:
     """Vanishing bottom gradients, from ``m.grad_ratio``."""
     findings, fine = [], []
     scheme = config.model.scheme
@@ -227,7 +227,7 @@ def gradient_findings(config: Config, m: Measurements) -> tuple[list[Finding], l
             else:
                 fix = "fewer layers, or a scheme whose shortcut carries the gradient (deepnorm, pre_ln)"
             findings.append(
-                Finding(
+                Problem(
                     "vanishing_gradients",
                     f"gradients at the bottom of the {side} are {_e(worst['ratio'])} of the top's at step "
                     f"{worst['step']}{pattern}; bottom/top per measured step: {steps} (flagged below {GRAD_RATIO:g})",
@@ -240,7 +240,7 @@ def gradient_findings(config: Config, m: Measurements) -> tuple[list[Finding], l
     return findings, fine
 
 
-def update_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[str]]:
+def update_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[str]]:
     """A large first update, from ``m.first_update``, ``m.deepnorm_first_update`` and ``m.update_bound``."""
     first, ref = m.first_update, m.deepnorm_first_update
     if not first or not math.isfinite(first["value"]):
@@ -273,11 +273,11 @@ def update_findings(config: Config, m: Measurements) -> tuple[list[Finding], lis
             f"{ratio:.0f} / lengthen train.warmup (now {config.train.warmup}) so early updates stay near "
             f"DeepNorm's size"
         )
-        return [Finding("large_update", text + f" (flagged at {UPDATE_RATIO:g}x)", fix, evidence)], []
+        return [Problem("large_update", text + f" (flagged at {UPDATE_RATIO:g}x)", fix, evidence)], []
     return [], [f"first update {_e(first['value'])} = {ratio:.2g}x DeepNorm's at this shape and lr"]
 
 
-def ln_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[str]]:
+def ln_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[str]]:
     """LayerNorm inputs growing with layer, from ``m.ln_growth``."""
     findings, fine = [], []
     for side, points in m.ln_growth.items():
@@ -299,7 +299,7 @@ def ln_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[st
                 why = "the branch outputs grow relative to the shortcut"
                 fix = f"lower train.lr or lengthen train.warmup (now {config.train.warmup})"
             findings.append(
-                Finding(
+                Problem(
                     "ln_growth",
                     f"LayerNorm inputs grow layer by layer in the {side}: {worst['growth']:.3g}x from the first "
                     f"layer to the last at step {worst['step']} (per layer: {per}; flagged at {LN_GROWTH:g}x): {why}",
@@ -312,7 +312,7 @@ def ln_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[st
     return findings, fine
 
 
-def smoothing_findings(config: Config, m: Measurements) -> tuple[list[Finding], list[str]]:
+def smoothing_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[str]]:
     s = m.token_cosine
     if not s or not math.isfinite(s.get("last", math.nan)):
         return [], []
@@ -328,7 +328,7 @@ def smoothing_findings(config: Config, m: Measurements) -> tuple[list[Finding], 
             else "fewer, wider layers: the last layers' tokens are nearly identical, so extra depth adds little"
         )
         return [
-            Finding(
+            Problem(
                 "oversmoothing",
                 f"last-layer tokens are {s['last']:.3f} similar (mean token cosine; {s['first']:.2f} after the "
                 f"embedding; flagged at {COSINE:g}): over-smoothing{why}",
@@ -339,7 +339,7 @@ def smoothing_findings(config: Config, m: Measurements) -> tuple[list[Finding], 
     return [], [f"last-layer token cosine {s['last']:.3f} (embedding {s['first']:.2f})"]
 
 
-def chance_findings(config: Config, m: Measurements, others: list[Finding]) -> tuple[list[Finding], list[str]]:
+def chance_findings(config: Config, m: Measurements, others: list[Problem]) -> tuple[list[Problem], list[str]]:
     c = m.eval_loss
     if not c or not math.isfinite(c.get("chance", math.nan)):
         return [], []
@@ -367,7 +367,7 @@ def chance_findings(config: Config, m: Measurements, others: list[Finding]) -> t
         fix = "train longer, or check that the targets depend on the inputs"
     if best >= level:
         return [
-            Finding(
+            Problem(
                 "never_below_chance",
                 f"loss never went below the data's chance level: best eval loss {best:.4g} >= chance "
                 f"{level:.4g} (the best input-independent predictor on these evaluation targets)",
@@ -377,7 +377,7 @@ def chance_findings(config: Config, m: Measurements, others: list[Finding]) -> t
         ], []
     if final > LEARNED_NOTHING * level:
         return [
-            Finding(
+            Problem(
                 "learned_nothing",
                 f"final eval loss {final:.4g} is {final / level:.2f} x the chance level {level:.4g}: learned "
                 f"almost nothing (the study report's rule: above {LEARNED_NOTHING:g} x chance)",
@@ -388,7 +388,7 @@ def chance_findings(config: Config, m: Measurements, others: list[Finding]) -> t
     return [], [f"final eval loss {final:.4g} = {final / level:.2f} x chance {level:.4g}"]
 
 
-def status_findings(config: Config, status: dict, m: Measurements) -> list[Finding]:
+def status_findings(config: Config, status: dict, m: Measurements) -> list[Problem]:
     st = status.get("status")
     if st == "diverged":
         lr = m.last_lr
@@ -402,7 +402,7 @@ def status_findings(config: Config, status: dict, m: Measurements) -> list[Findi
         ref = (m.deepnorm_first_update or {}).get("value")
         tie = f"; its first update was {first['value'] / ref:.3g}x DeepNorm's" if first and ref else ""
         return [
-            Finding(
+            Problem(
                 "diverged",
                 f"diverged at step {status.get('step')}{where}: {status.get('reason', '')}",
                 f"lower train.lr (peak {_e(config.train.lr)}) or lengthen train.warmup{tie}"
@@ -416,7 +416,7 @@ def status_findings(config: Config, status: dict, m: Measurements) -> list[Findi
         ]
     if st == "failed":
         return [
-            Finding(
+            Problem(
                 "failed",
                 f"failed at step {status.get('step')}: {status.get('reason', '')}",
                 "not a training outcome: fix the cause above and continue with kilolayer train --resume",

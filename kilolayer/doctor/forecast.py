@@ -351,9 +351,9 @@ def forecast(config: Config, steps: int | None = None, device: str = "cpu", name
     verdict, reason, numbers = decide(m)
     mc = config.model
     shape = (
-        f"{mc.encoder_layers}L-{mc.n_decoder_layers}L"
+        f"{mc.encoder_depth}L-{mc.decoder_depth}L"
         if mc.arch == "encoder_decoder"
-        else f"{mc.encoder_layers or mc.n_decoder_layers}L"
+        else f"{mc.encoder_depth or mc.decoder_depth}L"
     )
     title = (
         f"{name + ': ' if name else ''}{mc.scheme} {mc.arch} {shape} x {mc.width}, {config.objective.name} on "

@@ -77,7 +77,7 @@ def update_coefficient(model: ModelConfig, scheme_name: str | None = None) -> fl
     name = scheme_name or model.scheme
     if name not in POST_LN_FORM:
         return None
-    depth = Depth(model.arch, model.encoder_layers, model.n_decoder_layers)
+    depth = Depth(model.arch, model.encoder_depth, model.decoder_depth)
     scheme = make_scheme(name, depth, layerscale_init=model.layerscale_init, ds_init_variant=model.ds_init_variant)
     if model.arch == "encoder":
         return _side_sum(scheme, "encoder", depth)
