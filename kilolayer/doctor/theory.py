@@ -84,10 +84,3 @@ def update_coefficient(model: ModelConfig, scheme_name: str | None = None) -> fl
     if model.arch == "decoder":
         return _side_sum(scheme, "decoder", depth)
     return _side_sum(scheme, "decoder", depth) + _cross_factor(scheme, depth) * _side_sum(scheme, "encoder", depth)
-
-
-def bound_ratio(model: ModelConfig) -> float | None:
-    """How many times DeepNorm's bound at this depth the model's own bound is (None if not covered)."""
-    own = update_coefficient(model)
-    ref = update_coefficient(model, "deepnorm")
-    return None if own is None or ref is None else own / ref

@@ -132,11 +132,6 @@ def decide(
     return v
 
 
-def verdict(diffs: list[float], margin: float, unit: str = "") -> Verdict:
-    """:func:`decide` on a list of per-seed differences, with no runs excluded."""
-    return decide(list(diffs), margin, unit)
-
-
 @dataclass
 class Finding:
     name: str
