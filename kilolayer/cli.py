@@ -84,8 +84,8 @@ def cmd_describe(args) -> int:
         table.add_row(
             source,
             cfg.arch,
-            str(cfg.encoder_layers or "-"),
-            str(cfg.n_decoder_layers or "-"),
+            str(cfg.encoder_depth or "-"),
+            str(cfg.decoder_depth or "-"),
             str(cfg.width),
             str(cfg.heads),
             str(cfg.ffn),

@@ -142,11 +142,14 @@ class ModelConfig(_Section):
         return self.width // self.heads
 
     @property
-    def encoder_layers(self) -> int:
+    def encoder_depth(self) -> int:
+        """Layers in the encoder stack (0 without one); ``model.layers`` of an encoder or encoder-decoder."""
         return self.layers if self.arch in ("encoder", "encoder_decoder") else 0
 
     @property
-    def n_decoder_layers(self) -> int:
+    def decoder_depth(self) -> int:
+        """Layers in the decoder stack (0 without one): ``model.layers`` of a decoder-only model,
+        ``model.decoder_layers`` of an encoder-decoder."""
         if self.arch == "decoder":
             return self.layers
         return self.decoder_layers if self.arch == "encoder_decoder" else 0

@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from kilolayer.errors import InputError, KilolayerError
+from kilolayer.files import write_atomic
 
 CONFIG = "config.yaml"
 STATUS = "status.json"
@@ -138,24 +139,6 @@ def clear_run(path: str | Path) -> None:
             p.unlink()
 
 
-# ---------------------------------------------------------------- atomic files
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def read_json(path: str | Path, default=None):
     try:
         return json.loads(Path(path).read_text())
@@ -237,6 +220,15 @@ def _clean(v):
 
 def metrics_line(record: dict) -> str:
     return json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+
+
+def logged_number(value) -> float:
+    """A number of a metrics record as a float: the strings ``metrics_line`` writes for NaN and infinities read
+    back as those; null or anything else that is not a number (a diverged run's logs) is NaN."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def read_metrics(path: str | Path) -> list[dict]:

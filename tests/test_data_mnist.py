@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kilolayer import files
 from kilolayer.config import load_config
 from kilolayer.data import cache as C
 from kilolayer.data import load_source
@@ -331,7 +332,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_call(tmp_path, m
         proc.communicate()
     (left,) = cache_dir.iterdir()
     assert left.name.startswith(f".entry.{proc.pid}@") and left.name.endswith(".tmp")
-    host = C._host()
+    host = files.host()
     hour = C.STALE_SECONDS
     mine = f".entry.{os.getpid()}@{host}.abcd1234.tmp"  # a live writer's file is never touched...
     mine_old = f".entry.{os.getpid()}@{host}.abcd5678.tmp"  # ...unless untouched for over an hour

@@ -19,7 +19,7 @@ PACKAGE = Path(kilolayer.__file__).parent
 
 # lowest first; the units of one layer are siblings and may not import each other
 LAYERS: list[set[str]] = [
-    {"errors"},
+    {"errors", "files"},  # files: atomic writes
     {"registry", "presets"},  # presets: plain data
     {"config"},
     {"nn", "data"},

@@ -33,7 +33,7 @@ def test_status_round_trip_and_lifecycle(tmp_path):
     life.finish("interrupted", 3, "SIGTERM")
     assert rundir.read_status(tmp_path)["last_checkpoint"] == 2
     assert rundir.update_status(tmp_path, seconds=1.5)["status"] == "interrupted"
-    assert not list(tmp_path.glob(".status.json.tmp*"))
+    assert not list(tmp_path.glob(".status.*.tmp"))
     with pytest.raises(ValueError, match="expected one of"):
         rundir.write_status(tmp_path, "done", 1)
 

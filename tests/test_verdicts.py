@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kilolayer.study.findings import (
     HELD,
     INCONCLUSIVE,
-    LEARNED,
+    LEARNED_NOTHING,
     NOT_HELD,
     bamboo_depth,
     bamboo_depth_tokens,
@@ -181,7 +181,7 @@ def test_deepnet_winner_that_learned_nothing_cannot_hold(tmp_path):
     # Post-LN diverged (chance 2.4); DeepNorm completed at 2.3, above 0.9 x chance: it learned nothing
     status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
     loss = {**GOOD, "deepnorm": lambda l, s: 2.3}
-    assert 2.3 > LEARNED * CHANCE["loss"]
+    assert 2.3 > LEARNED_NOTHING * CHANCE["loss"]
     f = deepnet_postln(_deepnet(loss, status), tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and "learned nothing" in f.verdict.reason
     assert f.verdict.mean == pytest.approx(0.1)  # the difference alone would have been held

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kilolayer.config import Config
+from kilolayer.files import write_atomic
 
 
 def chance_level(config: Config) -> dict:
@@ -34,6 +35,9 @@ def chance_level(config: Config) -> dict:
     out = {k: float(v) for k, v in task.objective.chance(task.backbone, batches).items()}
     return {**out, "method": METHOD}
 
+
+#: a completed run whose final evaluation loss is above this fraction of its chance loss learned nothing
+LEARNED_NOTHING = 0.9
 
 #: how the chance level is computed; a cached one of another method is computed again (2: categorical
 #: targets under the objective's label smoothing)
@@ -69,9 +73,7 @@ def chance_of_run(run_dir: str | Path, config: Config) -> dict:
     result = dict(_MEMO[key])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result) + "\n")
-        tmp.replace(path)
+        write_atomic(path, json.dumps(result) + "\n")
     except OSError:
         pass  # a read-only study directory: compute again next time
     return result

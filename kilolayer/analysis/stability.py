@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kilolayer.errors import InputError
-from kilolayer.rundir import METRICS, read_metrics
+from kilolayer.rundir import METRICS, logged_number, read_metrics
 
 
 @dataclass
@@ -45,23 +45,23 @@ class StabilityRun:
         return min(self.diagnostics, key=lambda d: abs(d.step - step))
 
 
-def _number(value) -> float:
-    """JSON numbers, with null / non-numbers (a diverged run's logs) as NaN."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _diagnostics(record: dict, where: str) -> Diagnostics:
-    d = Diagnostics(step=int(record["step"]), update=_number(record.get("update")))
+    d = Diagnostics(step=int(record["step"]), update=logged_number(record.get("update")))
     for names_key, values_key in (("layers", "grad_norm"), ("ln_names", "ln_input")):
-        names, values = record.get(names_key, []), record.get(values_key, [])
+        names, values = record.get(names_key) or [], record.get(values_key) or []
         if not isinstance(names, list) or not isinstance(values, list) or len(names) != len(values):
             raise InputError(f"{where}: '{names_key}' and '{values_key}' must be lists of the same length")
         setattr(d, names_key, [str(n) for n in names])
-        setattr(d, values_key, [_number(v) for v in values])
+        setattr(d, values_key, [logged_number(v) for v in values])
     return d
+
+
+def read_diagnostics(records: list[dict], path: str | Path) -> list[Diagnostics]:
+    """The diagnostics lines among the records of ``path`` (a run's metrics.jsonl, named in errors), by step."""
+    found = [
+        _diagnostics(r, f"{path} (diagnostics at step {r['step']})") for r in records if r.get("split") == "diagnostics"
+    ]
+    return sorted(found, key=lambda d: d.step)
 
 
 def read_run(run: str | Path, name: str | None = None) -> StabilityRun:
@@ -73,18 +73,16 @@ def read_run(run: str | Path, name: str | None = None) -> StabilityRun:
         raise InputError(f"--run {run}: no such run directory")
     if not path.is_file():
         raise InputError(f"--run {run}: no metrics.jsonl (not a kilolayer run directory?)")
-    diagnostics, losses = [], {}
-    for record in read_metrics(path):
+    records = read_metrics(path)
+    diagnostics, losses = read_diagnostics(records, path), {}
+    for record in records:
         split = record.get("split")
-        if split == "diagnostics":
-            diagnostics.append(_diagnostics(record, f"{path} (diagnostics at step {record['step']})"))
-        elif "loss" in record and split is not None:
-            losses.setdefault(str(split), []).append((int(record["step"]), _number(record["loss"])))
+        if split != "diagnostics" and "loss" in record and split is not None:
+            losses.setdefault(str(split), []).append((int(record["step"]), logged_number(record["loss"])))
     if not diagnostics:
         raise InputError(
             f"--run {run}: metrics.jsonl has no diagnostics lines (train with train.diagnostics_every > 0)"
         )
-    diagnostics.sort(key=lambda d: d.step)
     for series in losses.values():
         series.sort()
     run_dir = path.parent

@@ -12,7 +12,7 @@ SHA-256 written with them (a damaged disk, a stray write: ``torch.load`` itself
 reads a flipped byte of tensor data without complaint), is decoded anew and
 replaced, with a one-line warning.
 
-A temporary file is named ``.NAME.PID@HOST.XXXXXXXX.tmp``. One left behind by a
+A temporary file is named ``.NAME.PID@HOST.XXXXXXXX.tmp`` (see :mod:`kilolayer.files`). One left behind by a
 writer that was killed (``kill -9``, a power cut) is removed by the next call
 for the same ``NAME``, load or write, when it is stale: its writer ran on this
 host and no longer runs, or it was last modified more than an hour ago
@@ -25,15 +25,15 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kilolayer.files import atomic_path, host
 
 STALE_SECONDS = 3600  # a temporary file untouched this long is a dead writer's (a write takes seconds)
 
@@ -72,10 +72,6 @@ def _warn(message: str) -> None:
     print(f"kilolayer: warning: {' '.join(message.split())}", file=sys.stderr, flush=True)
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
-
-
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -96,14 +92,14 @@ def remove_stale_temporaries(name: str, folder: Path | None = None) -> list[Path
         entries = list(os.scandir(folder))
     except OSError:
         return removed
-    now, host = time.time(), _host()
+    now, here = time.time(), host()
     for entry in entries:
         match = pattern.fullmatch(entry.name)
         if not match:
             continue
         try:
             old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_SECONDS
-            dead = match[1] is not None and match[2] == host and not _running(int(match[1]))
+            dead = match[1] is not None and match[2] == here and not _running(int(match[1]))
             if old or dead:
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
@@ -212,15 +208,8 @@ def cached(
         return data  # never cached; the caller's checks name what is wrong with it
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.{os.getpid()}@{_host()}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save({**data, DIGEST_KEY: digest(data)}, f)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache holds public data
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            torch.save({**data, DIGEST_KEY: digest(data)}, f)
     except OSError:
         pass  # a read-only or full cache folder: the data is still returned
     return data

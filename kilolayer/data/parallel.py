@@ -41,13 +41,13 @@ Batches are those of the ``synthetic`` tasks (``src``, ``tgt_in``, ``tgt_out`` a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import re
 import struct
-import tempfile
 import unicodedata
 from collections import Counter
 from functools import lru_cache
@@ -65,6 +65,7 @@ from kilolayer.data.options import parse_options
 from kilolayer.data.packages import package_versions
 from kilolayer.data.synthetic import Seq2SeqSource
 from kilolayer.errors import ConfigError, InputError
+from kilolayer.files import write_atomic
 
 FORMAT = 2  # bump when the extraction or cleaning changes what a build gives
 TOKENIZER = "bpe3-"  # the tokenizer recipe, in its file name: change it when train_tokenizer changes
@@ -472,16 +473,10 @@ def train_tokenizer(texts, vocab: int, alphabet: str = ""):
     return tok
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    try:
+def _write_cached(path: Path, text: str) -> None:
+    with contextlib.suppress(OSError):  # a read-only cache: the caller keeps what it built
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache: the caller keeps what it built
+        write_atomic(path, text)
 
 
 def load_tokenizer(key: str, corpus: dict, vocab: int):
@@ -498,7 +493,7 @@ def load_tokenizer(key: str, corpus: dict, vocab: int):
     # to <unk> (what a held-out text adds is its character inventory, nothing more)
     alphabet = {ch for split in SPLITS for pair in corpus[split] for text in pair for ch in text if not ch.isspace()}
     tok = train_tokenizer((text for pair in corpus["train"] for text in pair), vocab, "".join(sorted(alphabet)))
-    _write_atomic(path, tok.to_str(pretty=True))
+    _write_cached(path, tok.to_str(pretty=True))
     return tok
 
 
@@ -567,7 +562,7 @@ def load_corpus(name: str, root: str, opts_json: str) -> tuple[str, dict, dict]:
     record["total"] = {s: len(corpus[s]) for s in SPLITS}
     stats_path = cache_dir() / f"{key}.json"
     if not stats_path.is_file():
-        _write_atomic(stats_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+        _write_cached(stats_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return key, corpus, record
 
 

@@ -153,7 +153,9 @@ def synthetic(config) -> Synthetic:
     return src
 
 
-class ParallelOptions(NumbersNotBools):
+class ParallelFilesOptions(NumbersNotBools):
+    """``data.options`` of the ``parallel`` source: a user's two text files, aligned line by line."""
+
     model_config = ConfigDict(extra="forbid")
     source: str = Field(..., description="source-language file, one sentence per line")
     target: str = Field(..., description="target-language file, aligned line by line")
@@ -210,7 +212,7 @@ def _read_lines(path: str) -> list[str]:
 @register_source("parallel")
 def parallel(config) -> Parallel:
     """A user's parallel text: ``data.options.source`` and ``data.options.target``, aligned line by line."""
-    opts = parse_options(ParallelOptions, config.data.options, "data.options")
+    opts = parse_options(ParallelFilesOptions, config.data.options, "data.options")
     src, tgt = _read_lines(opts.source), _read_lines(opts.target)
     if len(src) != len(tgt):
         raise InputError(f"{opts.target}: {len(tgt)} lines, but {opts.source} has {len(src)}; files must be aligned")

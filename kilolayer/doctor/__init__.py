@@ -6,8 +6,8 @@
 * :func:`outcome`: what became of a finished run, by one stated rule.
 """
 
-from kilolayer.doctor.diagnose import Diagnosis, Finding, diagnose
+from kilolayer.doctor.diagnose import Diagnosis, Problem, diagnose
 from kilolayer.doctor.forecast import Forecast, forecast
 from kilolayer.doctor.outcome import Outcome, outcome
 
-__all__ = ["Diagnosis", "Finding", "diagnose", "Forecast", "forecast", "Outcome", "outcome"]
+__all__ = ["Diagnosis", "Problem", "diagnose", "Forecast", "forecast", "Outcome", "outcome"]

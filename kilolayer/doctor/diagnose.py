@@ -25,7 +25,7 @@ The rules (each a threshold on one measurement; every number is printed with the
   at least ``LN_GROWTH`` x the first layer's, on a side;
 * over-smoothing: last-layer token cosine similarity at least ``COSINE``;
 * never below chance: the best evaluation loss at or above the chance level; otherwise, a final
-  evaluation loss above 0.9 x chance is "learned nothing" (the study report's rule);
+  evaluation loss above ``LEARNED_NOTHING`` x chance is "learned nothing" (the study report's rule);
 * barely moved: the total update at the last checkpoint below ``BARELY_MOVED`` x the output's size.
 """
 
@@ -36,9 +36,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kilolayer.analysis.chance import LEARNED_NOTHING
+from kilolayer.analysis.stability import read_diagnostics
 from kilolayer.config import Config, load_config
 from kilolayer.errors import InputError, KilolayerError
-from kilolayer.rundir import CONFIG, read_json, read_metrics, read_status
+from kilolayer.rundir import CONFIG, METRICS, logged_number, read_json, read_metrics, read_status
 
 GRAD_RATIO = 0.1
 UPDATE_RATIO = 10.0
@@ -51,14 +53,34 @@ LAYER_NORM = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\..*(pre_norm|post_no
 
 
 @dataclass
-class Finding:
-    """One line of a diagnosis: ``code`` (stable name), ``text`` (with its evidence number), the
-    ``suggestion`` tied to that number, and the numbers themselves."""
+class Problem:
+    """A problem a diagnosis found, one line of it: ``code`` (stable name), ``text`` (with its evidence
+    number), the ``suggestion`` tied to that number, and the numbers themselves."""
 
     code: str
     text: str
     suggestion: str = ""
     evidence: dict = field(default_factory=dict)
+
+
+@dataclass
+class Measurements:
+    """Every number the rules read, measured once per run. The per-side lists and the dicts are the evidence a
+    problem quotes; each says where its number came from (``source``: logged, replayed or checkpoint)."""
+
+    status: str | None = None  # status.json's
+    has_checkpoint: bool = False
+    output_norm: float | None = None  # ||F(x, theta_0)|| of the replayed first step
+    grad_ratio: dict[str, list[dict]] = field(default_factory=dict)  # side -> [{step, ratio, source}]: bottom/top
+    ln_growth: dict[str, list[dict]] = field(default_factory=dict)  # side -> [{step, growth, per_layer, source}]
+    first_update: dict | None = None  # {value, step, lr, source}: ||F(x, theta_1) - F(x, theta_0)||
+    deepnorm_first_update: dict | None = None  # {value, source}: the same of DeepNorm at this shape, seed and lr
+    update_bound: dict | None = None  # {coefficient, deepnorm_coefficient, ratio}: DeepNet's bound, x lr
+    max_logged_update: dict | None = None  # {value, step}: the largest update the diagnostics lines logged
+    final_update: dict | None = None  # {value, step, relative}: at the checkpoint; relative to output_norm
+    token_cosine: dict | None = None  # {last, first, per_layer, source}: mean token cosine similarity per layer
+    last_lr: float | None = None  # the learning rate of the last logged training step
+    eval_loss: dict | None = None  # {chance, best_eval, final_eval, evaluations}
 
 
 @dataclass
@@ -70,9 +92,9 @@ class Diagnosis:
     summary: str
     status: dict
     outcome: dict | None
-    findings: list[Finding]
+    findings: list[Problem]
     fine: list[str]
-    measurements: dict
+    measurements: Measurements
     notes: list[str]
 
     @property
@@ -124,13 +146,6 @@ def _json_safe(value):
     return value
 
 
-def _number(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _e(x: float) -> str:
     """A number for a diagnosis line: 3 significant digits, scientific when tiny or huge."""
     if x is None or not math.isfinite(x):
@@ -172,51 +187,29 @@ def ln_growth(names: list[str], values: list[float]) -> dict[str, float]:
     return out
 
 
-def _diagnostics(records: list[dict]) -> list[dict]:
-    out = []
-    for r in records:
-        if r.get("split") != "diagnostics":
-            continue
-        layers, grads = r.get("layers") or [], r.get("grad_norm") or []
-        ln_names, ln_input = r.get("ln_names") or [], r.get("ln_input") or []
-        if len(layers) != len(grads) or len(ln_names) != len(ln_input):
-            raise InputError(f"metrics.jsonl (diagnostics at step {r.get('step')}): names and values differ in length")
-        out.append(
-            {
-                "step": int(r["step"]),
-                "layers": [str(x) for x in layers],
-                "grad_norm": [_number(x) for x in grads],
-                "update": _number(r.get("update")),
-                "ln_names": [str(x) for x in ln_names],
-                "ln_input": [_number(x) for x in ln_input],
-            }
-        )
-    return sorted(out, key=lambda d: d["step"])
-
-
 # ---------------------------------------------------------------- the rules
 
 
 def _shape(config: Config) -> str:
     m = config.model
     if m.arch == "encoder_decoder":
-        return f"{m.encoder_layers}L-{m.n_decoder_layers}L"
-    return f"{m.encoder_layers or m.n_decoder_layers}L"
+        return f"{m.encoder_depth}L-{m.decoder_depth}L"
+    return f"{m.encoder_depth or m.decoder_depth}L"
 
 
 def _alpha_text(config: Config) -> str:
     from kilolayer.nn.deepnorm import deepnorm_constants
 
     m = config.model
-    consts = deepnorm_constants(m.arch, m.encoder_layers, m.n_decoder_layers)
+    consts = deepnorm_constants(m.arch, m.encoder_depth, m.decoder_depth)
     return ", ".join(f"{side} alpha {a:.2f}, beta {b:.2f}" for side, (a, b) in consts.items())
 
 
-def gradient_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
-    """Vanishing bottom gradients, from ``m["grad_ratio"]``: side -> [{step, ratio, source}]."""
+def gradient_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[str]]:
+    """Vanishing bottom gradients, from ``m.grad_ratio``."""
     findings, fine = [], []
     scheme = config.model.scheme
-    for side, points in m.get("grad_ratio", {}).items():
+    for side, points in m.grad_ratio.items():
         finite = [p for p in points if math.isfinite(p["ratio"])]
         if not finite:
             continue
@@ -234,7 +227,7 @@ def gradient_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]
             else:
                 fix = "fewer layers, or a scheme whose shortcut carries the gradient (deepnorm, pre_ln)"
             findings.append(
-                Finding(
+                Problem(
                     "vanishing_gradients",
                     f"gradients at the bottom of the {side} are {_e(worst['ratio'])} of the top's at step "
                     f"{worst['step']}{pattern}; bottom/top per measured step: {steps} (flagged below {GRAD_RATIO:g})",
@@ -247,12 +240,12 @@ def gradient_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]
     return findings, fine
 
 
-def update_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
-    """A large first update, from ``m["first_update"]``, ``m["deepnorm_first_update"]`` and the bound."""
-    first, ref = m.get("first_update"), m.get("deepnorm_first_update")
+def update_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[str]]:
+    """A large first update, from ``m.first_update``, ``m.deepnorm_first_update`` and ``m.update_bound``."""
+    first, ref = m.first_update, m.deepnorm_first_update
     if not first or not math.isfinite(first["value"]):
         return [], []
-    bound = m.get("bound")
+    bound = m.update_bound
     bound_text = ""
     if bound and bound.get("ratio") is not None and config.model.scheme != "deepnorm":
         bound_text = (
@@ -280,14 +273,14 @@ def update_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
             f"{ratio:.0f} / lengthen train.warmup (now {config.train.warmup}) so early updates stay near "
             f"DeepNorm's size"
         )
-        return [Finding("large_update", text + f" (flagged at {UPDATE_RATIO:g}x)", fix, evidence)], []
+        return [Problem("large_update", text + f" (flagged at {UPDATE_RATIO:g}x)", fix, evidence)], []
     return [], [f"first update {_e(first['value'])} = {ratio:.2g}x DeepNorm's at this shape and lr"]
 
 
-def ln_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
-    """LayerNorm inputs growing with layer, from ``m["ln_growth"]``: side -> [{step, growth, per_layer}]."""
+def ln_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[str]]:
+    """LayerNorm inputs growing with layer, from ``m.ln_growth``."""
     findings, fine = [], []
-    for side, points in m.get("ln_growth", {}).items():
+    for side, points in m.ln_growth.items():
         if not points:
             continue
         worst = max(points, key=lambda p: p["growth"])
@@ -306,7 +299,7 @@ def ln_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
                 why = "the branch outputs grow relative to the shortcut"
                 fix = f"lower train.lr or lengthen train.warmup (now {config.train.warmup})"
             findings.append(
-                Finding(
+                Problem(
                     "ln_growth",
                     f"LayerNorm inputs grow layer by layer in the {side}: {worst['growth']:.3g}x from the first "
                     f"layer to the last at step {worst['step']} (per layer: {per}; flagged at {LN_GROWTH:g}x): {why}",
@@ -319,8 +312,8 @@ def ln_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
     return findings, fine
 
 
-def smoothing_findings(config: Config, m: dict) -> tuple[list[Finding], list[str]]:
-    s = m.get("smoothness")
+def smoothing_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[str]]:
+    s = m.token_cosine
     if not s or not math.isfinite(s.get("last", math.nan)):
         return [], []
     if s["last"] >= COSINE:
@@ -335,7 +328,7 @@ def smoothing_findings(config: Config, m: dict) -> tuple[list[Finding], list[str
             else "fewer, wider layers: the last layers' tokens are nearly identical, so extra depth adds little"
         )
         return [
-            Finding(
+            Problem(
                 "oversmoothing",
                 f"last-layer tokens are {s['last']:.3f} similar (mean token cosine; {s['first']:.2f} after the "
                 f"embedding; flagged at {COSINE:g}): over-smoothing{why}",
@@ -346,16 +339,16 @@ def smoothing_findings(config: Config, m: dict) -> tuple[list[Finding], list[str
     return [], [f"last-layer token cosine {s['last']:.3f} (embedding {s['first']:.2f})"]
 
 
-def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[list[Finding], list[str]]:
-    c = m.get("losses")
+def chance_findings(config: Config, m: Measurements, others: list[Problem]) -> tuple[list[Problem], list[str]]:
+    c = m.eval_loss
     if not c or not math.isfinite(c.get("chance", math.nan)):
         return [], []
     best, final, level = c["best_eval"], c["final_eval"], c["chance"]
     if not math.isfinite(best):
         return [], []
     codes = {f.code for f in others}
-    moved = m.get("final_update") or {}
-    if m.get("status") == "diverged":
+    moved = m.final_update or {}
+    if m.status == "diverged":
         fix = "the divergence above ended training before the model learned: fix that first"
     elif "vanishing_gradients" in codes:
         fix = "the vanishing gradients above are the likely cause: fix those first"
@@ -374,7 +367,7 @@ def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[lis
         fix = "train longer, or check that the targets depend on the inputs"
     if best >= level:
         return [
-            Finding(
+            Problem(
                 "never_below_chance",
                 f"loss never went below the data's chance level: best eval loss {best:.4g} >= chance "
                 f"{level:.4g} (the best input-independent predictor on these evaluation targets)",
@@ -382,12 +375,12 @@ def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[lis
                 dict(c),
             )
         ], []
-    if final > 0.9 * level:
+    if final > LEARNED_NOTHING * level:
         return [
-            Finding(
+            Problem(
                 "learned_nothing",
                 f"final eval loss {final:.4g} is {final / level:.2f} x the chance level {level:.4g}: learned "
-                f"almost nothing (the study report's rule: above 0.9 x chance)",
+                f"almost nothing (the study report's rule: above {LEARNED_NOTHING:g} x chance)",
                 fix,
                 dict(c),
             )
@@ -395,27 +388,27 @@ def chance_findings(config: Config, m: dict, others: list[Finding]) -> tuple[lis
     return [], [f"final eval loss {final:.4g} = {final / level:.2f} x chance {level:.4g}"]
 
 
-def status_findings(config: Config, status: dict, m: dict) -> list[Finding]:
+def status_findings(config: Config, status: dict, m: Measurements) -> list[Problem]:
     st = status.get("status")
     if st == "diverged":
-        lr = m.get("lr_at_end")
+        lr = m.last_lr
         warm = config.train.warmup
         where = (
             f" (lr {_e(lr)}, {'after' if status.get('step', 0) > warm else 'during'} the {warm}-step warm-up)"
             if lr is not None
             else ""
         )
-        first = m.get("first_update") or {}
-        ref = (m.get("deepnorm_first_update") or {}).get("value")
+        first = m.first_update or {}
+        ref = (m.deepnorm_first_update or {}).get("value")
         tie = f"; its first update was {first['value'] / ref:.3g}x DeepNorm's" if first and ref else ""
         return [
-            Finding(
+            Problem(
                 "diverged",
                 f"diverged at step {status.get('step')}{where}: {status.get('reason', '')}",
                 f"lower train.lr (peak {_e(config.train.lr)}) or lengthen train.warmup{tie}"
                 + (
                     "; continue from the last good checkpoint with kilolayer train --resume --set train.lr=..."
-                    if m.get("has_checkpoint")
+                    if m.has_checkpoint
                     else ""
                 ),
                 {"step": status.get("step"), "reason": status.get("reason", "")},
@@ -423,7 +416,7 @@ def status_findings(config: Config, status: dict, m: dict) -> list[Finding]:
         ]
     if st == "failed":
         return [
-            Finding(
+            Problem(
                 "failed",
                 f"failed at step {status.get('step')}: {status.get('reason', '')}",
                 "not a training outcome: fix the cause above and continue with kilolayer train --resume",
@@ -455,38 +448,27 @@ def measure(
     replay_steps: int = 1,
     smoothness_samples: int = 128,
     device: str = "cpu",
-) -> tuple[dict, list[str]]:
+) -> tuple[Measurements, list[str]]:
     """Every measurement the rules read, with its source, and notes on what could not be measured."""
     from kilolayer.doctor.measure import at_checkpoint, deepnorm_first_update, replay
     from kilolayer.doctor.outcome import chance
     from kilolayer.doctor.theory import update_coefficient
 
-    m: dict = {"status": status.get("status")}
+    m = Measurements(status=status.get("status"))
     notes: list[str] = []
-    logged = _diagnostics(records)
+    logged = read_diagnostics(records, run / METRICS)
     start = None
     if replay_steps > 0:
         try:
             start = replay(config, replay_steps, device)
         except KilolayerError as err:
             notes.append(f"step 1 not replayed (nothing measured from the seed or checkpoints): {err}")
-    m["output_norm"] = start.output_norm if start else None
+    m.output_norm = start.output_norm if start else None
 
-    # gradients and LayerNorm inputs: every logged step, or the replayed first step(s)
-    points = [dict(d, source="logged") for d in logged]
+    # gradients and LayerNorm inputs: every logged step, or the replayed first step(s); (source, step's numbers)
+    points = [("logged", d) for d in logged]
     if not points and start is not None:
-        points = [
-            {
-                "step": s.step,
-                "layers": s.layers,
-                "grad_norm": s.grad_norm,
-                "update": s.update,
-                "ln_names": s.ln_names,
-                "ln_input": s.ln_input,
-                "source": "replayed",
-            }
-            for s in start.steps
-        ]
+        points = [("replayed", s) for s in start.steps]
         why = (
             "train.diagnostics_every=0"
             if not config.train.diagnostics_every
@@ -503,65 +485,57 @@ def measure(
             notes.append(f"checkpoint not measured: {err}")
         if ckpt is None and not any("checkpoint not measured" in n for n in notes):
             notes.append("no complete checkpoint: nothing measured at the end of training")
-    m["has_checkpoint"] = ckpt is not None
-    if ckpt is not None and not any(p["step"] == ckpt.step for p in points):
-        points.append(
-            {
-                "step": ckpt.step,
-                "layers": ckpt.layers,
-                "grad_norm": ckpt.grad_norm,
-                "update": ckpt.update,
-                "ln_names": ckpt.ln_names,
-                "ln_input": ckpt.ln_input,
-                "source": "checkpoint",
-            }
-        )
+    m.has_checkpoint = ckpt is not None
+    if ckpt is not None and not any(d.step == ckpt.step for _, d in points):
+        points.append(("checkpoint", ckpt))
     if ckpt is not None:
         rel = ckpt.update / start.output_norm if start.output_norm else None
-        m["final_update"] = {"value": ckpt.update, "step": ckpt.step, "relative": rel}
-    early = [p for p in points if p["source"] != "checkpoint"]
-    chosen = ([early[0], early[-1]] if len(early) > 1 else early) + [p for p in points if p["source"] == "checkpoint"]
-    m["grad_ratio"] = {}
-    m["ln_growth"] = {}
-    for p in chosen:
-        for side, r in side_ratios(p["layers"], p["grad_norm"]).items():
-            m["grad_ratio"].setdefault(side, []).append({"step": p["step"], "ratio": r, "source": p["source"]})
-        per = ln_per_layer(p["ln_names"], p["ln_input"])
-        for side, g in ln_growth(p["ln_names"], p["ln_input"]).items():
-            m["ln_growth"].setdefault(side, []).append(
-                {"step": p["step"], "growth": g, "per_layer": per[side], "source": p["source"]}
+        m.final_update = {"value": ckpt.update, "step": ckpt.step, "relative": rel}
+    early = [p for p in points if p[0] != "checkpoint"]
+    chosen = ([early[0], early[-1]] if len(early) > 1 else early) + [p for p in points if p[0] == "checkpoint"]
+    for source, d in chosen:
+        for side, r in side_ratios(d.layers, d.grad_norm).items():
+            m.grad_ratio.setdefault(side, []).append({"step": d.step, "ratio": r, "source": source})
+        per = ln_per_layer(d.ln_names, d.ln_input)
+        for side, g in ln_growth(d.ln_names, d.ln_input).items():
+            m.ln_growth.setdefault(side, []).append(
+                {"step": d.step, "growth": g, "per_layer": per[side], "source": source}
             )
 
     # the first update, against DeepNorm's at the same shape and lr (empirical) and DeepNet's bound (theory)
-    first = next((p for p in points if p["step"] == 1 and math.isfinite(p["update"])), None)
+    first = next(((source, d) for source, d in points if d.step == 1 and math.isfinite(d.update)), None)
     if first is None and start is not None and start.steps and math.isfinite(start.steps[0].update):
-        first = {"update": start.steps[0].update, "source": "replayed"}
+        first = ("replayed", start.steps[0])
     if first is not None:
         lr1 = start.steps[0].lr if start and start.steps else config.train.lr
-        m["first_update"] = {"value": first["update"], "step": 1, "lr": lr1, "source": first["source"]}
+        m.first_update = {"value": first[1].update, "step": 1, "lr": lr1, "source": first[0]}
     if logged:
-        top = max(logged, key=lambda d: d["update"] if math.isfinite(d["update"]) else -1)
-        m["max_logged_update"] = {"value": top["update"], "step": top["step"]}
+        top = max(logged, key=lambda d: d.update if math.isfinite(d.update) else -1)
+        m.max_logged_update = {"value": top.update, "step": top.step}
     if first is not None and config.model.scheme != "deepnorm" and start is not None:
         ref = deepnorm_first_update(config, device)
         if ref is not None:
-            m["deepnorm_first_update"] = {"value": ref, "source": "replayed (model.scheme=deepnorm, same seed)"}
+            m.deepnorm_first_update = {"value": ref, "source": "replayed (model.scheme=deepnorm, same seed)"}
     own, dn = update_coefficient(config.model), update_coefficient(config.model, "deepnorm")
     if dn is not None:
-        m["bound"] = {"coefficient": own, "deepnorm_coefficient": dn, "ratio": own / dn if own is not None else None}
+        m.update_bound = {
+            "coefficient": own,
+            "deepnorm_coefficient": dn,
+            "ratio": own / dn if own is not None else None,
+        }
 
     # tokens: the study's cached analysis, or measured through the observer
-    m["smoothness"] = _smoothness(run, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
+    m.token_cosine = _smoothness(run, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
 
     # losses against the chance level
-    evals = [_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
+    evals = [logged_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
     trains = [
-        (int(r["step"]), _number(r.get("loss")), _number(r.get("lr")))
+        (int(r["step"]), logged_number(r.get("loss")), logged_number(r.get("lr")))
         for r in records
         if r.get("split") == "train" and "loss" in r
     ]
     if trains:
-        m["lr_at_end"] = next((lr for _, _, lr in reversed(trains) if math.isfinite(lr)), None)
+        m.last_lr = next((lr for _, _, lr in reversed(trains) if math.isfinite(lr)), None)
     try:
         level = chance(config, run)["loss"]
     except (KilolayerError, NotImplementedError) as err:
@@ -569,7 +543,7 @@ def measure(
         notes.append(f"chance level not computed: {err}")
     finite_evals = [e for e in evals if math.isfinite(e)]
     if finite_evals:
-        m["losses"] = {
+        m.eval_loss = {
             "chance": level,
             "best_eval": min(finite_evals),
             "final_eval": evals[-1],
@@ -594,7 +568,7 @@ def _smoothness(run: Path, samples: int, device: str, notes: list[str], has_chec
             return None
     else:
         return None
-    cos = [_number(v) for v in result["cosine"]]
+    cos = [logged_number(v) for v in result["cosine"]]
     return {"last": cos[-1], "first": cos[0], "per_layer": cos, "source": source}
 
 

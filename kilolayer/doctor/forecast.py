@@ -12,6 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.config import Config
 
 VERSION = 1  # of the measurements: calibration caches are re-measured when it changes
@@ -103,7 +104,6 @@ def measure(config: Config, steps: int | None = None, device: str = "cpu") -> di
 # ---------------------------------------------------------------- the rule
 
 # thresholds of the rule (docs/doctor.md says how each was chosen)
-LEARNED_NOTHING = 0.9  # the outcome rule: a final loss above 0.9 x chance learned nothing
 THROWN_BACK = 0.1  # the eval loss risen this far (in units of chance) above its lowest value: thrown back
 VANISHED = 1e-3  # bottom/top gradient ratio below this at the end of the replay: the bottom layers are cut off
 UPDATE_RATIO = 10.0  # first update at least this many times DeepNorm's: a warning, not a verdict
@@ -351,9 +351,9 @@ def forecast(config: Config, steps: int | None = None, device: str = "cpu", name
     verdict, reason, numbers = decide(m)
     mc = config.model
     shape = (
-        f"{mc.encoder_layers}L-{mc.n_decoder_layers}L"
+        f"{mc.encoder_depth}L-{mc.decoder_depth}L"
         if mc.arch == "encoder_decoder"
-        else f"{mc.encoder_layers or mc.n_decoder_layers}L"
+        else f"{mc.encoder_depth or mc.decoder_depth}L"
     )
     title = (
         f"{name + ': ' if name else ''}{mc.scheme} {mc.arch} {shape} x {mc.width}, {config.objective.name} on "

@@ -2,10 +2,10 @@
 
 * **diverges**: status.json says ``diverged`` (a non-finite loss, or the smoothed loss above
   ``train.diverge_factor`` x its running minimum after warm-up: the engine's rule, kilolayer.train.policies);
-* **stalls**: completed, with a final evaluation loss above 0.9 x the data's chance level — the study
+* **stalls**: completed, with a final evaluation loss above ``LEARNED_NOTHING`` x the data's chance level — the study
   report's "learned nothing" rule (kilolayer/analysis/chance.py: the loss of the best predictor that
   ignores the input, on the run's own evaluation targets);
-* **trains**: completed, with a final evaluation loss at or below 0.9 x chance.
+* **trains**: completed, with a final evaluation loss at or below ``LEARNED_NOTHING`` x chance.
 
 Failed, interrupted and running runs, and a run with no loss logged, have no outcome (``None``).
 """
@@ -16,11 +16,11 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.config import Config
-from kilolayer.rundir import read_json, read_metrics, read_status
+from kilolayer.rundir import logged_number, read_json, read_metrics, read_status
 
 OUTCOMES = ("trains", "stalls", "diverges")
-LEARNED_NOTHING = 0.9  # final loss above this fraction of chance: learned nothing (the study report's rule)
 
 _CHANCE: dict[str, dict] = {}
 
@@ -47,13 +47,6 @@ def chance(config: Config, run_dir: str | Path | None = None) -> dict:
     return dict(_CHANCE[key])
 
 
-def _number(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 @dataclass
 class Outcome:
     """``label`` (one of OUTCOMES, or None), the evidence, and one line saying why."""
@@ -73,8 +66,8 @@ def outcome(run_dir: str | Path, config: Config, records: list[dict] | None = No
     st = read_status(run_dir)
     status = st.get("status", "missing")
     records = read_metrics(run_dir) if records is None else records
-    evals = [_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
-    trains = [_number(r.get("loss")) for r in records if r.get("split") == "train" and "loss" in r]
+    evals = [logged_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
+    trains = [logged_number(r.get("loss")) for r in records if r.get("split") == "train" and "loss" in r]
     final = evals[-1] if evals else (trains[-1] if trains else math.nan)
     level = chance(config, run_dir)["loss"]
     if status == "diverged":

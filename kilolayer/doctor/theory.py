@@ -77,17 +77,10 @@ def update_coefficient(model: ModelConfig, scheme_name: str | None = None) -> fl
     name = scheme_name or model.scheme
     if name not in POST_LN_FORM:
         return None
-    depth = Depth(model.arch, model.encoder_layers, model.n_decoder_layers)
+    depth = Depth(model.arch, model.encoder_depth, model.decoder_depth)
     scheme = make_scheme(name, depth, layerscale_init=model.layerscale_init, ds_init_variant=model.ds_init_variant)
     if model.arch == "encoder":
         return _side_sum(scheme, "encoder", depth)
     if model.arch == "decoder":
         return _side_sum(scheme, "decoder", depth)
     return _side_sum(scheme, "decoder", depth) + _cross_factor(scheme, depth) * _side_sum(scheme, "encoder", depth)
-
-
-def bound_ratio(model: ModelConfig) -> float | None:
-    """How many times DeepNorm's bound at this depth the model's own bound is (None if not covered)."""
-    own = update_coefficient(model)
-    ref = update_coefficient(model, "deepnorm")
-    return None if own is None or ref is None else own / ref

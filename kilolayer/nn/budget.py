@@ -70,7 +70,7 @@ def count_parameters(cfg: ModelConfig | dict) -> int:
 def _scheme(cfg: ModelConfig):
     return make_scheme(
         cfg.scheme,
-        Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
+        Depth(cfg.arch, cfg.encoder_depth, cfg.decoder_depth),
         layerscale_init=cfg.layerscale_init,
         ds_init_variant=cfg.ds_init_variant,
     )
@@ -86,23 +86,23 @@ def training_flops(cfg: ModelConfig | dict, src_len: int | None = None, tgt_len:
     scheme = _scheme(cfg)
     d = cfg.width
     flops = 0.0
-    if cfg.encoder_layers:
+    if cfg.encoder_depth:
         S = src_len or cfg.seq_len
-        _, m, _ = _side_params(cfg, scheme, "encoder", cfg.encoder_layers, False)
+        _, m, _ = _side_params(cfg, scheme, "encoder", cfg.encoder_depth, False)
         if cfg.input == "patches":
             n_patch = S - int(cfg.cls_token)
             m_embed = cfg.channels * cfg.patch_size**2 * d
             # the patch projection needs no input gradient: forward 2 + backward 2 per weight
             flops += 4 * m_embed * n_patch
-        flops += 6 * m * S + 12 * cfg.encoder_layers * d * S * S
-    if cfg.n_decoder_layers:
+        flops += 6 * m * S + 12 * cfg.encoder_depth * d * S * S
+    if cfg.decoder_depth:
         T = tgt_len or cfg.max_len
         cross = cfg.arch == "encoder_decoder"
         S = src_len or cfg.seq_len
-        _, m, kv = _side_params(cfg, scheme, "decoder", cfg.n_decoder_layers, cross)
-        flops += 6 * (m - kv) * T + 12 * cfg.n_decoder_layers * d * T * T
+        _, m, kv = _side_params(cfg, scheme, "decoder", cfg.decoder_depth, cross)
+        flops += 6 * (m - kv) * T + 12 * cfg.decoder_depth * d * T * T
         if cross:
-            flops += 6 * kv * S + 12 * cfg.n_decoder_layers * d * T * S
+            flops += 6 * kv * S + 12 * cfg.decoder_depth * d * T * S
     return float(flops)
 
 
@@ -128,8 +128,8 @@ def _counts(cfg: ModelConfig) -> tuple[int, int, int]:
     scheme = _scheme(cfg)
     d = cfg.width
     total = matmul = embed = 0
-    if cfg.encoder_layers:
-        t, m, _ = _side_params(cfg, scheme, "encoder", cfg.encoder_layers, False)
+    if cfg.encoder_depth:
+        t, m, _ = _side_params(cfg, scheme, "encoder", cfg.encoder_depth, False)
         total, matmul = total + t, matmul + m
         if cfg.input == "patches":
             proj = cfg.channels * cfg.patch_size**2 * d
@@ -138,8 +138,8 @@ def _counts(cfg: ModelConfig) -> tuple[int, int, int]:
         else:
             e = _token_embedding_params(cfg)
         total, embed = total + e, embed + e
-    if cfg.n_decoder_layers:
-        t, m, _ = _side_params(cfg, scheme, "decoder", cfg.n_decoder_layers, cfg.arch == "encoder_decoder")
+    if cfg.decoder_depth:
+        t, m, _ = _side_params(cfg, scheme, "decoder", cfg.decoder_depth, cfg.arch == "encoder_decoder")
         e = _token_embedding_params(cfg)
         total, matmul, embed = total + t + e, matmul + m, embed + e
     return total, matmul, embed

@@ -199,7 +199,7 @@ def scheme_for(cfg: ModelConfig) -> Scheme:
     """The scheme a backbone of ``cfg`` is built with (``kilolayer describe`` shows the same one)."""
     return make_scheme(
         cfg.scheme,
-        Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
+        Depth(cfg.arch, cfg.encoder_depth, cfg.decoder_depth),
         layerscale_init=cfg.layerscale_init,
         ds_init_variant=cfg.ds_init_variant,
         admin_omega=cfg.admin_omega,

@@ -20,7 +20,7 @@ Evidence:
   (accuracy) is the chance level of its data, the best that a model which learned
   nothing can score (see :mod:`kilolayer.analysis.chance`);
 * a run **learned nothing** when its final evaluation loss is above
-  ``LEARNED`` x its chance loss; a claim that needs a model to learn is not
+  ``LEARNED_NOTHING`` x its chance loss; a claim that needs a model to learn is not
   decided by it (inconclusive), except that a claim that a scheme trains is
   contradicted by that scheme learning nothing.
 
@@ -36,11 +36,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.registry import Registry
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
 LEVEL = 0.95  # one-sided confidence of each bound
-LEARNED = 0.9  # a run learned something if its final loss is at most this fraction of its chance loss
 
 RULE = (
     "The seed is the unit of replication: each finding reduces its runs to one difference *d* per seed, positive "
@@ -50,8 +50,8 @@ RULE = (
     "**inconclusive** — always with fewer than 2 seeds. A failed or missing run is never evidence (inconclusive, "
     "named); a diverged run scores the chance level of its data (the loss of the best predictor that ignores the "
     "input), so it counts against what diverged (a token-similarity comparison has no representation to measure "
-    f"in a diverged run, so it is inconclusive there); a run whose loss stays above {LEARNED:g} x chance learned "
-    "nothing, and a claim that needs it to learn is not decided by it (inconclusive; a *did not hold* that the "
+    f"in a diverged run, so it is inconclusive there); a run whose loss stays above {LEARNED_NOTHING:g} x chance "
+    "learned nothing, and a claim that needs it to learn is not decided by it (inconclusive; a *did not hold* that the "
     "numbers give stands even when the scheme claimed to train learned nothing)."
 )
 
@@ -124,17 +124,12 @@ def decide(
         desc = f"not evidence: {shown}" + (f"; the other runs give {desc}" if n else "")
     if unlearned:
         shown = ", ".join(unlearned[:4]) + (f" and {len(unlearned) - 4} more" if len(unlearned) > 4 else "")
-        desc += f"; {shown} learned nothing (loss above {LEARNED:g} x chance)"
+        desc += f"; {shown} learned nothing (loss above {LEARNED_NOTHING:g} x chance)"
         if v.verdict == HELD or (v.verdict == NOT_HELD and not unlearned_decides_against):
             v.verdict = INCONCLUSIVE
             desc += ", and the claim needs it to"
     v.reason = desc
     return v
-
-
-def verdict(diffs: list[float], margin: float, unit: str = "") -> Verdict:
-    """:func:`decide` on a list of per-seed differences, with no runs excluded."""
-    return decide(list(diffs), margin, unit)
 
 
 @dataclass
@@ -267,11 +262,11 @@ def bleu_of(r, out) -> float | None:
 
 
 def learned(r, out) -> bool:
-    """Whether a completed run's final loss is clearly below its chance loss (at most LEARNED x chance)."""
+    """Whether a completed run's final loss is clearly below its chance loss (at most LEARNED_NOTHING x chance)."""
     if r.status != "completed":
         return False
     c = chance(r, out).get("loss")
-    return c is None or math.isnan(c) or float(r.eval["loss"]) <= LEARNED * c
+    return c is None or math.isnan(c) or float(r.eval["loss"]) <= LEARNED_NOTHING * c
 
 
 def _status_cell(r, value: str) -> str:
@@ -485,7 +480,7 @@ def _scheme_vs(
     if others:
         v = _several_settings(v, others, len(_seeds(rs)))
     at = _depth_label(rs[0], deepest)
-    must = f"{winner} must have learned (loss ≤ {LEARNED:g} x chance)"
+    must = f"{winner} must have learned (loss ≤ {LEARNED_NOTHING:g} x chance)"
     if metric == "bleu":
         rule = (
             f"d = final validation BLEU (greedy decoding, sacrebleu) of {winner} minus that of {loser} at the "

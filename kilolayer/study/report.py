@@ -200,7 +200,7 @@ def diagnoses(results, out: Path) -> dict[str, str]:
             continue
         run = r.point.run_dir(out)
         m = r.point.config.model
-        layers = (m.encoder_layers or 0) + (m.n_decoder_layers or 0)
+        layers = (m.encoder_depth or 0) + (m.decoder_depth or 0)
         replay = layers <= REPLAY_MAX_LAYERS
         try:
             text = diagnose(run, replay_steps=1 if replay else 0, smoothness_samples=0).paragraph

@@ -32,6 +32,7 @@ from kilolayer import rundir
 from kilolayer.config import load_config
 from kilolayer.data import load_source
 from kilolayer.errors import InputError
+from kilolayer.files import atomic_folder
 from kilolayer.objectives import build_task
 
 # the checkpoint listing lives in kilolayer.rundir; re-exported for the trainer and tests that import it here
@@ -44,22 +45,9 @@ from kilolayer.rundir import (  # noqa: F401
 )
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _write_error(path: Path, err: BaseException) -> rundir.RunDirError:
@@ -106,44 +94,33 @@ def save_checkpoint(
     """Write checkpoint ``step`` atomically (with its manifest of checksums) and keep only the newest
     ``keep`` complete ones. A failed write (e.g. a full disk) removes the partial directory and raises
     a one-line :class:`~kilolayer.rundir.RunDirError`; the previous checkpoints are untouched."""
-    root = Path(run_dir) / rundir.CHECKPOINTS
     final = checkpoint_dir(run_dir, step)
-    tmp = root / f".step_{step:08d}.tmp-{os.getpid()}"
-    target = tmp
+    target = final
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        target = tmp / "model.safetensors"
-        save_file({k: v.contiguous() for k, v in model.items()}, str(target))
-        target = tmp / "optimizer.pt"
-        _torch_save(optimizer, target)
-        target = tmp / "rng.pt"
-        _torch_save(rng, target)
-        if extra:
-            target = tmp / "extra.safetensors"
-            save_file({k: v.contiguous() for k, v in extra.items()}, str(target))
-        target = tmp / "state.json"
-        _write_json(target, state)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        target = tmp / rundir.MANIFEST
-        rundir.write_manifest(tmp)
-        target = tmp / rundir.COMPLETE
-        (tmp / rundir.COMPLETE).write_text(str(step))
-        _fsync_dir(tmp)
-        target = final
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except (OSError, SafetensorError, RuntimeError) as err:
-        # name the file where it would have been, and free the space of the partial copy
-        error = _write_error(final / target.name if target.parent == tmp else target, err)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise error from None
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_folder(final) as tmp:
+            try:
+                target = tmp / "model.safetensors"
+                save_file({k: v.contiguous() for k, v in model.items()}, str(target))
+                target = tmp / "optimizer.pt"
+                _torch_save(optimizer, target)
+                target = tmp / "rng.pt"
+                _torch_save(rng, target)
+                if extra:
+                    target = tmp / "extra.safetensors"
+                    save_file({k: v.contiguous() for k, v in extra.items()}, str(target))
+                target = tmp / "state.json"
+                _write_json(target, state)
+                target = tmp / rundir.MANIFEST
+                rundir.write_manifest(tmp)
+                target = tmp / rundir.COMPLETE
+                (tmp / rundir.COMPLETE).write_text(str(step))
+            except (OSError, SafetensorError, RuntimeError) as err:
+                # name the file where it would have been (judged before the partial copy's space is freed)
+                raise _write_error(final / target.name, err) from None
+            target = final
+    except OSError as err:  # making the folder, or renaming it into place
+        raise _write_error(target, err) from None
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -85,7 +85,7 @@ def _config_layers(cfg: ModelConfig, side: str, n: int, cross: bool) -> Counter:
     each distinct tuple of sublayers (a 100,000-layer stack is a handful of entries)."""
     scheme = make_scheme(
         cfg.scheme,
-        Depth(cfg.arch, cfg.encoder_layers, cfg.n_decoder_layers),
+        Depth(cfg.arch, cfg.encoder_depth, cfg.decoder_depth),
         layerscale_init=cfg.layerscale_init,
         ds_init_variant=cfg.ds_init_variant,
     )

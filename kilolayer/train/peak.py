@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kilolayer.files import write_atomic
 from kilolayer.train.metrics import Peak, finite_positive
 
 CACHE_FILE = "peak_flops.json"
@@ -231,13 +232,9 @@ def _cache_lock(path: Path):
 
 def _write_cache(path: Path, key: str, entry: dict) -> None:
     data = {**_read_cache(path), key: entry}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except OSError:  # a read-only or full cache folder, or a file where it should be: measured again next time
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+    # a read-only or full cache folder, or a file where it should be: measured again next time
+    with contextlib.suppress(OSError):
+        write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def measured_peak(device: torch.device, precision: str, measure: Callable[[], tuple[float, int]] | None = None) -> Peak:
