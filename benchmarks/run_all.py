@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import common, heap, memory, profile_step, train_step
+from benchmarks import common, heap, memory, profile_step, side_by_side, train_step
 
 GiB = 1024**3
 
@@ -30,6 +30,8 @@ EAGER_GOAL = 1.05  # kilolayer eager fp32 / the faster peer's eager fp32
 FAST_GOAL = 1.2  # kilolayer's best fast path / the best peer on the same fast path
 MFU_GOAL = 0.30  # kilolayer's best fast path at the first config (d=256 x 12), share of the measured bf16 peak
 MEMORY_GOAL_GIB = 1.6  # checkpointed d=64 x 1000L decoder and 500L-500L encoder-decoder steps
+SIDE_BY_SIDE_GOAL = 1.3  # two runs at once under the thread policy / one run alone
+ALONE_NOISE = 0.1  # one run alone under the policy / with every core: no slower than this beyond 1
 
 
 def _kilolayer_fast(res: dict) -> list[dict]:
@@ -71,9 +73,35 @@ def _mfu_target(ts: dict, res: dict) -> dict | None:
     return {"target": target, "measured": measured, "met": False}
 
 
-def targets(ts: dict, mem: dict) -> list[dict]:
-    """Each target with the measured figure and whether it was met."""
+def side_by_side_targets(sb: dict | None) -> list[dict]:
+    """Per shape: two runs under the thread policy side by side within :data:`SIDE_BY_SIDE_GOAL` x one alone, and
+    one alone no slower than with every core (within :data:`ALONE_NOISE`)."""
     out = []
+    rows = sb["rows"] if sb else []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        policy = next(r for r in rows if r["shape"] == shape and r["threads"] == "policy")
+        every = next(r for r in rows if r["shape"] == shape and r["threads"] != "policy")
+        out.append(
+            {
+                "target": f"{shape}: two runs side by side <= {SIDE_BY_SIDE_GOAL}x one alone's time (thread policy)",
+                "measured": f"{policy['ratio']:.2f}x (every core: {every['ratio']:.2f}x)",
+                "met": policy["ratio"] <= SIDE_BY_SIDE_GOAL,
+            }
+        )
+        alone = policy["alone_s"] / every["alone_s"]
+        out.append(
+            {
+                "target": f"{shape}: one run alone under the policy within {ALONE_NOISE:.0%} of every core's time",
+                "measured": f"{alone:.2f}x",
+                "met": alone <= 1 + ALONE_NOISE,
+            }
+        )
+    return out
+
+
+def targets(ts: dict, mem: dict, sb: dict | None = None) -> list[dict]:
+    """Each target with the measured figure and whether it was met."""
+    out = side_by_side_targets(sb)
     words = train_step.fast_path_words(train_step.fast_precision(ts))
     for _key, res in ts["configs"].items():
         eager = _variant(res, "kilolayer")
@@ -329,7 +357,32 @@ def _heap_section(hp: dict | None) -> list[str]:
     ]
 
 
-def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: float, hp: dict | None = None) -> str:
+def _side_by_side_section(sb: dict | None) -> list[str]:
+    if not sb:
+        return []
+    return [
+        "## Runs side by side (the thread policy)",
+        "",
+        side_by_side.format_result(sb),
+        "",
+        f"Each cell is the wall time of `kilolayer train` ({sb['steps']} steps of a reversal task, start-up",
+        "included): alone, then two started together (the mean of the two). `policy` gives no thread count, so",
+        "`kilolayer.train.threads` chooses it from the usable CPUs less those other work keeps busy and re-checks",
+        "it every second; `every core` gives each process every usable CPU, as OpenMP does by itself, and two such",
+        "processes' spinning threads fight over the cores.",
+        "",
+    ]
+
+
+def markdown(
+    ts: dict,
+    mem: dict,
+    prof: dict,
+    commands: list[str],
+    seconds: float,
+    hp: dict | None = None,
+    sb: dict | None = None,
+) -> str:
     m = ts["machine"]
     v = m["versions"]
     lines = [
@@ -358,7 +411,7 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "",
         "## Targets",
         "",
-        common.table(targets(ts, mem), [("target", "target"), ("measured", "measured"), ("met", "met")]),
+        common.table(targets(ts, mem, sb), [("target", "target"), ("measured", "measured"), ("met", "met")]),
         "",
         "## What the measurements say",
         "",
@@ -407,6 +460,7 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "(`KILOLAYER_PIN_MMAP=1`). The peers' rows run with glibc's defaults: they have no such trim.",
         "",
         *_heap_section(hp),
+        *_side_by_side_section(sb),
     ]
     return "\n".join(lines)
 
@@ -437,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     print(memory.format_result(mem), flush=True)
     hp = heap.run(smoke=args.smoke)
     print(heap.format_result(hp), flush=True)
+    sb = side_by_side.run(smoke=args.smoke)
+    print(side_by_side.format_result(sb), flush=True)
     seconds = time.perf_counter() - t0
     smoke = " --smoke" if args.smoke else ""
     extra = f"{smoke} --threads {args.threads}"
@@ -450,12 +506,16 @@ def main(argv: list[str] | None = None) -> int:
         "--out profile.json",
         f"python -m benchmarks.memory{extra} --out memory.json",
         f"python -m benchmarks.heap{smoke} --out heap.json",
+        f"python -m benchmarks.side_by_side{smoke} --out side_by_side.json",
     ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(ts, mem, prof, commands, seconds, hp))
+    out.write_text(markdown(ts, mem, prof, commands, seconds, hp, sb))
     json_path = Path(args.json) if args.json else out.with_suffix(".json")
-    common.write_json(json_path, {"train_step": ts, "profile": prof, "memory": mem, "heap": hp, "seconds": seconds})
+    common.write_json(
+        json_path,
+        {"train_step": ts, "profile": prof, "memory": mem, "heap": hp, "side_by_side": sb, "seconds": seconds},
+    )
     print(f"wrote {out} and {json_path}")
     return 0
 

@@ -718,3 +718,24 @@ def test_activation_checkpointing_gives_identical_gradients(arch, scheme):
     assert set(g1) == set(g2) and len(g1) > 0
     for n in g1:
         assert torch.equal(g1[n], g2[n]), n
+
+
+def test_the_side_by_side_targets_read_the_policy_rows():
+    """Constructed rows: the policy's pair at 1.2x its run alone meets the 1.3x goal; its run alone at 1.05x the
+    every-core run alone is within noise; the second shape misses both."""
+    rows = [
+        {"shape": "a", "threads": "policy", "alone_s": 10.5, "side_by_side_s": 12.6, "ratio": 1.2},
+        {"shape": "a", "threads": "every core (2 threads)", "alone_s": 10.0, "side_by_side_s": 50.0, "ratio": 5.0},
+        {"shape": "b", "threads": "policy", "alone_s": 12.0, "side_by_side_s": 18.0, "ratio": 1.5},
+        {"shape": "b", "threads": "every core (2 threads)", "alone_s": 10.0, "side_by_side_s": 40.0, "ratio": 4.0},
+    ]
+    got = run_all.side_by_side_targets({"rows": rows, "steps": 60})
+    assert [(t["measured"], t["met"]) for t in got] == [
+        ("1.20x (every core: 5.00x)", True),
+        ("1.05x", True),
+        ("1.50x (every core: 4.00x)", False),
+        ("1.20x", False),
+    ]
+    text = "\n".join(run_all._side_by_side_section({"rows": rows, "steps": 60}))
+    assert "| a | policy | 10.5 | 12.6 | 1.20x |" in text and "60 steps" in text
+    assert run_all.side_by_side_targets(None) == []
