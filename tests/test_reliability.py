@@ -586,6 +586,41 @@ def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):
             driver.kill()
 
 
+def test_a_killed_fork_server_leaves_each_of_its_points_interrupted_and_resumable(tmp_path):
+    """Two points forked from one fork server: kill -9 the server and each point saves its step, records
+    ``interrupted`` under its own PID and lets go of its run (no orphan holds it), with an intact checkpoint of
+    that step to resume from; the driver carries on to its report."""
+    spec_file = tmp_path / "spec.yaml"
+    base = cfg_with(steps=4000, checkpoint_every=50, log_every=1, eval_every=0)
+    spec_file.write_text(json.dumps({"name": "k", "groups": [{"name": "g", "base": base, "seeds": [0, 1]}]}))
+    out = tmp_path / "study"
+    runs = [out / "runs" / "g" / f"seed={seed}" for seed in (0, 1)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "kilolayer", "study", str(spec_file), "--out", str(out), "--jobs", "2"]
+    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not all(any(s >= 3 for s, _ in _safe_losses(r)) for r in runs):
+            time.sleep(0.5)
+        children = [rundir.read_status(r).get("pid") for r in runs]
+        servers = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in children}
+        (server,) = servers  # both points are forks of one process ...
+        assert server != driver.pid  # ... which is not the driver
+        os.kill(server, signal.SIGKILL)
+        driver.wait(timeout=120)
+        assert (out / "report.md").is_file()
+        for r, child in zip(runs, children):
+            st = rundir.read_status(r)
+            assert st["status"] == "interrupted" and st["pid"] == child, st
+            assert st["last_checkpoint"] == st["step"] >= 3, st
+            assert rundir.checkpoint_step(rundir.intact_checkpoint(r)) == st["step"]
+            with rundir.RunLock(r):  # nobody holds the run any more
+                pass
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
 def test_a_repeated_sigterm_is_one_request_but_a_later_one_stops_at_once(monkeypatch):
     from kilolayer.train import signals as loop
 

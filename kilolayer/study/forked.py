@@ -36,6 +36,12 @@ def _point(argv: list[str], env: dict, logfile: str, cwd: str | None, server: in
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != server:  # the fork server died before the line above took effect
         os._exit(143)
+    # the fork server exits when the driver's end of its "alive" pipe closes; a point holding a copy would keep
+    # it (and so the point) alive past the driver's death
+    alive = forkserver._forkserver._forkserver_alive_fd
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
     fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -63,6 +63,7 @@ class Run:
     ):
         self.config, self.out, self.resume, self.quiet = config, Path(out_dir), resume, quiet
         self.signals = signals
+        self.announce = threads is not None  # the run's first line says the count and why
         self.threads = T.Adapter(threads or T.Threads(torch.get_num_threads(), "this process's setting"))
         tc = config.train
         self.env = D.setup(tc.device)
@@ -255,6 +256,9 @@ class Run:
         with self._recorded(), self._logs():
             if self.signals is not None:
                 self.signals.armed = True  # from here a signal waits for the step boundary
+            if self.env.main and not self.quiet and self.announce:
+                n = self.threads.count
+                print(f"kilolayer: {n} thread{'s' * (n > 1)} ({self.threads.threads.reason})", file=sys.stderr)
             if engine.early_stopping.plateaued:
                 return self._complete(self.start_step)  # resumed after an early stop: nothing left to do
             engine.model.train()
@@ -527,11 +531,10 @@ def train(
     elif tc.threads or recorded:
         threads = T.policy(tc.threads, recorded)
     else:
-        threads = T.Threads(torch.get_num_threads(), "this process's setting")
+        threads = None  # the process's own setting, unannounced
     before = torch.get_num_threads()
-    torch.set_num_threads(threads.count)
-    if not quiet and (auto_threads or tc.threads or recorded):
-        print(f"kilolayer: {threads.count} thread{'s' * (threads.count > 1)} ({threads.reason})", file=sys.stderr)
+    if threads is not None:
+        torch.set_num_threads(threads.count)
     signals = StopSignals().install()
     run = None
     try:
