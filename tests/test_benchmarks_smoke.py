@@ -286,6 +286,7 @@ def _best_kilolayer_fast(res: dict) -> dict:
     )
 
 
+@pytest.mark.integration
 def test_reports_where_bf16_is_slower(train_result_fp32, memory_result, profile_result):
     """The MFU goal stays a share of the bf16 peak and is not met, saying why; no AMX, no bf16 autocast."""
     ts = _on_cpu(train_result_fp32, SLOW_BF16, ["avx2"])
@@ -321,6 +322,7 @@ def test_reports_where_bf16_is_slower(train_result_fp32, memory_result, profile_
     assert f"| {skipped['error']} |" in md and "not attainable on this CPU" in md
 
 
+@pytest.mark.integration
 def test_reports_where_bf16_is_fast(train_result, memory_result, profile_result):
     """bf16 peak 7x fp32's with AMX tiles: the fast path is bf16 and the reports read as they always did."""
     flags = ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]
@@ -427,6 +429,7 @@ def test_peers_build_identical_shapes():
         assert mats == s.layers * (4 * 32 * 32 + 2 * 32 * 64) + 32 * 40, peer
 
 
+@pytest.mark.integration
 def test_memory_json(memory_result):
     r = memory_result
     assert r["rows"] and r["encoder_decoder"]
@@ -457,6 +460,7 @@ def test_profile_json(profile_result):
         assert sum(row["share"].values()) >= 0.99  # host overhead is the remainder of the wall time
 
 
+@pytest.mark.integration
 def test_run_all_writes_markdown(train_result, memory_result, profile_result, tmp_path):
     text = run_all.markdown(train_result, memory_result, profile_result, ["python -m benchmarks.run_all"], 1.0)
     assert "## Training-step throughput and MFU" in text and "## Peak memory vs depth" in text
@@ -483,6 +487,7 @@ def test_run_all_writes_markdown(train_result, memory_result, profile_result, tm
     assert "compile: layers" in said and "compile: model" in said
 
 
+@pytest.mark.integration
 def test_heap_smoke_json(heap_result):
     """``benchmarks.heap --smoke``: a held and a default process, each with per-step faults and times."""
     r = heap_result
@@ -498,6 +503,7 @@ def test_heap_smoke_json(heap_result):
     assert r["speedup"] == pytest.approx(off["wall_s"] / on["wall_s"])
 
 
+@pytest.mark.integration
 def test_run_all_reports_the_held_heap(train_result, memory_result, profile_result, heap_result):
     text = run_all.markdown(
         train_result, memory_result, profile_result, ["python -m benchmarks.run_all"], 1.0, heap_result

@@ -320,6 +320,7 @@ def _wait_for(path: Path, proc, seconds=300):
         time.sleep(0.1)
 
 
+@pytest.mark.integration
 def test_a_killed_writers_temporary_file_is_removed_by_the_next_call(tmp_path, monkeypatch):
     cache_dir = tmp_path / "cache"
     monkeypatch.setenv("KILOLAYER_CACHE", str(cache_dir))
@@ -353,6 +354,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_call(tmp_path, m
     assert not (cache_dir / unnamed_old).exists()
 
 
+@pytest.mark.integration
 def test_two_processes_building_one_entry_leave_one_valid_file(tmp_path):
     cache_dir = tmp_path / "cache"
     a = _python(RACER, tmp_path / "a", tmp_path / "b", cache_dir=cache_dir)

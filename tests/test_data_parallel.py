@@ -557,6 +557,7 @@ def test_missing_packages_are_one_line_naming_them_and_the_fetch_command(tmp_pat
     assert "trans-de-en" in str(err.value) and "libreoffice" not in str(err.value)
 
 
+@pytest.mark.integration
 def test_cli_exits_non_zero_with_one_line_when_packages_are_missing(tmp_path):
     cfg = config(tmp_path / "nothing").model_dump()
     cfg["data"]["options"].pop("root")

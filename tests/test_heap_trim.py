@@ -170,6 +170,7 @@ def _peak_above_build(**env) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
 def test_trimming_lowers_the_peak_of_a_deep_checkpointed_step():

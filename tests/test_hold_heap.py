@@ -165,6 +165,7 @@ def _faults_per_step(mode: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
 def test_a_held_heap_reuses_the_last_steps_pages():
     # a step of 12 layers, width 128, batch 16 x 128 tokens frees over 100 MB of activations; with glibc's
@@ -190,6 +191,7 @@ def test_the_held_heap_is_recorded_and_stays_held(libc):
         P._HELD[0] = before
 
 
+@pytest.mark.integration
 def test_a_completed_run_says_whether_its_heap_was_held(tmp_path):
     from objective_helpers import tiny_lm
 

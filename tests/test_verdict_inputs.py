@@ -117,6 +117,7 @@ def test_constant_patch_fraction():
     assert constant_patch_fraction(up, 2) == 1.0 and constant_patch_fraction(up, 4) == 0.0
 
 
+@pytest.mark.integration
 def test_mae_guard_refuses_upscaled_digits_in_one_line():
     p = subprocess.run(
         [
