@@ -3,22 +3,17 @@ after the stop changes nothing, a resume before it continues bit for bit, bad va
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli
 from objective_helpers import tiny_lm
 
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.train.checkpoint import read_weights
 from kilolayer.train.loop import early_stop_mode, train
-
-ROOT = Path(__file__).resolve().parents[1]
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 LM = tiny_lm(
     steps=40,
@@ -150,17 +145,7 @@ def test_mode_inferred_from_the_metric():
     assert early_stop_mode(tc.model_copy(update={"early_stop_metric": "accuracy", "early_stop_mode": "min"})) == "min"
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kilolayer", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env=ONE_THREAD,
-    )
-
-
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "sets, needles",
     [
