@@ -1,9 +1,11 @@
 """Shared test set-up: the test layers, one torch thread per test, one thread per child process."""
 
+import json
 import os
+from pathlib import Path
 
-# make test runs two xdist workers whose CLI, torchrun and Ray children would each start one thread per core;
-# one thread each also keeps their losses bit-identical to the in-process runs (a test may pass its own env)
+# child processes (CLI, torchrun, Ray) inherit one thread: under `-n 2` they would each take every core
+# (and one thread keeps their losses bit-identical to in-process runs); a test may still pass its own env
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 
@@ -22,6 +24,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """``trained_run(config)``: the run directory of the raw ``config`` trained in-process, once per session and
+    distinct config. It is shared: a test that changes it (resume, damage, rewrite) copies it first with
+    ``shutil.copytree``. Call it inside a test, where the ``one_thread`` fixture holds."""
+    from kilolayer.train.loop import train
+
+    runs: dict[str, Path] = {}
+
+    def get(config: dict) -> Path:
+        key = json.dumps(config, sort_keys=True)
+        if key not in runs:
+            run = tmp_path_factory.mktemp("trained") / "run"
+            train(config, run, quiet=True)
+            runs[key] = run
+        return runs[key]
+
+    return get
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -80,17 +80,12 @@ def start_paused(gate: Path, at: int, *args: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, list]:
+def reference(trained_run) -> dict[int, list]:
     """Uninterrupted in-process runs of LM (12 and 16 steps): their train losses."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        out = {}
-        for steps in (12, 16):
-            run = tmp_path_factory.mktemp("reference") / f"ref{steps}"
-            train(cfg_with(steps=steps), run, quiet=True)
-            out[steps] = losses(run)
-        return out
+        return {steps: losses(trained_run(cfg_with(steps=steps))) for steps in (12, 16)}
     finally:
         torch.set_num_threads(before)
 
@@ -365,9 +360,10 @@ def _flip_tensor_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_path, capsys, reference):
-    run = tmp_path / "run"
-    train(LM, run, quiet=True)  # checkpoints 8 and 12 kept (train.keep_checkpoints defaults to 2)
+def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_path, capsys, reference, trained_run):
+    run = shutil.copytree(
+        trained_run(LM), tmp_path / "run"
+    )  # checkpoints 8 and 12 kept (train.keep_checkpoints defaults to 2)
     assert [p.name for p in rundir.complete_checkpoints(run)] == ["step_00000008", "step_00000012"]
     assert load_config(LM).train.keep_checkpoints >= 2
     bad = rundir.checkpoint_dir(run, 12) / "model.safetensors"
@@ -385,9 +381,8 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_p
     assert rundir.verify_checkpoint(rundir.checkpoint_dir(run, 12)) is None  # rewritten by the resumed run
 
 
-def test_every_checkpoint_damaged_is_one_line(tmp_path, capsys):
-    run = tmp_path / "run"
-    train(cfg_with(steps=8), run, quiet=True)
+def test_every_checkpoint_damaged_is_one_line(tmp_path, capsys, trained_run):
+    run = shutil.copytree(trained_run(cfg_with(steps=8)), tmp_path / "run")
     for c in rundir.complete_checkpoints(run):
         _flip_tensor_byte(c / "model.safetensors")
     before = (run / "status.json").read_text()
@@ -396,9 +391,8 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path, capsys):
     assert (run / "status.json").read_text() == before
 
 
-def test_checkpoints_without_a_manifest_still_resume(tmp_path, reference):
-    run = tmp_path / "run"
-    train(cfg_with(steps=8), run, quiet=True)
+def test_checkpoints_without_a_manifest_still_resume(tmp_path, reference, trained_run):
+    run = shutil.copytree(trained_run(cfg_with(steps=8)), tmp_path / "run")
     for c in rundir.complete_checkpoints(run):
         (c / "manifest.json").unlink()  # as written before checksums existed
     train(None, run, resume=True, quiet=True, sets=["train.steps=12"])
