@@ -126,6 +126,7 @@ def _check_mfu(r: dict, res: dict) -> None:
             assert v["mfu"] == pytest.approx(v["tokens_per_s"] * res["model_flops_per_token"] / peak, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_train_step_json(train_result):
     r = train_result
     assert r["machine"]["cores"] >= 1 and r["machine"]["versions"]["torch"]
@@ -157,6 +158,7 @@ def test_train_step_json(train_result):
     assert la["agree"] is True and la["precision"] == "bf16"
 
 
+@pytest.mark.slow
 def test_train_step_fp32_fast_path(train_result_fp32):
     """Forced fp32 (auto's choice where bf16 is slower): every library's fast path is fp32 + compile + fused
     AdamW, the bf16-only row is not run and says why, MFU is against the fp32 peak, the loss check is fp32's."""
@@ -351,6 +353,7 @@ def test_reports_where_bf16_is_fast(train_result, memory_result, profile_result)
     assert plain[0].startswith("This CPU's bf16 GEMM peak is 7.0x its fp32 peak (bf16 instructions: avx512_bf16);")
 
 
+@pytest.mark.slow
 def test_gpu_smoke_json(gpu_result):
     """``benchmarks.gpu --smoke``: the GPU race's code on tiny models (here on the CPU), both shapes."""
     r = gpu_result
@@ -368,6 +371,7 @@ def test_gpu_smoke_json(gpu_result):
     assert "SDPA kernel: cpu" in text and "| peak GiB |" in text
 
 
+@pytest.mark.slow
 def test_gpu_race_hands_over_each_shape_when_it_is_done():
     """A GPU run cut short by its host keeps what it finished: each shape's results are handed over (printed,
     and written to --out) as soon as that shape is done, with every shape finished so far."""

@@ -102,6 +102,7 @@ def test_pixels_are_normalised_with_training_statistics():
     assert float(raw.min()) == 0.0 and float(raw.max()) == 1.0
 
 
+@pytest.mark.slow
 @needs_mnist
 def test_train_size_is_an_exact_stratified_subset_and_splits_follow_split_seed():
     full, small = source(), source(options={"train_size": 1000})

@@ -87,6 +87,7 @@ def _explain(trim_every: int, mode: str) -> tuple[list[int], list[int]]:
     return [explained.graph_break_count, *[len(g.graph.nodes) for g in explained.graphs]], calls
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
 @pytest.mark.parametrize("mode", ["layers", "model"])
 def test_compiled_checkpointed_layers_are_the_same_graphs_with_the_trim_on(mode):

@@ -164,6 +164,7 @@ def _mae_configs():
                 yield p.key, p.config
 
 
+@pytest.mark.slow
 def test_every_shipped_mae_config_and_study_passes_the_guard():
     seen = 0
     for name, cfg in _mae_configs():
