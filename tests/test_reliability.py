@@ -93,6 +93,7 @@ def reference(trained_run) -> dict[int, list]:
 # ---------------------------------------------------------------- one writer at a time
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_second_writer_is_refused_and_the_first_run_stays_intact(tmp_path, reference, capsys):
     run, gate = tmp_path / "run", tmp_path / "gate"
@@ -462,6 +463,7 @@ def test_a_refused_fresh_run_leaves_no_directory(tmp_path):
 # ---------------------------------------------------------------- the study runner
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
     from kilolayer.study.runner import run_point
@@ -506,6 +508,7 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
     assert f"PID {os.getpid()}" in log.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_ctrl_c_on_a_study_keeps_the_run_time_of_every_attempt(tmp_path):
     """Ctrl-C on a study twice: each time its training process saves and records ``interrupted``, and the
@@ -538,6 +541,7 @@ def test_ctrl_c_on_a_study_keeps_the_run_time_of_every_attempt(tmp_path):
         total, step = st["seconds"], st["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):

@@ -64,6 +64,7 @@ def tiny_spec(tmp_path: Path, grid=None, **extra) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_tiny_study_end_to_end_and_rerun(tmp_path):
     spec = load_spec(tiny_spec(tmp_path))
@@ -110,6 +111,7 @@ def test_tiny_study_end_to_end_and_rerun(tmp_path):
     assert third[0].eval == results[0].eval  # same seed, same data: the same result
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_diverged_point_is_a_result(tmp_path):
     path = tiny_spec(tmp_path, grid={"train.lr": [1e-3, 1e5]})

@@ -104,6 +104,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert losses(full, "eval") == [e for e in losses(half, "eval") if e[0] != 6]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_resume_after_sigkill_mid_run(tmp_path):
     """A process killed with SIGKILL (possibly mid-save) resumes from its last complete checkpoint."""
