@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import cli
 
 from kilolayer.config import load_config
 from kilolayer.train import parallelize as P
@@ -207,7 +208,6 @@ def test_a_completed_run_says_whether_its_heap_was_held(tmp_path):
     config = tmp_path / "off.yaml"
     config.write_text(json.dumps(tiny_lm(steps=2, batch_size=2, log_every=1, hold_heap=False)))
     env = {k: v for k, v in os.environ.items() if k != P.HOLD_ENV}
-    cmd = [sys.executable, "-m", "kilolayer", "train", str(config), "--out", str(tmp_path / "off"), "--quiet"]
-    subprocess.run(cmd, check=True, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300)
+    cli("train", config, "--out", tmp_path / "off", "--quiet", check=True, env=env)
     st = rundir.read_status(tmp_path / "off")
     assert st["status"] == "completed" and st["heap_held"] is False

@@ -5,13 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import cli
 
 from kilolayer import rundir
 from kilolayer.errors import ConfigError
@@ -167,12 +166,7 @@ def test_bad_spec_is_one_line(tmp_path, spec, needle):
 
 @pytest.mark.integration
 def test_unknown_study_name_cli_one_line(tmp_path):
-    p = subprocess.run(
-        [sys.executable, "-m", "kilolayer", "study", "nosuchstudy", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    p = cli("study", "nosuchstudy", "--out", tmp_path)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "nosuchstudy" in lines[0] and "quick" in lines[0]
@@ -180,7 +174,7 @@ def test_unknown_study_name_cli_one_line(tmp_path):
 
 @pytest.mark.integration
 def test_study_list():
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True, cwd=ROOT)
+    p = cli("study", "--list")
     assert p.returncode == 0
     assert all(name in p.stdout for name in ("quick", "deepnet", "bamboo"))
 
@@ -418,7 +412,7 @@ def test_report_runs_table_says_whether_a_run_ended_on_a_plateau_or_its_step_bud
 
 @pytest.mark.integration
 def test_study_list_says_how_times_were_obtained():
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True, cwd=ROOT)
+    p = cli("study", "--list")
     lines = {line.split()[0]: line for line in p.stdout.splitlines() if line and not line.startswith(" ")}
     assert "measured" in lines["quick"]
     assert "estimated" in lines["deepnet"] and "estimated" in lines["bamboo"]
@@ -431,9 +425,7 @@ def test_estimate_cli_bad_input_is_one_line(tmp_path):
         (["--estimate"], "NAME|SPEC.yaml"),
         (["quick", "--out", str(tmp_path), "--jobs", "0"], "--jobs=0"),
     ):
-        p = subprocess.run(
-            [sys.executable, "-m", "kilolayer", "study", *args], capture_output=True, text=True, cwd=ROOT
-        )
+        p = cli("study", *args)
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], lines

@@ -4,12 +4,11 @@ the confounds the verdicts issue removed (CLIP's clamp, weight decay on learned 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli
 
 from kilolayer.analysis.chance import chance_level
 from kilolayer.analysis.smoothness import SmoothnessObserver, smoothness, token_cosine
@@ -119,24 +118,8 @@ def test_constant_patch_fraction():
 
 @pytest.mark.integration
 def test_mae_guard_refuses_upscaled_digits_in_one_line():
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kilolayer",
-            "train",
-            "configs/digits_mae.yaml",
-            "--set",
-            "data.options.upscale=2",
-            "--set",
-            "model.image_size=16",
-            "--out",
-            "/nonexistent/never",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    sets = ("--set", "data.options.upscale=2", "--set", "model.image_size=16")
+    p = cli("train", "configs/digits_mae.yaml", *sets, "--out", "/nonexistent/never")
     assert p.returncode == 2 and p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "100% of the 2x2 patches" in lines[0] and "norm_pix_loss" in lines[0]
