@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.peers import LM, NotSupported, Spec, batch, build, versions
-from kilolayer.train import metrics
+from kilolayer.train import metrics, peak
+from kilolayer.train.engine import apply_update, forward_backward
 
 PRECISIONS = ("fp32", "bf16")
 #: ``train.compile``'s modes: eager, each layer, the whole model
@@ -137,11 +138,10 @@ class TrainStep:
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def __call__(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor) -> float:
-        loss = self.loss(inputs, targets)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())  # waits for the device: a timed step is a finished step
+        # the training engine's two halves; float() of the loss waits for the device: a timed step is a finished one
+        loss = forward_backward([(inputs, targets)], lambda b: self.loss(*b))
+        apply_update(self.optimizer)
+        return loss
 
 
 def fixed_batch(spec: Spec, batch_size: int, seed: int = 0, device: str | torch.device = "cpu"):
@@ -367,13 +367,13 @@ def format_race(res: dict, columns: list[tuple[str, str]] | None = None) -> str:
 
 def gemm_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: int = 3) -> float:
     """Best large-GEMM rate (FLOP/s) of ``dtype`` on this CPU: max over ``rounds`` of the mean over ~``seconds``
-    (the efficiency component's measurement, :func:`kilolayer.train.metrics.gemm_rate`, at benchmark sizes)."""
-    return metrics.gemm_rate(dtype, n=n, seconds=seconds, rounds=rounds)
+    (the trainer's peak measurement, :func:`kilolayer.train.peak.gemm_rate`, at benchmark sizes)."""
+    return peak.gemm_rate(dtype, n=n, seconds=seconds, rounds=rounds)
 
 
 def gemm_peaks(n: int = 2048, seconds: float = 1.0, precisions: Sequence[str] = PRECISIONS) -> dict[str, float]:
     """:func:`gemm_peak` of each of ``precisions`` (FLOP/s), keyed fp32 / bf16."""
-    return {p: gemm_peak(metrics.DTYPES[p], n=n, seconds=seconds) for p in precisions}
+    return {p: gemm_peak(peak.DTYPES[p], n=n, seconds=seconds) for p in precisions}
 
 
 #: a quick GEMM of each precision: which one is faster here (a second at most where bf16 is slow)
@@ -478,7 +478,7 @@ def add_fast_precision_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def cpu_model() -> str:
-    return metrics.cpu_model()
+    return peak.cpu_model()
 
 
 def cpu_flags() -> list[str]:

@@ -11,10 +11,10 @@ otherwise put it first for kilolayer's plain call), and the kernel SDPA picks fo
 torchscale 0.3.0 computes softmax(QK^T)V itself. The variants take turns, one step each per round
 (``benchmarks.common.race``), and ratios are medians of per-round ratios. MFU = tokens/s x model FLOPs per token
 (``kilolayer.training_flops`` + 6 d V for the head) / the vendor's dense bf16 figure for the GPU
-(``kilolayer.train.metrics.device_peak``; measured where the GPU is not in its table).
+(``kilolayer.train.peak.device_peak``; measured where the GPU is not in its table).
 
 Shapes: seq 1024, batch 8 (8,192 tokens a step), vocabulary 32,768; d=1024 x 24L (16 heads, FFN 4096,
-0.37B parameters) and d=512 x 96L (8 heads, FFN 2048, 0.34B). By arithmetic (not yet measured on a GPU): at
+0.37B parameters) and d=512 x 96L (8 heads, FFN 2048, 0.34B). By arithmetic: at
 16 bytes a parameter (fp32 weights, gradients, two AdamW moments) the five models of a shape hold about 30 GiB
 together, and the largest step's activations (torchscale's attention probabilities, kept in fp32 and bf16, at
 96 layers) about 50 GiB more, within an H200's 141 GB; each row records the peak memory its steps allocated
@@ -40,7 +40,7 @@ import torch
 
 from benchmarks import common, train_step
 from benchmarks.peers import Spec, model_flops_per_token
-from kilolayer.train import metrics
+from kilolayer.train.peak import DTYPES, device_peak
 
 CONFIGS = {
     "d1024x24": Spec(width=1024, layers=24, heads=16, ffn=4096, seq_len=1024, vocab=32768),
@@ -92,9 +92,9 @@ def peaks(device: torch.device, smoke: bool) -> dict:
     """FLOP/s per precision and where each figure came from: the GPU's (vendor table, else measured and
     cached); a smoke run on the CPU measures a quick GEMM instead of touching the machine's cache."""
     out = {"flops": {}, "source": {}}
-    for precision, dtype in metrics.DTYPES.items():
+    for precision, dtype in DTYPES.items():
         if device.type == "cuda":
-            peak = metrics.device_peak(device, precision)
+            peak = device_peak(device, precision)
             out["flops"][precision], out["source"][precision] = peak.flops, peak.source
         else:
             out["flops"][precision] = common.gemm_peak(dtype, n=256, seconds=0.05)

@@ -179,9 +179,11 @@ def build_kilolayer(spec: Spec) -> LM:
     _check(spec)
     backbone = build_model(kilolayer_config(spec))
     if spec.checkpoint:
+        from kilolayer.train.heap import prepare_checkpointing
         from kilolayer.train.parallelize import checkpoint_layers
 
-        checkpoint_layers(backbone)  # applied from outside the model, as the trainer does
+        # applied from outside the model with the default heap handling, as the trainer does
+        checkpoint_layers(backbone, prepare_checkpointing())
     layers = [layer for stack in backbone.stacks() for layer in stack.layers]
     if spec.arch == "encoder_decoder":
         return LM(backbone, _head(spec), lambda m, src, tgt: m(src, tgt), layers)

@@ -25,7 +25,7 @@ def _variant(res: dict, name: str) -> dict | None:
     return next((v for v in res["variants"] if v["name"] == name and "tokens_per_s" in v), None)
 
 
-#: this issue's goals
+#: the targets the generated page checks
 EAGER_GOAL = 1.05  # kilolayer eager fp32 / the faster peer's eager fp32
 FAST_GOAL = 1.2  # kilolayer's best fast path / the best peer on the same fast path
 MFU_GOAL = 0.30  # kilolayer's best fast path at the first config (d=256 x 12), share of the measured bf16 peak
@@ -72,7 +72,7 @@ def _mfu_target(ts: dict, res: dict) -> dict | None:
 
 
 def targets(ts: dict, mem: dict) -> list[dict]:
-    """Each target of the issue with the measured figure and whether it was met."""
+    """Each target with the measured figure and whether it was met."""
     out = []
     words = train_step.fast_path_words(train_step.fast_precision(ts))
     for _key, res in ts["configs"].items():
@@ -321,7 +321,7 @@ def _heap_section(hp: dict | None) -> list[str]:
         "glibc hands the top of its heap back to the system once a step has freed its activations, and its",
         "dynamic mmap threshold gives larger blocks their own mappings; the next step then faults the same",
         "pages in again, each zeroed by the kernel. The trainer's `train.hold_heap` (on by default on the CPU",
-        "when no layer is checkpointed; `kilolayer.train.parallelize.hold_heap`) fixes glibc's mmap threshold",
+        "when no layer is checkpointed; `kilolayer.train.heap.hold_heap`) fixes glibc's mmap threshold",
         "at 32 MiB and its trim threshold at 2 GiB, so each step reuses the last one's pages. Each row's",
         "processes ran the same steps on the same data; the race above runs with glibc's defaults for every",
         "library.",
@@ -398,7 +398,7 @@ def markdown(ts: dict, mem: dict, prof: dict, commands: list[str], seconds: floa
         "`above imports` subtracts the process's size after importing torch and the library. `weights+grads+AdamW`",
         "is 16 bytes per parameter (fp32 weight, gradient and two moments): the floor any fp32 AdamW step needs.",
         "With layers checkpointed, kilolayer hands the heap's free pages back to the system every 32 layers,",
-        "forward and backward (`train.trim_heap_every`, on by default; `kilolayer.train.parallelize.HeapTrimmer`).",
+        "forward and backward (`train.trim_heap_every`, on by default; `kilolayer.train.heap.HeapTrimmer`).",
         "Each recomputed layer frees its activation blocks between tensors that live on, and without the trim",
         "those holes stay resident: the `trim_heap_every 0 (before)` columns rerun kilolayer's deepest",
         "checkpointed points with it off (`KILOLAYER_TRIM_HEAP=0`), and the difference in peak is allocator",

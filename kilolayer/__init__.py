@@ -1,5 +1,7 @@
 """kilolayer: configure, train and diagnose deep Transformers (DeepNet's DeepNorm, Bamboo's depth-vs-width)."""
 
+# the objectives and data sources register their names for config validation (kilolayer.registry)
+from kilolayer import data, objectives  # noqa: F401
 from kilolayer.config import Config, ModelConfig, load_config
 from kilolayer.errors import ConfigError, InputError, KilolayerError
 from kilolayer.nn.budget import budget, count_parameters, matched_configs, training_flops

@@ -7,6 +7,7 @@ non-zero exit (2 for bad input, 3 for a diverged training run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from kilolayer.analysis import cli as analysis_cli
@@ -15,10 +16,8 @@ from kilolayer.errors import ConfigError, KilolayerError
 from kilolayer.study import cli as study_cli
 from kilolayer.train import cli as train_cli
 
-# The command groups that live beside their code; each has register(subparsers). Plain imports, measured for
-# issue 13: build_parser imported all four on every command before too, they add about 0.07 s between them
-# (python -X importtime), and `kilolayer --help` is dominated by torch, which kilolayer/__init__ loads anyway
-# (median of 5 interleaved runs on a loaded 2-core box: 7.8 s with the old importlib list, 7.2 s with these).
+# The command groups that live beside their code; each has register(subparsers). Plain imports: they cost
+# little beside torch, which kilolayer/__init__ loads anyway.
 SUBCOMMANDS = (train_cli, study_cli, analysis_cli, doctor_cli)
 
 
@@ -204,11 +203,34 @@ def cmd_presets(args) -> int:
     return 0
 
 
+#: commands that compute in this process take their thread count from the policy (``train`` applies it itself)
+COMPUTING = ("doctor", "analyze")
+
+
+@contextlib.contextmanager
+def _threads(command: str):
+    """The thread policy's count (:mod:`kilolayer.train.threads`) while a computing command runs."""
+    if command not in COMPUTING:
+        yield
+        return
+    import torch
+
+    from kilolayer.train.threads import policy
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(policy().count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with _threads(args.command):
+            return int(args.func(args) or 0)
     except KilolayerError as err:
         print(f"kilolayer: error: {err}", file=sys.stderr)
         return err.exit_code

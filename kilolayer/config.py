@@ -5,17 +5,14 @@ Every field is validated; a bad value becomes one line naming the field, the
 value and what is allowed (see :func:`format_validation_error`).
 
 Names of plugins (``model.scheme``, ``objective.name``, ``data.name``) are
-checked against their registry (:class:`kilolayer.registry.Registry`), the one
-list of what exists, so adding a scheme, an objective or a data source touches
-only its own package. The registries live with their plugins, above this
-module: a plugin's module imports torch, the model or the data options, all of
-which import this module. So the lookup is lazy: the validator imports the
-plugin package when a config is validated, by which time every module has
-finished importing. At load time this module imports only the errors; the
-lookups are its only edges upward, and ``tests/test_layering.py`` lists them.
-Checking at validation time rather than at build time keeps the error where the
-value was given: ``kilolayer train`` refuses before it creates a run directory,
-and a study rejects a bad grid point before it trains any.
+checked against their registry (:mod:`kilolayer.registry`), the one list of
+what exists, so adding a scheme, an objective or a data source touches only its
+own package. The registries are declared below this module and filled by the
+plugins' packages, which ``import kilolayer`` loads; this module imports no
+model, objective or data code. Checking at validation time rather than at build
+time keeps the error where the value was given: ``kilolayer train`` refuses
+before it creates a run directory, and a study rejects a bad grid point before
+it trains any.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from kilolayer.errors import ConfigError
+from kilolayer.registry import OBJECTIVES, SCHEMES, SOURCES
 
 Arch = Literal["encoder", "decoder", "encoder_decoder"]
 
@@ -117,8 +115,6 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        from kilolayer.nn.residual import SCHEMES
-
         if self.scheme not in SCHEMES:
             raise ValueError(SCHEMES.unknown(self.scheme))
         if self.width % self.heads:
@@ -176,8 +172,6 @@ class ObjectiveConfig(_Section):
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
-        from kilolayer.objectives import OBJECTIVES  # lazy: see the module docstring
-
         OBJECTIVES.get(name)  # the registry's one-line error (a ConfigError is a ValueError)
         return name
 
@@ -193,8 +187,6 @@ class DataConfig(_Section):
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
-        from kilolayer.data import SOURCES  # lazy: see the module docstring
-
         SOURCES.get(name)
         return name
 
@@ -230,25 +222,25 @@ class TrainConfig(_Section):
         32,
         ge=0,
         strict=True,  # an integer, not `true` (which would read as 1: a trim after every layer)
-        description="with activation checkpointing on Linux/glibc: hand the heap's free pages back to the system "
-        "(malloc_trim) every this many checkpointed layers, forward and backward, on the CPU and without "
-        "train.compile; 0: never (1,000 layers of width 64: about half the peak, at no measurable cost in step "
-        "time; docs/benchmarks.md)",
+        description="with activation checkpointing: hand the heap's free pages back every this many layers; "
+        "0: never (kilolayer.train.heap)",
     )
     pin_mmap: bool = Field(
         False,
-        description="with activation checkpointing on Linux/glibc: pin malloc's mmap threshold at 64 KiB, so freed "
-        "activation blocks go back to the system (1,000 layers of width 64: about half the peak, but each step "
-        "about 1.5x as slow as with train.trim_heap_every, on by default, which saves as much for less)",
+        description="with activation checkpointing: pin glibc's mmap threshold at 64 KiB (kilolayer.train.heap)",
     )
     hold_heap: bool = Field(
         True,
-        description="on the CPU (Linux/glibc) with no layer checkpointed: keep the memory a step frees for the "
-        "next step (malloc's mmap threshold 32 MiB, trim threshold 2 GiB) instead of handing it back and faulting "
-        "it in again each step; process-wide until the process exits, which keeps the memory it used at its "
-        "highest; glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings win; KILOLAYER_HOLD_HEAP=0 turns it off",
+        description="on the CPU with no layer checkpointed: keep the memory a step frees for the next "
+        "(kilolayer.train.heap)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="intra-op threads of the training process (default: the process's setting; a resume reuses the "
+        "count its run recorded, since float reductions, and so bit-exact resume, depend on it)",
+    )
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
     diverge_factor: float = Field(
         10.0, gt=1, description="diverged if the smoothed loss exceeds factor x its running minimum after warm-up ..."
@@ -279,7 +271,7 @@ class TrainConfig(_Section):
     @field_validator("compile", mode="before")
     @classmethod
     def _compile_mode(cls, value: Any) -> Any:
-        # true was the only way on before the modes existed: old configs and saved runs mean per layer
+        # true (a plain yes) means the per-layer mode
         if value is True:
             return "layers"
         if value is False or (isinstance(value, str) and value in ("layers", "model")):

@@ -2,10 +2,9 @@
 
 Published shapes (Transformer base/big, BERT-base, ViT-S/16, ViT-B/16, GPT-2
 small), DeepNet's depths with Transformer-base widths, and deep-narrow
-variants parameter-matched to a published shape. The deep-narrow presets are
-ours, matched by :func:`kilolayer.nn.budget.matched_configs` rules (head size
-64, same FFN ratio); they are NOT the Bamboo paper's table, which we have not
-verified.
+variants parameter-matched to a published shape. The deep-narrow presets
+follow :func:`kilolayer.nn.budget.matched_configs` rules (head size 64, same FFN
+ratio); they are not the Bamboo paper's table.
 
 Plain data, importing nothing: a preset is the fields of a ``model`` section,
 which :func:`kilolayer.config.load_config` validates when a preset is used

@@ -5,7 +5,7 @@ findings (``study.findings``) and built-in studies (``kilolayer study NAME``) ar
 plugin registers itself with a decorator where it is defined, and its package's ``__init__`` imports it, so
 the edge is a plain import that a reader and a tool can both see::
 
-    SCHEMES = Registry("model.scheme", "residual scheme")
+    SCHEMES = Registry("model.scheme", "residual scheme")  # in this module, below
 
     @SCHEMES.register("deepnorm")
     class DeepNorm(Scheme): ...
@@ -14,6 +14,11 @@ the edge is a plain import that a reader and a tool can both see::
 
 A registry is a read-only mapping (``name in SCHEMES``, ``SCHEMES[name]``, ``sorted(SCHEMES)``), so code that
 iterates the names needs nothing else.
+
+The three registries a config names (:data:`SCHEMES`, :data:`OBJECTIVES`, :data:`SOURCES`) are declared here,
+below :mod:`kilolayer.config`, so that config validates a name without importing the model, the objectives or
+the data; their plugins fill them from above (``kilolayer.nn``, ``kilolayer.objectives``, ``kilolayer.data``),
+and ``import kilolayer`` imports all three, so every built-in name is registered before any config is read.
 """
 
 from __future__ import annotations
@@ -103,3 +108,9 @@ class Registry(Mapping[str, T], Generic[T]):
 
 def _qualname(obj: object) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+# the registries of the names a config gives; filled by the modules that define the plugins
+SCHEMES: Registry = Registry("model.scheme", "residual scheme")
+OBJECTIVES: Registry = Registry("objective.name", "objective")
+SOURCES: Registry = Registry("data.name", "data source")

@@ -1,4 +1,4 @@
-"""The run directory: its layout, status, metrics, checkpoints, lock and loading.
+"""The run directory: its layout, status, metrics, checkpoints and lock.
 
 Everything that reads or writes a run directory goes through this module, so the
 layout is defined once::
@@ -80,13 +80,12 @@ def os_error(err: BaseException, path: str | Path | None = None) -> RunDirError:
 
 def is_run_dir(path: str | Path) -> bool:
     """Whether ``path`` holds a kilolayer run: a status.json of ours (written first, when training starts),
-    or config.yaml beside metrics.jsonl or checkpoints/ (runs from before status.json was written at start)."""
+    or a loadable config.yaml beside metrics.jsonl or checkpoints/ of ours (a run without a status.json)."""
     path = Path(path)
     if not path.is_dir():
         return False
     if read_status(path).get("status") in STATUSES:
         return True
-    # an older run: a config.yaml that kilolayer can load, beside metrics or checkpoints that are ours
     if not (path / CONFIG).is_file():
         return False
     try:
@@ -508,7 +507,7 @@ def is_locked(run_dir: str | Path) -> bool:
         return False
 
 
-# ---------------------------------------------------------------- loading a run
+# ---------------------------------------------------------------- the checkpoint and evaluation that stand for a run
 
 
 def chosen_checkpoint(run_dir: str | Path, patience: int = 0, on_damaged=warn) -> Path | None:
@@ -571,25 +570,97 @@ def recorded_init_from(run_dir: str | Path) -> dict | None:
     return None
 
 
-def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | None = None):
-    """(config, task) of a finished or running kilolayer run, with the weights of ``checkpoint`` (default: the
-    one that stands for the run, :func:`chosen_checkpoint`: the newest intact one; with early stopping, the
-    best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
-    from kilolayer.config import load_config
-    from kilolayer.data import load_source
-    from kilolayer.nn.residual import upgrade_state_dict
-    from kilolayer.objectives import build_task
-    from kilolayer.train.checkpoint import check_fits, read_weights
+# ---------------------------------------------------------------- one run, as its readers see it
 
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG).is_file():
-        raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
-    config = load_config(run_dir / CONFIG)
-    ckpt = Path(checkpoint) if checkpoint is not None else chosen_checkpoint(run_dir, config.train.patience)
-    if ckpt is None:
-        raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
-    task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
-    weights = upgrade_state_dict(task, read_weights(ckpt / "model.safetensors"))  # issue 13's renamed keys too
-    check_fits(ckpt / "model.safetensors", weights, task.state_dict())
-    task.load_state_dict(weights)
-    return config, task.to(device).eval()
+
+class RunDir:
+    """One run directory as the code that reads runs sees it (a study's executors, its report and findings):
+    its status, the checkpoint and evaluation that stand for it, where it started from. Every property reads
+    the files again. Its two writes take the run's lock and leave a run that a training process holds alone
+    (that process's status is its own). The training process itself writes through :class:`Lifecycle`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def status(self) -> dict:
+        """status.json as a dict; {} if there is none or it is unreadable."""
+        return read_status(self.path)
+
+    @property
+    def state(self) -> str | None:
+        """running | completed | diverged | failed | interrupted; None before any status is written."""
+        return self.status.get("status")
+
+    @property
+    def finished(self) -> bool:
+        """Completed or diverged: a result (failed and interrupted runs are resumed)."""
+        return self.state in FINISHED
+
+    @property
+    def step(self) -> int:
+        return int(self.status.get("step", 0))
+
+    @property
+    def seconds(self) -> float:
+        """Training time over all attempts, as a study records it (0 if none is recorded)."""
+        return float(self.status.get("seconds", 0.0))
+
+    @property
+    def status_time(self) -> float:
+        """When status.json was last written (seconds since the epoch; 0 if there is none)."""
+        try:
+            return (self.path / STATUS).stat().st_mtime
+        except OSError:
+            return 0.0
+
+    @property
+    def locked(self) -> bool:
+        """Whether a training process holds the run now."""
+        return is_locked(self.path)
+
+    @property
+    def init_from(self) -> dict | None:
+        """``{"path", "step"}`` the run started from with ``train.init_from`` (:func:`recorded_init_from`)."""
+        return recorded_init_from(self.path)
+
+    def metrics(self) -> list[dict]:
+        """Every record of metrics.jsonl (:func:`read_metrics`)."""
+        return read_metrics(self.path)
+
+    def checkpoint(self, on_damaged=warn) -> Path | None:
+        """The checkpoint that stands for the run (:func:`chosen_checkpoint` under the run's own
+        ``train.patience``); None without a complete one."""
+        return chosen_checkpoint(self.path, run_patience(self.path), on_damaged)
+
+    def final_eval(self, evals: list[dict], on_damaged=warn) -> dict:
+        """The record of ``evals`` (the run's ``split: eval`` records) that stands for it (:func:`chosen_eval`)."""
+        return chosen_eval(self.path, evals, on_damaged)
+
+    def mark_failed(self, reason: str, keep: tuple[str, ...] = FINISHED) -> bool:
+        """Record ``failed`` with ``reason`` at the run's step (making the directory if there is none), unless
+        its status is one of ``keep`` (by default a finished run's result stands) or a training process holds
+        the run. True if it was written."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            with RunLock(self.path):
+                if self.state in keep:
+                    return False
+                write_status(self.path, "failed", self.step, reason)
+                return True
+        except RunLocked:
+            return False
+
+    def record_seconds(self, total: float) -> bool:
+        """Record ``total``, the run's training time over all its attempts, as status.json ``seconds`` (a
+        training process carries the field into every status it writes), unless a training process holds the
+        run. True if it was written."""
+        try:
+            with RunLock(self.path):
+                update_status(self.path, seconds=total)
+                return True
+        except RunLocked:
+            return False

@@ -31,7 +31,7 @@ def trained_run(tmp_path_factory):
     """``trained_run(config)``: the run directory of the raw ``config`` trained in-process, once per session and
     distinct config. It is shared: a test that changes it (resume, damage, rewrite) copies it first with
     ``shutil.copytree``. Call it inside a test, where the ``one_thread`` fixture holds."""
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     runs: dict[str, Path] = {}
 

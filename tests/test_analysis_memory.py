@@ -1,4 +1,4 @@
-"""Analysing a deep kilolayer backbone holds one layer's activations, not one per layer (README, "Python API")."""
+"""Analysing a deep kilolayer backbone holds one layer's activations, not one per layer (docs/models.md#python-api)."""
 
 import weakref
 

@@ -26,7 +26,7 @@ import kilolayer
 from kilolayer import build_model
 from kilolayer.config import load_config
 from kilolayer.errors import ConfigError
-from kilolayer.train import parallelize as P
+from kilolayer.train import heap as H
 from kilolayer.train.parallelize import checkpoint_layers, transformer_layers
 
 # benchmarks/ sits next to tests/ and is not an installed package: make it importable under any runner
@@ -496,7 +496,7 @@ def test_heap_smoke_json(heap_result):
     """``benchmarks.heap --smoke``: a held and a default process, each with per-step faults and times."""
     r = heap_result
     assert [row["hold_heap"] for row in r["rows"]] == [False, True]
-    held = P._glibc() is not None  # only glibc has the setting
+    held = H._glibc() is not None  # only glibc has the setting
     for row in r["rows"]:
         assert len(row["per_pair"]) == r["pairs"] == heap.SMOKE_PAIRS
         assert all(s["hold_heap"] == (row["hold_heap"] and held) for s in row["per_pair"])
@@ -569,7 +569,7 @@ def test_the_trainer_compiles_what_train_compile_names(tmp_path, monkeypatch, mo
     The compile itself runs with the aot_eager backend here (no C++ build); the trainer's steps go through it."""
 
     from kilolayer.objectives.base import Task
-    from kilolayer.train import loop
+    from kilolayer.train import engine, run
 
     compiled, original = [], torch.compile
 
@@ -578,7 +578,7 @@ def test_the_trainer_compiles_what_train_compile_names(tmp_path, monkeypatch, mo
         return original(fn, **{**options, "backend": "aot_eager"})
 
     monkeypatch.setattr(torch, "compile", compile_)
-    made, build = [], loop.build_task
+    made, build = [], engine.build_task
 
     made_keys = []
 
@@ -587,8 +587,8 @@ def test_the_trainer_compiles_what_train_compile_names(tmp_path, monkeypatch, mo
         made_keys.append(made[-1].state_dict().keys())
         return made[-1]
 
-    monkeypatch.setattr(loop, "build_task", build_task)
-    result = loop.train(TINY_LM, tmp_path / "run", quiet=True, sets=[f"train.compile={str(mode).lower()}"])
+    monkeypatch.setattr(engine, "build_task", build_task)
+    result = run.train(TINY_LM, tmp_path / "run", quiet=True, sets=[f"train.compile={str(mode).lower()}"])
     assert result == {"status": "completed", "step": 2}
     (task,) = made
     if mode == "layers":

@@ -32,7 +32,8 @@ from kilolayer.registry import Registry
 from kilolayer.study.findings import FINDINGS, HELD, INCONCLUSIVE, evaluate_findings
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import Point, load_spec
-from kilolayer.train.loop import seed_everything, train
+from kilolayer.train.engine import seed_everything
+from kilolayer.train.run import train
 
 GUIDE = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 MARKED = re.compile(r"<!-- example: (\w+) -->\n```python\n(.*?)```", re.S)
@@ -96,7 +97,7 @@ def test_every_registry_the_guide_names(tmp_path):
         "kilolayer.data.SOURCES": "data.name",
         "kilolayer.study.findings.FINDINGS": "study.findings",
         "kilolayer.study.builtin.BUILTIN": "study",
-        "kilolayer.study.runner.ANALYSES": "analyses",
+        "kilolayer.study.analyses.ANALYSES": "analyses",
     }
     for path, field in named.items():
         module, attr = path.rsplit(".", 1)

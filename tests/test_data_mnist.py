@@ -149,7 +149,7 @@ def test_decoded_once_then_read_from_the_cache(tmp_path, monkeypatch):
 
 @needs_mnist
 def test_mnist_mae_config_has_a_real_reconstruction_task():
-    """README: 4x4 patches of MNIST are 62% constant (black border), 7x7 patches 41%; mnist_mae.yaml passes
+    """docs/data.md: 4x4 patches of MNIST are 62% constant (black border), 7x7 patches 41%; mnist_mae.yaml passes
     MAE's constant-patch guard."""
     from kilolayer.objectives import build_task
     from kilolayer.objectives.mae import constant_patch_fraction

@@ -494,7 +494,7 @@ def test_vocabulary_bigger_than_the_model_is_one_line(root):
 
 
 def test_tiny_training_lowers_validation_loss_with_a_finite_bleu(root, tmp_path):
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     cfg = config(root).model_dump()
     cfg["objective"]["options"] = {"decode_samples": 16}
@@ -586,7 +586,7 @@ def test_real_packages_counts_and_hygiene():
     root = str(real_root())
     opts = P.ParallelOptions()
     _, corpus, rec = P.load_corpus("de_en", root, opts.model_dump_json())
-    # measured on Debian 12 with the versions below (README, "Translation: de_en")
+    # measured on Debian 12 with the versions below (docs/data.md, "Translation: de_en and fr_en")
     if rec["packages"] == {
         "libreoffice-help-en-us": "4:7.4.7-1+deb12u14",
         "libreoffice-help-de": "4:7.4.7-1+deb12u14",

@@ -68,7 +68,7 @@ def test_word_level_counts_and_vocabulary():
     # ids follow training frequency
     counts = torch.bincount(s.streams["train"].long(), minlength=10_000)
     assert torch.all(counts[:-1] >= counts[1:]) and int(counts.min()) > 0
-    # README: the unigram entropy of the training words (without <eos>), the loss of a context-free MLM
+    # docs/results.md: the unigram entropy of the training words (without <eos>), a context-free MLM's loss
     p = counts[torch.arange(10_000) != eos].double()
     p = p / p.sum()
     assert float(-(p * p.log()).sum()) == pytest.approx(6.646, abs=5e-4)

@@ -258,7 +258,7 @@ def test_diverged_status(tmp_path):
 def test_replay_matches_the_runs_logged_step(tmp_path):
     """Step 1 replayed in memory is step 1 of the real run: same gradients, update and LayerNorm inputs."""
     config = tiny(train__steps=5, train__diagnostics_every=1)
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     train(config, tmp_path / "run", quiet=True)
     logged = [r for r in rundir.read_metrics(tmp_path / "run") if r["split"] == "diagnostics"]
@@ -383,7 +383,7 @@ def small(scheme, lr, layers=12, steps=60, warmup=30):
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory):
     from kilolayer.errors import DivergedError
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     root = tmp_path_factory.mktemp("real")
     runs = {

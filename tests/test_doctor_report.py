@@ -54,7 +54,7 @@ def study(tmp_path_factory):
     (trained for real: lr 100 diverges at step 2) and one whose training process was killed (its status
     as the runner records it, through kilolayer.rundir)."""
     from kilolayer.errors import DivergedError
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     tmp = tmp_path_factory.mktemp("diag")
     spec_file = tmp / "spec.yaml"

@@ -13,8 +13,9 @@ from objective_helpers import tiny_lm
 
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
-from kilolayer.train.checkpoint import read_weights
-from kilolayer.train.loop import early_stop_mode, train
+from kilolayer.train.checkpoint import load_run, read_weights
+from kilolayer.train.policies import early_stop_mode
+from kilolayer.train.run import train
 
 LM = tiny_lm(
     steps=40,
@@ -70,18 +71,18 @@ def test_keeps_the_best_checkpoint_and_load_run_uses_it(tmp_path, trained_run):
     assert (st["step"], st["best_step"], st["stopped_early"]) == (12, 3, True)
     # keep_checkpoints 1: the newest (12) and the best it names (3); 6 and 9 rotated away
     assert steps(run) == [3, 12]
-    config, task = rundir.load_run(run)
+    config, task = load_run(run)
     best = read_weights(rundir.checkpoint_dir(run, 3) / "model.safetensors")
     newest = read_weights(rundir.checkpoint_dir(run, 12) / "model.safetensors")
     loaded = task.state_dict()
     assert all(torch.equal(loaded[k], best[k]) for k in best)
     assert not all(torch.equal(best[k], newest[k]) for k in best)
     assert rundir.chosen_checkpoint(run, patience=3) == rundir.checkpoint_dir(run, 3)
-    _, task = rundir.load_run(run, checkpoint=rundir.checkpoint_dir(run, 12))  # a caller may name one
+    _, task = load_run(run, checkpoint=rundir.checkpoint_dir(run, 12))  # a caller may name one
     assert all(torch.equal(task.state_dict()[k], newest[k]) for k in newest)
     # without early stopping the newest stands for the run
     (run / "config.yaml").write_text(dump_yaml(load_config(cfg(WORSENING, patience=0))))
-    _, task = rundir.load_run(run)
+    _, task = load_run(run)
     assert all(torch.equal(task.state_dict()[k], newest[k]) for k in newest)
 
 
@@ -205,33 +206,17 @@ def test_collect_without_early_stopping_reports_the_last_evaluation(tmp_path):
     assert rundir.checkpoint_step(rundir.chosen_checkpoint(point.run_dir(out))) == 7
 
 
-def _strip_early_stop_keys(ckpt: Path) -> None:
-    """Make ``ckpt`` look like a checkpoint written before the early-stopping settings were stored."""
-    import json
-
-    path = ckpt / "state.json"
-    state = json.loads(path.read_text())
-    for key in ("early_stop_metric", "early_stop_mode", "min_delta"):
-        del state["trainer"][key]
-    path.write_text(json.dumps(state))
-    rundir.write_manifest(ckpt)
-
-
-@pytest.mark.parametrize("old_checkpoint", [False, True])
-def test_resume_with_another_metric_starts_early_stopping_over(tmp_path, capsys, old_checkpoint):
+def test_resume_with_another_metric_starts_early_stopping_over(tmp_path, capsys):
     """Leg 1 tracks ``loss`` for 6 steps (best at 6); leg 2 resumes on ``bits_per_token`` (loss / ln 2, so
     every value of it is above the best loss). Kept, loss's best would never be beaten: the run stopped at
     step 12 reporting loss's best at step 6. Reset (one warning line), the run goes exactly as one that
     tracked ``bits_per_token`` from the start (early stopping does not change training), as long as that one
-    improved at step 9. A checkpoint from before the metric was stored (``old_checkpoint``) still loads: the
-    run's previous config.yaml says what it tracked."""
+    improved at step 9."""
     full, split = tmp_path / "full", tmp_path / "split"
     expected = train(cfg(patience=2, early_stop_metric="bits_per_token"), full, quiet=True)
     assert expected["best_step"] >= 9  # the comparison below needs an improvement after the reset
     train(cfg(steps=6, patience=2), split, quiet=True)
     assert rundir.read_status(split)["best_step"] == 6
-    if old_checkpoint:
-        _strip_early_stop_keys(rundir.checkpoint_dir(split, 6))
     capsys.readouterr()
     sets = ["train.early_stop_metric=bits_per_token", "train.steps=40"]
     result = train(None, split, resume=True, quiet=True, sets=sets)

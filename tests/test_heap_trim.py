@@ -1,5 +1,5 @@
 """Activation checkpointing hands the heap's free pages back every ``train.trim_heap_every`` layers
-(kilolayer.train.parallelize.HeapTrimmer): when it trims, that it changes no number, and that it lowers the
+(kilolayer.train.heap.HeapTrimmer): when it trims, that it changes no number, and that it lowers the
 peak of a deep checkpointed step (measured in fresh interpreters, since a process's peak only grows)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from kilolayer.config import ModelConfig, load_config
 from kilolayer.nn.transformer import build_model
+from kilolayer.train import heap as H
 from kilolayer.train import parallelize as P
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,11 +27,12 @@ def _model(seed: int = 0, **over) -> torch.nn.Module:
     return build_model(ModelConfig(**{**SMALL, **over}))
 
 
-def _counting(model: torch.nn.Module) -> list[int]:
-    """Replace the model's trimmer's malloc_trim with a counter; returns the list it appends to."""
+def _counting(model: torch.nn.Module, every: int) -> list[int]:
+    """Checkpoint the model's layers with a trimmer whose malloc_trim is a counter; returns the list it appends
+    to."""
     calls: list[int] = []
-    trimmer = P.transformer_layers(model)[0].forward.trimmer
-    trimmer.trim = lambda: calls.append(trimmer.layers)
+    trimmer = H.HeapTrimmer(every, trim=lambda: calls.append(trimmer.layers))
+    P.checkpoint_layers(model, trimmer.after_layer)
     return calls
 
 
@@ -44,8 +46,7 @@ def _step(model: torch.nn.Module) -> tuple[float, list[torch.Tensor]]:
 
 def test_trims_every_n_layers_in_forward_and_again_in_backward():
     model = _model()
-    P.checkpoint_layers(model, trim_every=2)
-    calls = _counting(model)
+    calls = _counting(model, 2)
     model.train()
     out = model(torch.randint(0, 16, (2, 8)))
     assert calls == [2, 4, 6]  # after layers 2, 4 and 6 of the forward pass
@@ -55,28 +56,24 @@ def test_trims_every_n_layers_in_forward_and_again_in_backward():
 
 def test_no_trim_without_gradients_or_when_off(monkeypatch):
     model = _model()
-    P.checkpoint_layers(model, trim_every=2)
-    calls = _counting(model)
+    calls = _counting(model, 2)
     with torch.no_grad():
         model.train()(torch.randint(0, 16, (2, 8)))
     model.eval()(torch.randint(0, 16, (2, 8)))
     assert calls == []  # nothing is checkpointed outside training with gradients, so nothing is trimmed
 
-    off = _model()
-    P.checkpoint_layers(off, trim_every=0)
-    assert P.transformer_layers(off)[0].forward.trimmer is None
+    assert H.prepare_checkpointing(trim_every=0) is None
     for value in ("0", "off", " False "):
-        monkeypatch.setenv(P.TRIM_ENV, value)
-        env_off = _model()
-        P.checkpoint_layers(env_off)
-        assert P.transformer_layers(env_off)[0].forward.trimmer is None, value
+        monkeypatch.setenv(H.TRIM_ENV, value)
+        assert H.prepare_checkpointing() is None, value
 
 
 def _explain(trim_every: int, mode: str) -> tuple[list[int], list[int]]:
     """Dynamo's graphs (ops in each) and graph breaks for a checkpointed 4-layer model, and the trims made."""
     model = _model(layers=4)
-    P.checkpoint_layers(model, trim_every=trim_every)
-    calls = _counting(model) if trim_every else []
+    calls = _counting(model, trim_every) if trim_every else []
+    if not trim_every:
+        P.checkpoint_layers(model)
     model.train()
     tokens = torch.randint(0, 16, (2, 8))
     torch._dynamo.reset()
@@ -88,7 +85,6 @@ def _explain(trim_every: int, mode: str) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
 @pytest.mark.parametrize("mode", ["layers", "model"])
 def test_compiled_checkpointed_layers_are_the_same_graphs_with_the_trim_on(mode):
     # a call out of the compiled code at every layer would split train.compile: model into a graph per layer
@@ -99,7 +95,8 @@ def test_compiled_checkpointed_layers_are_the_same_graphs_with_the_trim_on(mode)
     assert calls == []
 
 
-def test_config_sets_the_interval():
+def test_config_sets_the_interval(monkeypatch):
+    monkeypatch.setattr(H, "_glibc", lambda: SimpleNamespace(malloc_trim=lambda pad: 1))  # any system
     cfg = load_config(
         {
             "model": {**SMALL, "checkpoint_activations": True},
@@ -110,11 +107,12 @@ def test_config_sets_the_interval():
     )
     assert (
         load_config({"model": SMALL, "objective": {"name": "mlm"}, "data": {"name": "synthetic"}}).train.trim_heap_every
-        == P.TRIM_EVERY
+        == H.TRIM_EVERY
     )
     model = _model()
-    P.apply_checkpointing(SimpleNamespace(backbone=model, objective=SimpleNamespace(modules=lambda: iter(()))), cfg)
-    assert P.transformer_layers(model)[0].forward.trimmer.every == 5
+    task = SimpleNamespace(backbone=model, objective=SimpleNamespace(modules=lambda: iter(())))
+    P.apply_checkpointing(task, cfg, H.apply(task, cfg, "cpu"))  # as the trainer's engine does
+    assert P.transformer_layers(model)[0].forward.after_layer.__self__.every == 5
     for wrong in (True, "32"):  # `true` is not an interval
         with pytest.raises(ValueError, match="trim_heap_every"):
             load_config(
@@ -136,12 +134,13 @@ def test_config_sets_the_interval():
         )
 
 
-@pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
+@pytest.mark.skipif(H._glibc() is None, reason="needs Linux with glibc")
 def test_trimming_changes_no_number():
     plain, trimmed = _model(), _model()
-    P.checkpoint_layers(plain, trim_every=0)
-    P.checkpoint_layers(trimmed, trim_every=1)  # the real malloc_trim after every layer
-    assert P.transformer_layers(trimmed)[0].forward.trimmer.active
+    P.checkpoint_layers(plain)
+    trimmer = H.HeapTrimmer(1)  # the real malloc_trim after every layer
+    assert trimmer.active
+    P.checkpoint_layers(trimmed, trimmer.after_layer)
     loss_a, grads_a = _step(plain)
     loss_b, grads_b = _step(trimmed)
     assert loss_a == loss_b
@@ -165,7 +164,7 @@ print(_peak_rss() - base)
 
 
 def _peak_above_build(**env) -> int:
-    full = {k: v for k, v in os.environ.items() if k not in (P.TRIM_ENV, P.PIN_ENV, "MALLOC_MMAP_THRESHOLD_")}
+    full = {k: v for k, v in os.environ.items() if k not in (H.TRIM_ENV, H.PIN_ENV, "MALLOC_MMAP_THRESHOLD_")}
     full.update(env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", PEAK], capture_output=True, text=True, env=full, cwd=ROOT, check=True)
     return int(out.stdout.strip().splitlines()[-1])
@@ -173,10 +172,10 @@ def _peak_above_build(**env) -> int:
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
+@pytest.mark.skipif(H._glibc() is None, reason="needs Linux with glibc")
 def test_trimming_lowers_the_peak_of_a_deep_checkpointed_step():
     # 120 layers of width 64, sequence 128, batch 8, two AdamW steps: measured here 374 MiB above the built
     # model untrimmed and 206 MiB trimmed (the tensors the step needs are about 190 MiB)
-    untrimmed = _peak_above_build(**{P.TRIM_ENV: "0"})
+    untrimmed = _peak_above_build(**{H.TRIM_ENV: "0"})
     trimmed = _peak_above_build()
     assert trimmed < 0.75 * untrimmed, (trimmed, untrimmed)

@@ -1,4 +1,4 @@
-"""``train.hold_heap`` (kilolayer.train.parallelize.hold_heap): what it asks of glibc, when the trainer asks it,
+"""``train.hold_heap`` (kilolayer.train.heap.hold_heap): what it asks of glibc, when the trainer asks it,
 and that it stops a training step from faulting in the pages of the last one (in fresh interpreters: a
 process's allocator settings last for its life)."""
 
@@ -16,7 +16,7 @@ import torch
 from helpers import cli
 
 from kilolayer.config import load_config
-from kilolayer.train import parallelize as P
+from kilolayer.train import heap as H
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"arch": "encoder", "layers": 2, "width": 16, "heads": 2, "ffn": 32, "vocab_size": 16, "max_len": 8}
@@ -35,41 +35,41 @@ class FakeLibc:
 @pytest.fixture
 def libc(monkeypatch):
     fake = FakeLibc()
-    monkeypatch.setattr(P, "_glibc", lambda: fake)
-    for name in (P.HOLD_ENV, *P._GLIBC_ENV, "GLIBC_TUNABLES"):
+    monkeypatch.setattr(H, "_glibc", lambda: fake)
+    for name in (H.HOLD_ENV, *H._GLIBC_ENV, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     return fake
 
 
 def test_hold_heap_sets_both_thresholds(libc):
-    assert P.hold_heap() is True
+    assert H.hold_heap() is True
     # M_MMAP_THRESHOLD (-3) at 32 MiB, M_TRIM_THRESHOLD (-1) at the largest int mallopt takes
     assert libc.calls == [(-3, 32 * 1024 * 1024), (-1, 2**31 - 1)]
 
 
 def test_hold_heap_reports_a_refusal_once(libc, capsys, monkeypatch):
-    monkeypatch.setattr(P, "_WARNED", [False])
+    monkeypatch.setattr(H, "_WARNED", [False])
     libc.ok = 0  # mallopt returns 0 when it refuses a value
-    assert P.hold_heap() is False
+    assert H.hold_heap() is False
     assert capsys.readouterr().err == (
         "kilolayer: warning: train.hold_heap: glibc's mallopt refused the mmap threshold; the heap is not held\n"
     )
-    assert P.hold_heap() is False and capsys.readouterr().err == ""  # once a process
+    assert H.hold_heap() is False and capsys.readouterr().err == ""  # once a process
     libc.ok = 1
-    assert P.hold_heap() is True and capsys.readouterr().err == ""
+    assert H.hold_heap() is True and capsys.readouterr().err == ""
 
 
 def test_hold_heap_names_the_threshold_refused(libc, capsys, monkeypatch):
-    monkeypatch.setattr(P, "_WARNED", [False])
-    monkeypatch.setattr(libc, "mallopt", lambda param, value: int(param == P._M_MMAP_THRESHOLD))
-    assert P.hold_heap() is False
+    monkeypatch.setattr(H, "_WARNED", [False])
+    monkeypatch.setattr(libc, "mallopt", lambda param, value: int(param == H._M_MMAP_THRESHOLD))
+    assert H.hold_heap() is False
     assert "refused the trim threshold (the mmap threshold is set); the heap is not held" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "off", " False ", "no"])
 def test_hold_heap_off_by_environment(libc, monkeypatch, value):
-    monkeypatch.setenv(P.HOLD_ENV, value)
-    assert P.hold_heap() is False
+    monkeypatch.setenv(H.HOLD_ENV, value)
+    assert H.hold_heap() is False
     assert libc.calls == []
 
 
@@ -85,21 +85,21 @@ def test_hold_heap_off_by_environment(libc, monkeypatch, value):
 )
 def test_glibcs_own_settings_win(libc, monkeypatch, name, value):
     monkeypatch.setenv(name, value)
-    assert P.hold_heap() is False
+    assert H.hold_heap() is False
     assert libc.calls == []
 
 
 def test_settings_glibc_ignores_do_not_stop_it(libc, monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "")  # empty: glibc ignores it
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.hwcaps=-AVX512F")  # no malloc tunable
-    assert P.hold_heap() is True
+    assert H.hold_heap() is True
 
 
 def test_not_on_other_c_libraries(monkeypatch):
-    monkeypatch.setattr(P, "_glibc", lambda: None)
-    for name in (P.HOLD_ENV, *P._GLIBC_ENV, "GLIBC_TUNABLES"):
+    monkeypatch.setattr(H, "_glibc", lambda: None)
+    for name in (H.HOLD_ENV, *H._GLIBC_ENV, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
-    assert P.hold_heap() is False
+    assert H.hold_heap() is False
 
 
 def _task(cfg):
@@ -119,12 +119,11 @@ def _task(cfg):
 )
 def test_the_trainer_holds_the_heap_on_the_cpu_without_checkpointing(monkeypatch, model, train, device, held):
     calls = []
-    monkeypatch.setattr(P, "hold_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(H, "hold_heap", lambda: calls.append(1) or True)
     cfg = load_config(
         {"model": {**SMALL, **model}, "objective": {"name": "mlm"}, "data": {"name": "synthetic"}, "train": train}
     )
-    env = SimpleNamespace(active=False, device=torch.device(device))
-    P.parallelize(_task(cfg), cfg, env)
+    H.apply(_task(cfg), cfg, torch.device(device))  # as the trainer's engine does
     assert calls == ([1] if held else [])
 
 
@@ -138,7 +137,7 @@ def test_hold_heap_is_a_boolean():
 
 FAULTS = r"""
 import resource, sys, torch
-from kilolayer.train import parallelize as P
+from kilolayer.train import heap as H
 from benchmarks.common import EAGER, TrainStep, fixed_batch
 from benchmarks.peers import Spec, build
 torch.set_num_threads(1)
@@ -146,8 +145,8 @@ spec = Spec(arch="decoder", scheme="pre_ln", width=128, layers=12, heads=2, ffn=
 torch.manual_seed(0)
 step = TrainStep(build("kilolayer", spec), EAGER)
 inputs, targets = fixed_batch(spec, 16)
-if sys.argv[1] == "hold":  # after building, as the trainer's parallelize step
-    assert P.hold_heap()
+if sys.argv[1] == "hold":  # after building, as the trainer's engine does
+    assert H.hold_heap()
 for _ in range(3):
     step(inputs, targets)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -158,7 +157,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4)
 
 
 def _faults_per_step(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != P.HOLD_ENV}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != H.HOLD_ENV}
     env.pop("GLIBC_TUNABLES", None)
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-c", FAULTS, mode]
@@ -167,7 +166,7 @@ def _faults_per_step(mode: str) -> float:
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(P._glibc() is None, reason="needs Linux with glibc")
+@pytest.mark.skipif(H._glibc() is None, reason="needs Linux with glibc")
 def test_a_held_heap_reuses_the_last_steps_pages():
     # a step of 12 layers, width 128, batch 16 x 128 tokens frees over 100 MB of activations; with glibc's
     # dynamic thresholds the next step faults much of it in again (measured here: 3,200-16,800 faults a step
@@ -179,17 +178,17 @@ def test_a_held_heap_reuses_the_last_steps_pages():
 
 
 def test_the_held_heap_is_recorded_and_stays_held(libc):
-    before = P._HELD[0]
+    before = H._HELD[0]
     try:
-        P._HELD[0] = False
+        H._HELD[0] = False
         libc.ok = 0
-        assert P.hold_heap() is False and P.heap_held() is False
+        assert H.hold_heap() is False and H.heap_held() is False
         libc.ok = 1
-        assert P.hold_heap() is True and P.heap_held() is True
+        assert H.hold_heap() is True and H.heap_held() is True
         libc.ok = 0  # a later refusal does not undo what glibc already holds
-        assert P.hold_heap() is False and P.heap_held() is True
+        assert H.hold_heap() is False and H.heap_held() is True
     finally:
-        P._HELD[0] = before
+        H._HELD[0] = before
 
 
 @pytest.mark.integration
@@ -197,17 +196,17 @@ def test_a_completed_run_says_whether_its_heap_was_held(tmp_path):
     from objective_helpers import tiny_lm
 
     from kilolayer import rundir
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     train(tiny_lm(steps=2, batch_size=2, log_every=1), tmp_path / "run", quiet=True)
     st = rundir.read_status(tmp_path / "run")
-    assert st["status"] == "completed" and st["heap_held"] is P.heap_held()
-    if P._glibc() is not None and not P._glibc_malloc_settings() and not os.environ.get(P.HOLD_ENV):
+    assert st["status"] == "completed" and st["heap_held"] is H.heap_held()
+    if H._glibc() is not None and not H._glibc_malloc_settings() and not os.environ.get(H.HOLD_ENV):
         assert st["heap_held"] is True  # the default, on the CPU with nothing checkpointed
     # a fresh process told not to hold it says so (this one's heap may be held for good by now)
     config = tmp_path / "off.yaml"
     config.write_text(json.dumps(tiny_lm(steps=2, batch_size=2, log_every=1, hold_heap=False)))
-    env = {k: v for k, v in os.environ.items() if k != P.HOLD_ENV}
+    env = {k: v for k, v in os.environ.items() if k != H.HOLD_ENV}
     cli("train", config, "--out", tmp_path / "off", "--quiet", check=True, env=env)
     st = rundir.read_status(tmp_path / "off")
     assert st["status"] == "completed" and st["heap_held"] is False

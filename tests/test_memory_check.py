@@ -198,10 +198,11 @@ RSS_SCRIPT = textwrap.dedent("""
     from test_memory_check import _batch
     from kilolayer.config import load_config
     from kilolayer.objectives import build_task
-    from kilolayer.train.loop import split_batch
+    from kilolayer.train.engine import split_batch
     from kilolayer.train.memory import estimate_memory
     from kilolayer.train.optim import build_optimizer
-    from kilolayer.train.parallelize import apply_checkpointing, hold_heap
+    from kilolayer.train.heap import apply as apply_heap
+    from kilolayer.train.parallelize import apply_checkpointing
     torch.set_num_threads(1)
 
     def status(key):
@@ -216,8 +217,7 @@ RSS_SCRIPT = textwrap.dedent("""
     base = status("VmRSS:")
     torch.manual_seed(0)
     task = build_task(cfg, None).train()  # the model alone: the batches are made above
-    if not apply_checkpointing(task, cfg) and tc.hold_heap:  # as the trainer's parallelize step applies them
-        hold_heap()
+    apply_checkpointing(task, cfg, apply_heap(task, cfg, "cpu"))  # as the trainer's engine applies them
     opt = build_optimizer(task, tc)
     for batch in batches:  # the trainer's step: micro-batches, autocast, clipping, AdamW
         micro = split_batch(batch, tc.accumulate)

@@ -1,5 +1,6 @@
 """The efficiency component (kilolayer.train.metrics): FLOPs from the formula, rates over a known time, MFU,
-the device peak (given, vendor table, measured once and cached), peak memory, and a real run's records."""
+the device peak (kilolayer.train.peak: given, vendor table, measured once and cached), peak memory, and a real
+run's records."""
 
 from __future__ import annotations
 
@@ -16,17 +17,18 @@ from kilolayer.data import load_source
 from kilolayer.objectives import build_task
 from kilolayer.objectives.base import head_weights
 from kilolayer.train import metrics as M
-from kilolayer.train.loop import train
+from kilolayer.train import peak as P
+from kilolayer.train.run import train
 
 LM = tiny_lm(steps=6, batch_size=4, lr=1e-3, log_every=2)
-LOAD_PER_CPU = M.load_per_cpu
+LOAD_PER_CPU = P.load_per_cpu
 
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     """Each test measures into a cache folder of its own, on a machine whose load is unknown unless it says."""
     monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(M, "load_per_cpu", lambda: None)
+    monkeypatch.setattr(P, "load_per_cpu", lambda: None)
 
 
 # ---------------------------------------------------------------- FLOPs, rates, MFU
@@ -189,23 +191,23 @@ def test_summarize_means_and_maximum():
 
 
 def test_vendor_figures():
-    assert M.vendor_peak("NVIDIA H200", "bf16", tf32=False) == 989e12
-    assert M.vendor_peak("NVIDIA H100 80GB HBM3", "bf16", tf32=False) == 989e12
-    assert M.vendor_peak("NVIDIA H100 PCIe", "bf16", tf32=False) == 756e12
-    assert M.vendor_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=True) == 494.5e12
-    assert M.vendor_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=False) == 67e12
-    assert M.vendor_peak("NVIDIA A100-SXM4-80GB", "bf16", tf32=False) == 312e12
-    assert M.vendor_peak("Some Future GPU", "bf16", tf32=False) is None
+    assert P.vendor_peak("NVIDIA H200", "bf16", tf32=False) == 989e12
+    assert P.vendor_peak("NVIDIA H100 80GB HBM3", "bf16", tf32=False) == 989e12
+    assert P.vendor_peak("NVIDIA H100 PCIe", "bf16", tf32=False) == 756e12
+    assert P.vendor_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=True) == 494.5e12
+    assert P.vendor_peak("NVIDIA H100 80GB HBM3", "fp32", tf32=False) == 67e12
+    assert P.vendor_peak("NVIDIA A100-SXM4-80GB", "bf16", tf32=False) == 312e12
+    assert P.vendor_peak("Some Future GPU", "bf16", tf32=False) is None
     # whole names: an NVL card is not the SXM one, an L40 not an L4 (it has no figure here: measured)
-    assert M.vendor_peak("NVIDIA H200 NVL", "bf16", tf32=False) == 835.5e12
-    assert M.vendor_peak("NVIDIA L4", "bf16", tf32=False) == 121e12
-    assert M.vendor_peak("NVIDIA L40S", "bf16", tf32=False) == 362.05e12
-    assert M.vendor_peak("NVIDIA L40", "bf16", tf32=False) is None
+    assert P.vendor_peak("NVIDIA H200 NVL", "bf16", tf32=False) == 835.5e12
+    assert P.vendor_peak("NVIDIA L4", "bf16", tf32=False) == 121e12
+    assert P.vendor_peak("NVIDIA L40S", "bf16", tf32=False) == 362.05e12
+    assert P.vendor_peak("NVIDIA L40", "bf16", tf32=False) is None
 
 
 def test_given_peak_measures_nothing(monkeypatch):
-    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: pytest.fail("measured although given"))
-    assert M.device_peak("cpu", "fp32", given=2.5e11) == M.Peak(2.5e11, "train.peak_flops")
+    monkeypatch.setattr(P, "quick_gemm_rate", lambda *a, **k: pytest.fail("measured although given"))
+    assert P.device_peak("cpu", "fp32", given=2.5e11) == M.Peak(2.5e11, "train.peak_flops")
 
 
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
@@ -215,19 +217,19 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
         calls.append(dtype)
         return 4.2e10, 512
 
-    monkeypatch.setattr(M, "quick_gemm_rate", fake)
-    first = M.device_peak("cpu", "fp32")
-    again = M.device_peak("cpu", "fp32")
+    monkeypatch.setattr(P, "quick_gemm_rate", fake)
+    first = P.device_peak("cpu", "fp32")
+    again = P.device_peak("cpu", "fp32")
     assert first.flops == again.flops == 4.2e10 and calls == [torch.float32]
     assert first.source.startswith("measured") and again.source.startswith("cached")
-    M.device_peak("cpu", "bf16")  # another dtype is another entry
+    P.device_peak("cpu", "bf16")  # another dtype is another entry
     assert calls == [torch.float32, torch.bfloat16]
-    data = json.loads((tmp_path / "cache" / M.CACHE_FILE).read_text())
+    data = json.loads((tmp_path / "cache" / P.CACHE_FILE).read_text())
     assert len(data) == 2 and all(f"torch {torch.__version__}" in k for k in data)
     assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp" in p.name]  # written by a rename
     # a damaged cache file is measured again and replaced
-    (tmp_path / "cache" / M.CACHE_FILE).write_text("{not json")
-    assert M.device_peak("cpu", "fp32").source.startswith("measured") and len(calls) == 3
+    (tmp_path / "cache" / P.CACHE_FILE).write_text("{not json")
+    assert P.device_peak("cpu", "fp32").source.startswith("measured") and len(calls) == 3
 
 
 def test_a_peak_measured_on_a_busy_machine_is_measured_again_when_it_is_quiet(tmp_path, monkeypatch):
@@ -239,28 +241,28 @@ def test_a_peak_measured_on_a_busy_machine_is_measured_again_when_it_is_quiet(tm
         calls.append(dtype)
         return next(rates), 512
 
-    monkeypatch.setattr(M, "quick_gemm_rate", fake)
-    monkeypatch.setattr(M, "load_per_cpu", lambda: next(loads))
-    busy = M.device_peak("cpu", "fp32")  # load 1.6: measured, flagged
+    monkeypatch.setattr(P, "quick_gemm_rate", fake)
+    monkeypatch.setattr(P, "load_per_cpu", lambda: next(loads))
+    busy = P.device_peak("cpu", "fp32")  # load 1.6: measured, flagged
     assert busy.flops == 3.0e10 and "load of 1.60 per CPU" in busy.source and len(calls) == 1
-    still = M.device_peak("cpu", "fp32")  # load 1.2: still busy, the cached figure stands
+    still = P.device_peak("cpu", "fp32")  # load 1.2: still busy, the cached figure stands
     assert still.flops == 3.0e10 and still.source.startswith("cached") and len(calls) == 1
-    quiet = M.device_peak("cpu", "fp32")  # load 0.3: measured again
+    quiet = P.device_peak("cpu", "fp32")  # load 0.3: measured again
     assert quiet.flops == 5.0e10 and quiet.source.startswith("measured") and "load" not in quiet.source
     assert len(calls) == 2
-    entry = next(iter(json.loads((tmp_path / "cache" / M.CACHE_FILE).read_text()).values()))
+    entry = next(iter(json.loads((tmp_path / "cache" / P.CACHE_FILE).read_text()).values()))
     assert entry["load_per_cpu"] == 0.3 and entry["flops"] == 5.0e10
     for _ in range(2):  # loads 0.1 and 1.5: a quiet figure is final
-        assert M.device_peak("cpu", "fp32").flops == 5.0e10
+        assert P.device_peak("cpu", "fp32").flops == 5.0e10
     assert len(calls) == 2
 
 
 def test_a_quiet_remeasurement_never_lowers_the_peak(monkeypatch):
     rates, loads = iter([6.0e10, 2.0e10]), iter([2.0, 0.2])
-    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: (next(rates), 256))
-    monkeypatch.setattr(M, "load_per_cpu", lambda: next(loads))
-    assert M.device_peak("cpu", "fp32").flops == 6.0e10
-    again = M.device_peak("cpu", "fp32")
+    monkeypatch.setattr(P, "quick_gemm_rate", lambda *a, **k: (next(rates), 256))
+    monkeypatch.setattr(P, "load_per_cpu", lambda: next(loads))
+    assert P.device_peak("cpu", "fp32").flops == 6.0e10
+    again = P.device_peak("cpu", "fp32")
     assert again.flops == 6.0e10 and again.source.startswith("cached") and "2e+10 FLOP/s, below" in again.source
 
 
@@ -278,12 +280,12 @@ def test_a_quiet_remeasurement_never_lowers_the_peak(monkeypatch):
     ids=["nested", "huge_flops", "bool_flops", "huge_load", "negative", "list_entry", "list"],
 )
 def test_a_damaged_or_hostile_peak_cache_is_measured_again(tmp_path, monkeypatch, content):
-    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: (4.0e10, 256))
-    M.device_peak("cpu", "fp32")
-    path = tmp_path / "cache" / M.CACHE_FILE
+    monkeypatch.setattr(P, "quick_gemm_rate", lambda *a, **k: (4.0e10, 256))
+    P.device_peak("cpu", "fp32")
+    path = tmp_path / "cache" / P.CACHE_FILE
     (key,) = json.loads(path.read_text())
     path.write_text(content.replace("KEY", key))
-    peak = M.device_peak("cpu", "fp32")
+    peak = P.device_peak("cpu", "fp32")
     if "load_per_cpu" in content:  # the figure is fine; a load that is no number is ignored
         assert peak.flops == 5e10
     else:
@@ -291,29 +293,29 @@ def test_a_damaged_or_hostile_peak_cache_is_measured_again(tmp_path, monkeypatch
 
 
 def test_a_cache_folder_that_cannot_be_written_only_costs_a_measurement(tmp_path, monkeypatch):
-    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: (4.0e10, 256))
+    monkeypatch.setattr(P, "quick_gemm_rate", lambda *a, **k: (4.0e10, 256))
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "file"))
-    assert M.device_peak("cpu", "fp32").flops == 4.0e10
+    assert P.device_peak("cpu", "fp32").flops == 4.0e10
     readonly = tmp_path / "readonly"
     readonly.mkdir()
     monkeypatch.setenv("KILOLAYER_CACHE", str(readonly))
-    monkeypatch.setattr(M.Path, "write_text", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only")))
-    monkeypatch.setattr(M.Path, "unlink", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only")))
-    assert M.device_peak("cpu", "fp32").flops == 4.0e10
+    monkeypatch.setattr(P.Path, "write_text", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only")))
+    monkeypatch.setattr(P.Path, "unlink", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only")))
+    assert P.device_peak("cpu", "fp32").flops == 4.0e10
 
 
 def test_the_load_is_per_usable_cpu(monkeypatch):
-    monkeypatch.setattr(M.os, "getloadavg", lambda: (3.0, 0.0, 0.0))
-    monkeypatch.setattr(M, "_usable_cpus", lambda: 4)
+    monkeypatch.setattr(P.os, "getloadavg", lambda: (3.0, 0.0, 0.0))
+    monkeypatch.setattr(P, "_usable_cpus", lambda: 4)
     assert LOAD_PER_CPU() == 0.75
-    monkeypatch.setattr(M.os, "getloadavg", lambda: (_ for _ in ()).throw(OSError("no load average")))
+    monkeypatch.setattr(P.os, "getloadavg", lambda: (_ for _ in ()).throw(OSError("no load average")))
     assert LOAD_PER_CPU() is None
 
 
 def test_gemm_measurement_is_quick_and_leaves_the_rng_alone():
     state = torch.get_rng_state()
-    flops, n = M.quick_gemm_rate(torch.float32, budget_s=0.2, n_max=512)
+    flops, n = P.quick_gemm_rate(torch.float32, budget_s=0.2, n_max=512)
     assert torch.equal(state, torch.get_rng_state())
     assert math.isfinite(flops) and flops > 1e6 and n in (256, 512)
 
@@ -387,17 +389,17 @@ def test_several_threads_count_at_least_threads_times_one(monkeypatch):
         seen.append(torch.get_num_threads())
         return (1e9, 1024) if torch.get_num_threads() > 1 else (4e10, 512)
 
-    monkeypatch.setattr(M, "quick_gemm_rate", fake)
-    monkeypatch.setattr(M, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(P, "quick_gemm_rate", fake)
+    monkeypatch.setattr(P, "_usable_cpus", lambda: 2)
     torch.set_num_threads(3)  # the autouse fixture restores it
-    assert M.cpu_peak(torch.float32) == (8e10, 512)  # 2 usable CPUs x 4e10
+    assert P.cpu_peak(torch.float32) == (8e10, 512)  # 2 usable CPUs x 4e10
     assert seen == [3, 1] and torch.get_num_threads() == 3
     monkeypatch.setattr(
-        M,
+        P,
         "quick_gemm_rate",
         lambda dtype, budget_s=1.5, **kw: (1.9e11, 2048) if torch.get_num_threads() > 1 else (9e10, 512),
     )
-    assert M.cpu_peak(torch.float32) == (1.9e11, 2048)  # an idle machine: the measured rate itself
+    assert P.cpu_peak(torch.float32) == (1.9e11, 2048)  # an idle machine: the measured rate itself
 
 
 def test_an_impossible_mfu_is_reported(tmp_path, capsys):
@@ -407,7 +409,7 @@ def test_an_impossible_mfu_is_reported(tmp_path, capsys):
 
 
 def test_an_impossible_mfu_from_a_cached_peak_says_how_to_measure_again(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(M, "quick_gemm_rate", lambda *a, **k: (1000.0, 256))
+    monkeypatch.setattr(P, "quick_gemm_rate", lambda *a, **k: (1000.0, 256))
     train(LM, tmp_path / "run", quiet=True)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is too low; set train.peak_flops, or delete the cached figure" in err[0], err
@@ -415,20 +417,20 @@ def test_an_impossible_mfu_from_a_cached_peak_says_how_to_measure_again(tmp_path
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_named():
     cpu = torch.device("cpu")
-    warning = M.cpu_bf16_warning("bf16", cpu, flags={"sse2", "avx2", "fma"})
+    warning = P.cpu_bf16_warning("bf16", cpu, flags={"sse2", "avx2", "fma"})
     assert warning.startswith("train.precision: bf16 on a CPU without bf16 instructions")
     assert "use train.precision: fp32" in warning
     for flags in ({"avx2", "avx512_bf16"}, {"amx_bf16", "amx_tile"}, {"asimd", "bf16"}):
-        assert M.cpu_bf16_warning("bf16", cpu, flags=flags) is None
-    assert M.cpu_bf16_warning("fp32", cpu, flags={"avx2"}) is None
-    assert M.cpu_bf16_warning("bf16", torch.device("meta"), flags={"avx2"}) is None
+        assert P.cpu_bf16_warning("bf16", cpu, flags=flags) is None
+    assert P.cpu_bf16_warning("fp32", cpu, flags={"avx2"}) is None
+    assert P.cpu_bf16_warning("bf16", torch.device("meta"), flags={"avx2"}) is None
 
 
 def test_a_bf16_run_on_such_a_cpu_warns_once(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(M, "cpu_flags", lambda: {"sse2", "avx2"})
+    monkeypatch.setattr(P, "cpu_flags", lambda: {"sse2", "avx2"})
     train(LM, tmp_path / "run", quiet=True, sets=["train.precision=bf16", "train.peak_flops=1e12", "train.steps=2"])
     err = [line for line in capsys.readouterr().err.splitlines() if "bf16 instructions" in line]
     assert len(err) == 1 and err[0].startswith("kilolayer: warning: train.precision: bf16")
-    monkeypatch.setattr(M, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(P, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     train(LM, tmp_path / "run2", quiet=True, sets=["train.precision=bf16", "train.peak_flops=1e12", "train.steps=2"])
     assert "bf16 instructions" not in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """``train.pin_mmap``: activation checkpointing pins glibc's mmap threshold
-(kilolayer.train.parallelize.pin_mmap_threshold); off by default, since it slows each step (docs in config).
+(kilolayer.train.heap.pin_mmap_threshold); off by default, since it slows each step (docs in config).
 
 glibc has no getter for the threshold, so each check reproduces what the pin prevents: a 16 MiB block is
 mapped and freed, which makes glibc's dynamic threshold rise to 16 MiB; a 4 MiB block then comes from the heap
@@ -25,6 +25,7 @@ import ctypes, ctypes.util, json, sys
 import torch
 from kilolayer.config import ModelConfig
 from kilolayer.nn.transformer import build_model
+from kilolayer.train.heap import prepare_checkpointing
 from kilolayer.train.parallelize import checkpoint_layers
 
 class MallInfo2(ctypes.Structure):
@@ -48,18 +49,20 @@ def after_a_big_free():
 
 model = build_model(ModelConfig(arch="encoder", layers=2, width=16, heads=2, ffn=32))
 if sys.argv[1] == "checkpoint":
-    checkpoint_layers(model)
+    checkpoint_layers(model, prepare_checkpointing())
 elif sys.argv[1] == "checkpoint_pinned":
-    checkpoint_layers(model, pin_mmap=True)
+    checkpoint_layers(model, prepare_checkpointing(pin_mmap=True))
 elif sys.argv[1] == "config_pinned":
     from types import SimpleNamespace
     from kilolayer.config import load_config
+    from kilolayer.train.heap import apply
     from kilolayer.train.parallelize import apply_checkpointing
     cfg = load_config({"model": {"arch": "encoder", "layers": 2, "width": 16, "heads": 2, "ffn": 32,
                                  "checkpoint_activations": True, "vocab_size": 16, "max_len": 8},
                        "objective": {"name": "mlm"}, "data": {"name": "synthetic"},
                        "train": {"pin_mmap": True}})
-    apply_checkpointing(SimpleNamespace(backbone=model, objective=SimpleNamespace(modules=lambda: iter(()))), cfg)
+    task = SimpleNamespace(backbone=model, objective=SimpleNamespace(modules=lambda: iter(())))
+    apply_checkpointing(task, cfg, apply(task, cfg, "cpu"))
 print(json.dumps({"mapped": after_a_big_free()}))
 """
 
@@ -92,7 +95,7 @@ def test_checkpointing_pins_the_threshold_only_when_asked():
     assert _probe("plain") == 0
     assert _probe("checkpoint") == 0  # the default: glibc's dynamic threshold, faster steps
     assert _probe("checkpoint_pinned") == 1
-    assert _probe("config_pinned") == 1  # train.pin_mmap, through the trainer's apply_checkpointing
+    assert _probe("config_pinned") == 1  # train.pin_mmap, as the trainer's engine applies it
     assert _probe("checkpoint", KILOLAYER_PIN_MMAP="1") == 1
 
 
@@ -105,10 +108,10 @@ def test_the_pin_can_be_turned_off_and_glibc_setting_wins():
 
 
 def test_pin_reports_whether_it_took_effect(monkeypatch):
-    from kilolayer.train import parallelize as P
+    from kilolayer.train import heap as H
 
     monkeypatch.setenv("KILOLAYER_PIN_MMAP", "0")
-    assert P.pin_mmap_threshold() is False
+    assert H.pin_mmap_threshold() is False
     monkeypatch.delenv("KILOLAYER_PIN_MMAP")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert P.pin_mmap_threshold() is False
+    assert H.pin_mmap_threshold() is False

@@ -14,7 +14,7 @@ from kilolayer.data import load_source
 from kilolayer.errors import InputError
 from kilolayer.objectives import Objective, build_task
 from kilolayer.train import distributed as D
-from kilolayer.train.loop import split_batch
+from kilolayer.train.engine import split_batch
 from kilolayer.train.memory import estimate_memory
 from kilolayer.train.parallelize import compile_model, parallelize, transformer_layers
 

@@ -25,7 +25,7 @@ OBJECTIVE_NAMES = {
     "mlm",
     "causal_lm",
     "seq2seq",
-}  # README, "Objectives and data"
+}  # docs/data.md, "Objectives"
 SOURCE_NAMES = {"digits", "digit_captions", "stdlib_bytes", "synthetic", "mnist", "fashion_mnist", "idx", "ptb"}
 
 

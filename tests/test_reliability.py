@@ -24,8 +24,9 @@ from kilolayer.cli import main
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import KilolayerError
 from kilolayer.train import checkpoint as ckpt
-from kilolayer.train.loop import Trainer, train
+from kilolayer.train.checkpoint import load_run
 from kilolayer.train.optim import lr_factor
+from kilolayer.train.run import Run, train
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "train_harness.py"
@@ -194,7 +195,7 @@ def test_resume_cannot_go_back_before_its_step(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["constant", "inverse_sqrt"])
 def test_longer_resume_equals_one_run_when_the_schedule_does_not_depend_on_steps(tmp_path, schedule):
-    """README: `--resume --set train.steps=N2` after an N1-step run = one N2-step run, bit for bit, when
+    """docs/training.md: `--resume --set train.steps=N2` after an N1-step run = one N2-step run, bit for bit, when
     the learning rate up to N1 does not depend on train.steps (constant, inverse_sqrt)."""
     cfg = cfg_with(schedule=schedule)
     train(cfg, tmp_path / "one", quiet=True)
@@ -205,7 +206,7 @@ def test_longer_resume_equals_one_run_when_the_schedule_does_not_depend_on_steps
 
 
 def test_longer_cosine_resume_is_replanned_and_differs_from_one_run(tmp_path):
-    """README: with cosine the lr depends on train.steps, so the resumed run is NOT one long run; from the
+    """docs/training.md: with cosine the lr depends on train.steps, so the resumed run is NOT one long run; from the
     resume step on it follows the cosine planned for the new train.steps."""
     cfg = cfg_with(schedule="cosine")
     train(cfg, tmp_path / "one", quiet=True)
@@ -370,7 +371,7 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_p
     bad = rundir.checkpoint_dir(run, 12) / "model.safetensors"
     _flip_tensor_byte(bad)
     ckpt.read_weights(bad)  # still a well-formed file: only the checksum can tell
-    _, task = rundir.load_run(run)
+    _, task = load_run(run)
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and str(bad) in warning[0] and "step_00000008" in warning[0], warning
     good = ckpt.read_weights(rundir.checkpoint_dir(run, 8) / "model.safetensors")
@@ -418,8 +419,7 @@ def test_a_non_run_directory_is_refused_and_left_alone(tmp_path, capsys):
 
 def test_a_run_without_a_checkpoint_is_replaced_only_with_overwrite(tmp_path, capsys):
     run = tmp_path / "run"
-    trainer = Trainer(load_config(LM), run, quiet=True)  # set up, then "killed" before its first step
-    trainer.close()
+    Run(load_config(LM), run, quiet=True).close()  # set up, then "killed" before its first step
     assert rundir.read_status(run)["status"] == "running" and rundir.complete_checkpoints(run) == []
     (run / "notes.txt").write_text("mine")
     wide = str(write_config(tmp_path, {**LM, "model": {**LM["model"], "width": 64}}))
@@ -580,7 +580,7 @@ def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):
 
 
 def test_a_repeated_sigterm_is_one_request_but_a_later_one_stops_at_once(monkeypatch):
-    from kilolayer.train import loop
+    from kilolayer.train import signals as loop
 
     clock = [100.0]
     monkeypatch.setattr(loop.time, "monotonic", lambda: clock[0])

@@ -353,7 +353,7 @@ def test_every_backbone_of_a_task_is_profiled():
 
 def test_the_trainer_profiles_admin(tmp_path):
     from kilolayer.train.checkpoint import read_weights
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     config = {
         "model": {

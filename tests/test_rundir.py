@@ -175,6 +175,40 @@ def test_lr_must_be_finite_and_positive(value):
         load_config({}, [f"train.lr={value}"])
 
 
+def test_a_run_dir_answers_what_its_readers_ask(tmp_path):
+    from kilolayer.config import dump_yaml, load_config
+
+    run = rundir.RunDir(tmp_path / "run")
+    assert (run.status, run.state, run.finished, run.step, run.seconds, run.status_time) == ({}, None, False, 0, 0.0, 0)
+    assert run.checkpoint() is None and run.init_from is None and run.metrics() == []
+    assert run.mark_failed("not started: its source is running")  # makes the directory
+    assert (run.state, run.step, run.status["reason"]) == ("failed", 0, "not started: its source is running")
+    (run.path / rundir.CONFIG).write_text(dump_yaml(load_config(None, ["train.patience=2"])))
+    for step in (4, 8):  # early stopping: the newest checkpoint names step 4 as the best
+        d = rundir.checkpoint_dir(run.path, step)
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(bytes([step]) * 100)
+        (d / "state.json").write_text(json.dumps({"trainer": {"best_step": 4, "init_from": {"path": "p", "step": 3}}}))
+        rundir.write_manifest(d)
+        (d / rundir.COMPLETE).write_text(str(step))
+    rundir.write_status(run.path, "completed", 8, seconds=12.5)
+    (run.path / rundir.METRICS).write_text(
+        "".join(json.dumps({"step": s, "split": "eval", "loss": s / 10}) + "\n" for s in (4, 8))
+    )
+    assert (run.state, run.finished, run.step, run.seconds) == ("completed", True, 8, 12.5)
+    assert run.checkpoint() == rundir.checkpoint_dir(run.path, 4)  # the best, under the run's own patience
+    assert run.final_eval(run.metrics()) == {"step": 4, "split": "eval", "loss": 0.4}
+    assert run.init_from == {"path": "p", "step": 3}  # from the checkpoint's trainer state
+    assert not run.mark_failed("crashed") and run.state == "completed"  # a finished run's result stands
+    assert run.record_seconds(20.0) and run.seconds == 20.0 and run.state == "completed"
+    assert run.status_time == pytest.approx(time.time(), abs=60)
+    with RunLock(run.path):  # a training process holds it: its status is its own
+        assert run.locked
+        assert not run.mark_failed("Ray task: lost", keep=()) and not run.record_seconds(1.0)
+    assert not run.locked and run.seconds == 20.0
+    assert run.mark_failed("Ray task: lost", keep=()) and (run.state, run.step) == ("failed", 8)
+
+
 @pytest.mark.integration
 def test_a_folder_with_someone_elses_config_and_metrics_is_not_a_run(tmp_path):
     folder = tmp_path / "mine"

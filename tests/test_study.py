@@ -439,9 +439,9 @@ def test_shipped_study_specs_load():
         assert points, path
 
 
-def test_readme_study_example_is_the_shipped_spec():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("`configs/study_depth_sweep.yaml`:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+def test_the_documented_study_example_is_the_shipped_spec():
+    page = (ROOT / "docs" / "studies.md").read_text()
+    block = page.split("`configs/study_depth_sweep.yaml`:\n\n```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(block) == yaml.safe_load((ROOT / "configs" / "study_depth_sweep.yaml").read_text())
 
 
@@ -450,7 +450,8 @@ def test_an_analysis_is_redone_when_its_version_or_data_change(tmp_path, monkeyp
     point's; a result from another version of the measurement, or on other inputs, is measured again."""
     from kilolayer.config import load_config
     from kilolayer.rundir import write_status
-    from kilolayer.study.runner import ANALYSES, STAMP, run_analyses
+    from kilolayer.study.analyses import ANALYSES, STAMP
+    from kilolayer.study.runner import run_analyses
     from kilolayer.study.spec import Point
 
     calls = []

@@ -10,7 +10,7 @@ from kilolayer import rundir
 from kilolayer.config import load_config
 from kilolayer.study.runner import run_study, train_point
 from kilolayer.study.spec import StudySpec, expand
-from kilolayer.train.loop import train
+from kilolayer.train.run import train
 
 MODEL = tiny_decoder()
 DATA = {"name": "stdlib_bytes", "options": {"seq_len": 32, "max_bytes": 200_000, "eval_windows": 8}}

@@ -672,7 +672,7 @@ def test_ray_trains_a_point_again_when_its_source_moved(ray_head, tmp_path):
 
     from kilolayer import rundir
     from kilolayer.study.spec import StudySpec, expand
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     spec = write_spec(tmp_path / "spec.yaml", SPEC)
     pre, ft = expand(StudySpec.model_validate(SPEC))

@@ -20,8 +20,8 @@ from kilolayer.cli import main
 from kilolayer.config import load_config
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.train.checkpoint import complete_checkpoints, load_run
-from kilolayer.train.loop import train
 from kilolayer.train.optim import lr_factor, param_groups
+from kilolayer.train.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

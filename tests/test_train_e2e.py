@@ -11,7 +11,7 @@ import pytest
 
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.data import load_source
-from kilolayer.train.loop import train
+from kilolayer.train.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -210,7 +210,7 @@ def test_before_final_norm_observes_the_last_block_output():
 
 def test_run_smoothness_excludes_cls_and_special_tokens_by_default(tmp_path):
     from kilolayer.analysis.smoothness import smoothness_of_run
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     cfg = load_config(
         ROOT / "configs/digits_vit.yaml",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 def main() -> int:
     gate, at, args = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    import kilolayer.train.loop as loop
+    import kilolayer.train.engine as loop
 
     load_source = loop.load_source
 

@@ -22,7 +22,7 @@ from kilolayer.config import Config
 
 def chance_level(config: Config) -> dict:
     """``{"loss": ..., "accuracy": ... (where the objective has one)}`` of the best input-independent
-    predictor on ``config``'s evaluation batches (the batches ``Trainer.evaluate`` scores)."""
+    predictor on ``config``'s evaluation batches (the batches ``Engine.evaluate`` scores)."""
     from kilolayer.data import load_source
     from kilolayer.objectives import build_task
 

@@ -91,7 +91,7 @@ def cmd_smoothness(args) -> int:
         result["name"] = args.name
     # what was left out of the metrics: --exclude-cls, or (for --run, by default) CLS and special tokens
     result["exclude_cls"] = bool(args.exclude_cls or result.get("exclude_special"))
-    from kilolayer.analysis.smoothness import save_smoothness
+    from kilolayer.analysis.plots import save_smoothness
 
     paths = save_smoothness(result, _out_dir(args.out), depth=args.depth, svg=args.svg)
     print(f"{result['name']}: {result['depth']} layers, {result['samples']} samples ({result['input']})")

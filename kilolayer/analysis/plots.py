@@ -1,4 +1,5 @@
-"""Figures: over-smoothing curves per layer and DeepNet's stability diagnostics (matplotlib, Agg).
+"""Figures: over-smoothing curves per layer and DeepNet's stability diagnostics (matplotlib, Agg), and the files of
+one smoothness result (its JSON beside its plot).
 
 Every figure has a title, labelled axes and a legend naming the runs, and is
 written as PNG (and SVG on request).
@@ -15,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kilolayer.analysis.smoothness import METRICS
+from kilolayer.analysis.smoothness import METRICS, json_safe
 from kilolayer.analysis.stability import StabilityRun, pick_steps
 from kilolayer.errors import InputError
 
@@ -133,6 +134,15 @@ def plot_smoothness(
     fig.suptitle(title, fontsize=12)
     fig.tight_layout(rect=(0, 0 if spare else 0.06, 1, 1))
     return _save(fig, Path(stem), svg)
+
+
+def save_smoothness(result: dict, out: str | Path, depth: str = "auto", svg: bool = False) -> list[Path]:
+    """Write OUT/smoothness.json (``result``, NaN as null) and its plot; returns the paths written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "smoothness.json"
+    json_path.write_text(json.dumps(json_safe(result), indent=1) + "\n")
+    return [json_path, *plot_smoothness([result], out / "smoothness", depth=depth, svg=svg)]
 
 
 def compare(paths: list[str | Path], stem: str | Path, *, depth: str = "auto", svg: bool = False) -> list[Path]:

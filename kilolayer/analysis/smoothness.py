@@ -12,7 +12,6 @@ each layer's hidden states to these numbers at once, so analysing a
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -401,7 +400,7 @@ def smoothness_of_run(
     ``exclude_blank`` (with the share of patch tokens left out as blank, ``blank_share``), ``after_final_norm``
     and ``method`` (:data:`SMOOTHNESS_METHOD`)."""
     from kilolayer.data import load_source
-    from kilolayer.rundir import load_run
+    from kilolayer.train.checkpoint import load_run
 
     run_dir = Path(run_dir)
     config, task = load_run(run_dir, device=device)
@@ -465,14 +464,3 @@ def json_safe(value):
     if isinstance(value, dict):
         return {k: json_safe(v) for k, v in value.items()}
     return value
-
-
-def save_smoothness(result: dict, out: str | Path, depth: str = "auto", svg: bool = False) -> list[Path]:
-    """Write OUT/smoothness.json (``result``, NaN as null) and its plot; returns the paths written."""
-    from kilolayer.analysis.plots import plot_smoothness  # matplotlib only when writing
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "smoothness.json"
-    json_path.write_text(json.dumps(json_safe(result), indent=1) + "\n")
-    return [json_path, *plot_smoothness([result], out / "smoothness", depth=depth, svg=svg)]

@@ -13,9 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kilolayer.registry import Registry
-
-SOURCES: Registry[Callable] = Registry("data.name", "data source")
+from kilolayer.registry import SOURCES
 
 
 def register_source(name: str) -> Callable[[Callable], Callable]:

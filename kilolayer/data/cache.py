@@ -16,9 +16,8 @@ A temporary file is named ``.NAME.PID@HOST.XXXXXXXX.tmp``. One left behind by a
 writer that was killed (``kill -9``, a power cut) is removed by the next call
 for the same ``NAME``, load or write, when it is stale: its writer ran on this
 host and no longer runs, or it was last modified more than an hour ago
-(``STALE_SECONDS``; the only rule for one from another host, or from before
-temporary names carried the writer's pid). A live writer's file is never
-touched.
+(``STALE_SECONDS``; the only rule for one from another host, or without a pid
+in its name). A live writer's file is never touched.
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ def _running(pid: int) -> bool:
 def remove_stale_temporaries(name: str, folder: Path | None = None) -> list[Path]:
     """Remove the stale temporary files of cache entry ``name`` (see the module's docstring); the removed."""
     folder = cache_dir() if folder is None else folder
-    # .NAME.PID@HOST.XXXXXXXX.tmp, or .NAME.XXXXXXXX.tmp from before the pid was recorded
+    # .NAME.PID@HOST.XXXXXXXX.tmp, or .NAME.XXXXXXXX.tmp without the writer's pid
     pattern = re.compile(re.escape(f".{name}.") + r"(?:(\d+)@([A-Za-z0-9-]*)\.)?[a-z0-9_]+\.tmp")
     removed = []
     try:
@@ -173,7 +172,7 @@ def digest(data) -> str:
 
 def _verify(data, expect, check) -> str | None:
     """Why a loaded cache file cannot be used, or None: its checksum (when it has one) first, then what it
-    must hold (:func:`problem`), then a file from before cache files had checksums."""
+    must hold (:func:`problem`), then a file without a checksum."""
     saved = data.pop(DIGEST_KEY, None) if isinstance(data, dict) else None
     if saved is not None and saved != digest(data):
         return "does not match its SHA-256 checksum (a damaged byte)"

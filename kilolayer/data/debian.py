@@ -1,52 +1,23 @@
-"""Debian packages as data: extract them into a folder without installing, and read their versions.
+"""Debian packages as data: extract them into a folder without installing, and record their versions.
 
 ``python -m kilolayer.data.debian fetch de_en fr_en [--root DIR]`` runs ``apt-get download`` for the packages
 the ``de_en``/``fr_en`` sources read (:mod:`kilolayer.data.parallel`), ``dpkg -x`` each into ``DIR`` (default
 ``$KILOLAYER_PARALLEL_ROOT``, else ``$KILOLAYER_CACHE/parallel/root``) and records each package's version in
-``DIR/kilolayer-packages.json``. No root rights and no system install are needed; a package already recorded
-with its files present is not fetched again.
+``DIR/kilolayer-packages.json`` (:mod:`kilolayer.data.packages` reads it). No root rights and no system
+install are needed; a package already recorded with its files present is not fetched again.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-MANIFEST = "kilolayer-packages.json"  # package -> version, written by fetch_packages
-
-
-def read_manifest(root: Path) -> dict[str, str]:
-    try:
-        manifest = json.loads((Path(root) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
-
-
-def package_versions(root: Path, names) -> dict[str, str]:
-    """Each package's version: from the manifest :func:`fetch_packages` writes, else the first line of its
-    Debian changelog under ``root`` (so ``/`` works for installed packages), else ``unknown``."""
-    manifest = read_manifest(root)
-    out = {}
-    for name in names:
-        version = manifest.get(name)
-        if version is None:
-            try:
-                with gzip.open(
-                    Path(root) / "usr/share/doc" / name / "changelog.Debian.gz", "rt", errors="replace"
-                ) as f:
-                    m = re.match(r"\S+ \(([^)]+)\)", f.readline())
-                version = m.group(1) if m else None
-            except OSError:
-                version = None
-        out[name] = version or "unknown"
-    return out
+from kilolayer.data import parallel
+from kilolayer.data.packages import MANIFEST, read_manifest
 
 
 def fetch_packages(wanted: dict[str, str], root: Path) -> dict[str, str]:
@@ -72,8 +43,6 @@ def fetch_packages(wanted: dict[str, str], root: Path) -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    from kilolayer.data import parallel
-
     ap = argparse.ArgumentParser(prog="python -m kilolayer.data.debian", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="download and extract the packages of parallel sources (no system install)")

@@ -62,6 +62,7 @@ from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cache_dir, cached
 from kilolayer.data.options import parse_options
+from kilolayer.data.packages import package_versions
 from kilolayer.data.synthetic import Seq2SeqSource
 from kilolayer.errors import ConfigError, InputError
 
@@ -556,7 +557,6 @@ def load_corpus(name: str, root: str, opts_json: str) -> tuple[str, dict, dict]:
     """(cache key, corpus, record) of ``name`` under ``root``; builds and caches on the first call."""
     opts = ParallelOptions.model_validate_json(opts_json)
     kinds = kinds_of(name, opts)
-    from kilolayer.data.debian import package_versions  # not at import: `python -m kilolayer.data.debian` runs it
 
     rootp = Path(root)
     needed = check_packages(name, rootp, kinds)

@@ -22,7 +22,7 @@ from pydantic import Field
 
 from kilolayer.config import Config
 from kilolayer.data import vocab
-from kilolayer.data.base import register_source
+from kilolayer.data.base import SOURCES, register_source
 from kilolayer.data.memory import MemorySource, SplitOptions, split_indices
 from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError, InputError
@@ -86,8 +86,6 @@ def make_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
 def tokenizer_for(config: Config):
     """The tokenizer that ``config``'s data source uses: the source's own (e.g. PTB's words, given by a
     ``tokenizer(config)`` attribute of its registered function), else ``data.options.tokenizer``, else bytes."""
-    from kilolayer.data import SOURCES
-
     own = getattr(SOURCES.get(config.data.name), "tokenizer", None)
     return own(config) if own is not None else make_tokenizer(config.data.options.get("tokenizer"))
 

@@ -110,7 +110,7 @@ UPDATE_RATIO = 10.0  # first update at least this many times DeepNorm's: a warni
 PEAK_CHANGE = 0.5  # projected one-step change of the output at the peak lr, as a fraction of its size: blow-up
 SLOW_DOWN = 0.5  # the loss's recent pace (per unit of summed lr) is assumed to halve over the rest of the run
 RULE = [
-    "diverges: the replay met the trainer's divergence rule (a non-finite loss, or the smoothed loss above "
+    "diverges: the replay met the engine's divergence rule (a non-finite loss, or the smoothed loss above "
     "train.diverge_factor x its running minimum after warm-up), or met its ratio test during warm-up "
     "(where the trainer does not apply it yet)",
     f"stalls (thrown back): the evaluation loss rose more than {THROWN_BACK:g} x chance above its lowest value "

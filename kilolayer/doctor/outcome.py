@@ -1,7 +1,7 @@
 """What became of a run, by one stated rule, and the chance level it is judged against.
 
 * **diverges**: status.json says ``diverged`` (a non-finite loss, or the smoothed loss above
-  ``train.diverge_factor`` x its running minimum after warm-up: the trainer's rule);
+  ``train.diverge_factor`` x its running minimum after warm-up: the engine's rule, kilolayer.train.policies);
 * **stalls**: completed, with a final evaluation loss above 0.9 x the data's chance level — the study
   report's "learned nothing" rule (kilolayer/analysis/chance.py: the loss of the best predictor that
   ignores the input, on the run's own evaluation targets);

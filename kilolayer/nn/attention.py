@@ -1,7 +1,7 @@
 """Multi-head attention through PyTorch's scaled_dot_product_attention.
 
 Self-attention keeps Q, K and V in one fused matrix (one GEMM); cross-attention
-fuses K and V. :meth:`Attention.weights` still hands out each projection's own
+fuses K and V. :meth:`Attention.weights` hands out each projection's own
 slice, so every scheme initialises Q, K, V and O separately. With
 ``fp32_on_cpu`` (the default), bf16/fp16 inputs on CPU (autocast) are attended
 in fp32: faster there, and the softmax is computed in fp32.
@@ -77,7 +77,7 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         is_causal = self.causal and mask is None
         if self.fp32_on_cpu and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-            # PyTorch's bf16 CPU flash-attention backward is ~2x slower than its fp32 one (and less exact)
+            # PyTorch's bf16 CPU flash-attention backward is slower than its fp32 one (and less exact)
             with torch.autocast("cpu", enabled=False):
                 y = F.scaled_dot_product_attention(
                     q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal

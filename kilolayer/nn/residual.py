@@ -29,9 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kilolayer.registry import Registry
-
-SCHEMES: Registry[type[Scheme]] = Registry("model.scheme", "residual scheme")
+from kilolayer.registry import SCHEMES
 
 
 @dataclass(frozen=True)
@@ -215,7 +213,6 @@ class Residual(nn.Module):
     def __init__(self, branch: nn.Module, width: int, site: Site, scheme: Scheme, eps: float, dropout: float = 0.0):
         super().__init__()
         self.site = site
-        # registered in the parameter order of earlier versions (optimizer state, summed gradient norms)
         self.shortcut = scheme.shortcut(site, width)
         channel = scheme.branch_scale == "channel"
         self.branch_scale = BranchScale(width, scheme.branch_scale_init()) if channel else nn.Identity()
@@ -224,18 +221,6 @@ class Residual(nn.Module):
         self.out_norm = layer_norm(scheme.out_norm(site), width, eps)
         self.post_norm = layer_norm(scheme.post_norm, width, eps)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.register_load_state_dict_pre_hook(_rename_old_keys)
-
-    def old_keys(self) -> dict[str, str]:
-        """``{key before issue 13: key now}`` for this sublayer's own tensors, relative to it: Admin's learned
-        shortcut scale was the parameter ``shortcut`` (now ``shortcut.omega``), LayerScale's branch scale the
-        parameter ``gain`` (now ``branch_scale.weight``). The order of the parameters did not change."""
-        out = {}
-        if isinstance(self.shortcut, LearnedShortcut):
-            out["shortcut"] = "shortcut.omega"
-        if isinstance(self.branch_scale, BranchScale):
-            out["gain"] = "branch_scale.weight"
-        return out
 
     @property
     def alpha(self) -> float:
@@ -249,38 +234,3 @@ class Residual(nn.Module):
         if shared_scale is not None:
             y = y * shared_scale
         return self.post_norm(self.shortcut(x) + self.dropout(y))
-
-
-# ---------------------------------------------------------------- checkpoints written before issue 13
-
-
-def old_keys(model: nn.Module) -> dict[str, str]:
-    """``{state-dict key before issue 13: key now}`` for every tensor of ``model`` whose name changed (see
-    :meth:`Residual.old_keys`); empty for models without Admin's or LayerScale's learned scales."""
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, Residual):
-            prefix = f"{name}." if name else ""
-            out.update({prefix + old: prefix + new for old, new in module.old_keys().items()})
-    return out
-
-
-def upgrade_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state``, a state dict for ``model`` that may have been written before issue 13, with the old names
-    of its tensors renamed to the current ones (a new dict in the same order; ``state`` itself if there was
-    nothing to rename). Every tensor is kept, and a key is renamed only where the current name is absent, so
-    a checkpoint in the current format passes unchanged and a mismatched one still fails the usual checks.
-
-    Readers of checkpoints call this before comparing keys (resume, ``train.init_from``, ``load_run``);
-    ``model.load_state_dict`` renames by itself (a load pre-hook on every :class:`Residual`)."""
-    renames = {old: new for old, new in old_keys(model).items() if old in state and new not in state}
-    if not renames:
-        return state
-    return {renames.get(key, key): value for key, value in state.items()}
-
-
-def _rename_old_keys(module: Residual, state_dict: dict, prefix: str, *args) -> None:
-    """Load pre-hook: rename this sublayer's pre-issue-13 keys in the state dict being loaded."""
-    for old, new in module.old_keys().items():
-        if prefix + old in state_dict and prefix + new not in state_dict:
-            state_dict[prefix + new] = state_dict.pop(prefix + old)

@@ -12,9 +12,7 @@ import torch
 from torch import nn
 
 from kilolayer.data.base import Source
-from kilolayer.registry import Registry
-
-OBJECTIVES: Registry[type[Objective]] = Registry("objective.name", "objective")
+from kilolayer.registry import OBJECTIVES
 
 
 def register_objective(cls: type[Objective]) -> type[Objective]:
@@ -105,6 +103,18 @@ class Objective(nn.Module):
     def tokens(self, batch: dict) -> int:
         """Tokens the backbone processes in ``batch``."""
         raise NotImplementedError(f"{type(self).__name__}.tokens (required; checked at class definition)")
+
+    def backbone_length(self, length: int) -> int:
+        """Tokens per sample the backbone runs on in a training step whose samples are ``length`` tokens long
+        (the memory estimate sizes the backbone's activations by it): all of them, unless an objective shows the
+        backbone only part of each sample."""
+        return length
+
+    @property
+    def vocab_share(self) -> float:
+        """The share of token positions a vocabulary head scores in a training step (the memory estimate sizes
+        the logits by it): all of them, unless an objective scores only some."""
+        return 1.0
 
     def train_flops(self, batch: dict) -> float:
         """Model FLOPs of one training step on ``batch`` (see the class docstring)."""

@@ -260,6 +260,9 @@ class MAE(Objective):
     def tokens(self, batch: dict) -> int:
         return batch_inputs(batch, "inputs", "images").shape[0] * (self.keep + self.cls)
 
+    def backbone_length(self, length: int) -> int:
+        return self.keep + self.cls  # the encoder sees only the visible patches (and CLS)
+
     @torch.no_grad()
     def save_samples(self, backbone: nn.Module, batch: dict, path: str | Path, count: int = 8) -> Path:
         """Write a PNG grid, one row per sample: original | masked (hidden patches grey) | reconstruction

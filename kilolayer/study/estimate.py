@@ -5,7 +5,7 @@ only in their seed cost the same) in a scratch directory, with the thread count 
 would give it, and measures its pieces on this machine:
 
 * start-up: a fresh ``python -m kilolayer`` process importing the trainer (measured once);
-* set-up: building data, model and optimizer (``Trainer(...)``);
+* set-up: building data, model and optimizer (``Run(...)``);
 * one training step: the mean over ``probe_steps`` steps, after two warm-up steps;
 * one evaluation, one checkpoint, one stability-diagnostics probe and each analysis.
 
@@ -111,7 +111,7 @@ def _step_seconds(run_dir: Path, skip: int) -> list[float]:
 
 def probe(point: Point, probe_steps: int = 5) -> PointCost:
     """Measure one point's pieces (see the module docstring) in a scratch directory."""
-    from kilolayer.train.loop import Trainer
+    from kilolayer.train.run import Run
 
     warm = 2  # step 1 pays for lazy initialisation, step 2 for step 1's diagnostics
     untrained = point.config.train.steps == 0  # only built, saved and analysed
@@ -119,23 +119,23 @@ def probe(point: Point, probe_steps: int = 5) -> PointCost:
     with tempfile.TemporaryDirectory(prefix="kilolayer-estimate-") as tmp:
         run_dir = Path(tmp) / "run"
         t0 = time.perf_counter()
-        trainer = Trainer(cfg, run_dir, quiet=True)
+        run = Run(cfg, run_dir, quiet=True)
         setup = time.perf_counter() - t0
-        trainer.run()  # trains, then evaluates and saves once at the end
+        run.run()  # trains, then evaluates and saves once at the end
         steps = _step_seconds(run_dir, warm)
         step = statistics.fmean(steps) if steps else 0.0  # the mean: a full run pays its hiccups too
         evaluation = 0.0
         if not untrained:
             t0 = time.perf_counter()
-            trainer.evaluate(cfg.train.steps)
+            run.evaluate(cfg.train.steps)
             evaluation = time.perf_counter() - t0
         t0 = time.perf_counter()
-        trainer.save(cfg.train.steps + 1)
+        run.save(cfg.train.steps + 1)
         checkpoint = time.perf_counter() - t0
         diagnostics = 0.0
-        if trainer.probe_batch is not None:
+        if run.engine.probe_batch is not None:
             t0 = time.perf_counter()
-            trainer.diagnostics(cfg.train.steps, [], [])
+            run.engine.diagnostics(cfg.train.steps, [], [])
             diagnostics = time.perf_counter() - t0
         t0 = time.perf_counter()
         for name in point.analyses:
@@ -147,7 +147,7 @@ def probe(point: Point, probe_steps: int = 5) -> PointCost:
 def startup_seconds() -> float:
     """A fresh interpreter importing the trainer: what every study point pays before set-up."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import kilolayer.train.loop"], check=True)
+    subprocess.run([sys.executable, "-c", "import kilolayer.train.run"], check=True)
     return time.perf_counter() - t0
 
 

@@ -918,9 +918,9 @@ def bamboo_smoothing(results, out):
 def pretraining_problem(r, results, out) -> str | None:
     """Why the pre-training behind fine-tuned run ``r`` (its point's ``init_from_point``) makes ``r`` no evidence,
     or None: the pre-training run must have completed, and ``r`` must have started from the checkpoint that
-    stands for it now (recorded in ``r``'s status as ``init_from.step``; for runs that predate that record,
-    ``r`` must have started after the pre-training finished)."""
-    from kilolayer.rundir import checkpoint_step, chosen_checkpoint, read_status
+    stands for it now (recorded in ``r``'s status as ``init_from.step``; without that record, ``r`` must have
+    started after the pre-training finished)."""
+    from kilolayer.rundir import RunDir, checkpoint_step
 
     key = getattr(r.point, "init_from_point", None) if r is not None else None
     if key is None or r.status not in ("completed", "diverged"):
@@ -929,15 +929,15 @@ def pretraining_problem(r, results, out) -> str | None:
     if src is None or src.status != "completed":
         state = "missing" if src is None else src.status
         return f"{r.point.key} (its pre-training run {key} is {state})"
-    mine, theirs = read_status(r.point.run_dir(out)), read_status(src.point.run_dir(out))
-    record = mine.get("init_from")
-    if isinstance(record, dict) and "step" in record:
-        chosen = chosen_checkpoint(src.point.run_dir(out), src.point.config.train.patience, on_damaged=lambda _: None)
+    mine, theirs = RunDir(r.point.run_dir(out)), RunDir(src.point.run_dir(out))
+    record = mine.init_from
+    if record is not None:
+        chosen = theirs.checkpoint(on_damaged=lambda _: None)
         if chosen is None or checkpoint_step(chosen) != int(record["step"]):
             now = "none" if chosen is None else checkpoint_step(chosen)
             return f"{r.point.key} (fine-tuned from step {record['step']} of {key}, whose chosen checkpoint is {now})"
         return None
-    started, finished = mine.get("started"), theirs.get("finished")
+    started, finished = mine.status.get("started"), theirs.status.get("finished")
     if not (isinstance(started, str) and isinstance(finished, str) and started >= finished):
         return f"{r.point.key} (started before its pre-training run {key} finished)"
     return None

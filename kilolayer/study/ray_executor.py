@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from kilolayer import rundir
 from kilolayer.errors import ConfigError
-from kilolayer.rundir import FINISHED, read_status
-from kilolayer.study.runner import Result, _mtime, collect_all, run_analyses, stale_init, train_point
+from kilolayer.rundir import FINISHED, STATUSES, RunDir
+from kilolayer.study.runner import Result, collect_all, run_analyses, stale_init, train_point
 from kilolayer.study.spec import Point, StudySpec, expand
 
 INSTALL_HINT = "pip install 'kilolayer[ray]'"
@@ -149,7 +148,7 @@ def _wait_unlocked(run_dir: Path, seconds: float) -> None:
     """A retried task may start while the previous attempt's training process (stopped by SIGTERM when its
     worker died) is still saving: wait for it to release the run's lock."""
     deadline = time.monotonic() + seconds
-    while rundir.is_locked(run_dir) and time.monotonic() < deadline:
+    while RunDir(run_dir).locked and time.monotonic() < deadline:
         time.sleep(0.5)
 
 
@@ -185,7 +184,7 @@ def train_task(point: Point, out: str, token_path: str, token: str, threads: int
     finally:
         signal.signal(signal.SIGINT, previous)
     if a.trained and a.status not in FINISHED and (a.crashed or a.status == "interrupted"):
-        reason = read_status(point.run_dir(out_dir)).get("reason", "")
+        reason = RunDir(point.run_dir(out_dir)).status.get("reason", "")
         raise TrainingProcessDied(f"{point.key}: {a.status} ({reason}); the retry resumes it")
     # what the runner said besides its start and end lines, which the driver writes itself (a run set aside to
     # train again from scratch, a source it waits for)
@@ -432,7 +431,7 @@ class _Driver:
 
     def analyses_missing(self, p: Point) -> bool:
         run_dir = p.run_dir(self.root)
-        return read_status(run_dir).get("status") == "completed" and any(
+        return RunDir(run_dir).state == "completed" and any(
             not (run_dir / "analysis" / a / f"{a}.json").exists() for a in p.analyses
         )
 
@@ -446,12 +445,11 @@ class _Driver:
                 self.submit(self.by_key[key])
 
     def submit(self, p: Point) -> None:
-        status = read_status(p.run_dir(self.root)).get("status")
-        if status in FINISHED and stale_init(p, self.root) is not None:
-            status = None  # started from another checkpoint of its source than the chosen one: its task retrains it
-        if status in FINISHED and not self.analyses_missing(p):
+        # a point started from another checkpoint of its source than the chosen one: its task retrains it
+        finished = RunDir(p.run_dir(self.root)).finished and stale_init(p, self.root) is None
+        if finished and not self.analyses_missing(p):
             self.ended.add(p.key)  # a finished point: no task at all
-        elif status in FINISHED:
+        elif finished:
             self.analyse(p)
         else:
             ref = self.trainer.remote(
@@ -474,7 +472,7 @@ class _Driver:
         running = sum(
             1
             for ref, (kind, key) in self.pending.items()
-            if kind == "analyse" or self.submitted[ref] <= _mtime(self.by_key[key].run_dir(self.root) / rundir.STATUS)
+            if kind == "analyse" or self.submitted[ref] <= RunDir(self.by_key[key].run_dir(self.root)).status_time
         )
         queued = len(self.waiting) + len(self.pending) - running
         self.progress.update(len(self.ended) - len(self.failed), running, queued, len(self.failed))
@@ -486,11 +484,8 @@ class _Driver:
         self.ran.add(p.key)
         if isinstance(value, BaseException):
             # Ray gave up (retries spent): record it unless the training process said why itself
-            run_dir = p.run_dir(self.root)
-            st = read_status(run_dir)
-            if st.get("status") in (None, "running") and not rundir.is_locked(run_dir):
-                run_dir.mkdir(parents=True, exist_ok=True)  # the task may have failed before training began
-                rundir.write_status(run_dir, "failed", int(st.get("step", 0)), f"Ray task: {_error_line(value)}")
+            said = tuple(s for s in STATUSES if s != "running")  # a final status of the process's own
+            RunDir(p.run_dir(self.root)).mark_failed(f"Ray task: {_error_line(value)}", keep=said)
             self.failed.add(p.key)
             self.ended.add(p.key)
             self.progress.say(f"[study] {p.key}: failed ({_error_line(value)})")

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kilolayer.rundir import read_status
+from kilolayer.rundir import RunDir
 from kilolayer.study.findings import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding, evaluate_findings
 
 # plain words (emoji need a font the reader may not have); the HTML colours them
@@ -79,7 +79,7 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
     tokens = 0
     for r in results:
         try:
-            tokens += int(read_status(r.point.run_dir(out)).get("tokens", 0))
+            tokens += int(RunDir(r.point.run_dir(out)).status.get("tokens", 0))
         except (TypeError, ValueError):
             pass
     seeds = sorted({r.point.config.train.seed for r in results})
@@ -137,7 +137,7 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
     for r in results:
         ev = ", ".join(f"{k} {v:.4g}" for k, v in r.eval.items() if k not in ("step", "split") and isinstance(v, float))
         status = r.status + (f" at step {r.step}: {r.reason}" if r.status != "completed" else "")
-        st = read_status(r.point.run_dir(out))
+        st = RunDir(r.point.run_dir(out)).status
         ended = "-"
         if r.status == "completed":
             ended = f"plateau (best step {st.get('best_step')})" if st.get("stopped_early") else "step budget"

@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +34,9 @@ from pathlib import Path
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import KilolayerError
-from kilolayer.registry import Registry
-from kilolayer.rundir import FINISHED, read_metrics, read_status
+from kilolayer.rundir import RunDir
+from kilolayer.study.analyses import STAMP, analysis_stamp, run_analysis
 from kilolayer.study.spec import Point, StudySpec, expand
-
-# a group's ``analyses: [NAME]``: fn(run_dir, target) writes target/NAME.json for one completed run (the spec's
-# validation reads this registry)
-ANALYSES: Registry[Callable[[Path, Path], None]] = Registry("analyses", "analysis")
 
 
 @dataclass
@@ -106,11 +101,11 @@ def source_not_ready(point: Point, out: Path) -> str | None:
     src = source_dir(point, out)
     if src is None:
         return None
-    st = read_status(src)
-    status = st.get("status")
+    source = RunDir(src)
+    status = source.state
     if status == "completed":
         return None
-    what = f"{status} at step {int(st.get('step', 0))}" if status else "not run"
+    what = f"{status} at step {source.step}" if status else "not run"
     return f"not started: its init_from point {point.init_from_point} is {what}; it trains once that one completes"
 
 
@@ -121,7 +116,7 @@ def stale_init(point: Point, out: Path) -> str | None:
     src = source_dir(point, out)
     if src is None:
         return None
-    used = rundir.recorded_init_from(point.run_dir(out))
+    used = RunDir(point.run_dir(out)).init_from
     if used is None:
         return None
     from kilolayer.train.init_from import pretrained_checkpoint
@@ -147,12 +142,7 @@ def _set_aside(run_dir: Path) -> Path:
 
 def _record_not_started(run_dir: Path, reason: str) -> None:
     """Record ``failed`` with ``reason`` for a point the runner did not start (a re-run tries it again)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        with rundir.RunLock(run_dir):
-            rundir.write_status(run_dir, "failed", int(read_status(run_dir).get("step", 0)), reason)
-    except rundir.RunLocked:
-        pass  # someone else is training it: its status is its own
+    RunDir(run_dir).mark_failed(reason)
 
 
 def _materialise(point: Point, out: Path) -> None:
@@ -209,14 +199,7 @@ def _record_crash(run_dir: Path, returncode: int, logfile: Path) -> None:
     """The child ended without a final status of its own (killed, or refused before training started):
     record ``failed`` with its exit code and last log line, unless another training process holds the run."""
     reason = (logfile.read_text().strip().splitlines() or ["no output"])[-1][:300]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        with rundir.RunLock(run_dir):
-            st = read_status(run_dir)
-            if st.get("status") not in FINISHED:
-                rundir.write_status(run_dir, "failed", int(st.get("step", 0)), f"exit code {returncode}: {reason}")
-    except rundir.RunLocked:
-        pass  # someone else is training it: its status is its own
+    RunDir(run_dir).mark_failed(f"exit code {returncode}: {reason}")
 
 
 def _record_seconds(run_dir: Path, total: float) -> None:
@@ -224,11 +207,7 @@ def _record_seconds(run_dir: Path, total: float) -> None:
     another process holds the run (its status is its own). A training process carries the field into every
     status it writes (:class:`kilolayer.rundir.Lifecycle`), so a resumed run keeps its earlier attempts' time;
     an attempt whose driver was killed outright records none, so the figure is a lower bound."""
-    try:
-        with rundir.RunLock(run_dir):
-            rundir.update_status(run_dir, seconds=total)
-    except rundir.RunLocked:
-        pass
+    RunDir(run_dir).record_seconds(total)
 
 
 @dataclass
@@ -258,7 +237,7 @@ def train_point(
     when its parent dies. A point initialised from another's run waits for that run to complete, and trains
     again from scratch when it started from another checkpoint of it than the chosen one now."""
     run_dir = point.run_dir(out)
-    st = read_status(run_dir)
+    run = RunDir(run_dir)
     waiting = source_not_ready(point, out)
     stale = stale_init(point, out) if waiting is None else None
     if stale is not None:
@@ -266,16 +245,15 @@ def train_point(
             moved = _set_aside(run_dir)
         except rundir.RunLocked as err:
             log(f"[study] {point.key}: not retrained ({stale}): {err}")
-            return Attempt(st.get("status", "failed"), float(st.get("seconds", 0.0)), False)
+            return Attempt(run.state or "failed", run.seconds, False)
         log(f"[study] {point.key}: training again from scratch: {stale} (the old run is kept as {moved.name})")
-        st = {}
-    if st.get("status") in FINISHED:
-        return Attempt(st["status"], float(st.get("seconds", 0.0)), False)
+    if run.finished:
+        return Attempt(run.state, run.seconds, False)
     if waiting is not None:
         _record_not_started(run_dir, waiting)
         log(f"[study] {point.key}: {waiting}")
         return Attempt("failed", 0.0, False)
-    earlier = float(st.get("seconds", 0.0))  # what earlier attempts at this run took (none: 0)
+    earlier = run.seconds  # what earlier attempts at this run took (none: 0)
     _materialise(point, out)
     logfile = out / "logs" / point.group / f"{point.name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
@@ -294,30 +272,22 @@ def train_point(
         try:
             returncode = _wait(proc, forward_interrupt=remote)
         except KeyboardInterrupt:  # Ctrl-C, or a cancelled Ray task: the child has stopped and saved its step
-            if read_status(run_dir).get("pid") == proc.pid:
+            if run.status.get("pid") == proc.pid:
                 _record_seconds(run_dir, earlier + time.perf_counter() - t0)
             raise
     seconds = time.perf_counter() - t0
-    st = read_status(run_dir)
+    st = run.status
     # the child's own final status names its PID (under torchrun: rank 0's, so it must at least be newer than
     # the launch); anything else (none, an older one, "running") is stale
-    own = st.get("pid") == proc.pid or (nproc > 1 and _mtime(run_dir / rundir.STATUS) >= launched)
+    own = st.get("pid") == proc.pid or (nproc > 1 and run.status_time >= launched)
     crashed = returncode != 0 and (not own or st.get("status") == "running")
     if crashed:
         _record_crash(run_dir, returncode, logfile)
-        st = read_status(run_dir)
-    status = st.get("status", "failed")
+    status = run.state or "failed"
     if own or crashed:  # not a child refused because another process holds the run
         _record_seconds(run_dir, earlier + seconds)
     log(f"[study] {point.key}: {status} ({seconds:.0f}s)")
     return Attempt(status, seconds, True, returncode, crashed)
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
 
 
 def run_point(point: Point, out: Path, log=print, threads: int | None = None) -> tuple[str, float, bool]:
@@ -326,58 +296,10 @@ def run_point(point: Point, out: Path, log=print, threads: int | None = None) ->
     return a.status, a.seconds, a.trained
 
 
-@ANALYSES.register("smoothness")
-def smoothness_analysis(run_dir: Path, target: Path, data: dict | None = None) -> None:
-    """Over-smoothing curves on the run's own validation data, or on ``data`` (a data section: the group's
-    ``analysis_data``, so that every group of a modality is measured on the same inputs), through the stack's
-    observer (as ``kilolayer analyze --run``)."""
-    from kilolayer.analysis.smoothness import save_smoothness, smoothness_of_run
-
-    save_smoothness(smoothness_of_run(run_dir, data=data, samples=256), target)
-
-
-def _smoothness_version() -> int:
-    from kilolayer.analysis.smoothness import SMOOTHNESS_METHOD
-
-    return SMOOTHNESS_METHOD
-
-
-smoothness_analysis.version = _smoothness_version
-STAMP = "stamp.json"
-
-
-def _measured_step(run_dir: Path) -> int | None:
-    """The step of the checkpoint that stands for the run (what an analysis loads); None without one."""
-    try:
-        chosen = rundir.chosen_checkpoint(run_dir, rundir.run_patience(run_dir), on_damaged=lambda _: None)
-    except KilolayerError:
-        return None
-    return rundir.checkpoint_step(chosen) if chosen is not None else None
-
-
-def analysis_stamp(name: str, data: dict | None = None, run_dir: Path | None = None) -> dict:
-    """What a saved result of analysis ``name`` was measured with: the analysis's version (a ``version``
-    callable or int on its function; 1 without), its data section and the step of the run's checkpoint it
-    measured (a run resumed to more steps is measured again). A result with another stamp is redone."""
-    version = getattr(ANALYSES.get(name), "version", 1)
-    step = _measured_step(Path(run_dir)) if run_dir is not None else None
-    return {"analysis": name, "version": version() if callable(version) else version, "data": data, "step": step}
-
-
-def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
-    """Run analysis ``name`` (registered in :data:`ANALYSES`) on a finished run, on ``data`` if given (else the
-    run's own); results go to run_dir/analysis/name, with the stamp of :func:`analysis_stamp`."""
-    target = Path(run_dir) / "analysis" / name
-    fn = ANALYSES.get(name)
-    fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
-    rundir.write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")
-    return target
-
-
 def run_analyses(point: Point, out: Path, log=print) -> None:
     """The point's analyses on its finished run, each unless a result with the same stamp is saved."""
     run_dir = point.run_dir(out)
-    if read_status(run_dir).get("status") != "completed":
+    if RunDir(run_dir).state != "completed":
         return
     from kilolayer.errors import KilolayerError
 
@@ -395,10 +317,11 @@ def run_analyses(point: Point, out: Path, log=print) -> None:
 
 def collect(point: Point, out: Path) -> Result:
     run_dir = point.run_dir(out)
-    st = read_status(run_dir)
+    run = RunDir(run_dir)
+    st = run.status
     status, reason = st.get("status", "missing"), st.get("reason", "")
     try:
-        records = read_metrics(run_dir)
+        records = run.metrics()
     except KilolayerError as err:  # one damaged run is reported as such, not the end of the report
         records, status, reason = [], "unreadable", str(err)
     evals = [r for r in records if r.get("split") == "eval"]
@@ -406,7 +329,7 @@ def collect(point: Point, out: Path) -> Result:
     if status == "completed":
         # the evaluation of the weights that stand for the run (what analyses and init_from load): with early
         # stopping its best step, whether it stopped early or at its step budget
-        last = rundir.chosen_eval(run_dir, evals, on_damaged=_quiet)
+        last = run.final_eval(evals, on_damaged=_quiet)
     smooth = None
     sfile = run_dir / "analysis" / "smoothness" / "smoothness.json"
     try:

@@ -11,7 +11,7 @@ A spec (YAML or a built-in name)::
           model.scheme: [post_ln, deepnorm]
           model.layers,model.decoder_layers: [[6, 6], [18, 18]]   # keys tied together
         seeds: [0, 1]               # train.seed values (default [0])
-        analyses: [smoothness]      # run on each finished point (kilolayer.study.runner.ANALYSES)
+        analyses: [smoothness]      # run on each finished point (kilolayer.study.analyses.ANALYSES)
       - name: finetune
         after: pretrain             # runs once the named group is done
         init_from: pretrain         # train.init_from = the pretrain point with the same grid values
@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kilolayer.config import Config, apply_sets, format_validation_error, load_config
 from kilolayer.errors import ConfigError
+from kilolayer.study.analyses import ANALYSES
 
 
 class GroupSpec(BaseModel):
@@ -70,8 +71,6 @@ class GroupSpec(BaseModel):
     @field_validator("analyses")
     @classmethod
     def _analyses(cls, names):
-        from kilolayer.study.runner import ANALYSES  # registered beside the code that runs them (runner imports us)
-
         for n in names:
             if n not in ANALYSES:
                 raise ValueError(ANALYSES.unknown(n))

@@ -29,15 +29,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kilolayer import rundir
+from kilolayer.config import load_config
+from kilolayer.data import load_source
 from kilolayer.errors import InputError
+from kilolayer.objectives import build_task
 
-# the listing moved to kilolayer.rundir; these names stay importable from here
+# the checkpoint listing lives in kilolayer.rundir; re-exported for the trainer and tests that import it here
 from kilolayer.rundir import (  # noqa: F401
     STEP_DIR,
     checkpoint_dir,
     complete_checkpoints,
     latest_checkpoint,
-    load_run,
     remove_partial,
 )
 
@@ -181,30 +183,6 @@ def check_fits(path: Path, weights: dict[str, torch.Tensor], expected: dict[str,
         raise InputError(f"{path}: does not fit this model: unexpected {extra[0]!r}")
 
 
-def upgrade_checkpoint(task: torch.nn.Module, data: dict) -> dict:
-    """``data`` (from :func:`load_checkpoint`) with the tensor names of a checkpoint written before issue 13
-    renamed to ``task``'s (:func:`kilolayer.nn.residual.upgrade_state_dict`), in the weights and, where the
-    optimizer state names parameters (as a distributed run saves it), there too. Nothing is dropped."""
-    from kilolayer.nn.residual import old_keys, upgrade_state_dict
-
-    model = upgrade_state_dict(task, data["model"])
-    if model is data["model"]:
-        return data
-    renames = {old: new for old, new in old_keys(task).items() if old in data["model"] and new in model}
-    optim = data["optimizer"].get("optimizer") if isinstance(data.get("optimizer"), dict) else None
-    if isinstance(optim, dict) and isinstance(optim.get("state"), dict):
-        optim = {
-            **optim,
-            "state": {renames.get(k, k) if isinstance(k, str) else k: v for k, v in optim["state"].items()},
-            "param_groups": [
-                {**g, "params": [renames.get(k, k) if isinstance(k, str) else k for k in g.get("params", [])]}
-                for g in optim.get("param_groups", [])
-            ],
-        }
-        data = {**data, "optimizer": {**data["optimizer"], "optimizer": optim}}
-    return {**data, "model": model}
-
-
 def load_checkpoint(path: Path) -> dict:
     """Read every part of a checkpoint directory; one clear line if any part is bad."""
     path = Path(path)
@@ -219,3 +197,21 @@ def load_checkpoint(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise InputError(f"{path / 'state.json'}: unreadable ({err.__class__.__name__})") from None
     return out
+
+
+def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | None = None):
+    """(config, task) of a finished or running kilolayer run, with the weights of ``checkpoint`` (default: the
+    one that stands for the run, :func:`kilolayer.rundir.chosen_checkpoint`: the newest intact one; with early
+    stopping, the best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
+    run_dir = Path(run_dir)
+    if not (run_dir / rundir.CONFIG).is_file():
+        raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
+    config = load_config(run_dir / rundir.CONFIG)
+    ckpt = Path(checkpoint) if checkpoint is not None else rundir.chosen_checkpoint(run_dir, config.train.patience)
+    if ckpt is None:
+        raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
+    task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
+    weights = read_weights(ckpt / "model.safetensors")
+    check_fits(ckpt / "model.safetensors", weights, task.state_dict())
+    task.load_state_dict(weights)
+    return config, task.to(device).eval()

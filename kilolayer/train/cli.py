@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def cmd_train(args) -> int:
-    from kilolayer.train.loop import train
+    from kilolayer.train.run import train
 
     if args.config is None and not args.resume:
         from kilolayer.errors import ConfigError
@@ -12,7 +12,16 @@ def cmd_train(args) -> int:
         raise ConfigError("train: give a CONFIG (file or preset), or --resume an existing --out directory")
     import os
 
-    result = train(args.config, args.out, resume=args.resume, sets=args.set, quiet=args.quiet, overwrite=args.overwrite)
+    sets = [*args.set, *([f"train.threads={args.threads}"] if args.threads is not None else [])]
+    result = train(
+        args.config,
+        args.out,
+        resume=args.resume,
+        sets=sets,
+        quiet=args.quiet,
+        overwrite=args.overwrite,
+        auto_threads=True,
+    )
     if os.environ.get("RANK", "0") == "0":
         print(f"{result['status']} at step {result['step']}: {args.out}")
     return 0
@@ -48,6 +57,12 @@ def register(sub) -> None:
         "--overwrite",
         action="store_true",
         help="replace the run in --out (its config, metrics, status and checkpoints) with a new one",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="intra-op threads (train.threads); a resume reuses the count its run recorded unless given",
     )
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_train)

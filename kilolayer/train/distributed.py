@@ -136,6 +136,22 @@ def all_mean(value: float, env: Dist) -> float:
     return float(t) / env.world
 
 
+def all_sum(t: torch.Tensor, env: Dist) -> torch.Tensor:
+    """Sum of a tensor over processes, returned on the CPU."""
+    t = t.to(env.device if env.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return t.cpu()
+
+
+def all_max(value: int, env: Dist) -> int:
+    """Maximum of an integer over processes (itself with one process)."""
+    if not env.active:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=env.device if env.device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def barrier(env: Dist) -> None:
     if env.active:
         dist.barrier()

@@ -20,7 +20,6 @@ from torch import nn
 from kilolayer import rundir
 from kilolayer.config import read_yaml
 from kilolayer.errors import InputError
-from kilolayer.nn.residual import upgrade_state_dict
 from kilolayer.train.checkpoint import read_weights
 
 _SHAPE_KEYS = ("arch", "scheme", "layers", "width", "heads", "ffn", "input", "image_size", "patch_size", "channels")
@@ -58,7 +57,6 @@ def load_pretrained(task: nn.Module, run_dir: str | Path, freeze: bool = False) 
     pretrained = {k[len("backbone.") :]: v for k, v in weights.items() if k.startswith("backbone.")}
     if not pretrained:
         raise InputError(f"{path}: holds no backbone.* tensors (train.init_from)")
-    pretrained = upgrade_state_dict(task.backbone, pretrained)  # a run saved before issue 13's renames too
     own = task.backbone.state_dict()
     run_model = read_yaml(run / rundir.CONFIG).get("model") or {}
     here = task.backbone.config.model_dump() if hasattr(task.backbone, "config") else {}

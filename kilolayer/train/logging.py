@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kilolayer import rundir
 
-# metrics and status files belong to kilolayer.rundir; these names stay importable from here
+# metrics and status files live in kilolayer.rundir; re-exported for callers that import them here
 from kilolayer.rundir import read_metrics, truncate_metrics, write_status  # noqa: F401
 
 

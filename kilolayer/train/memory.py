@@ -36,21 +36,10 @@
   copy of the gradients); FSDP divides parameters, gradients and optimizer
   state by the number of processes.
 
-Checked against the peak resident memory (VmHWM) of two real training steps
-on CPU (one thread) in 18 configurations: encoder (MLM), decoder (next token),
-encoder-decoder (seq2seq, Post-LN and DeepNorm), ViT classification, MAE and
-CLIP-style contrastive; fp32 and bf16; with and without activation
-checkpointing, dropout, accumulation and fused AdamW; 13-195 MiB of parameters
-and 8-550 MiB of activations. The measured increase was 1.03-1.33x the estimate
-with glibc's default allocator (which keeps freed blocks) and 1.04-1.07x with
-``MALLOC_MMAP_THRESHOLD_=65536`` (resident memory then follows the live
-tensors). What two more layers add matches the tensors autograd saves within
-0.965-1.066x for six schemes, three architectures and both precisions.
-The trainer's ``train.hold_heap`` (on by default for CPU runs without checkpointing) keeps
-freed pages for the next step and did not move these peaks: 1.18x, 1.20x and 1.26x the estimate with it,
-1.18x, 1.20x and 1.23x without, for the decoder, the MLM encoder and the ViT classifier.
-``tests/test_memory_check.py`` checks both. So on the CPU, leave about a
-third more than the estimate when it is close to the limit.
+``tests/test_memory_check.py`` checks the estimate against the peak resident
+memory of real training steps. On the CPU, glibc's allocator keeps freed blocks,
+so resident memory runs above the live tensors: leave about a third more than
+the estimate when it is close to the limit.
 
 :func:`check_memory` compares the estimate with what the device has free and
 refuses, in one line, a config that cannot fit (``train.memory_check: false``
@@ -256,10 +245,8 @@ def estimate_memory(
     )
     batch = max(1, tc.batch_size // tc.accumulate // world)
     ckpt = m.checkpoint_activations
-    # the backbone's sequences: MAE's encoder sees only the visible patches (+ CLS)
-    length = m.seq_len
-    if hasattr(objective, "keep") and hasattr(objective, "num_patches"):
-        length = objective.keep + int(m.cls_token)
+    # the backbone's sequences, as long as the objective shows it (MAE's encoder: the visible patches + CLS)
+    length = objective.backbone_length(m.seq_len)
     acts = 0
     if m.arch == "encoder":
         acts += _stack_bytes((_config_layers(m, "encoder", m.layers, False)), prec, batch, length, length, ckpt)
@@ -283,7 +270,7 @@ def estimate_memory(
         elif isinstance(mod, Stack) and id(mod) not in towers:
             acts += _stack_bytes(_module_layers(mod), prec, batch, m.seq_len, m.seq_len, False)
     # vocabulary heads: logits over every token (MLM: over the masked share)
-    share = float(getattr(objective, "mask_prob", 1.0))
+    share = objective.vocab_share
     for mod in objective.modules():
         if isinstance(mod, torch.nn.Linear) and mod.out_features == m.vocab_size and m.input == "tokens":
             acts += int((14 if bf16 else 12) * m.vocab_size * batch * length * share)

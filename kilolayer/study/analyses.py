@@ -1,0 +1,69 @@
+"""The analyses a study group runs on each finished point (``analyses: [NAME]`` in a spec).
+
+An analysis is ``fn(run_dir, target[, data=...])`` that writes ``target/NAME.json`` for one completed run,
+registered in :data:`ANALYSES`; a spec's validation reads the registry. Each saved result carries a stamp of
+what it was measured with (:func:`analysis_stamp`), so a result from another version of the measurement, other
+inputs or another checkpoint is measured again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from kilolayer import rundir
+from kilolayer.errors import KilolayerError
+from kilolayer.registry import Registry
+from kilolayer.rundir import RunDir
+
+ANALYSES: Registry[Callable[[Path, Path], None]] = Registry("analyses", "analysis")
+
+
+@ANALYSES.register("smoothness")
+def smoothness_analysis(run_dir: Path, target: Path, data: dict | None = None) -> None:
+    """Over-smoothing curves on the run's own validation data, or on ``data`` (a data section: the group's
+    ``analysis_data``, so that every group of a modality is measured on the same inputs), through the stack's
+    observer (as ``kilolayer analyze --run``)."""
+    from kilolayer.analysis.plots import save_smoothness  # matplotlib only when writing
+    from kilolayer.analysis.smoothness import smoothness_of_run
+
+    save_smoothness(smoothness_of_run(run_dir, data=data, samples=256), target)
+
+
+def _smoothness_version() -> int:
+    from kilolayer.analysis.smoothness import SMOOTHNESS_METHOD
+
+    return SMOOTHNESS_METHOD
+
+
+smoothness_analysis.version = _smoothness_version
+STAMP = "stamp.json"
+
+
+def _measured_step(run_dir: Path) -> int | None:
+    """The step of the checkpoint that stands for the run (what an analysis loads); None without one."""
+    try:
+        chosen = RunDir(run_dir).checkpoint(on_damaged=lambda _: None)
+    except KilolayerError:
+        return None
+    return rundir.checkpoint_step(chosen) if chosen is not None else None
+
+
+def analysis_stamp(name: str, data: dict | None = None, run_dir: Path | None = None) -> dict:
+    """What a saved result of analysis ``name`` was measured with: the analysis's version (a ``version``
+    callable or int on its function; 1 without), its data section and the step of the run's checkpoint it
+    measured (a run resumed to more steps is measured again). A result with another stamp is redone."""
+    version = getattr(ANALYSES.get(name), "version", 1)
+    step = _measured_step(Path(run_dir)) if run_dir is not None else None
+    return {"analysis": name, "version": version() if callable(version) else version, "data": data, "step": step}
+
+
+def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
+    """Run analysis ``name`` (registered in :data:`ANALYSES`) on a finished run, on ``data`` if given (else the
+    run's own); results go to run_dir/analysis/name, with the stamp of :func:`analysis_stamp`."""
+    target = Path(run_dir) / "analysis" / name
+    fn = ANALYSES.get(name)
+    fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
+    rundir.write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")
+    return target

@@ -1,0 +1,359 @@
+"""The training engine: a config's task, optimizer and schedule, its training step and its evaluation.
+
+:class:`Engine` builds everything a step needs from a config (data source, seeded initialisation, the task on
+its device with :func:`~kilolayer.train.parallelize.parallelize` applied and the heap handled as
+:mod:`kilolayer.train.heap` says, AdamW and the learning-rate
+schedule) and runs steps and evaluations; it applies the divergence and early-stopping rules of
+:mod:`kilolayer.train.policies`. It reads and writes no files and handles no signals: ``kilolayer train``
+gives it a run directory (:class:`kilolayer.train.run.Run`); the doctor's replay, the study's cost
+estimate and ``benchmarks/`` drive it in memory. :func:`forward_backward` and :func:`apply_update` are the
+step's two halves, the one place where gradients are computed and applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kilolayer.config import Config
+from kilolayer.data import load_source
+from kilolayer.errors import ConfigError, InputError
+from kilolayer.objectives import build_task
+from kilolayer.train import diagnostics as diag
+from kilolayer.train import distributed as D
+from kilolayer.train import heap
+from kilolayer.train.optim import build_optimizer, build_scheduler
+from kilolayer.train.parallelize import parallelize
+from kilolayer.train.policies import DivergenceRule, EarlyStopping
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> tuple[dict, dict]:
+    """(tensor states for rng.pt, JSON-able states for state.json)."""
+    tensors = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.stack([s for s in torch.cuda.get_rng_state_all()])
+    np_state = np.random.get_state()
+    plain = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    return tensors, plain
+
+
+def set_rng_state(tensors: dict, plain: dict) -> None:
+    torch.set_rng_state(tensors["cpu"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(tensors["cuda"]))
+    v, s, g = plain["python"]
+    random.setstate((v, tuple(s), g))
+    n = plain["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def split_batch(batch: dict, parts: int) -> list[dict]:
+    if parts == 1:
+        return [batch]
+    chunks = {k: v.chunk(parts) if isinstance(v, torch.Tensor) else [v] * parts for k, v in batch.items()}
+    return [{k: chunks[k][i] for k in batch} for i in range(parts)]
+
+
+def autocast(precision: str, device: torch.device):
+    """bf16 autocast for ``train.precision: bf16``; nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def forward_backward(
+    micro_batches: list, loss_of: Callable[[object], torch.Tensor], no_sync: Callable[[bool], object] | None = None
+) -> float:
+    """Forward and backward over a step's micro-batches, each loss scaled by 1/parts so the gradients are the
+    mean's; ``no_sync(skip)`` wraps every micro-batch but the last (DDP all-reduces once). Returns the mean loss."""
+    parts, total = len(micro_batches), 0.0
+    for i, mb in enumerate(micro_batches):
+        with no_sync(i < parts - 1) if no_sync is not None else contextlib.nullcontext():
+            loss = loss_of(mb)
+            (loss / parts).backward()
+        total += float(loss.detach()) / parts
+    return total
+
+
+def apply_update(optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+    """Apply the accumulated gradients, advance the schedule and clear the gradients."""
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass
+class StepStats:
+    """What :meth:`Engine.train_step` measured."""
+
+    loss: float  # the step's loss, averaged over micro-batches and processes
+    grad_norm: torch.Tensor  # the global gradient norm before clipping
+    tokens: int  # tokens the backbone processed on this process
+    flops: float  # model FLOPs of the step on this process (the objective's train_flops)
+    layer_grads: tuple[list[str], list[float]] | None  # per-layer gradient norms, when asked for
+
+
+class Engine:
+    """A config's task, optimizer and schedule on ``env``'s device, seeded as ``train.seed`` says.
+
+    ``fresh=True`` initialises the weights (``train.init_from``, then the schemes' data-dependent
+    initialisation); ``fresh=False`` leaves them for :meth:`load_state`. ``source`` reuses a loaded data source.
+    """
+
+    def __init__(self, config: Config, env: D.Dist | None = None, fresh: bool = True, source=None):
+        self.config, tc = config, config.train
+        self.env = env if env is not None else D.Dist(device=torch.device("cpu"))
+        self.source = source if source is not None else load_source(config)
+        seed_everything(tc.seed)
+        self.task = build_task(config, self.source)
+        self.objective = self.task.objective
+        self.init_from: dict | None = None  # the run whose weights a fresh start loaded, and its step
+        if fresh:
+            self._initialise()
+        self.task.to(self.env.device)
+        trim = heap.apply(self.task, config, self.env.device)  # glibc's heap: before the layers are wrapped
+        self.model = parallelize(self.task, config, self.env, after_layer=trim)
+        if not any(p.requires_grad for p in self.task.parameters()):
+            raise ConfigError("train: nothing to train (every parameter is frozen)")
+        self.optimizer = build_optimizer(self.task, tc)
+        self.scheduler = build_scheduler(self.optimizer, tc)
+        self.divergence = DivergenceRule(tc)
+        self.early_stopping = EarlyStopping(tc)
+        self.step = 0  # the last step whose update is applied
+        self.tokens = 0  # tokens trained on, over all processes
+        # F(x, theta_0) on a fixed probe batch: the reference of DeepNet's model update (train.diagnostics_every),
+        # with the LayerNorm inputs at initialisation
+        self.probe_batch = self.reference = self.initial_ln = None
+        if tc.diagnostics_every:
+            self.probe_batch = self.eval_batch(min(8, tc.batch_size))
+            if fresh:
+                with self.full_params():
+                    self.reference, *self.initial_ln = diag.probe(self.objective, self.task.backbone, self.probe_batch)
+
+    def _initialise(self) -> None:
+        from kilolayer.nn.transformer import data_dependent_init
+
+        tc = self.config.train
+        if tc.init_from:
+            from kilolayer.train.init_from import load_pretrained
+
+            loaded = load_pretrained(self.task, tc.init_from, freeze=tc.freeze_backbone)
+            self.init_from = {"path": str(Path(tc.init_from).resolve()), "step": loaded["step"]}
+        # every backbone of the task (a CLIP text tower too); the batch is drawn only if a scheme runs the pass
+        # (Admin's profiled omega)
+        data_dependent_init(
+            self.task, lambda: self.objective(self.task.backbone, self.source.train_batch(0, tc.batch_size))
+        )
+
+    # -------------------------------------------------------------- the step
+
+    def train_step(self, step: int, layer_grads: bool | None = None) -> StepStats:
+        """Forward and backward over step ``step``'s micro-batches (``train.accumulate``; DDP all-reduces on the
+        last one only), under autocast for ``train.precision``; then the per-layer gradient norms (on
+        diagnostic steps, or as ``layer_grads`` says) and clipping to ``train.clip``. The gradients are left
+        for :meth:`update`, which a diverged step never reaches."""
+        tc, env = self.config.train, self.env
+        batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
+        micro = [self.objective.prepare(to_device(mb, env.device)) for mb in split_batch(batch, tc.accumulate)]
+
+        def loss_of(mb):
+            with autocast(tc.precision, env.device):
+                return self.model(mb)[0]
+
+        loss = D.all_mean(forward_backward(micro, loss_of, self._no_sync), env)
+        tokens = sum(self.objective.tokens(mb) for mb in micro)
+        flops = sum(self.objective.train_flops(mb) for mb in micro)  # on the masks the step drew
+        grads = None
+        if layer_grads or (layer_grads is None and self.diagnostic_step(step)):
+            grads = diag.grad_norms(self.task.backbone, (lambda t: D.all_sum(t, env)) if env.active else None)
+        params = [p for p in self.task.parameters() if p.grad is not None]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, tc.clip if tc.clip > 0 else float("inf"))
+        return StepStats(loss, gnorm, tokens, flops, grads)
+
+    def diverged(self, step: int, loss: float) -> str:
+        """The divergence rule's verdict on step ``step`` ("" if it has not diverged); a diverged step's
+        gradients are dropped."""
+        reason = self.divergence(step, loss)
+        if reason:
+            self.optimizer.zero_grad(set_to_none=True)
+        return reason
+
+    def update(self, step: int, stats: StepStats) -> None:
+        """Apply step ``step``'s gradients (optimizer, then schedule) and count its tokens."""
+        apply_update(self.optimizer, self.scheduler)
+        self.tokens += stats.tokens * self.env.world
+        self.step = step
+
+    def diagnostic_step(self, step: int) -> bool:
+        tc = self.config.train
+        every, until = tc.diagnostics_every, tc.diagnostics_until
+        return every > 0 and (step == 1 or step % every == 0) and (not until or step <= until)
+
+    def _no_sync(self, skip: bool):
+        """DDP's ``no_sync`` for a micro-batch whose gradients are not all-reduced yet."""
+        if skip and self.env.active and self.config.train.parallel == "ddp":
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # -------------------------------------------------------------- evaluation and probes
+
+    def eval_batch(self, size: int) -> dict:
+        """The first ``size`` evaluation samples as one batch on the device."""
+        return to_device(next(self.source.eval_batches(size, size)), self.env.device)
+
+    @contextlib.contextmanager
+    def full_params(self):
+        """Under FSDP2, the root's parameters (embeddings, heads) gathered, for calls that bypass task.forward."""
+        if self.env.active and self.config.train.parallel == "fsdp":
+            self.model.unshard()
+            try:
+                yield
+            finally:
+                self.model.reshard()
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Eval mode, gathered parameters and autocast, in a forked RNG stream: what evaluation runs in, so that
+        it never consumes the training's random numbers (bit-exact resume)."""
+        env, tc = self.env, self.config.train
+        self.task.eval()
+        try:
+            with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
+                with torch.no_grad(), self.full_params(), autocast(tc.precision, env.device):
+                    yield
+        finally:
+            self.task.train()
+
+    def evaluate(self, batches: int | None = None) -> dict:
+        """The objective's evaluation metrics over ``train.eval_batches`` batches (or ``batches``)."""
+        tc = self.config.train
+        count = batches or tc.eval_batches
+        with self.evaluating():
+            data = (
+                to_device(b, self.env.device) for b in self.source.eval_batches(tc.batch_size, count * tc.batch_size)
+            )
+            metrics = self.objective.evaluate(self.task.backbone, data)
+        return {k: float(v) for k, v in metrics.items()}
+
+    def check_early_stop_metric(self) -> None:
+        """Early stopping's metric must be one the objective reports: one evaluation batch says."""
+        names = self.evaluate(batches=1)
+        if self.early_stopping.metric not in names:
+            raise ConfigError(
+                f"train.early_stop_metric={self.early_stopping.metric!r}: not an evaluation metric of "
+                f"{self.config.objective.name} (it reports {', '.join(sorted(names))})"
+            )
+
+    def probe(self, batch: dict | None = None) -> tuple[torch.Tensor, list[str], list[float]]:
+        """F(x, theta) and the mean input magnitude of every LayerNorm on ``batch`` (the probe batch), in a
+        forked RNG stream."""
+        with torch.random.fork_rng(devices=[]), self.full_params():
+            return diag.probe(self.objective, self.task.backbone, batch if batch is not None else self.probe_batch)
+
+    def diagnostics(self, step: int, names: list[str], norms: list[float]) -> dict:
+        """DeepNet's per-step quantities as a ``diagnostics`` record: per-layer gradient norms, the model update
+        ||F(x, theta_t) - F(x, theta_0)|| on the probe batch, and the LayerNorm inputs."""
+        out, ln_names, ln_values = self.probe()
+        return {
+            "step": step,
+            "split": "diagnostics",
+            "layers": names,
+            "grad_norm": norms,
+            "update": diag.update_size(out, self.reference),
+            "ln_names": ln_names,
+            "ln_input": ln_values,
+        }
+
+    # -------------------------------------------------------------- state
+
+    def trainer_state(self) -> dict:
+        """The rules' and counters' state, as a checkpoint's ``state.json`` keeps it under ``trainer``."""
+        state = {**self.divergence.state_dict(), "tokens": self.tokens, **self.early_stopping.state_dict()}
+        if self.init_from is not None:
+            state["init_from"] = self.init_from
+        return state
+
+    def state(self, step: int | None = None) -> dict:
+        """Everything a checkpoint of ``step`` (the last updated one by default) holds; collective under FSDP:
+        every process calls it."""
+        tensors, plain = rng_state()
+        return {
+            "model": D.model_state(self.model),
+            "optimizer": {
+                "optimizer": D.optimizer_state(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict(),
+            },
+            "rng": tensors,
+            "state": {"step": self.step if step is None else step, "rng": plain, "trainer": self.trainer_state()},
+            "extra": {"reference": self.reference.cpu()} if self.reference is not None else None,
+        }
+
+    def load_state(self, data: dict, source: Path) -> str:
+        """Continue from a checkpoint's contents (read from ``source``, named in errors): weights, optimizer
+        moments and schedule position, the rules' state and the RNG streams. The optimizer's hyper-parameters
+        and the schedule's formula come from this engine's config (a resume may change ``train.*``).
+        Returns a line to show if early stopping starts over ("" otherwise)."""
+        tc = self.config.train
+        st = data["state"]
+        if tc.steps < int(st["step"]):
+            raise ConfigError(
+                f"train.steps={tc.steps}: the run is already at step {st['step']} ({source}); "
+                f"give train.steps >= {st['step']}"
+            )
+        D.load_model_state(self.model, data["model"])
+        if tc.freeze_backbone:
+            for p in self.task.backbone.parameters():
+                p.requires_grad_(False)
+        planned = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        try:
+            D.load_optimizer_state(self.model, self.optimizer, data["optimizer"]["optimizer"])
+            self.scheduler.load_state_dict(data["optimizer"]["scheduler"])
+        except (KeyError, ValueError, RuntimeError) as err:
+            raise InputError(
+                f"{source / 'optimizer.pt'}: does not fit this run ({str(err).splitlines()[0][:100]})"
+            ) from None
+        for group, plan in zip(self.optimizer.param_groups, planned):
+            group.update(plan)
+        sched = self.scheduler
+        sched.base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
+        # LambdaLR's own formula, with the lambdas reading the current config: the schedule re-planned from here
+        lrs = [base * f(sched.last_epoch) for f, base in zip(sched.lr_lambdas, sched.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs
+        self.step = int(st["step"])
+        saved = st["trainer"]
+        self.divergence.load_state_dict(saved)
+        self.tokens = int(saved.get("tokens", 0))
+        self.init_from = saved.get("init_from")
+        dropped = self.early_stopping.resume(saved, self.step)
+        set_rng_state(data["rng"], st["rng"])
+        extra = data.get("extra") or {}
+        if "reference" in extra:
+            self.reference = extra["reference"].to(self.env.device)
+        return dropped

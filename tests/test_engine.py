@@ -1,0 +1,160 @@
+"""The training engine: one step for every tool, the run's thread count, and the policies that end a run."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from objective_helpers import SMALL_PACKAGES, TINY_TEXT, tiny_lm
+
+import kilolayer
+from kilolayer import rundir
+from kilolayer.config import load_config
+from kilolayer.doctor.measure import replay
+from kilolayer.train import engine as engine_module
+from kilolayer.train.policies import DivergenceRule, EarlyStopping
+from kilolayer.train.run import train
+
+PACKAGE = Path(kilolayer.__file__).parent
+
+MLM = {
+    "model": {**TINY_TEXT, "layers": 2},
+    "objective": {"name": "mlm"},
+    "data": {"name": "stdlib_packages", "options": SMALL_PACKAGES},
+}
+
+
+def _train_losses(run: Path) -> list[float]:
+    return [r["loss"] for r in rundir.read_metrics(run) if r["split"] == "train"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        tiny_lm(steps=5, batch_size=4, lr=3e-3, log_every=1),
+        tiny_lm(steps=5, batch_size=4, lr=3e-3, log_every=1, diagnostics_every=2, accumulate=2),
+        {**MLM, "train": {"steps": 4, "batch_size": 8, "lr": 3e-3, "log_every": 1}},  # masks drawn each step
+    ],
+    ids=["lm", "lm-diagnostics-accumulate", "mlm"],
+)
+def test_the_doctors_replay_and_a_real_run_give_identical_losses(tmp_path, raw):
+    config = load_config(raw)
+    train(config, tmp_path / "run", quiet=True)
+    replayed = replay(config, config.train.steps)
+    assert replayed.losses() == _train_losses(tmp_path / "run")  # bit for bit: the same engine, the same step
+
+
+def test_the_step_is_written_once_in_the_package():
+    """Gradients are computed and applied in the engine only: every tool that trains drives it."""
+    found = {"backward": set(), "optimizer.step": set()}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name = path.relative_to(PACKAGE.parent).as_posix()
+                if node.func.attr == "backward":
+                    found["backward"].add(name)
+                if node.func.attr == "step" and "optim" in ast.unparse(node.func.value):
+                    found["optimizer.step"].add(name)
+    assert found == {"backward": {"kilolayer/train/engine.py"}, "optimizer.step": {"kilolayer/train/engine.py"}}
+
+
+def test_a_run_records_its_thread_count_and_a_resume_reuses_it(tmp_path, monkeypatch):
+    seen = []
+    step = engine_module.Engine.train_step
+
+    def counting(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "train_step", counting)
+    run = tmp_path / "run"
+    raw = tiny_lm(steps=4, batch_size=4, log_every=1, checkpoint_every=2)
+    train(raw, run, quiet=True, sets=["train.threads=2"])
+    assert seen == [2] * 4 and rundir.read_status(run)["threads"] == 2
+    assert torch.get_num_threads() == 1  # the caller's count is given back (the suite runs at one)
+    seen.clear()
+    train(None, run, resume=True, quiet=True, sets=["train.steps=6"])  # no count given: the recorded one
+    assert seen == [2, 2] and rundir.read_status(run)["threads"] == 2
+    seen.clear()
+    train(None, run, resume=True, quiet=True, sets=["train.steps=7", "train.threads=1"])  # given: that one
+    assert seen == [1] and rundir.read_status(run)["threads"] == 1
+
+
+def test_train_threads_refuses_a_count_below_one(tmp_path):
+    from kilolayer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.threads"):
+        load_config(tiny_lm(threads=0))
+
+
+def _tc(**kw):
+    base = dict(diverge_factor=10.0, diverge_increase=1.0, warmup=2, patience=2, early_stop_metric="loss")
+    base.update(min_delta=0.0, early_stop_mode="auto")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_the_divergence_rule_smooths_the_loss_and_waits_for_warm_up():
+    rule = DivergenceRule(_tc())
+    assert rule(1, 1.0) == "" and rule.running_min == pytest.approx(1.0)
+    # EMA 0.9, bias-corrected: after 1.0 then 30.0 the smoothed loss is (0.09 * 1 + 0.1 * 30) / 0.19
+    assert rule(2, 30.0) == "" and rule.ungated == 2  # above 10 x 1.0 and 1.0 + 1, but inside warm-up
+    reason = rule(3, 30.0)
+    smooth = (0.081 * 1 + 0.09 * 30 + 0.1 * 30) / 0.271
+    assert reason == f"smoothed loss {smooth:.4g} at step 3 exceeds 10 x its running minimum 1"
+    assert DivergenceRule(_tc())(1, math.nan) == "non-finite loss (nan) at step 1"
+    restored = DivergenceRule(_tc())
+    restored.load_state_dict(json.loads(json.dumps(rule.state_dict())))
+    assert restored.state_dict() == rule.state_dict()
+
+
+def test_early_stopping_counts_evaluations_without_improvement():
+    stop = EarlyStopping(_tc(min_delta=0.1))
+    assert stop.track(1, {"loss": 2.0}) and stop.best == 2.0
+    assert not stop.track(2, {"loss": 1.95})  # better by less than min_delta
+    assert not stop.plateaued
+    assert not stop.track(3, {"loss": math.nan})  # a non-finite value never improves
+    assert (
+        stop.plateaued and stop.reason() == "plateau: no improvement of loss by 0.1 in 2 evaluations; best 2 at step 1"
+    )
+    higher = EarlyStopping(_tc(early_stop_metric="accuracy"))
+    assert higher.mode == "max" and higher.track(1, {"accuracy": 0.5}) and higher.track(2, {"accuracy": 0.6})
+
+
+def test_early_stopping_starts_over_under_another_metric():
+    saved = EarlyStopping(_tc()).state_dict() | {"best": 1.5, "best_step": 4, "bad_evals": 1}
+    same = EarlyStopping(_tc())
+    assert same.resume(saved, 8) == "" and (same.best, same.best_step, same.bad_evals) == (1.5, 4, 1)
+    other = EarlyStopping(_tc(early_stop_metric="accuracy"))
+    line = other.resume(saved, 8)
+    assert "tracked 'loss' (mode min) until step 8" in line and "best 1.5 at step 4, 1 evaluations" in line
+    assert (other.best, other.bad_evals) == (None, 0)
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "two_step_run"
+
+
+def test_a_run_directory_written_by_the_earlier_trainer_resumes_where_it_left_off(tmp_path):
+    """``fixtures/two_step_run`` was written by the trainer of release commit 5ee3c92 (one thread): a tiny LM
+    trained for 2 of its 4 steps. Resumed here, it trains steps 3 and 4 as that trainer's uninterrupted run did
+    (``uninterrupted.json``; to float rounding, since another CPU reduces in another order) and exactly as this
+    engine's own uninterrupted run does."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run, ignore=shutil.ignore_patterns("uninterrupted.json"))
+    result = train(None, run, resume=True, quiet=True, sets=["train.steps=4"])
+    assert result == {"status": "completed", "step": 4}
+    resumed = [r for r in rundir.read_metrics(run) if r["step"] > 2]
+    then = [r for r in json.loads((FIXTURE / "uninterrupted.json").read_text()) if r["step"] > 2]
+    assert [(r["step"], r["split"]) for r in resumed] == [(r["step"], r["split"]) for r in then]
+    for now, old in zip(resumed, then):
+        for key in ("loss", "grad_norm", "update", "ln_input"):
+            if key in old:
+                assert now[key] == pytest.approx(old[key], rel=1e-5, abs=1e-7), (now["step"], key)
+    whole = tmp_path / "whole"
+    train(load_config(run / "config.yaml").model_dump(), whole, quiet=True)
+    assert _train_losses(run) == _train_losses(whole)
