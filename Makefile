@@ -29,8 +29,9 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
+# unit tests only: in-process, none slow (tests/conftest.py marks them)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,25 +1,62 @@
-"""Shared test set-up."""
+"""Shared test set-up: the test layers, one torch thread per test, one thread per child process."""
+
+import json
+import os
+from pathlib import Path
+
+# child processes (CLI, torchrun, Ray) inherit one thread: under `-n 2` they would each take every core
+# (and one thread keeps their losses bit-identical to in-process runs); a test may still pass its own env
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
 
 import pytest
 import torch
+
+# a test with neither marker is a unit test: in-process, seconds at most (`make test-fast` runs only these)
+LAYERS = ("integration", "slow")
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
     """The tests use tiny tensors: a second OpenMP thread only adds synchronisation, and on a busy
-    machine it costs up to ~100x. Subprocesses (CLI, torchrun) keep their own defaults."""
+    machine it costs up to ~100x."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """``trained_run(config)``: the run directory of the raw ``config`` trained in-process, once per session and
+    distinct config. It is shared: a test that changes it (resume, damage, rewrite) copies it first with
+    ``shutil.copytree``. Call it inside a test, where the ``one_thread`` fixture holds."""
+    from kilolayer.train.run import train
+
+    runs: dict[str, Path] = {}
+
+    def get(config: dict) -> Path:
+        key = json.dumps(config, sort_keys=True)
+        if key not in runs:
+            run = tmp_path_factory.mktemp("trained") / "run"
+            train(config, run, quiet=True)
+            runs[key] = run
+        return runs[key]
+
+    return get
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """In ``make test``'s pytest-xdist workers (``--dist loadgroup``): the tests of a module that share a
+    """Every test marked neither integration nor slow gets the unit marker (before ``-m`` deselects: tryfirst).
+
+    In ``make test``'s pytest-xdist workers (``--dist loadgroup``): the tests of a module that share a
     module-scoped fixture (a Ray cluster, a benchmark's smoke run, a set of trained runs) go to one worker, so the
     fixture is built once; and the slow tests come first, so that none of them starts last and leaves one worker
     running alone at the end. A plain ``pytest`` run keeps the files' order."""
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in LAYERS):
+            item.add_marker(pytest.mark.unit)
     if not hasattr(config, "workerinput"):
         return
     for item in items:

@@ -54,6 +54,7 @@ def _peak(model, analyse):
     return counter.peak, result
 
 
+@pytest.mark.slow
 def test_smoothness_memory_does_not_grow_with_depth():
     shallow, deep = _deep(10), _deep(1000)
     peak_10, r10 = _peak(shallow, lambda m: smoothness(m, [_batch()]))

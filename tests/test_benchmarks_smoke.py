@@ -126,6 +126,7 @@ def _check_mfu(r: dict, res: dict) -> None:
             assert v["mfu"] == pytest.approx(v["tokens_per_s"] * res["model_flops_per_token"] / peak, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_train_step_json(train_result):
     r = train_result
     assert r["machine"]["cores"] >= 1 and r["machine"]["versions"]["torch"]
@@ -157,6 +158,7 @@ def test_train_step_json(train_result):
     assert la["agree"] is True and la["precision"] == "bf16"
 
 
+@pytest.mark.slow
 def test_train_step_fp32_fast_path(train_result_fp32):
     """Forced fp32 (auto's choice where bf16 is slower): every library's fast path is fp32 + compile + fused
     AdamW, the bf16-only row is not run and says why, MFU is against the fp32 peak, the loss check is fp32's."""
@@ -286,6 +288,7 @@ def _best_kilolayer_fast(res: dict) -> dict:
     )
 
 
+@pytest.mark.integration
 def test_reports_where_bf16_is_slower(train_result_fp32, memory_result, profile_result):
     """The MFU goal stays a share of the bf16 peak and is not met, saying why; no AMX, no bf16 autocast."""
     ts = _on_cpu(train_result_fp32, SLOW_BF16, ["avx2"])
@@ -321,6 +324,7 @@ def test_reports_where_bf16_is_slower(train_result_fp32, memory_result, profile_
     assert f"| {skipped['error']} |" in md and "not attainable on this CPU" in md
 
 
+@pytest.mark.integration
 def test_reports_where_bf16_is_fast(train_result, memory_result, profile_result):
     """bf16 peak 7x fp32's with AMX tiles: the fast path is bf16 and the reports read as they always did."""
     flags = ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]
@@ -349,6 +353,7 @@ def test_reports_where_bf16_is_fast(train_result, memory_result, profile_result)
     assert plain[0].startswith("This CPU's bf16 GEMM peak is 7.0x its fp32 peak (bf16 instructions: avx512_bf16);")
 
 
+@pytest.mark.slow
 def test_gpu_smoke_json(gpu_result):
     """``benchmarks.gpu --smoke``: the GPU race's code on tiny models (here on the CPU), both shapes."""
     r = gpu_result
@@ -366,6 +371,7 @@ def test_gpu_smoke_json(gpu_result):
     assert "SDPA kernel: cpu" in text and "| peak GiB |" in text
 
 
+@pytest.mark.slow
 def test_gpu_race_hands_over_each_shape_when_it_is_done():
     """A GPU run cut short by its host keeps what it finished: each shape's results are handed over (printed,
     and written to --out) as soon as that shape is done, with every shape finished so far."""
@@ -427,6 +433,7 @@ def test_peers_build_identical_shapes():
         assert mats == s.layers * (4 * 32 * 32 + 2 * 32 * 64) + 32 * 40, peer
 
 
+@pytest.mark.integration
 def test_memory_json(memory_result):
     r = memory_result
     assert r["rows"] and r["encoder_decoder"]
@@ -457,6 +464,7 @@ def test_profile_json(profile_result):
         assert sum(row["share"].values()) >= 0.99  # host overhead is the remainder of the wall time
 
 
+@pytest.mark.integration
 def test_run_all_writes_markdown(train_result, memory_result, profile_result, tmp_path):
     text = run_all.markdown(train_result, memory_result, profile_result, ["python -m benchmarks.run_all"], 1.0)
     assert "## Training-step throughput and MFU" in text and "## Peak memory vs depth" in text
@@ -483,6 +491,7 @@ def test_run_all_writes_markdown(train_result, memory_result, profile_result, tm
     assert "compile: layers" in said and "compile: model" in said
 
 
+@pytest.mark.integration
 def test_heap_smoke_json(heap_result):
     """``benchmarks.heap --smoke``: a held and a default process, each with per-step faults and times."""
     r = heap_result
@@ -498,6 +507,7 @@ def test_heap_smoke_json(heap_result):
     assert r["speedup"] == pytest.approx(off["wall_s"] / on["wall_s"])
 
 
+@pytest.mark.integration
 def test_run_all_reports_the_held_heap(train_result, memory_result, profile_result, heap_result):
     text = run_all.markdown(
         train_result, memory_result, profile_result, ["python -m benchmarks.run_all"], 1.0, heap_result

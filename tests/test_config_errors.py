@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 import pytest
 import torch
+from helpers import cli
 from pydantic import Field
 
 from kilolayer import ConfigError, InputError, build_model, load_config
@@ -91,6 +92,7 @@ def test_cli_errors(case, capsys):
         assert f in line
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "args, fragments",
     [
@@ -279,3 +281,17 @@ def test_a_bool_inside_a_list_of_numbers_is_one_line():
     with pytest.raises(ConfigError) as info:
         load_config(None, sets=["train.betas=[false,0.9]"])
     assert one_line(str(info.value)) == "train.betas=[False, 0.9]: expected a number, not true/false"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ("train.betas=[1.5,0.9]", "train.betas.0=1.5"),
+        ("train.weight_decay=inf", "train.weight_decay"),
+        ("train.eps=nan", "train.eps"),
+    ],
+)
+def test_optimizer_numbers_are_validated(value, needle):
+    p = cli("describe", "configs/stdlib_gpt.yaml", "--set", value)
+    assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1

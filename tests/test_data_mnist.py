@@ -103,6 +103,7 @@ def test_pixels_are_normalised_with_training_statistics():
     assert float(raw.min()) == 0.0 and float(raw.max()) == 1.0
 
 
+@pytest.mark.slow
 @needs_mnist
 def test_train_size_is_an_exact_stratified_subset_and_splits_follow_split_seed():
     full, small = source(), source(options={"train_size": 1000})
@@ -321,6 +322,7 @@ def _wait_for(path: Path, proc, seconds=300):
         time.sleep(0.1)
 
 
+@pytest.mark.integration
 def test_a_killed_writers_temporary_file_is_removed_by_the_next_call(tmp_path, monkeypatch):
     cache_dir = tmp_path / "cache"
     monkeypatch.setenv("KILOLAYER_CACHE", str(cache_dir))
@@ -354,6 +356,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_call(tmp_path, m
     assert not (cache_dir / unnamed_old).exists()
 
 
+@pytest.mark.integration
 def test_two_processes_building_one_entry_leave_one_valid_file(tmp_path):
     cache_dir = tmp_path / "cache"
     a = _python(RACER, tmp_path / "a", tmp_path / "b", cache_dir=cache_dir)

@@ -10,13 +10,12 @@ import json
 import math
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from helpers import cli
 
 from kilolayer.config import load_config
 from kilolayer.data import cache as C
@@ -557,18 +556,14 @@ def test_missing_packages_are_one_line_naming_them_and_the_fetch_command(tmp_pat
     assert "trans-de-en" in str(err.value) and "libreoffice" not in str(err.value)
 
 
+@pytest.mark.integration
 def test_cli_exits_non_zero_with_one_line_when_packages_are_missing(tmp_path):
     cfg = config(tmp_path / "nothing").model_dump()
     cfg["data"]["options"].pop("root")
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "KILOLAYER_CACHE": str(tmp_path / "cache"), P.ENV_ROOT: str(tmp_path / "nothing")}
-    r = subprocess.run(
-        [sys.executable, "-m", "kilolayer", "train", str(path), "--out", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    r = cli("train", path, "--out", tmp_path / "run", env=env)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kilolayer: error: data.name='de_en': the Debian packages")

@@ -57,6 +57,7 @@ print(json.dumps(dict(
 """
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_1000_layer_deepnorm_encoder_decoder():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)

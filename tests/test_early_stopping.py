@@ -3,13 +3,12 @@ after the stop changes nothing, a resume before it continues bit for bit, bad va
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli
 from objective_helpers import tiny_lm
 
 from kilolayer import rundir
@@ -17,9 +16,6 @@ from kilolayer.config import dump_yaml, load_config
 from kilolayer.train.checkpoint import load_run, read_weights
 from kilolayer.train.policies import early_stop_mode
 from kilolayer.train.run import train
-
-ROOT = Path(__file__).resolve().parents[1]
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 LM = tiny_lm(
     steps=40,
@@ -69,9 +65,8 @@ def test_the_step_budget_is_said_too(tmp_path):
     assert st["reason"] == "step budget" and st["stopped_early"] is False and st["best_step"] == 6
 
 
-def test_keeps_the_best_checkpoint_and_load_run_uses_it(tmp_path):
-    run = tmp_path / "run"
-    train(WORSENING, run, quiet=True)
+def test_keeps_the_best_checkpoint_and_load_run_uses_it(tmp_path, trained_run):
+    run = shutil.copytree(trained_run(WORSENING), tmp_path / "run")
     st = rundir.read_status(run)
     assert (st["step"], st["best_step"], st["stopped_early"]) == (12, 3, True)
     # keep_checkpoints 1: the newest (12) and the best it names (3); 6 and 9 rotated away
@@ -91,9 +86,8 @@ def test_keeps_the_best_checkpoint_and_load_run_uses_it(tmp_path):
     assert all(torch.equal(task.state_dict()[k], newest[k]) for k in newest)
 
 
-def test_a_damaged_best_checkpoint_falls_back_to_the_newest(tmp_path, capsys):
-    run = tmp_path / "run"
-    train(WORSENING, run, quiet=True)
+def test_a_damaged_best_checkpoint_falls_back_to_the_newest(tmp_path, capsys, trained_run):
+    run = shutil.copytree(trained_run(WORSENING), tmp_path / "run")
     f = rundir.checkpoint_dir(run, 3) / "model.safetensors"
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
@@ -122,13 +116,12 @@ def test_resume_after_the_stop_is_a_no_op(tmp_path):
 
 
 @pytest.mark.parametrize("leg", [7, 9])
-def test_resume_before_the_stop_equals_one_run(tmp_path, leg):
+def test_resume_before_the_stop_equals_one_run(tmp_path, leg, trained_run):
     """The counter of evaluations without improvement is part of the checkpoint: a run stopped at step 7
     (off the evaluation grid, after one evaluation without improvement) or 9 (on it, after two) and resumed
     stops where the uninterrupted run stopped, with the same losses. Without the counter it would stop
     later. The first leg's own last evaluation (at 7) does not count for early stopping."""
-    full, split = tmp_path / "full", tmp_path / "split"
-    train(WORSENING, full, quiet=True)
+    full, split = trained_run(WORSENING), tmp_path / "split"
     train(cfg(WORSENING, steps=leg), split, quiet=True)
     assert rundir.read_status(split)["stopped_early"] is False
     result = train(None, split, resume=True, quiet=True, sets=["train.steps=40"])
@@ -151,17 +144,7 @@ def test_mode_inferred_from_the_metric():
     assert early_stop_mode(tc.model_copy(update={"early_stop_metric": "accuracy", "early_stop_mode": "min"})) == "min"
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kilolayer", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env=ONE_THREAD,
-    )
-
-
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "sets, needles",
     [

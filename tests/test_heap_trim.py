@@ -84,6 +84,7 @@ def _explain(trim_every: int, mode: str) -> tuple[list[int], list[int]]:
     return [explained.graph_break_count, *[len(g.graph.nodes) for g in explained.graphs]], calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["layers", "model"])
 def test_compiled_checkpointed_layers_are_the_same_graphs_with_the_trim_on(mode):
     # a call out of the compiled code at every layer would split train.compile: model into a graph per layer
@@ -169,6 +170,7 @@ def _peak_above_build(**env) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.skipif(H._glibc() is None, reason="needs Linux with glibc")
 def test_trimming_lowers_the_peak_of_a_deep_checkpointed_step():

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import cli
 
 from kilolayer.config import load_config
 from kilolayer.train import heap as H
@@ -164,6 +165,7 @@ def _faults_per_step(mode: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(H._glibc() is None, reason="needs Linux with glibc")
 def test_a_held_heap_reuses_the_last_steps_pages():
     # a step of 12 layers, width 128, batch 16 x 128 tokens frees over 100 MB of activations; with glibc's
@@ -189,6 +191,7 @@ def test_the_held_heap_is_recorded_and_stays_held(libc):
         H._HELD[0] = before
 
 
+@pytest.mark.integration
 def test_a_completed_run_says_whether_its_heap_was_held(tmp_path):
     from objective_helpers import tiny_lm
 
@@ -204,7 +207,6 @@ def test_a_completed_run_says_whether_its_heap_was_held(tmp_path):
     config = tmp_path / "off.yaml"
     config.write_text(json.dumps(tiny_lm(steps=2, batch_size=2, log_every=1, hold_heap=False)))
     env = {k: v for k, v in os.environ.items() if k != H.HOLD_ENV}
-    cmd = [sys.executable, "-m", "kilolayer", "train", str(config), "--out", str(tmp_path / "off"), "--quiet"]
-    subprocess.run(cmd, check=True, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300)
+    cli("train", config, "--out", tmp_path / "off", "--quiet", check=True, env=env)
     st = rundir.read_status(tmp_path / "off")
     assert st["status"] == "completed" and st["heap_held"] is False

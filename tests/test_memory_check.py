@@ -1,4 +1,4 @@
-"""The memory estimate before allocation (issue 12, item 5): exact parameter counts, activations checked
+"""The memory estimate before allocation: exact parameter counts, activations checked
 against what autograd really keeps and against the peak resident memory of real training steps, and an
 oversized model refused in one line, fast, before anything is allocated."""
 
@@ -303,6 +303,7 @@ def peak_rss(cfg: dict, steps: int = 2, mmap_threshold: bool = False) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # real training steps, ~10-50 s each (fp32: bf16 on CPU is slow; the saved-tensor test covers it)
 @pytest.mark.parametrize("name", ["decoder", "encoder mlm checkpointed", "small encoder_decoder"])
 def test_estimate_against_peak_resident_memory(name):
@@ -343,6 +344,7 @@ OVERSIZED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_oversized_models_are_refused_fast_before_allocating():
     """The issue's two cases on the shipped byte-level GPT: 100,000 layers of width 256, and width 100,000."""
     out = subprocess.run(

@@ -90,6 +90,7 @@ def _probe(mode: str, **env) -> int:
     return json.loads(out.stdout.strip().splitlines()[-1])["mapped"]
 
 
+@pytest.mark.integration
 def test_checkpointing_pins_the_threshold_only_when_asked():
     assert _probe("plain") == 0
     assert _probe("checkpoint") == 0  # the default: glibc's dynamic threshold, faster steps
@@ -98,6 +99,7 @@ def test_checkpointing_pins_the_threshold_only_when_asked():
     assert _probe("checkpoint", KILOLAYER_PIN_MMAP="1") == 1
 
 
+@pytest.mark.integration
 def test_the_pin_can_be_turned_off_and_glibc_setting_wins():
     assert _probe("checkpoint_pinned", KILOLAYER_PIN_MMAP="0") == 0
     # the user's own glibc setting is left as it is (here one that maps nothing below 8 MiB)

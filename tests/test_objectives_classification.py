@@ -11,6 +11,7 @@ from kilolayer.errors import ConfigError
 from kilolayer.objectives.common import pool
 
 
+@pytest.mark.slow
 def test_digits_test_accuracy_after_short_run():
     # 200 AdamW steps of batch 64 on a 2-layer, 32-wide ViT (4x4 grid of 2x2 patches):
     # held-out test accuracy measured 0.89-0.94 over train seeds 0-4 (chance 0.10)

@@ -145,6 +145,7 @@ def test_bad_decoder_options():
         setup(config("mae", "digits", options={"mask_ratio": 1.0}))
 
 
+@pytest.mark.slow
 def test_linear_probe_on_mae_encoder_beats_chance(tmp_path):
     # MAE-pretrain a 64-wide, 2-layer encoder for 150 steps, then train only a linear head on its frozen
     # features. Measured validation accuracy 0.46-0.61 over seeds 0-2 (chance 0.10). At this size a probe on a

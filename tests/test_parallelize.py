@@ -216,6 +216,7 @@ def test_a_whole_task_compiles_to_one_graph(name):
             task(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlm", "mae", "contrastive"])
 def test_a_compiled_task_trains_as_the_eager_one(name):
     """Five steps from the same seed, eager and under ``train.compile: model`` (aot_eager: the same graph without

@@ -1,4 +1,4 @@
-"""The run directory keeps its promises (issue 12): one writer at a time, a status on every exit path,
+"""The run directory keeps its promises: one writer at a time, a status on every exit path,
 resume semantics as documented, checksummed checkpoints with fallback, and user folders left alone."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli
 from objective_helpers import tiny_lm
 
 from kilolayer import rundir
@@ -29,8 +30,6 @@ from kilolayer.train.run import Run, train
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "train_harness.py"
-# subprocesses use one thread like the in-process runs (tests/conftest.py), so losses compare bit for bit
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 LM = tiny_lm(steps=12, batch_size=4, lr=1e-3, warmup=2, log_every=1, checkpoint_every=4)
 
@@ -62,24 +61,12 @@ def one_line_error(err: str, *needles: str) -> str:
     return lines[0]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kilolayer", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env=ONE_THREAD,
-    )
-
-
 def start_paused(gate: Path, at: int, *args: str) -> subprocess.Popen:
     """`kilolayer train ARGS` paused before step AT + 1 (see tests/train_harness.py); returns once it waits."""
     gate.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, str(HARNESS), str(gate), str(at), *args],
         cwd=ROOT,
-        env=ONE_THREAD,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -94,17 +81,12 @@ def start_paused(gate: Path, at: int, *args: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, list]:
+def reference(trained_run) -> dict[int, list]:
     """Uninterrupted in-process runs of LM (12 and 16 steps): their train losses."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        out = {}
-        for steps in (12, 16):
-            run = tmp_path_factory.mktemp("reference") / f"ref{steps}"
-            train(cfg_with(steps=steps), run, quiet=True)
-            out[steps] = losses(run)
-        return out
+        return {steps: losses(trained_run(cfg_with(steps=steps))) for steps in (12, 16)}
     finally:
         torch.set_num_threads(before)
 
@@ -112,6 +94,8 @@ def reference(tmp_path_factory) -> dict[int, list]:
 # ---------------------------------------------------------------- one writer at a time
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_second_writer_is_refused_and_the_first_run_stays_intact(tmp_path, reference, capsys):
     run, gate = tmp_path / "run", tmp_path / "gate"
     cfg = write_config(tmp_path, LM)
@@ -143,6 +127,7 @@ def test_a_second_writer_is_refused_and_the_first_run_stays_intact(tmp_path, ref
 # ---------------------------------------------------------------- signals
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_stops_at_a_step_boundary_and_resume_is_bit_identical(tmp_path, reference, sig, code):
     run, gate = tmp_path / "run", tmp_path / "gate"
@@ -161,6 +146,7 @@ def test_signal_stops_at_a_step_boundary_and_resume_is_bit_identical(tmp_path, r
     assert [(h["step"], h["changed"]) for h in rundir.read_resume_history(run)] == [(6, {})]
 
 
+@pytest.mark.integration
 def test_a_signal_during_set_up_stops_at_once_and_leaves_nothing(tmp_path):
     run, gate = tmp_path / "run", tmp_path / "gate"
     proc = start_paused(gate, -1, "train", str(write_config(tmp_path, LM)), "--out", str(run), "--quiet")
@@ -241,6 +227,7 @@ def test_longer_cosine_resume_is_replanned_and_differs_from_one_run(tmp_path):
 # ---------------------------------------------------------------- operating-system errors
 
 
+@pytest.mark.integration
 def test_out_that_is_a_file_is_one_line(tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
@@ -347,6 +334,7 @@ def _tmpfs(path: Path, size: str) -> bool:
     )
 
 
+@pytest.mark.integration
 def test_a_really_full_small_tmpfs(tmp_path, capsys):
     """A 320 KiB tmpfs holds the config, status and logs but not a checkpoint (about 470 KB)."""
     small = tmp_path / "small"
@@ -374,9 +362,10 @@ def _flip_tensor_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_path, capsys, reference):
-    run = tmp_path / "run"
-    train(LM, run, quiet=True)  # checkpoints 8 and 12 kept (train.keep_checkpoints defaults to 2)
+def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_path, capsys, reference, trained_run):
+    run = shutil.copytree(
+        trained_run(LM), tmp_path / "run"
+    )  # checkpoints 8 and 12 kept (train.keep_checkpoints defaults to 2)
     assert [p.name for p in rundir.complete_checkpoints(run)] == ["step_00000008", "step_00000012"]
     assert load_config(LM).train.keep_checkpoints >= 2
     bad = rundir.checkpoint_dir(run, 12) / "model.safetensors"
@@ -394,9 +383,8 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_detected_with_fallback(tmp_p
     assert rundir.verify_checkpoint(rundir.checkpoint_dir(run, 12)) is None  # rewritten by the resumed run
 
 
-def test_every_checkpoint_damaged_is_one_line(tmp_path, capsys):
-    run = tmp_path / "run"
-    train(cfg_with(steps=8), run, quiet=True)
+def test_every_checkpoint_damaged_is_one_line(tmp_path, capsys, trained_run):
+    run = shutil.copytree(trained_run(cfg_with(steps=8)), tmp_path / "run")
     for c in rundir.complete_checkpoints(run):
         _flip_tensor_byte(c / "model.safetensors")
     before = (run / "status.json").read_text()
@@ -405,9 +393,8 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path, capsys):
     assert (run / "status.json").read_text() == before
 
 
-def test_checkpoints_without_a_manifest_still_resume(tmp_path, reference):
-    run = tmp_path / "run"
-    train(cfg_with(steps=8), run, quiet=True)
+def test_checkpoints_without_a_manifest_still_resume(tmp_path, reference, trained_run):
+    run = shutil.copytree(trained_run(cfg_with(steps=8)), tmp_path / "run")
     for c in rundir.complete_checkpoints(run):
         (c / "manifest.json").unlink()  # as written before checksums existed
     train(None, run, resume=True, quiet=True, sets=["train.steps=12"])
@@ -476,6 +463,8 @@ def test_a_refused_fresh_run_leaves_no_directory(tmp_path):
 # ---------------------------------------------------------------- the study runner
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
     from kilolayer.study.runner import run_point
     from kilolayer.study.spec import expand, load_spec
@@ -519,6 +508,8 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
     assert f"PID {os.getpid()}" in log.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_ctrl_c_on_a_study_keeps_the_run_time_of_every_attempt(tmp_path):
     """Ctrl-C on a study twice: each time its training process saves and records ``interrupted``, and the
     run's ``seconds`` grows by that attempt's time (the child's own status writes keep the field)."""
@@ -550,6 +541,8 @@ def test_ctrl_c_on_a_study_keeps_the_run_time_of_every_attempt(tmp_path):
         total, step = st["seconds"], st["step"]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):
     """The study driver killed (SIGTERM, or kill -9, which it cannot catch): its training process is not left
@@ -661,6 +654,7 @@ def _safe_losses(run: Path) -> list:
 # ---------------------------------------------------------------- fault injection
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_random_kill9_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
     """kill -9 at random moments (during start-up, training, evaluation or a checkpoint save), resume
@@ -676,7 +670,6 @@ def test_random_kill9_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "kilolayer", *args],
             cwd=ROOT,
-            env=ONE_THREAD,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

@@ -1,5 +1,5 @@
 """report.md / report.html of a hostile study spec: no user string becomes markup, no script runs, and only
-the study's own PNGs are embedded (issue 12, item 2)."""
+the study's own PNGs are embedded."""
 
 import base64
 import re
@@ -276,6 +276,7 @@ def _fired(dom: str) -> set[str]:
     return fired | ({"PWNED-script"} if title and title.group(1).strip() == "PWNED-script" else set())
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # starts Chromium three times: ~10 s
 @pytest.mark.skipif(
     not CHROMIUM.exists(),
@@ -296,3 +297,15 @@ def test_no_script_runs_in_chromium(hostile_report, tmp_path):
     bare.write_text(re.sub(r"<meta http-equiv='Content-Security-Policy'[^>]*>", "", page.read_text()))
     assert "Content-Security-Policy" not in bare.read_text()
     assert _fired(_dom(bare, tmp_path)) == set()
+
+
+@pytest.mark.parametrize(
+    "href",
+    ["javascript&#58;alert(1)", "&#106;avascript:alert(1)", "java&#x09;script:alert(1)", "javascript&colon;alert(1)"],
+)
+def test_entity_encoded_javascript_links_are_not_links(tmp_path, href):
+    from kilolayer.study.report import render_html
+
+    page = render_html(f"# t\n\n[a]({href}) and [b](https://example.org)\n", tmp_path)
+    assert "<a>a</a>" in page  # the link lost its href
+    assert 'href="https://example.org"' in page and page.count("href=") == 1

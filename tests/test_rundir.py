@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import time
 
 import pytest
+from helpers import ROOT, cli
 
 from kilolayer import rundir
 from kilolayer.errors import ConfigError, InputError
@@ -136,6 +138,7 @@ def test_lock_is_exclusive_and_names_its_holder(tmp_path):
     RunLock(tmp_path).acquire().release()
 
 
+@pytest.mark.integration
 def test_lock_dies_with_a_killed_process(tmp_path):
     code = (
         "import sys, time; from kilolayer.rundir import RunLock; RunLock(sys.argv[1]).acquire(); "
@@ -204,3 +207,46 @@ def test_a_run_dir_answers_what_its_readers_ask(tmp_path):
         assert not run.mark_failed("Ray task: lost", keep=()) and not run.record_seconds(1.0)
     assert not run.locked and run.seconds == 20.0
     assert run.mark_failed("Ray task: lost", keep=()) and (run.state, run.step) == ("failed", 8)
+
+
+@pytest.mark.integration
+def test_a_folder_with_someone_elses_config_and_metrics_is_not_a_run(tmp_path):
+    folder = tmp_path / "mine"
+    (folder / "analysis").mkdir(parents=True)
+    (folder / "config.yaml").write_text("lr: 3\n")
+    (folder / "metrics.jsonl").write_text("epoch,loss\n")
+    (folder / "analysis" / "report.txt").write_text("important\n")
+    assert not rundir.is_run_dir(folder)
+    p = cli("train", "configs/stdlib_gpt.yaml", "--out", folder, "--overwrite", "--set", "train.steps=1")
+    assert p.returncode == 2 and "not a kilolayer run directory" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert (folder / "analysis" / "report.txt").read_text() == "important\n"
+    assert (folder / "config.yaml").read_text() == "lr: 3\n" and (
+        folder / "metrics.jsonl"
+    ).read_text() == "epoch,loss\n"
+
+
+def test_a_loadable_config_beside_foreign_metrics_is_not_a_run(tmp_path):
+    folder = tmp_path / "half"
+    folder.mkdir()
+    (folder / "config.yaml").write_text((ROOT / "configs" / "stdlib_gpt.yaml").read_text())
+    (folder / "metrics.jsonl").write_text('{"mine": 1}\n')
+    assert not rundir.is_run_dir(folder)
+    (folder / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 2.0}\n')
+    assert rundir.is_run_dir(folder)  # a run written before status.json existed
+
+
+def test_final_status_is_written_in_place_on_a_full_disk(tmp_path, monkeypatch):
+    rundir.write_status(tmp_path, "running", 3, "", pid=1)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir, "write_atomic", full)
+    rundir.write_status(tmp_path, "failed", 7, "metrics.jsonl: No space left on device")
+    assert rundir.read_status(tmp_path) == {
+        "status": "failed",
+        "step": 7,
+        "reason": "metrics.jsonl: No space left on device",
+    }
+    with pytest.raises(OSError):  # with no status file to reuse, the error is the caller's to report
+        rundir.write_status(tmp_path / "none", "failed", 1, "x")

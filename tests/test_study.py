@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import cli
 
+from kilolayer import rundir
 from kilolayer.errors import ConfigError
 from kilolayer.study.findings import HELD, INCONCLUSIVE, NOT_HELD
 from kilolayer.study.report import write_report
@@ -62,6 +63,8 @@ def tiny_spec(tmp_path: Path, grid=None, **extra) -> Path:
     return path
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_tiny_study_end_to_end_and_rerun(tmp_path):
     spec = load_spec(tiny_spec(tmp_path))
     out = tmp_path / "study"
@@ -107,6 +110,8 @@ def test_tiny_study_end_to_end_and_rerun(tmp_path):
     assert third[0].eval == results[0].eval  # same seed, same data: the same result
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_diverged_point_is_a_result(tmp_path):
     path = tiny_spec(tmp_path, grid={"train.lr": [1e-3, 1e5]})
     data = yaml.safe_load(path.read_text())
@@ -159,20 +164,17 @@ def test_bad_spec_is_one_line(tmp_path, spec, needle):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.integration
 def test_unknown_study_name_cli_one_line(tmp_path):
-    p = subprocess.run(
-        [sys.executable, "-m", "kilolayer", "study", "nosuchstudy", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    p = cli("study", "nosuchstudy", "--out", tmp_path)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "nosuchstudy" in lines[0] and "quick" in lines[0]
 
 
+@pytest.mark.integration
 def test_study_list():
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True, cwd=ROOT)
+    p = cli("study", "--list")
     assert p.returncode == 0
     assert all(name in p.stdout for name in ("quick", "deepnet", "bamboo"))
 
@@ -196,6 +198,7 @@ def test_bamboo_shapes_match_parameters_and_pair_up():
 # ---------------------------------------------------------------- run-time estimates
 
 
+@pytest.mark.integration
 def test_estimate_counts_match_a_real_run(tmp_path):
     """The estimator's counts of evaluations and diagnostics are those the trainer performs."""
     from kilolayer.study.estimate import _count, diagnostic_steps
@@ -233,6 +236,7 @@ def test_schedule_replays_the_runner():
     assert schedule([[]], 3) == 0.0
 
 
+@pytest.mark.integration
 def test_estimate_tiny_study(tmp_path, monkeypatch):
     from kilolayer.study.estimate import estimate
 
@@ -268,6 +272,7 @@ def test_estimate_tiny_study(tmp_path, monkeypatch):
     assert not list(scratch.glob("kilolayer-estimate-*"))  # nor in the temporary directory it probed in
 
 
+@pytest.mark.integration
 def test_estimate_probes_points_that_differ_only_in_their_analyses_apart(tmp_path, monkeypatch):
     """Analyses run after training and cost time of their own (on their own data, where a group names it): two
     points alike up to their analyses are two probes, each running its point's analyses on its data; seeds stay
@@ -327,6 +332,7 @@ def test_still_improving_flags_unconverged_runs():
     assert not still_improving(run([0.9]), "accuracy", 0.01)  # one evaluation: nothing to compare
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_bamboo_study_runs_end_to_end_at_toy_size(tmp_path):
     """Every group of the built-in bamboo study (all five objectives, MLM -> fine-tuning across data sources,
@@ -404,22 +410,22 @@ def test_report_runs_table_says_whether_a_run_ended_on_a_plateau_or_its_step_bud
     }
 
 
+@pytest.mark.integration
 def test_study_list_says_how_times_were_obtained():
-    p = subprocess.run([sys.executable, "-m", "kilolayer", "study", "--list"], capture_output=True, text=True, cwd=ROOT)
+    p = cli("study", "--list")
     lines = {line.split()[0]: line for line in p.stdout.splitlines() if line and not line.startswith(" ")}
     assert "measured" in lines["quick"]
     assert "estimated" in lines["deepnet"] and "estimated" in lines["bamboo"]
 
 
+@pytest.mark.integration
 def test_estimate_cli_bad_input_is_one_line(tmp_path):
     for args, needle in (
         (["quick", "--estimate", "--probe-steps", "0"], "--probe-steps=0"),
         (["--estimate"], "NAME|SPEC.yaml"),
         (["quick", "--out", str(tmp_path), "--jobs", "0"], "--jobs=0"),
     ):
-        p = subprocess.run(
-            [sys.executable, "-m", "kilolayer", "study", *args], capture_output=True, text=True, cwd=ROOT
-        )
+        p = cli("study", *args)
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], lines
@@ -482,3 +488,30 @@ def test_an_analysis_is_redone_when_its_version_or_data_change(tmp_path, monkeyp
         run_analyses(point, tmp_path, log=lambda *_: None)
         run_analyses(point, tmp_path, log=lambda *_: None)
         assert len(calls) == 5
+
+
+def test_one_study_per_directory(tmp_path):
+    from kilolayer.study.cli import study_lock
+
+    with study_lock(tmp_path):
+        with pytest.raises(ConfigError, match="another kilolayer study"):
+            with study_lock(tmp_path):
+                pass
+    with study_lock(tmp_path):  # released with the first
+        pass
+
+
+def test_a_damaged_metrics_file_is_one_unreadable_point_not_a_failed_report(tmp_path):
+    from kilolayer.study.runner import collect
+    from kilolayer.study.spec import expand, load_spec
+
+    point = next(p for p in expand(load_spec("quick")) if p.group == "deepnet")
+    run = point.run_dir(tmp_path)
+    run.mkdir(parents=True)
+    rundir.write_status(run, "completed", 200, "")
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "split": "train", "loss": 2.0}\nnot json\n{"step": 2, "split": "eval", "loss": 1.0}\n'
+    )
+    r = collect(point, tmp_path)
+    assert r.status == "unreadable" and "metrics.jsonl:2" in r.reason and r.eval == {}
+    json.dumps(r.reason)  # one plain line for the report

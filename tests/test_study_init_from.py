@@ -46,6 +46,7 @@ def with_train(config, **train_values):
     return load_config({**data, "train": {**data["train"], **train_values}})
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_finetuning_waits_for_a_completed_source_and_retrains_when_it_moved(tmp_path):
     spec = StudySpec.model_validate(SPEC)
@@ -95,6 +96,7 @@ def test_finetuning_waits_for_a_completed_source_and_retrains_when_it_moved(tmp_
     assert not any(r.ran for r in run_study(spec, out, log=lambda *_: None))
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_diverged_source_is_no_pretraining(tmp_path):
     """A source that diverged is a result of its own, but not weights to fine-tune: the dependent point is

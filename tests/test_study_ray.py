@@ -323,6 +323,7 @@ def both(ray_head, tmp_path_factory):
     }
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ray_gives_the_same_losses_and_verdicts_as_local(both):
     runs = sorted(p.relative_to(both["local"]) for p in (both["local"] / "runs").glob("*/*"))
@@ -351,6 +352,7 @@ def test_ray_gives_the_same_losses_and_verdicts_as_local(both):
     assert "[study] 5 points: 5 finished (5 trained now), 0 failed" in both["ray_out"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_rerun_through_ray_trains_nothing(both, ray_head):
     before = files_state(both["ray"] / "runs")
@@ -362,6 +364,7 @@ def test_rerun_through_ray_trains_nothing(both, ray_head):
     assert verdicts(both["ray"] / "report.md") == verdicts(both["local"] / "report.md")
 
 
+@pytest.mark.integration
 def test_head_listens_on_loopback_only(ray_head):
     addrs = listening(group_pids(ray_head.proc.pid))
     assert addrs and all(is_loopback(a) for a in addrs), addrs
@@ -376,6 +379,7 @@ def _unshare_works() -> bool:
     return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not _unshare_works(), reason="needs a private mount namespace (unshare -m, as root)")
 def test_out_not_shared_with_the_workers_is_refused_in_one_line(ray_head, tmp_path):
     """The driver runs in a private mount namespace with a tmpfs over DIR: its --out DIR/study exists for
@@ -439,6 +443,7 @@ def test_executor_ray_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()  # refused before --out (or its study lock) is created
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "address, needle",
     [
@@ -466,6 +471,7 @@ def test_bad_address_is_one_line_within_seconds(tmp_path, monkeypatch, capsys, a
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.integration
 def test_importing_kilolayer_does_not_import_ray():
     code = (
         "import sys, kilolayer, kilolayer.cli, kilolayer.study.cli, kilolayer.study.runner, "
@@ -494,6 +500,7 @@ def test_executor_options_misused_are_one_line(tmp_path, capsys, args, needle):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.integration
 def test_train_command_under_torchrun(tmp_path):
     from kilolayer.study.runner import train_command
     from kilolayer.study.spec import expand, load_spec
@@ -575,6 +582,7 @@ def wait_until(condition, what: str, driver: subprocess.Popen, timeout: float = 
         time.sleep(0.05)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_path):
     """Two points of one 800-step run are stopped by Ctrl-C on the driver and resumed by re-running the
@@ -654,6 +662,7 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
     assert json.loads((runs["kill_worker"] / "status.json").read_text())["pid"] != trainer
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ray_trains_a_point_again_when_its_source_moved(ray_head, tmp_path):
     """The Ray executor's own dispatch of ``init_from`` points: a fine-tuning run that started from step 2 of its
@@ -687,6 +696,7 @@ def test_ray_trains_a_point_again_when_its_source_moved(ray_head, tmp_path):
     assert files_state(out / "runs") == before  # nothing stale any more: nothing trained
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_nproc_per_run_trains_under_torchrun_like_torchrun_itself(ray_head, tmp_path):
     """--nproc-per-run 2: the point is a 2-process DDP run (gloo on CPU) inside its Ray task, and gives the
@@ -713,6 +723,7 @@ def test_nproc_per_run_trains_under_torchrun_like_torchrun_itself(ray_head, tmp_
     assert records(run, "train") == records(ref, "train") and len(records(ref, "train")) == 6
 
 
+@pytest.mark.integration
 def test_kilolayer_started_ray_stays_on_loopback(tmp_path):
     """Without --address kilolayer starts Ray itself: on 127.0.0.1, every port on loopback, no telemetry."""
     code = r"""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli
 from objective_helpers import tiny_lm
 
 from kilolayer.cli import main
@@ -63,23 +64,6 @@ def losses(run: Path, split: str = "train") -> list[tuple[int, float]]:
     return out
 
 
-# in-process runs use one thread (tests/conftest.py); subprocesses must too, or float reduction order
-# differs and losses are no longer bit-identical between the two
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def cli(*args: str) -> tuple[int, str, str]:
-    p = subprocess.run(
-        [sys.executable, "-m", "kilolayer", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        env=ONE_THREAD,
-    )
-    return p.returncode, p.stdout, p.stderr
-
-
 def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
     assert rc != 0
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
@@ -120,6 +104,8 @@ def test_resume_is_bit_identical(tmp_path):
     assert losses(full, "eval") == [e for e in losses(half, "eval") if e[0] != 6]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_resume_after_sigkill_mid_run(tmp_path):
     """A process killed with SIGKILL (possibly mid-save) resumes from its last complete checkpoint."""
     ref = tmp_path / "ref"
@@ -135,7 +121,6 @@ def test_resume_after_sigkill_mid_run(tmp_path):
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=ONE_THREAD,
     )
     deadline = time.time() + 300
     while time.time() < deadline and len(complete_checkpoints(run)) < 2:
@@ -149,28 +134,30 @@ def test_resume_after_sigkill_mid_run(tmp_path):
     partial = run / "checkpoints" / f".step_{step + 1:08d}.tmp-999"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"\x00" * 10)
-    rc, _, err = cli("train", "--resume", "--out", str(run), "--quiet")
-    assert rc == 0, err
+    p = cli("train", "--resume", "--out", str(run), "--quiet")
+    assert p.returncode == 0, p.stderr
     assert losses(run) == losses(ref)
     assert not partial.exists()
 
 
+@pytest.mark.integration
 def test_corrupt_checkpoint_is_one_line(tmp_path):
     out = tmp_path / "run"
     train(TINY_LM, out, quiet=True, sets=["train.steps=2"])
     model_file = complete_checkpoints(out)[-1] / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:100])
-    rc, _, err = cli("train", "--resume", "--out", str(out), "--set", "train.steps=4")
-    assert_one_line_error(rc, err, "model.safetensors", "truncated")
+    p = cli("train", "--resume", "--out", str(out), "--set", "train.steps=4")
+    assert_one_line_error(p.returncode, p.stderr, "model.safetensors", "truncated")
 
 
+@pytest.mark.integration
 def test_mismatched_checkpoint_is_one_line(tmp_path):
     out = tmp_path / "run"
     train(TINY_LM, out, quiet=True, sets=["train.steps=2"])
     cfg = (out / "config.yaml").read_text().replace("width: 32", "width: 64")
     (out / "config.yaml").write_text(cfg)
-    rc, _, err = cli("train", "--resume", "--out", str(out), "--set", "train.steps=4")
-    assert_one_line_error(rc, err, "does not fit this model", "shape")
+    p = cli("train", "--resume", "--out", str(out), "--set", "train.steps=4")
+    assert_one_line_error(p.returncode, p.stderr, "does not fit this model", "shape")
 
 
 def test_resume_refuses_a_different_model(tmp_path):
@@ -189,9 +176,10 @@ def test_existing_run_is_never_overwritten(tmp_path):
     assert (out / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.integration
 def test_divergence_is_recorded_with_exit_code_3(tmp_path):
     out = tmp_path / "run"
-    rc, stdout, err = cli(
+    p = cli(
         "train",
         str(ROOT / "configs" / "stdlib_gpt.yaml"),
         "--out",
@@ -220,7 +208,8 @@ def test_divergence_is_recorded_with_exit_code_3(tmp_path):
         "--set",
         "data.options.max_bytes=200000",
     )
-    assert rc == 3, err
+    err = p.stderr
+    assert p.returncode == 3, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kilolayer: error: ") and "Traceback" not in err
     status = json.loads((out / "status.json").read_text())
@@ -264,6 +253,7 @@ def test_accumulation_matches_full_batch(tmp_path):
         assert s1 == s2 and x == pytest.approx(y, rel=1e-4)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "args, needles",
     [
@@ -325,8 +315,8 @@ def test_accumulation_matches_full_batch(tmp_path):
 def test_bad_input_is_one_line(tmp_path, args, needles):
     (tmp_path / "empty.txt").write_text("")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    rc, _, err = cli(*args)
-    assert_one_line_error(rc, err, *needles)
+    p = cli(*args)
+    assert_one_line_error(p.returncode, p.stderr, *needles)
 
 
 def test_parallel_text_files(tmp_path):

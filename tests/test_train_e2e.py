@@ -67,6 +67,7 @@ def test_byte_lm_beats_unigram_entropy(tmp_path):
     assert loss < entropy - 0.3, (loss, entropy)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_process_gloo_matches_one_process(tmp_path, parallel):
     """Same global batch of fixed-length sequences: per-process mean losses average to the global mean,
@@ -198,6 +199,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_ranks_stop_and_save_when_torchrun_is_killed(tmp_path):

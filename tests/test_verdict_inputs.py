@@ -4,12 +4,11 @@ the confounds the verdicts issue removed (CLIP's clamp, weight decay on learned 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli
 
 from kilolayer.analysis.chance import chance_level
 from kilolayer.analysis.smoothness import SmoothnessObserver, smoothness, token_cosine
@@ -117,25 +116,10 @@ def test_constant_patch_fraction():
     assert constant_patch_fraction(up, 2) == 1.0 and constant_patch_fraction(up, 4) == 0.0
 
 
+@pytest.mark.integration
 def test_mae_guard_refuses_upscaled_digits_in_one_line():
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kilolayer",
-            "train",
-            "configs/digits_mae.yaml",
-            "--set",
-            "data.options.upscale=2",
-            "--set",
-            "model.image_size=16",
-            "--out",
-            "/nonexistent/never",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    sets = ("--set", "data.options.upscale=2", "--set", "model.image_size=16")
+    p = cli("train", "configs/digits_mae.yaml", *sets, "--out", "/nonexistent/never")
     assert p.returncode == 2 and p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "100% of the 2x2 patches" in lines[0] and "norm_pix_loss" in lines[0]
@@ -163,6 +147,7 @@ def _mae_configs():
                 yield p.key, p.config
 
 
+@pytest.mark.slow
 def test_every_shipped_mae_config_and_study_passes_the_guard():
     seen = 0
     for name, cfg in _mae_configs():

@@ -533,6 +533,7 @@ def test_depth_failed_run_is_inconclusive_and_named(tmp_path):
     assert absolute.verdict.verdict == INCONCLUSIVE and "failed: boom" in absolute.verdict.reason
 
 
+@pytest.mark.slow
 def test_depth_needs_finished_pretraining_before_fine_tuning(tmp_path):
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
     held = _by_title(
@@ -583,6 +584,7 @@ def _evals(final: float, earlier: float, key: str = "loss") -> list[dict]:
     return [{"step": 100, key: earlier + 0.2}, {"step": 300, key: earlier}, {"step": 400, key: final}]
 
 
+@pytest.mark.slow
 def test_a_comparison_of_runs_that_had_not_converged_is_inconclusive(tmp_path):
     cos = {g: (lambda l, s: 0.8 + NOISE[s]) for g in SEQ}
     cos.update({g: (lambda l, s: 0.4) for g in TOK + ("untrained", "text_untrained")})
