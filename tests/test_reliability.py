@@ -579,6 +579,7 @@ def test_a_killed_study_driver_stops_its_training_processes(tmp_path, sig):
             driver.kill()
 
 
+@pytest.mark.integration
 def test_a_killed_fork_server_leaves_each_of_its_points_interrupted_and_resumable(tmp_path):
     """Two points forked from one fork server: kill -9 the server and each point saves its step, records
     ``interrupted`` under its own PID and lets go of its run (no orphan holds it), with an intact checkpoint of
