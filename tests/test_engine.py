@@ -158,3 +158,14 @@ def test_a_run_directory_written_by_the_earlier_trainer_resumes_where_it_left_of
     whole = tmp_path / "whole"
     train(load_config(run / "config.yaml").model_dump(), whole, quiet=True)
     assert _train_losses(run) == _train_losses(whole)
+
+
+@pytest.mark.parametrize("name", ["causal_lm", "mlm", "mae"])
+def test_the_engine_trains_as_the_earlier_trainer_did(tmp_path, name):
+    """``fixtures/earlier_trainer_losses.json``: the losses the trainer of release commit 5ee3c92 logged (one
+    thread) for two micro-batches a step, with dropout and random masks (MLM, MAE), whose draws must come in the
+    same order (each micro-batch's masks just before its forward pass). To float rounding: another CPU reduces
+    in another order, but a different draw order moves the losses by far more."""
+    case = json.loads((FIXTURE.parent / "earlier_trainer_losses.json").read_text())[name]
+    train(case["config"], tmp_path / "run", quiet=True)
+    assert _train_losses(tmp_path / "run") == pytest.approx(case["losses"], rel=1e-5)

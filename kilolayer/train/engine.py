@@ -174,15 +174,19 @@ class Engine:
         for :meth:`update`, which a diverged step never reaches."""
         tc, env = self.config.train, self.env
         batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
-        micro = [self.objective.prepare(to_device(mb, env.device)) for mb in split_batch(batch, tc.accumulate)]
+        tokens, flops = 0, 0.0
 
         def loss_of(mb):
+            nonlocal tokens, flops
+            # each micro-batch's masks are drawn just before its forward pass (the RNG streams' order), and its
+            # tokens and FLOPs are counted on them
+            mb = self.objective.prepare(to_device(mb, env.device))
+            tokens += self.objective.tokens(mb)
+            flops += self.objective.train_flops(mb)
             with autocast(tc.precision, env.device):
                 return self.model(mb)[0]
 
-        loss = D.all_mean(forward_backward(micro, loss_of, self._no_sync), env)
-        tokens = sum(self.objective.tokens(mb) for mb in micro)
-        flops = sum(self.objective.train_flops(mb) for mb in micro)  # on the masks the step drew
+        loss = D.all_mean(forward_backward(split_batch(batch, tc.accumulate), loss_of, self._no_sync), env)
         grads = None
         if layer_grads or (layer_grads is None and self.diagnostic_step(step)):
             grads = diag.grad_norms(self.task.backbone, (lambda t: D.all_sum(t, env)) if env.active else None)
