@@ -515,3 +515,18 @@ def test_a_damaged_metrics_file_is_one_unreadable_point_not_a_failed_report(tmp_
     r = collect(point, tmp_path)
     assert r.status == "unreadable" and "metrics.jsonl:2" in r.reason and r.eval == {}
     json.dumps(r.reason)  # one plain line for the report
+
+
+def test_a_grid_over_the_seed_is_refused_in_one_line(tmp_path):
+    """Points are named by their grid values and seed: a grid over train.seed would name every point alike and
+    send them all to one run directory."""
+    from kilolayer.study.spec import load_spec
+
+    base = {"model": {"arch": "decoder", "layers": 1, "width": 32, "heads": 2}, "objective": {"name": "causal_lm"}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        yaml.safe_dump({"name": "s", "groups": [{"name": "g", "base": base, "grid": {"train.seed": [0, 1]}}]})
+    )
+    with pytest.raises(ConfigError, match=r"grid.train.seed: seeds are the group's `seeds` list") as err:
+        load_spec(path)
+    assert "\n" not in str(err.value)

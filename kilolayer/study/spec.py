@@ -59,6 +59,8 @@ class GroupSpec(BaseModel):
         for key, values in grid.items():
             if not values:
                 raise ValueError(f"grid.{key}: empty list of values")
+            if "train.seed" in (k.strip() for k in key.split(",")):
+                raise ValueError(f"grid.{key}: seeds are the group's `seeds` list, not a grid key")
             width = len(key.split(","))
             if width > 1:
                 for v in values:
@@ -157,6 +159,11 @@ def expand(spec: StudySpec) -> list[Point]:
                 if g.init_from is not None:
                     p.init_from_point = _match(p, by_group[g.init_from], g.init_from)
                 mine.append(p)
+        seen: set[str] = set()
+        for p in mine:
+            if p.name in seen:
+                raise ConfigError(f"groups.{g.name}: two points are both named {p.name!r} (one run directory)")
+            seen.add(p.name)
         by_group[g.name] = mine
         points += mine
     return points
