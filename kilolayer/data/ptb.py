@@ -23,9 +23,10 @@ import torch
 from pydantic import ConfigDict, Field
 
 from kilolayer.config import Config, NumbersNotBools
-from kilolayer.data.base import Source, register_source
+from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.options import parse_options
+from kilolayer.data.stdlib import WindowSource
 from kilolayer.data.text import ByteTokenizer
 from kilolayer.errors import ConfigError, InputError
 
@@ -160,7 +161,7 @@ def ptb_tokenizer(config: Config):
 # ------------------------------------------------------------------ the source
 
 
-class TokenWindows(Source):
+class TokenWindows(WindowSource):
     """Windows of ``seq_len + 1`` tokens: at random offsets of the training stream, consecutive (stride
     ``seq_len``) over an evaluation stream."""
 
@@ -187,17 +188,6 @@ class TokenWindows(Source):
     @property
     def eval_size(self) -> int:
         return self.split_size("eval")
-
-    def _windows(self, stream: torch.Tensor, starts) -> dict:
-        idx = torch.as_tensor(starts, dtype=torch.long)[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        return {"tokens": stream[idx].long()}
-
-    def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
-        # the global batch is drawn first, then split: the same data whatever the world size
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self), (batch_size,), generator=g)
-        per = batch_size // world
-        return self._windows(self.train, starts[rank * per : (rank + 1) * per])
 
     def collate(self, indices: list[int], split: str) -> dict:
         """``train``: windows starting at the offsets ``indices``; otherwise evaluation windows ``indices``."""
