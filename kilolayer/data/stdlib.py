@@ -55,7 +55,26 @@ def stdlib_corpus(valid_percent: int = 10) -> tuple[bytes, bytes, int]:
     return b"\n".join(train), b"\n".join(valid), n
 
 
-class ByteWindows(Source):
+class WindowSource(Source):
+    """Windows of ``seq_len + 1`` tokens of a stream, training ones at random offsets of ``self.train``
+    (``len(self)`` offsets)."""
+
+    train: torch.Tensor
+    seq_len: int
+
+    def _windows(self, stream: torch.Tensor, starts) -> dict:
+        idx = torch.as_tensor(starts, dtype=torch.long)[:, None] + torch.arange(self.seq_len + 1)[None, :]
+        return {"tokens": stream[idx].long()}
+
+    def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
+        # draw the global batch, then take this process's share: the same data whatever the world size
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self), (batch_size,), generator=g)
+        per = batch_size // world
+        return self._windows(self.train, starts[rank * per : (rank + 1) * per])
+
+
+class ByteWindows(WindowSource):
     """Random windows of ``seq_len + 1`` bytes from a train byte string; fixed windows for evaluation."""
 
     def __init__(self, train: bytes, valid: bytes, seq_len: int, eval_windows: int, seed: int, where: str):
@@ -78,17 +97,6 @@ class ByteWindows(Source):
     @property
     def eval_size(self) -> int:
         return len(self.eval_starts)
-
-    def _windows(self, data: torch.Tensor, starts) -> dict:
-        idx = torch.as_tensor(starts)[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        return {"tokens": data[idx].long()}
-
-    def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
-        # draw the global batch, then take this process's share: the same data whatever the world size
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self), (batch_size,), generator=g)
-        per = batch_size // world
-        return self._windows(self.train, starts[rank * per : (rank + 1) * per])
 
     def collate(self, indices: list[int], split: str) -> dict:
         if split == "train":

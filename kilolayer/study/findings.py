@@ -1,30 +1,9 @@
 """Findings: what a paper claims, what the runs measured, and a verdict from one stated rule.
 
-**The rule** (:func:`decide`, the same for every finding). The seed is the unit of
-replication. A finding turns its runs into one number *d* per seed, positive when
-the claim holds: where a finding covers several shapes or pairs, they are averaged
-(or fitted, for a trend) within the seed first, because runs of one seed are not
-independent replicates. With *n* seeds, mean *m* and standard deviation *sd*, the
-one-sided 95% Student-t bounds are ``m -/+ t(0.95, n-1) sd / sqrt(n)``:
-
-* **held** if the lower bound exceeds the margin;
-* **did not hold** if the upper bound is below minus the margin;
-* **inconclusive** otherwise, and always with fewer than 2 seeds (the direction
-  and size are shown, but seed noise is unknown).
-
-Evidence:
-
-* a **failed**, interrupted or **missing** run is never evidence: the verdict is
-  inconclusive and names it;
-* a **diverged** run is a result and counts against whatever diverged: its loss
-  (accuracy) is the chance level of its data, the best that a model which learned
-  nothing can score (see :mod:`kilolayer.analysis.chance`);
-* a run **learned nothing** when its final evaluation loss is above
-  ``LEARNED_NOTHING`` x its chance loss; a claim that needs a model to learn is not
-  decided by it (inconclusive), except that a claim that a scheme trains is
-  contradicted by that scheme learning nothing.
-
-Nothing is decided in advance: the verdicts come from the numbers.
+The rule, the same for every finding, is :data:`RULE` (shown in every report) and :func:`decide`: each finding
+reduces its runs to one difference per seed, positive when the claim holds, and a one-sided Student-t bound on
+their mean decides. Failed or missing runs are never evidence; a diverged run scores the chance level of its data
+(:mod:`kilolayer.analysis.chance`). Nothing is decided in advance: the verdicts come from the numbers.
 """
 
 from __future__ import annotations
@@ -152,8 +131,7 @@ FINDINGS: Registry[Callable] = Registry("study.findings", "finding")
 
 def register_finding(name: str) -> Callable[[Callable], Callable]:
     """Register ``fn(results, out) -> Finding | list[Finding] | None`` under ``name`` (None: the study lacks its
-    groups; a list: one verdict per modality or pair, never pooled). Findings find their runs by group name
-    (see kilolayer/study/builtin.py)."""
+    groups; a list: one verdict per modality or pair, never pooled)."""
     return FINDINGS.register(name)
 
 
@@ -341,9 +319,8 @@ def slope(depths: list[int], values: list[float]) -> float:
 
 
 def _other_axes(rs) -> list[str]:
-    """The grid keys that tell apart the runs of one scheme, depth (``model.layers``) and seed, where some has
-    several: a comparison of one run each would pick among them blindly. Empty when each has one run (a value
-    tied to the depth or scheme by a combined grid key is not a second run)."""
+    """The grid keys that tell apart several runs of one scheme, depth and seed (a one-run comparison would pick
+    among them blindly); empty when each has one run."""
     cells: dict[tuple, list] = defaultdict(list)
     for r in rs:
         cells[(_val(r, "model.scheme"), _depth(r), _seed(r))].append(r)
@@ -359,9 +336,8 @@ def _other_axes(rs) -> list[str]:
 
 
 def _several_settings(v: Verdict, axes: list[str], seeds: int) -> Verdict:
-    """``v`` made inconclusive because runs of one scheme, depth and seed differ in ``axes``: the numbers it was
-    computed from (its mean, bounds and the reason that states them) came from blindly picked runs, so they are
-    dropped; a study of ``seeds`` < 2 seeds is said to be undecidable on that count too."""
+    """``v`` made inconclusive, its numbers dropped: they came from runs picked blindly among several differing
+    in ``axes``."""
     reason = (
         f"the deepnet group has several runs of one scheme, depth and seed, differing in {', '.join(axes)}, so "
         f"the rule's one-run comparison is not defined; give each setting of {', '.join(axes)} a group of its own"
@@ -373,8 +349,7 @@ def _several_settings(v: Verdict, axes: list[str], seeds: int) -> Verdict:
 
 def _run(rs, scheme: str, depth: int, seed):
     """The run of ``scheme`` at ``depth`` layers per side with ``seed``, or None."""
-    found = [r for r in rs if _depth(r) == depth and _val(r, "model.scheme") == scheme and _seed(r) == seed]
-    return found[0] if found else None
+    return _pick([r for r in rs if _val(r, "model.scheme") == scheme], depth, seed)
 
 
 def _depth_label(r, d: int) -> str:
@@ -382,8 +357,7 @@ def _depth_label(r, d: int) -> str:
 
 
 def _cell_value(r, metric: str, out) -> str:
-    """A run's final evaluation in a scheme x depth table: the loss (with exact match where logged), or for a
-    BLEU finding the BLEU the verdict compares (:func:`bleu_of`; ``-`` where it has none), then the loss."""
+    """A run's final evaluation in a scheme x depth table: the loss (and exact match), or BLEU then loss."""
     loss = f"{r.eval['loss']:.3f}" if "loss" in r.eval else None
     if metric == "bleu":
         b = bleu_of(r, out)
@@ -394,9 +368,8 @@ def _cell_value(r, metric: str, out) -> str:
 
 
 def _scheme_depth_table(rs, out, metric: str = "loss"):
-    """Scheme x depth: each cell the final evaluation of every seed of the study, in seed order, `` / `` between
-    them (:func:`_cells_note` says so under the table); a seed with no run there reads ``missing``. Where one
-    seed has several runs in a cell, each is labelled with its seed and the keys that tell them apart."""
+    """Scheme x depth: each cell the final evaluation of every seed, `` / `` between them (``missing`` where a
+    seed has none); several runs of one seed in a cell are each labelled with the keys that tell them apart."""
     schemes = sorted({_val(r, "model.scheme") for r in rs})
     depths = sorted({_depth(r) for r in rs})
     seeds = _seeds(rs)
@@ -428,8 +401,7 @@ def _cells_note(rs) -> list[str]:
 
 
 def _chance_note(runs, out, unit=" nats") -> list[str]:
-    """The chance levels of ``runs``' data: one value, or one per group (and per seed where the evaluation data
-    differ by seed, as for a synthetic task)."""
+    """The chance levels of ``runs``' data: one value, or one per group (and seed, where they differ by seed)."""
     runs = [r for r in runs if r is not None and r.status in ("completed", "diverged")]
     if not runs:
         return []
@@ -649,8 +621,12 @@ def deepnet_update(results, out):
 
 
 def _pick(rs, layers, seed):
-    c = [r for r in rs if _depth(r) == layers and _seed(r) == seed]
-    return c[0] if c else None
+    return next((r for r in rs if _depth(r) == layers and _seed(r) == seed), None)
+
+
+def _untrained(base, layers, seed):
+    """The untrained model of this shape and seed, or of this shape with any seed."""
+    return _pick(base, layers, seed) or next((r for r in base if _depth(r) == layers), None)
 
 
 # (sequence-level group, token-level group, modality) pairs compared for over-smoothing, and each
@@ -692,10 +668,8 @@ def still_improving(r, key: str, tol: float, lower_is_better: bool = False, rela
 def require_convergence(
     v: Verdict, runs: list, key: str, tol: float, lower_is_better: bool = False, relative: bool = False
 ) -> Verdict:
-    """Bamboo compares models at convergence: when any of ``runs`` was still improving ``key`` by more than
-    ``tol`` over its last quarter of steps (:func:`still_improving`; a run that stopped on its plateau, or ran
-    flat to its step budget, is converged), a verdict of held or did not hold becomes inconclusive, and the
-    reason says how many runs had not converged. Returns ``v``, changed in place."""
+    """Bamboo compares models at convergence: if any of ``runs`` was :func:`still_improving`, a held or did not
+    hold becomes inconclusive and the reason says how many runs had not converged. Returns ``v``, changed."""
     runs = list({r.point.key: r for r in runs if r is not None and r.ok}.values())
     moving = [r for r in runs if still_improving(r, key, tol, lower_is_better, relative)]
     if not moving:
@@ -779,7 +753,7 @@ def _cosine_evidence(ev: Evidence, r, what: str, out) -> float | None:
 
 
 def _untrained_cosine(ev: Evidence, base, layers: int, seed) -> float | None:
-    u = _pick(base, layers, seed) or next((r for r in base if _depth(r) == layers), None)
+    u = _untrained(base, layers, seed)
     c = _last(u, "cosine") if u is not None and u.ok else None
     if c is None:
         ev.excluded.append(f"untrained model at {layers} layers ({'no smoothness analysis' if u else 'missing'})")
@@ -793,7 +767,7 @@ def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding
     for seed in sorted(set(_seeds(a_rs)) | set(_seeds(b_rs))):
         for layers in depths:
             a, b = _pick(a_rs, layers, seed), _pick(b_rs, layers, seed)
-            u = _pick(base, layers, seed) or next((r for r in base if _depth(r) == layers), None)
+            u = _untrained(base, layers, seed)
             ca = _cosine_evidence(level, a, f"{seq} {layers} layers seed {seed}", out)
             cb = _cosine_evidence(level, b, f"{tok} {layers} layers seed {seed}", out)
             if ca is not None and cb is not None:
@@ -843,8 +817,8 @@ def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding
 
 
 def _excess_slopes(results, out, group: str, modality: str, ev: Evidence) -> tuple[dict, list]:
-    """Per seed, the slope per doubling of depth of (last-layer cosine of ``group`` - that of the untrained
-    model of the same shape), over every shape; and the table rows (seed, excess per shape)."""
+    """Per seed, the slope per doubling of depth of (last-layer cosine of ``group`` - the untrained model's);
+    and the table rows."""
     rs, base = _group(results, group), _group(results, UNTRAINED[modality])
     depths = _shapes(rs)
     slopes, rows = {}, []
@@ -911,10 +885,8 @@ def bamboo_smoothing(results, out):
 
 
 def pretraining_problem(r, results, out) -> str | None:
-    """Why the pre-training behind fine-tuned run ``r`` (its point's ``init_from_point``) makes ``r`` no evidence,
-    or None: the pre-training run must have completed, and ``r`` must have started from the checkpoint that
-    stands for it now (recorded in ``r``'s status as ``init_from.step``; without that record, ``r`` must have
-    started after the pre-training finished)."""
+    """Why the pre-training behind fine-tuned run ``r`` makes ``r`` no evidence, or None: the pre-training must
+    have completed, and ``r`` started from its chosen checkpoint (or, with no ``init_from`` record, after it)."""
     from kilolayer.rundir import RunDir, checkpoint_step
 
     key = getattr(r.point, "init_from_point", None) if r is not None else None
@@ -1084,28 +1056,26 @@ def bamboo_depth_tokens(results, out):
 # ---------------------------------------------------------------- plots
 
 
+def _plot(draw, rs, out, fname: str, caption: str) -> list[tuple[str, str]]:
+    """``[(path, caption)]`` of the plot ``draw(rs, path)`` made under report_files/, or [] if it drew none."""
+    path = out / "report_files" / fname
+    return [(str(path), caption)] if draw(rs, path) else []
+
+
 def _curves(results, group, out, fname):
     from kilolayer.study.plots import loss_curves
 
-    rs = _group(results, group)
-    path = out / "report_files" / fname
-    if loss_curves(rs, path):
-        return [(str(path), "validation loss vs step, one panel per depth")]
-    return []
+    return _plot(loss_curves, _group(results, group), out, fname, "validation loss vs step, one panel per depth")
 
 
 def _update_plot(rs, out, fname):
     from kilolayer.study.plots import update_curves
 
-    path = out / "report_files" / fname
-    if update_curves(rs, path):
-        return [(str(path), "model update ||F(x, theta_t) - F(x, theta_0)|| vs step")]
-    return []
+    return _plot(update_curves, rs, out, fname, "model update ||F(x, theta_t) - F(x, theta_0)|| vs step")
 
 
 def _stability_plot(rs, out):
-    """DeepNet's per-layer diagnostics (gradient norms, LayerNorm inputs, update, loss) of every scheme at
-    18 layers per side (the paper's Figure 3 setting), or the deepest setting below that; first seed."""
+    """DeepNet's per-layer diagnostics of every scheme at 18 layers per side (Figure 3), or the deepest below."""
     from kilolayer.analysis.plots import plot_stability
     from kilolayer.analysis.stability import read_run
 
@@ -1142,16 +1112,12 @@ def _smoothness_plot(results, out, fname):
 
     names = {*UNTRAINED.values(), *(g for pair in SMOOTHING_PAIRS for g in pair[:2]), "finetune", "mlm_finetune"}
     rs = [r for r in results if r.point.group in names and r.smoothness]
-    path = out / "report_files" / fname
-    if smoothness_curves(rs, path):
-        return [(str(path), "token cosine similarity per layer (mean over seeds), by objective and shape")]
-    return []
+    caption = "token cosine similarity per layer (mean over seeds), by objective and shape"
+    return _plot(smoothness_curves, rs, out, fname, caption)
 
 
 def _depth_plot(results, out, fname):
     from kilolayer.study.plots import depth_curves
 
-    path = out / "report_files" / fname
-    if depth_curves(results, path):
-        return [(str(path), "task metric and validation loss vs depth at matched parameters (mean over seeds)")]
-    return []
+    caption = "task metric and validation loss vs depth at matched parameters (mean over seeds)"
+    return _plot(depth_curves, results, out, fname, caption)
