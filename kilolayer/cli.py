@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from pathlib import Path
 
 from kilolayer.analysis import cli as analysis_cli
 from kilolayer.doctor import cli as doctor_cli
@@ -208,17 +209,21 @@ COMPUTING = ("doctor", "analyze")
 
 
 @contextlib.contextmanager
-def _threads(command: str):
-    """The thread policy's count (:mod:`kilolayer.train.threads`) while a computing command runs."""
-    if command not in COMPUTING:
+def _threads(args):
+    """The thread policy's count (:mod:`kilolayer.train.threads`) while a computing command runs; the doctor of a
+    run replays its steps at the count the run recorded, where its losses are the run's bit for bit."""
+    if args.command not in COMPUTING:
         yield
         return
     import torch
 
+    from kilolayer.train.run import recorded_threads
     from kilolayer.train.threads import policy
 
+    target = Path(getattr(args, "target", "") or "")
+    recorded = recorded_threads(target) if args.command == "doctor" and target.is_dir() else None
     before = torch.get_num_threads()
-    torch.set_num_threads(policy().count)
+    torch.set_num_threads(policy(recorded=recorded).count)
     try:
         yield
     finally:
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with _threads(args.command):
+        with _threads(args):
             return int(args.func(args) or 0)
     except KilolayerError as err:
         print(f"kilolayer: error: {err}", file=sys.stderr)

@@ -12,6 +12,7 @@ from kilolayer.config import dump_yaml, load_config
 from kilolayer.doctor import diagnose, forecast
 from kilolayer.doctor.measure import deepnorm_first_update, replay
 from kilolayer.doctor.theory import update_coefficient
+from kilolayer.files import write_atomic
 
 # a tiny encoder-decoder on the reverse task: replaying its first step takes well under a second
 TINY = {
@@ -77,7 +78,7 @@ def fake_run(
 ):
     """A run directory written through kilolayer.rundir, with hand-made diagnostics and losses."""
     path.mkdir(parents=True)
-    rundir.write_atomic(path / rundir.CONFIG, dump_yaml(config))
+    write_atomic(path / rundir.CONFIG, dump_yaml(config))
     grads = grads or [1.0] * 6
     ln = ln or [1.0] * len(LN)
     lines = []
@@ -96,7 +97,7 @@ def fake_run(
         )
     for i, loss in enumerate(evals):
         lines.append({"step": 10 * (i + 1), "split": "eval", "loss": loss})
-    rundir.write_atomic(path / rundir.METRICS, "".join(rundir.metrics_line(r) for r in lines))
+    write_atomic(path / rundir.METRICS, "".join(rundir.metrics_line(r) for r in lines))
     rundir.write_status(path, status, 20 if status == "completed" else 7, reason)
     if smoothness is not None:
         (path / "analysis" / "smoothness").mkdir(parents=True)
@@ -174,7 +175,7 @@ def test_growing_layernorm_inputs(tmp_path):
     for r in records:
         if r["split"] == "diagnostics":
             r["ln_names"] = names
-    rundir.write_atomic(run / rundir.METRICS, "".join(rundir.metrics_line(r) for r in records))
+    write_atomic(run / rundir.METRICS, "".join(rundir.metrics_line(r) for r in records))
     d = diagnose(run, smoothness_samples=0)
     growth = [f for f in d.findings if f.code == "ln_growth"]
     assert {f.evidence["side"] for f in growth} == {"encoder", "decoder"}

@@ -7,6 +7,7 @@ import yaml
 
 from kilolayer import rundir
 from kilolayer.config import dump_yaml
+from kilolayer.files import write_atomic
 from kilolayer.study.report import diagnoses, write_report
 from kilolayer.study.runner import collect_all
 from kilolayer.study.spec import expand, load_spec
@@ -77,7 +78,7 @@ def study(tmp_path_factory):
         run = p.run_dir(out)
         if p.group == "crash":
             run.mkdir(parents=True)
-            rundir.write_atomic(run / rundir.CONFIG, dump_yaml(p.config))
+            write_atomic(run / rundir.CONFIG, dump_yaml(p.config))
             rundir.write_status(run, "failed", 0, CRASH)
             by["failed"] = p
             continue

@@ -91,6 +91,8 @@ def test_the_policy_takes_a_given_count_then_a_recorded_one_then_the_environment
     assert T.policy(given=1, recorded=2) == T.Threads(1, "train.threads")
     assert T.policy(recorded=2).count == 2 and "recorded" in T.policy(recorded=2).reason
     assert T.policy() == T.Threads(3, "OMP_NUM_THREADS")
+    capped = T.policy(recorded=4)  # a launcher's share caps a recorded count
+    assert capped.count == 3 and "below the 4 the run recorded" in capped.reason
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(T, "usable_cpus", lambda: 4)
     monkeypatch.setattr(T, "other_work", lambda: 1.2)

@@ -5,9 +5,10 @@ train`` drives, in memory: the same seed, initialisation, batches, step, AdamW, 
 divergence rule, for ``steps`` optimiser steps, without touching the disk. After each step it records what
 ``train.diagnostics_every`` logs (per-layer gradient norms before clipping, the model update
 ``||F(x, theta_t) - F(x, theta_0)||`` on the engine's probe batch, the mean input magnitude of every
-LayerNorm) and the training loss. Because data and initialisation depend only on the seeds, step 1 of
-a replay is step 1 of the real run: ``kilolayer doctor RUN_DIR`` uses it for runs trained without
-diagnostics, and the forecast uses it before any run exists.
+LayerNorm) and the training loss. Because data and initialisation depend only on the seeds, the replayed
+steps are the run's: for an eager run at the same thread count, loss for loss, bit for bit (a compiled run
+differs in the last bits; the replay runs eager). ``kilolayer doctor RUN_DIR`` uses it for runs trained
+without diagnostics, and the forecast uses it before any run exists.
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ def _eval_loss(task, batch: dict) -> float:
 
 
 def _in_memory(config: Config) -> Config:
-    """``config`` as the replay trains it: eager (a compile per replayed config costs more than the steps)."""
-    if not config.train.compile:
+    """``config`` as the replay trains it: eager (a compile per replayed config costs more than the steps; a
+    compiled run's losses differ from eager ones in the last bits) and with glibc's heap left as it is (holding
+    it lasts for the life of the process that asks for a replay)."""
+    if not config.train.compile and not config.train.hold_heap:
         return config
     data = config.model_dump()
-    data["train"]["compile"] = False
+    data["train"].update(compile=False, hold_heap=False)
     return load_config(data)
 
 

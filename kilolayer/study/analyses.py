@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kilolayer import rundir
 from kilolayer.errors import KilolayerError
+from kilolayer.files import write_atomic
 from kilolayer.registry import Registry
 from kilolayer.rundir import RunDir
 
@@ -65,5 +66,5 @@ def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
     target = Path(run_dir) / "analysis" / name
     fn = ANALYSES.get(name)
     fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
-    rundir.write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")
+    write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")
     return target

@@ -4,7 +4,8 @@
 only in their seed cost the same) in a scratch directory, with the thread count a ``--jobs K`` run
 would give it, and measures its pieces on this machine:
 
-* start-up: a fresh ``python -m kilolayer`` process importing the trainer (measured once);
+* start-up: none where points fork from the fork server that imported kilolayer once
+  (:mod:`kilolayer.study.forked`, Linux); elsewhere a fresh process importing the trainer (measured once);
 * set-up: building data, model and optimizer (``Run(...)``);
 * one training step: the mean over ``probe_steps`` steps, after two warm-up steps;
 * one evaluation, one checkpoint, one stability-diagnostics probe and each analysis.
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kilolayer.config import Config, load_config
+from kilolayer.study import forked
 from kilolayer.study.runner import run_analysis, threads_per_job
 from kilolayer.study.spec import Point, StudySpec, expand
 
@@ -186,7 +188,7 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
             f"[estimate] {distinct} distinct point(s) to probe (seeds of a point cost the same), each timed over "
             f"{probe_steps} steps after 2 warm-up steps, with {threads} thread(s)"
         )
-        startup = startup_seconds()
+        startup = 0.0 if forked.available() else startup_seconds()
         costs: dict[str, PointCost] = {}
         for p in points:
             sig = _signature(p)

@@ -6,7 +6,9 @@ every time; a point instead starts as a fork of multiprocessing's fork server, w
 What a fresh process guarantees still holds: the point has its own PID, log, environment, working directory
 and exit code (``kilolayer train``'s); it gets SIGTERM when the fork server dies, and the fork server exits
 when the driver dies, however it died, so no point trains on as an orphan; Ctrl-C reaches it through the
-terminal's process group (the fork server itself ignores it).
+terminal's process group (the fork server itself ignores it). What a library reads once when it loads (glibc's
+``MALLOC_*`` settings, OpenMP's ``OMP_PROC_BIND``) comes from the driver's environment, where the fork server
+started; the point's own environment is in place before ``kilolayer`` runs.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
-#: what the fork server imports once, for every point it forks
+#: what the fork server imports once, for every point it forks (by name: the command line sits above the study)
 PRELOAD = ["kilolayer.cli"]
 
 
@@ -30,7 +33,8 @@ def available() -> bool:
 
 
 def _point(argv: list[str], env: dict, logfile: str, cwd: str | None, server: int) -> None:
-    """The forked point: die with the fork server, write to the point's log, then ``kilolayer ARGV``."""
+    """The forked point: die with the fork server, write to the point's log, then run ``kilolayer ARGV`` as
+    ``python -m kilolayer ARGV`` would (its exit code is the point's)."""
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -52,9 +56,8 @@ def _point(argv: list[str], env: dict, logfile: str, cwd: str | None, server: in
     os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
-    from kilolayer.cli import main
-
-    sys.exit(main(argv))
+    sys.argv = ["kilolayer", *argv]
+    runpy.run_module("kilolayer", run_name="__main__", alter_sys=True)  # what `python -m kilolayer ARGV` runs
 
 
 class ForkedPoint:

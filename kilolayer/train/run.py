@@ -35,6 +35,7 @@ import torch
 from kilolayer import rundir
 from kilolayer.config import Config, dump_yaml, load_config
 from kilolayer.errors import ConfigError, DivergedError, KilolayerError
+from kilolayer.files import write_atomic
 from kilolayer.train import checkpoint as ckpt
 from kilolayer.train import distributed as D
 from kilolayer.train import metrics as M
@@ -49,7 +50,9 @@ from kilolayer.train.signals import Interrupted, StopSignals
 
 class Run:
     """One training process's run in ``out_dir``: set-up (``__init__``: claim the directory, build the engine,
-    restore the newest intact checkpoint on ``resume``), then :meth:`run`."""
+    restore the newest intact checkpoint on ``resume``), then :meth:`run`. :func:`train` wraps it with what a
+    process does around a run (config resolution, the memory check, the thread policy, stop signals, the
+    process group's teardown); a ``Run`` made directly trains at the process's thread count, signals unhandled."""
 
     def __init__(
         self,
@@ -177,7 +180,7 @@ class Run:
                         shutil.rmtree(later, ignore_errors=True)  # damaged (reported): this run replays them
                 self.life.running(self.start_step, resumed_from=latest.name)
             self.started = True
-            rundir.write_atomic(self.out / rundir.CONFIG, dump_yaml(self.config))
+            write_atomic(self.out / rundir.CONFIG, dump_yaml(self.config))
             if self.resume:
                 rundir.record_resume(self.out, self.start_step, _changes(previous, self.config))
         self.started = True
@@ -241,7 +244,9 @@ class Run:
         original / masked / reconstruction grid)."""
         metrics = self.engine.evaluate()
         save = getattr(self.engine.objective, "save_samples", None)
-        if save is not None and self.env.main:
+        # under FSDP a forward pass on rank 0 alone would wait for the other ranks' shards: no samples there
+        sharded = self.env.active and self.config.train.parallel == "fsdp"
+        if save is not None and self.env.main and not sharded:
             with self.engine.evaluating():
                 save(
                     self.engine.task.backbone, self.engine.eval_batch(8), self.out / "samples" / f"step_{step:08d}.png"

@@ -5,13 +5,14 @@ several-fold (docs/benchmarks.md, "Runs side by side"). The policy, first match 
 
 1. a count given: ``train.threads`` / ``--threads``;
 2. a resumed run keeps the count it recorded (float reductions are ordered by the thread count, so a resume is
-   bit-exact only at the same count);
+   bit-exact only at the same count), unless a launcher's ``OMP_NUM_THREADS`` gives it fewer;
 3. ``OMP_NUM_THREADS`` set in the environment (a launcher that shares the cores out, such as a study's
    executor or ``torchrun``, has decided);
 4. otherwise the CPUs this process may use (its affinity, capped by a cgroup CPU quota) less those that other
    work keeps busy, at least one. Only this count is *adaptive*: a run re-checks it every :data:`CHECK_S`
    seconds from the CPU time the machine and the process spent since the last check, so two runs started
-   together settle on sharing the cores.
+   together settle on sharing the cores. A count that changes changes float rounding: a run whose losses must
+   be bit-reproducible gives its count.
 
 On a GPU the policy stays out of the way (the device computes; torch's default serves data loading).
 """
@@ -129,15 +130,23 @@ def other_work(probe: LoadProbe | None = None, wait_s: float = 0.2) -> float | N
     return probe.busy()
 
 
+def _env_count() -> int | None:
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def policy(given: int | None = None, recorded: int | None = None, device: str = "cpu") -> Threads:
-    """The thread count by the module's rule (``given``: ``train.threads``; ``recorded``: a resumed run's)."""
+    """The thread count by the module's rule (``given``: ``train.threads``; ``recorded``: a resumed run's). A
+    launcher's ``OMP_NUM_THREADS`` caps a recorded count: its share of the cores wins over bit-exactness."""
     if given:
         return Threads(given, "train.threads")
+    env = _env_count()
     if recorded:
+        if env is not None and env < recorded:
+            return Threads(env, f"OMP_NUM_THREADS, below the {recorded} the run recorded (not a bit-exact resume)")
         return Threads(recorded, "the count the run recorded (a resume is bit-exact only at it)")
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return Threads(int(env), "OMP_NUM_THREADS")
+    if env is not None:
+        return Threads(env, "OMP_NUM_THREADS")
     if device != "cpu":
         return Threads(torch.get_num_threads(), f"torch's default (the device, {device}, computes)")
     usable = usable_cpus()
