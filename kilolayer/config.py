@@ -241,8 +241,10 @@ class TrainConfig(_Section):
     threads: int | None = Field(
         None,
         ge=1,
-        description="intra-op threads of the training process (default: the process's setting; a resume reuses the "
-        "count its run recorded, since float reductions, and so bit-exact resume, depend on it)",
+        le=1024,
+        strict=True,
+        description="intra-op threads of the training process (default: kilolayer.train.threads' policy; a resume "
+        "reuses a count its run was given or chose once, since float reductions, and so bit-exact resume, follow it)",
     )
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
     diverge_factor: float = Field(

@@ -86,13 +86,6 @@ def test_a_run_records_its_thread_count_and_a_resume_reuses_it(tmp_path, monkeyp
     assert seen == [1] and rundir.read_status(run)["threads"] == 1
 
 
-def test_train_threads_refuses_a_count_below_one(tmp_path):
-    from kilolayer.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="train.threads"):
-        load_config(tiny_lm(threads=0))
-
-
 def _tc(**kw):
     base = dict(diverge_factor=10.0, diverge_increase=1.0, warmup=2, patience=2, early_stop_metric="loss")
     base.update(min_delta=0.0, early_stop_mode="auto")
@@ -169,3 +162,30 @@ def test_the_engine_trains_as_the_earlier_trainer_did(tmp_path, name):
     case = json.loads((FIXTURE.parent / "earlier_trainer_losses.json").read_text())[name]
     train(case["config"], tmp_path / "run", quiet=True)
     assert _train_losses(tmp_path / "run") == pytest.approx(case["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("value", ["4", True, -2, 10**12])
+def test_a_recorded_thread_count_that_is_not_one_is_said_and_passed_over(tmp_path, capsys, value):
+    (tmp_path / "status.json").write_text(json.dumps({"status": "interrupted", "threads": value}))
+    from kilolayer.train.run import recorded_threads
+
+    assert recorded_threads(tmp_path) is None
+    assert f"threads={value!r} is not a thread count" in capsys.readouterr().err
+
+
+def test_an_adaptive_count_is_not_reused_on_resume(tmp_path):
+    from kilolayer.train.run import recorded_threads
+
+    (tmp_path / "status.json").write_text(json.dumps({"threads": 2, "threads_adaptive": True}))
+    assert recorded_threads(tmp_path) is None
+    (tmp_path / "status.json").write_text(json.dumps({"threads": 2, "threads_adaptive": False}))
+    assert recorded_threads(tmp_path) == 2
+
+
+@pytest.mark.parametrize("value", [0, 2000, True, "2"])
+def test_train_threads_outside_its_range_is_one_line(value):
+    from kilolayer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.threads") as err:
+        load_config(tiny_lm(threads=value))
+    assert "\n" not in str(err.value)

@@ -533,3 +533,18 @@ def test_a_grid_over_the_seed_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"grid.train.seed: seeds are the group's `seeds` list") as err:
         load_spec(path)
     assert "\n" not in str(err.value)
+
+
+def test_a_bad_spec_is_one_line_and_leaves_no_out_directory(tmp_path, capsys):
+    """Every point's config is checked (early stopping's needs too) before --out is made or locked."""
+    from kilolayer.cli import main
+
+    base = {"model": {"arch": "decoder", "layers": 1, "width": 32, "heads": 2}, "objective": {"name": "causal_lm"}}
+    for train in ({"steps": -5}, {"patience": 2}):
+        path = tmp_path / "spec.yaml"
+        path.write_text(yaml.safe_dump({"name": "s", "groups": [{"name": "g", "base": {**base, "train": train}}]}))
+        out = tmp_path / "out"
+        assert main(["study", str(path), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "groups.g point seed=0: train." in err, err
+        assert not out.exists()

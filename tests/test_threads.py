@@ -27,18 +27,19 @@ def test_the_count_is_the_usable_cpus_less_the_busy_ones_and_at_least_one(usable
 
 
 def test_a_cgroup_quota_caps_the_cpus(tmp_path):
+    none = tmp_path / "no_self_cgroup"
     (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert T.cgroup_quota(tmp_path) == 2  # 1.5 CPUs: rounded up
+    assert T.cgroup_quota(tmp_path, none) == 2  # 1.5 CPUs: rounded up
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert T.cgroup_quota(tmp_path) is None
+    assert T.cgroup_quota(tmp_path, none) is None
     (tmp_path / "cpu.max").unlink()
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert T.cgroup_quota(tmp_path) == 4
+    assert T.cgroup_quota(tmp_path, none) == 4
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert T.cgroup_quota(tmp_path) is None
-    assert T.cgroup_quota(tmp_path / "missing") is None
+    assert T.cgroup_quota(tmp_path, none) is None
+    assert T.cgroup_quota(tmp_path / "missing", none) is None
 
 
 def test_cpu_times_read_only_the_cpus_of_this_process(tmp_path):
@@ -110,3 +111,41 @@ def test_the_load_probe_leaves_out_this_processs_own_cpu_time(monkeypatch):
     monkeypatch.setattr(T.os, "sched_getaffinity", lambda pid: {0, 1})
     probe = T.LoadProbe()
     assert probe.busy() == pytest.approx(2 * 150 / 200 - 2.0 / 2.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "count"),
+    [
+        ("3", 3),
+        ("4,2", 4),
+        (" 2 ", 2),
+        ("99999", T.MAX_THREADS),
+        ("0", None),
+        ("abc", None),
+        ("2.5", None),
+        ("-2", None),
+    ],
+)
+def test_omp_num_threads_is_read_as_openmp_reads_it_or_named_as_ignored(value, count):
+    got, why = T.env_count(value)
+    assert got == count
+    assert why == ("OMP_NUM_THREADS" if count else f"OMP_NUM_THREADS={value!r} ignored: not a positive integer")
+    assert T.env_count("\u0663") == (None, "OMP_NUM_THREADS='\u0663' ignored: not a positive integer")  # not ASCII
+
+
+def test_unexpected_proc_and_cgroup_contents_read_as_unknown(tmp_path):
+    stat = tmp_path / "stat"
+    for text in ("cpu0 1 2 3\n", "\n", "cpufreq 1 2 3 4 5 6\n", "cpu0 1 x 3 4 5 6 7 8\n"):
+        stat.write_text(text)
+        assert T._cpu_times(None, stat) is None, text
+    (tmp_path / "cpu.max").write_text("100000 0\n")
+    assert T.cgroup_quota(tmp_path, tmp_path / "none") is None
+
+
+def test_the_quota_of_this_processs_own_cgroup_counts(tmp_path):
+    own = tmp_path / "self_cgroup"
+    own.write_text("0::/user.slice/job\n")
+    (tmp_path / "user.slice" / "job").mkdir(parents=True)
+    (tmp_path / "user.slice" / "job" / "cpu.max").write_text("300000 100000\n")
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert T.cgroup_quota(tmp_path, own) == 3

@@ -28,8 +28,13 @@ PRELOAD = ["kilolayer.cli"]
 
 
 def available() -> bool:
-    """Forking from a fork server with the parent-death signal: Linux."""
-    return sys.platform.startswith("linux")
+    """Forking from a fork server with the parent-death signal (Linux), from a driver that is kilolayer's own
+    command: multiprocessing prepares each forked process by importing the driver's main script again, which
+    a user's script may not survive (an unguarded call of the runner would run again in every point)."""
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    script = Path(getattr(main, "__file__", "") or "").name
+    return sys.platform.startswith("linux") and (spec_name == "kilolayer.__main__" or script == "kilolayer")
 
 
 def _point(argv: list[str], env: dict, logfile: str, cwd: str | None, server: int) -> None:

@@ -27,6 +27,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from kilolayer.rundir import RunDir
 from kilolayer.study import forked
 from kilolayer.study.analyses import STAMP, analysis_stamp, run_analysis
 from kilolayer.study.spec import Point, StudySpec, expand
+from kilolayer.train.threads import usable_cpus
 
 
 @dataclass
@@ -361,9 +363,9 @@ def _quiet(message: str) -> None:
 
 
 def threads_per_job(jobs: int) -> int | None:
-    """Torch threads for each of ``jobs`` concurrent points (they share the cores); None for one job
-    (torch's default)."""
-    return max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+    """Torch threads for each of ``jobs`` concurrent points (they share the CPUs this process may use); None for
+    one job (the point's own thread policy)."""
+    return max(1, usable_cpus() // jobs) if jobs > 1 else None
 
 
 def collect_all(points: list[Point], out: Path, ran: set[str]) -> list[Result]:
@@ -375,24 +377,40 @@ def collect_all(points: list[Point], out: Path, ran: set[str]) -> list[Result]:
 
 
 def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Result]:
-    """Train every point (groups in order, ``jobs`` at a time), run analyses, return the results."""
+    """Train every point (groups in order, ``jobs`` at a time), run analyses, return the results. The analyses
+    run in this process beside the points still training, at a point's share of the CPUs."""
+    import torch
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     points = expand(spec)
     ran: set[str] = set()
-    for group in spec.groups:
-        mine = [p for p in points if p.group == group.name]
+    lock = threading.Lock()
 
-        def one(p: Point):
-            status, _, trained = run_point(p, out, log, threads=threads_per_job(jobs))
-            if trained:
-                ran.add(p.key)
-            run_analyses(p, out, log)
+    def say(line: str) -> None:  # one whole line at a time from the pool's threads
+        with lock:
+            log(line)
 
-        if jobs > 1:
-            with ThreadPoolExecutor(max_workers=jobs) as pool:
-                list(pool.map(one, mine))
-        else:
-            for p in mine:
-                one(p)
+    threads = threads_per_job(jobs)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        for group in spec.groups:
+            mine = [p for p in points if p.group == group.name]
+
+            def one(p: Point):
+                status, _, trained = run_point(p, out, say, threads=threads)
+                if trained:
+                    ran.add(p.key)
+                run_analyses(p, out, say)
+
+            if jobs > 1:
+                with ThreadPoolExecutor(max_workers=jobs) as pool:
+                    list(pool.map(one, mine))
+            else:
+                for p in mine:
+                    one(p)
+    finally:
+        torch.set_num_threads(before)
     return collect_all(points, out, ran)

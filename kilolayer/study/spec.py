@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kilolayer.config import Config, apply_sets, format_validation_error, load_config
 from kilolayer.errors import ConfigError
 from kilolayer.study.analyses import ANALYSES
+from kilolayer.train.run import check_early_stopping
 
 
 class GroupSpec(BaseModel):
@@ -151,6 +152,7 @@ def expand(spec: StudySpec) -> list[Point]:
                 data = apply_sets(copy.deepcopy(g.base), sets)
                 try:
                     cfg = load_config(data)
+                    check_early_stopping(cfg)
                 except ConfigError as err:
                     raise ConfigError(f"groups.{g.name} point {point_name(values)}: {err}") from None
                 p = Point(

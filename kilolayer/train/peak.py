@@ -30,6 +30,7 @@ import torch
 
 from kilolayer.files import write_atomic
 from kilolayer.train.metrics import Peak, finite_positive
+from kilolayer.train.threads import usable_cpus
 
 CACHE_FILE = "peak_flops.json"
 
@@ -114,13 +115,6 @@ def quick_gemm_rate(
         n *= 2
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 @contextlib.contextmanager
 def _threads(n: int):
     before = torch.get_num_threads()
@@ -142,7 +136,7 @@ def cpu_peak(dtype: torch.dtype, budget_s: float = 1.5) -> tuple[float, int]:
     flops, n = quick_gemm_rate(dtype, budget_s / 2)
     with _threads(1):
         single, n1 = quick_gemm_rate(dtype, budget_s / 2)
-    scaled = single * min(threads, _usable_cpus())
+    scaled = single * min(threads, usable_cpus())
     return (flops, n) if flops >= scaled else (scaled, n1)
 
 
@@ -287,7 +281,7 @@ BUSY_LOAD = 0.75
 def load_per_cpu() -> float | None:
     """The 1-minute load average over the usable CPUs; None where the system does not say."""
     try:
-        return os.getloadavg()[0] / _usable_cpus()
+        return os.getloadavg()[0] / usable_cpus()
     except (AttributeError, OSError):
         return None
 

@@ -188,7 +188,8 @@ class Run:
 
     def _record_threads(self) -> None:
         """The thread count in every status from here on: a resume reuses it (float reductions follow it)."""
-        self.life.fields.update(threads=self.threads.count, threads_reason=self.threads.threads.reason)
+        chosen = self.threads.threads
+        self.life.fields.update(threads=chosen.count, threads_reason=chosen.reason, threads_adaptive=chosen.adaptive)
 
     def _saved_config(self) -> Config | None:
         try:
@@ -493,9 +494,17 @@ def check_early_stopping(config: Config) -> None:
 
 
 def recorded_threads(out_dir: Path) -> int | None:
-    """The intra-op thread count a run recorded, if any."""
-    value = rundir.read_status(out_dir).get("threads")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    """The intra-op thread count a run recorded, if it chose or was given one (an adaptive count is not kept: it
+    followed the machine's load, so no count reproduces the run). A value that is not a count is said once and
+    passed over."""
+    status = rundir.read_status(out_dir)
+    value = status.get("threads")
+    if value is None or status.get("threads_adaptive"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= T.MAX_THREADS:
+        rundir.warn(f"{Path(out_dir) / rundir.STATUS}: threads={value!r} is not a thread count; the policy chooses")
+        return None
+    return value
 
 
 def train(
@@ -524,6 +533,8 @@ def train(
     rundir.check_out(out)
     config = resolve_config(config, out, resume, sets)
     check_early_stopping(config)
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda': no CUDA device is available here; use cpu or auto")
     # a config that cannot fit is refused before anything is allocated or written (train.memory_check: false
     # skips it): after the directory checks, before the lock, so the directory stays as it was (and before the
     # data is loaded: a classifier whose classes only the data knows is counted with 2, a small head)

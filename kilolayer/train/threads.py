@@ -29,6 +29,8 @@ import torch
 
 #: seconds between two checks of an adaptive count
 CHECK_S = 1.0
+#: the most threads any count may ask for (torch takes a C int; no machine here has more cores)
+MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -46,19 +48,27 @@ def choose(usable: int, busy: float) -> int:
     return max(1, min(usable, usable - math.floor(busy + 0.5)))
 
 
-def cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The CPUs a cgroup CPU quota allows (``cpu.max``, or v1's ``cpu.cfs_quota_us``/``cpu.cfs_period_us``),
-    rounded up; None without a quota."""
+def cgroup_quota(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The CPUs a cgroup CPU quota allows (v2's ``cpu.max`` of this process's own cgroup, else of the root; v1's
+    ``cpu.cfs_quota_us``/``cpu.cfs_period_us``), rounded up; None without a quota or where it cannot be read."""
+    places = []
     try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
+        for line in own.read_text().splitlines():
+            if line.startswith("0::"):
+                places.append(root / line[3:].strip().lstrip("/"))
+    except OSError:
         pass
+    for place in (*places, root):
+        try:
+            quota, period = (place / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+        except (OSError, ValueError, ZeroDivisionError):
+            continue
     try:
         quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
         period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
         return None if quota <= 0 else max(1, math.ceil(quota / period))
-    except (OSError, ValueError):
+    except (OSError, ValueError, ZeroDivisionError):
         return None
 
 
@@ -80,12 +90,15 @@ def _cpu_times(cpus: set[int] | None, stat: Path = Path("/proc/stat")) -> tuple[
     except OSError:
         return None
     for line in lines:
-        name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu":
+        name, *fields = line.split() or [""]
+        if not (name.startswith("cpu") and name[3:].isdigit()) or len(fields) < 5:
             continue
         if cpus is not None and int(name[3:]) not in cpus:
             continue
-        values = [float(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+        try:
+            values = [float(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+        except ValueError:
+            return None
         idle = values[3] + values[4]
         busy += sum(values) - idle
         total += sum(values)
@@ -130,31 +143,39 @@ def other_work(probe: LoadProbe | None = None, wait_s: float = 0.2) -> float | N
     return probe.busy()
 
 
-def _env_count() -> int | None:
-    value = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else None
+def env_count(value: str | None = None) -> tuple[int | None, str]:
+    """``OMP_NUM_THREADS`` as a count (its first entry: OpenMP takes a list per nesting level), capped at
+    :data:`MAX_THREADS`; (None, why) when it is unset or not a positive integer."""
+    value = (os.environ.get("OMP_NUM_THREADS", "") if value is None else value).strip()
+    first = value.split(",")[0].strip()
+    if not value:
+        return None, ""
+    if not (first.isascii() and first.isdigit() and int(first) > 0):
+        return None, f"OMP_NUM_THREADS={value!r} ignored: not a positive integer"
+    return min(int(first), MAX_THREADS), "OMP_NUM_THREADS"
 
 
 def policy(given: int | None = None, recorded: int | None = None, device: str = "cpu") -> Threads:
     """The thread count by the module's rule (``given``: ``train.threads``; ``recorded``: a resumed run's). A
     launcher's ``OMP_NUM_THREADS`` caps a recorded count: its share of the cores wins over bit-exactness."""
     if given:
-        return Threads(given, "train.threads")
-    env = _env_count()
+        return Threads(min(given, MAX_THREADS), "train.threads")
+    env, why = env_count()
     if recorded:
         if env is not None and env < recorded:
             return Threads(env, f"OMP_NUM_THREADS, below the {recorded} the run recorded (not a bit-exact resume)")
         return Threads(recorded, "the count the run recorded (a resume is bit-exact only at it)")
     if env is not None:
-        return Threads(env, "OMP_NUM_THREADS")
+        return Threads(env, why)
     if device != "cpu":
         return Threads(torch.get_num_threads(), f"torch's default (the device, {device}, computes)")
     usable = usable_cpus()
     busy = other_work()
+    note = f"; {why}" if why else ""
     if busy is None:
-        return Threads(usable, f"{usable} usable CPUs (their load is unknown here)")
+        return Threads(usable, f"{usable} usable CPUs (their load is unknown here){note}")
     count = choose(usable, busy)
-    return Threads(count, f"{usable} usable CPUs, {busy:.1f} kept busy by other work", adaptive=True)
+    return Threads(count, f"{usable} usable CPUs, {busy:.1f} kept busy by other work{note}", adaptive=True)
 
 
 class Adapter:
