@@ -307,7 +307,7 @@ def test_a_cache_folder_that_cannot_be_written_only_costs_a_measurement(tmp_path
 
 def test_the_load_is_per_usable_cpu(monkeypatch):
     monkeypatch.setattr(P.os, "getloadavg", lambda: (3.0, 0.0, 0.0))
-    monkeypatch.setattr(P, "_usable_cpus", lambda: 4)
+    monkeypatch.setattr(P, "usable_cpus", lambda: 4)
     assert LOAD_PER_CPU() == 0.75
     monkeypatch.setattr(P.os, "getloadavg", lambda: (_ for _ in ()).throw(OSError("no load average")))
     assert LOAD_PER_CPU() is None
@@ -390,7 +390,7 @@ def test_several_threads_count_at_least_threads_times_one(monkeypatch):
         return (1e9, 1024) if torch.get_num_threads() > 1 else (4e10, 512)
 
     monkeypatch.setattr(P, "quick_gemm_rate", fake)
-    monkeypatch.setattr(P, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(P, "usable_cpus", lambda: 2)
     torch.set_num_threads(3)  # the autouse fixture restores it
     assert P.cpu_peak(torch.float32) == (8e10, 512)  # 2 usable CPUs x 4e10
     assert seen == [3, 1] and torch.get_num_threads() == 3
