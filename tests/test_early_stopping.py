@@ -174,8 +174,7 @@ def test_collect_reports_the_evaluation_of_the_checkpoint_that_stands_for_the_ru
     """One rule for weights and metrics: the evaluation a study reports for a run is the one at the step of
     the checkpoint analyses and train.init_from load (``chosen_checkpoint``), with early stopping the best,
     whether the run stopped early (40 steps: stops at 12) or ended at its step budget (10 steps: evaluations
-    at 3, 6, 9 and 10, best 3). Before, a run that ended at its budget was reported at its last evaluation
-    (step 10) while its step-3 weights were analysed."""
+    at 3, 6, 9 and 10, best 3): not its last evaluation (step 10) while its step-3 weights are analysed."""
     from kilolayer.study.runner import collect
     from kilolayer.study.spec import Point
 

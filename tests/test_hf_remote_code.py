@@ -1,4 +1,4 @@
-"""Hugging Face loads never run a model directory's own Python code (issue 12, item 8)."""
+"""Hugging Face loads never run a model directory's own Python code ."""
 
 import json
 

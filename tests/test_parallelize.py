@@ -269,7 +269,7 @@ def test_a_compiled_task_trains_as_the_eager_one(name):
 @pytest.mark.parametrize("name", ["mae", "contrastive"])
 def test_per_layer_compile_reaches_the_objectives_own_towers(name):
     """``train.compile: layers`` compiles every Transformer layer the task trains: the backbone's, MAE's decoder's
-    and the contrastive text tower's (before, only the backbone's: 2 of 4 and 2 of 6 layers)."""
+    and the contrastive text tower's (4 of 4 and 6 of 6 layers, not the backbone's 2 alone)."""
     from kilolayer.nn.layers import Layer
 
     cfg = load_config({**WHOLE_TASKS[name], "train": {"compile": "layers"}})

@@ -68,7 +68,7 @@ def test_finetuning_waits_for_a_completed_source_and_retrains_when_it_moved(tmp_
     assert not (dep / rundir.CHECKPOINTS).exists() and not (dep / rundir.METRICS).exists()
 
     # (b) a plain `kilolayer train --set train.init_from=...` records the run and step it started from (here
-    # the partial source's step 2: what the runner used to do)
+    # the partial source's step 2)
     train(ft.config, dep, resume=True, quiet=True, sets=[f"train.init_from={src}"])
     st = rundir.read_status(dep)
     assert st["status"] == "completed"

@@ -217,7 +217,7 @@ def test_deepnet_bleu_is_higher_is_better(tmp_path):
 def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_decided(tmp_path):
     """Two learning rates in the deepnet group give each scheme, depth and seed two runs: the one-run comparison
     of the rule is not defined, so every DeepNet verdict is inconclusive and says why, and the table shows both
-    runs of a cell, named by their learning rate (before, the first run found was compared and shown alone)."""
+    runs of a cell, named by their learning rate (not the first run found, compared and shown alone)."""
     import copy
 
     results = []
