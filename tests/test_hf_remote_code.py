@@ -1,4 +1,4 @@
-"""Hugging Face loads never run a model directory's own Python code ."""
+"""Hugging Face loads never run a model directory's own Python code."""
 
 import json
 
