@@ -749,3 +749,14 @@ def test_the_side_by_side_targets_read_the_policy_rows():
     text = "\n".join(run_all._side_by_side_section({"rows": rows, "steps": 60}))
     assert "| a | policy | 10.5 | 12.6 | 1.20x |" in text and "60 steps" in text
     assert run_all.side_by_side_targets(None) == []
+
+
+def test_run_all_writes_the_page_again_from_its_results_alone(train_result, memory_result, profile_result, tmp_path):
+    """``--from-json`` renders the page from a run's results: the same page, nothing measured again."""
+    commands = ["python -m benchmarks.run_all"]
+    results = {"train_step": train_result, "memory": memory_result, "profile": profile_result}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({**results, "heap": None, "side_by_side": None, "seconds": 2.0, "commands": commands}))
+    assert run_all.main(["--from-json", str(path), "--out", str(tmp_path / "page.md")]) == 0
+    expected = run_all.markdown(train_result, memory_result, profile_result, commands, 2.0)
+    assert (tmp_path / "page.md").read_text() == expected
