@@ -325,8 +325,11 @@ def format_validation_error(err: ValidationError, prefix: str = "", cls: type | 
     where = ".".join(p for p in (prefix, loc) if p)
     msg = e.get("msg", "invalid value")
     if msg.startswith("Value error, "):
-        # our own validators already name the field
-        return msg[len("Value error, ") :]
+        # our own validators already name the field; a nested one (a study group's grid) gets where it sits
+        msg = msg[len("Value error, ") :]
+        if len(parts) > 1 and msg.startswith(f"{parts[-1]}."):
+            return ".".join(str(p) for p in (prefix, *parts[:-1]) if p != "") + "." + msg
+        return msg
     if e.get("type") == "extra_forbidden":
         keys = _section_keys(cls, parts[:-1])
         return f"{where}: unknown key" + (f"; allowed: {', '.join(keys)}" if keys else "")

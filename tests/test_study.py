@@ -530,7 +530,9 @@ def test_a_grid_over_the_seed_is_refused_in_one_line(tmp_path):
     path.write_text(
         yaml.safe_dump({"name": "s", "groups": [{"name": "g", "base": base, "grid": {"train.seed": [0, 1]}}]})
     )
-    with pytest.raises(ConfigError, match=r"grid.train.seed: seeds are the group's `seeds` list") as err:
+    with pytest.raises(
+        ConfigError, match=r"^study.groups.0.grid.train.seed: seeds are the group's `seeds` list"
+    ) as err:
         load_spec(path)
     assert "\n" not in str(err.value)
 
