@@ -355,8 +355,8 @@ def quick() -> dict:
             "at a shallow-wide (4 x 128) and a parameter-matched deep-narrow (16 x 64) shape, 2 seeds, with "
             "token-similarity curves. Small on purpose: the report says which settings to scale up."
         ),
-        "expected_minutes": 10,
-        "expected_basis": "extrapolated with --jobs 2 from a measured run of one DeepNet seed",
+        "expected_minutes": 6,
+        "expected_basis": "measured with --jobs 2",
         "groups": [
             {
                 "name": "deepnet",
