@@ -167,10 +167,10 @@ class Engine:
 
     # -------------------------------------------------------------- the step
 
-    def train_step(self, step: int, layer_grads: bool | None = None) -> StepStats:
+    def train_step(self, step: int, layer_grads: bool = False) -> StepStats:
         """Forward and backward over step ``step``'s micro-batches (``train.accumulate``; DDP all-reduces on the
         last one only), under autocast for ``train.precision``; then the per-layer gradient norms (on
-        diagnostic steps, or as ``layer_grads`` says) and clipping to ``train.clip``. The gradients are left
+        diagnostic steps, and on every step with ``layer_grads``) and clipping to ``train.clip``. The gradients are left
         for :meth:`update`, which a diverged step never reaches."""
         tc, env = self.config.train, self.env
         batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
@@ -188,7 +188,7 @@ class Engine:
 
         loss = D.all_mean(forward_backward(split_batch(batch, tc.accumulate), loss_of, self._no_sync), env)
         grads = None
-        if layer_grads or (layer_grads is None and self.diagnostic_step(step)):
+        if layer_grads or self.diagnostic_step(step):
             grads = diag.grad_norms(self.task.backbone, (lambda t: D.all_sum(t, env)) if env.active else None)
         params = [p for p in self.task.parameters() if p.grad is not None]
         gnorm = torch.nn.utils.clip_grad_norm_(params, tc.clip if tc.clip > 0 else float("inf"))
