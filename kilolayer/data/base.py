@@ -68,6 +68,11 @@ class Source(ABC):
             idx.append(int(self.epoch_order(epoch)[k]) if n > 1 else 0)
         return self.collate(idx, "train")
 
+    def log_fields(self, step: int) -> dict:
+        """Counts the source adds to the train record of step ``step`` (1-based: batches ``0 .. step - 1``
+        have been drawn), covering the batches drawn since the previous record. Default: none."""
+        return {}
+
     def eval_batches(self, batch_size: int, limit: int | None = None) -> Iterator[dict]:
         n = self.eval_size if limit is None else min(limit, self.eval_size)
         for start in range(0, n, batch_size):

@@ -1,13 +1,19 @@
 """``synthetic``: seeded sequence-to-sequence tasks (copy, reverse, sort, add), and ``parallel`` text files.
 
 Ids: 0 = PAD, 1 = BOS, 2 = EOS, then the task's symbols. ``add`` uses the
-digits 0-9 and "+": "123+45" -> "168". A training example is drawn by a
-generator seeded with (seed, step, rank); the evaluation set is fixed (its
-own seed stream), so runs with the same seed see the same data.
+digits 0-9 and "+": "123+45" -> "168".
+
+Evaluation is disjoint from training by construction. The evaluation pairs come from a generator keyed
+("eval", seed) and training batch ``step`` from one keyed ("train", seed, step), so the two streams never
+share a seed; and since short strings recur in any long stream, a training draw whose source equals an
+evaluation source is rejected and drawn again. Each train record logs how many draws were rejected
+(``eval_excluded``); a configuration whose evaluation pairs would be half of what training draws or more is
+refused. A batch depends only on (seed, step), whatever the world size.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -87,13 +93,50 @@ class Seq2SeqSource(Source):
         return str(i - FIRST)
 
 
+def stream(*key) -> torch.Generator:
+    """A generator seeded by a hash of ``key``: streams with different keys (the evaluation set, each training
+    step) do not share a seed."""
+    digest = hashlib.blake2b(repr(("kilolayer.synthetic", *key)).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+MAX_HELD_OUT = 0.5  # the largest share of training draws the evaluation inputs may take
+
+
 class Synthetic(Seq2SeqSource):
     def __init__(self, task: str, opts: SyntheticOptions, seed: int):
         super().__init__(seed)
         self.task, self.opts = task, opts
         self.vocab = 11 if task == "add" else opts.vocab
-        g = torch.Generator().manual_seed(seed * 7919 + 1)
+        g = stream("eval", seed)
         self.eval_pairs = [self.example(g) for _ in range(opts.eval_size)]
+        self.held_out = {tuple(x) for x, _ in self.eval_pairs}  # a pair's target is a function of its source
+        share = self.held_out_share()
+        if share >= MAX_HELD_OUT:
+            raise ConfigError(
+                f"data.options.eval_size={opts.eval_size}: the evaluation inputs are {share:.0%} of what "
+                f"data.task={task!r} can draw for training; lower eval_size or widen vocab/min_len/max_len"
+            )
+        self.excluded: dict[int, int] = {}  # step -> training draws rejected as evaluation pairs
+
+    def held_out_share(self) -> float:
+        """The probability that one training draw equals an evaluation input (before rejection)."""
+        o = self.opts
+        lengths = range(o.min_len, o.max_len + 1)
+        total = 0.0
+        for x in self.held_out:
+            if self.task != "add":
+                total += self.vocab ** -len(x) / len(lengths)
+                continue
+            plus = x.index(FIRST + 10)
+            a = int("".join(str(i - FIRST) for i in x[:plus]))
+            b = int("".join(str(i - FIRST) for i in x[plus + 1 :]))
+            for n in lengths:  # add draws a below 10^k and b below 10^max(1, n-k), k = max(1, n//2)
+                k = max(1, n // 2)
+                ka, kb = 10**k, 10 ** max(1, n - k)
+                if a < ka and b < kb:
+                    total += 1 / (ka * kb * len(lengths))
+        return total
 
     @property
     def vocab_size(self) -> int:
@@ -125,10 +168,22 @@ class Synthetic(Seq2SeqSource):
 
     def train_batch(self, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
         # draw the global batch, then take this process's share: the same data whatever the world size
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 2 + 1)
-        pairs = [self.example(g) for _ in range(batch_size)]
+        g = stream("train", self.seed, step)
+        pairs, rejected = [], 0
+        while len(pairs) < batch_size:
+            pair = self.example(g)
+            if tuple(pair[0]) in self.held_out:
+                rejected += 1
+            else:
+                pairs.append(pair)
+        self.excluded[step] = rejected
         per = batch_size // world
         return self.batch_of(pairs[rank * per : (rank + 1) * per])
+
+    def log_fields(self, step: int) -> dict:
+        fields = {"eval_excluded": sum(n for s, n in self.excluded.items() if s < step)}
+        self.excluded = {s: n for s, n in self.excluded.items() if s >= step}
+        return fields
 
     def collate(self, indices, split):
         return self.batch_of([self.eval_pairs[i] for i in indices])

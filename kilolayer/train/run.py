@@ -393,7 +393,8 @@ class Run:
             rundir.warn(peak_too_low(self.peak, eff["mfu"], step))
         lr = self.engine.lr()
         record = {"step": step, "split": "train", "loss": stats.loss, "lr": lr, "grad_norm": float(stats.grad_norm)}
-        self.log.write({**record, "tokens": self.engine.tokens, "threads": self.threads.count, **eff})
+        data = self.engine.source.log_fields(step)
+        self.log.write({**record, **data, "tokens": self.engine.tokens, "threads": self.threads.count, **eff})
         self.progress.update(
             step,
             f"loss {stats.loss:.4f} lr {lr:.2e} {eff['tokens_per_s']:,.0f} tok/s MFU {100 * eff.get('mfu', 0.0):.1f}%",
