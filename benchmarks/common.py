@@ -139,7 +139,9 @@ class TrainStep:
 
     def __call__(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor) -> float:
         # the training engine's two halves; a timed step is a finished one (its loss read, its update applied)
-        loss = forward_backward([(inputs, targets)], lambda b: self.loss(*b))
+        loss = forward_backward(
+            [(inputs, targets)], lambda b: (self.loss(*b), targets.numel()), self.model.parameters()
+        )
         apply_update(self.optimizer)
         if self.device_type == "cuda":
             torch.cuda.synchronize()  # the optimizer's kernels belong to this step's time

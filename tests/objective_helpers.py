@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import string
+from pathlib import Path
+
 import torch
 
 from kilolayer.config import Config, load_config
@@ -63,6 +67,42 @@ WHOLE_TASKS = {
         "data": {"name": "digit_captions"},
     },
 }
+
+# every non-special token selected and masked: the targets do not depend on the random draws, so they are the same
+# however the batch is divided (processes, micro-batches)
+EVERY_TOKEN_MASKED = {"mask_prob": 1.0, "mask_fraction": 1.0, "random_fraction": 0.0}
+
+
+def ragged_lines(path: Path, count: int = 64) -> Path:
+    """``count`` lines of 2 to 30 random letters, each labelled a or b before a tab (seeded), written to
+    ``path``: a batch of them is padded to its longest line."""
+    rng = random.Random(0)
+    lines = [
+        f"{rng.choice('ab')}\t{''.join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 30)))}"
+        for _ in range(count)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def ragged_task(objective: str, folder: Path) -> dict:
+    """A raw config (no train section) of a tiny ``objective`` model whose batches are ragged, so that their parts
+    hold different numbers of targets: ``seq2seq`` reverses 4 to 12 symbols (label smoothing 0.1, no greedy
+    decoding); ``causal_lm``, ``classification`` and ``mlm`` (:data:`EVERY_TOKEN_MASKED`) read
+    :func:`ragged_lines` written in ``folder``."""
+    if objective == "seq2seq":
+        return {
+            **WHOLE_TASKS["encoder_decoder"],
+            "objective": {"name": "seq2seq", "options": {"label_smoothing": 0.1, "decode_samples": 0}},
+        }
+    model = tiny_decoder() if objective == "causal_lm" else TINY_TEXT
+    options = EVERY_TOKEN_MASKED if objective == "mlm" else {}
+    lines = ragged_lines(Path(folder) / "lines.txt")
+    return {
+        "model": model,
+        "objective": {"name": objective, "options": options},
+        "data": {"name": "text", "path": str(lines), "options": {"labels": True}},
+    }
 
 
 def config(

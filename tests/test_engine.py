@@ -11,12 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from objective_helpers import SMALL_PACKAGES, TINY_TEXT, tiny_lm
+from objective_helpers import SMALL_PACKAGES, TINY_TEXT, WHOLE_TASKS, ragged_task, tiny_lm
 
 import kilolayer
 from kilolayer import rundir
 from kilolayer.config import load_config
+from kilolayer.data import load_source
 from kilolayer.doctor.measure import replay
+from kilolayer.objectives import build_task
+from kilolayer.objectives import mae as mae_module
+from kilolayer.objectives import mlm as mlm_module
 from kilolayer.train import engine as engine_module
 from kilolayer.train.policies import DivergenceRule, EarlyStopping
 from kilolayer.train.run import train
@@ -62,6 +66,64 @@ def test_the_step_is_written_once_in_the_package():
                 if node.func.attr == "step" and "optim" in ast.unparse(node.func.value):
                     found["optimizer.step"].add(name)
     assert found == {"backward": {"kilolayer/train/engine.py"}, "optimizer.step": {"kilolayer/train/engine.py"}}
+
+
+def _halves(objective, batch: dict) -> tuple[dict, list[dict]]:
+    """``batch`` prepared, and its two halves prepared with the same random draws."""
+    halves = engine_module.split_batch(batch, 2)
+    if objective.name == "mlm":
+        generator = torch.Generator().manual_seed(0)
+        inputs, targets = objective.corrupt(batch["tokens"], batch["padding_mask"], generator)
+        drawn = [(i, *mlm_module.selected(t)) for i, t in zip(inputs.chunk(2), targets.chunk(2))]
+        whole = {**batch, mlm_module.DRAWN: (inputs, *mlm_module.selected(targets))}
+        return whole, [{**half, mlm_module.DRAWN: d} for half, d in zip(halves, drawn)]
+    whole = objective.prepare(batch)
+    if objective.name == "mae":  # one masking per sample
+        masking = [t.chunk(2) for t in whole[mae_module.DRAWN]]
+        return whole, [{**half, mae_module.DRAWN: tuple(t[i] for t in masking)} for i, half in enumerate(halves)]
+    return whole, halves
+
+
+@pytest.mark.parametrize("name", ["causal_lm", "seq2seq", "classification", "mlm", "mae"])
+def test_a_batchs_loss_is_the_mean_of_its_halves_weighted_by_loss_weight(tmp_path, name):
+    """``loss_weight`` is the count each objective's loss is a mean over (predicted non-padding positions, target
+    tokens under label smoothing, samples, selected tokens, hidden patches), so that weighted by it the halves of
+    a ragged batch average to the whole batch's loss: what the training step's normalisation rests on. (The
+    contrastive loss is no mean over parts: a batch's pairs are each other's negatives.)"""
+    raw = WHOLE_TASKS["mae"] if name == "mae" else ragged_task(name, tmp_path)
+    config = load_config(raw)
+    source = load_source(config)
+    torch.manual_seed(0)
+    task = build_task(config, source).eval()
+    whole, halves = _halves(task.objective, source.train_batch(0, 8))
+    with torch.no_grad():
+        loss = float(task(whole)[0])
+        parts = [(float(task(half)[0]), task.objective.loss_weight(half)) for half in halves]
+    assert sum(w for _, w in parts) == task.objective.loss_weight(whole)
+    assert sum(part * w for part, w in parts) / sum(w for _, w in parts) == pytest.approx(loss, rel=1e-6)
+    assert name in ("classification", "mae") or parts[0][1] != parts[1][1]  # the halves weigh differently
+
+
+@pytest.mark.parametrize("accumulate", [2, 4])
+@pytest.mark.parametrize("name", ["seq2seq", "mlm"])
+def test_accumulated_micro_batches_give_the_whole_batchs_step(tmp_path, name, accumulate):
+    """The micro-batches of a ragged batch hold different numbers of targets, yet accumulating them gives the
+    step of the whole batch in one: its loss, the mean over all its targets, and that mean's gradient, to
+    float rounding (each micro-batch weighted by its targets, not by 1/accumulate)."""
+    raw = ragged_task(name, tmp_path)
+
+    def step(parts: int):
+        engine = engine_module.Engine(load_config({**raw, "train": {"batch_size": 8, "accumulate": parts, "clip": 0}}))
+        loss = engine.train_step(1).loss
+        grads = [p.grad.flatten() for p in engine.task.parameters() if p.grad is not None]
+        return engine, loss, torch.cat(grads)
+
+    _, loss, grad = step(1)
+    engine, accumulated, accumulated_grad = step(accumulate)
+    micro = engine_module.split_batch(engine.source.train_batch(0, 8), accumulate)
+    assert len({engine.objective.loss_weight(engine.objective.prepare(mb)) for mb in micro}) > 1
+    assert accumulated == pytest.approx(loss, rel=1e-6)
+    assert float((accumulated_grad - grad).norm() / grad.norm()) < 1e-6
 
 
 def test_a_run_records_its_thread_count_and_a_resume_reuses_it(tmp_path, monkeypatch):
@@ -158,7 +220,10 @@ def test_the_engine_trains_as_the_earlier_trainer_did(tmp_path, name):
     """``fixtures/earlier_trainer_losses.json``: the losses the trainer of release commit 5ee3c92 logged (one
     thread) for two micro-batches a step, with dropout and random masks (MLM, MAE), whose draws must come in the
     same order (each micro-batch's masks just before its forward pass). To float rounding: another CPU reduces
-    in another order, but a different draw order moves the losses by far more."""
+    in another order, but a different draw order moves the losses by far more. The LM's and MAE's micro-batches
+    weigh the same; MLM's select different numbers of tokens, so its losses are this engine's, the mean over
+    each step's selected tokens, from that trainer's draws (step 1's two micro-batch losses, 5.5114 over 16
+    tokens and 5.5550 over 17, average to its 5.533215284347534)."""
     case = json.loads((FIXTURE.parent / "earlier_trainer_losses.json").read_text())[name]
     train(case["config"], tmp_path / "run", quiet=True)
     assert _train_losses(tmp_path / "run") == pytest.approx(case["losses"], rel=1e-5)

@@ -199,9 +199,10 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
         micro = [to_device(mb, dev) for mb in split_batch(source.train_batch(step, tc.batch_size, 0, 1), tc.accumulate)]
 
         def loss_of(mb):
+            mb = task.objective.prepare(mb)
             with autocast(tc.precision, dev):
-                return task(mb)[0]
+                return task(mb)[0], task.objective.loss_weight(mb)
 
-        forward_backward(micro, loss_of)
+        forward_backward(micro, loss_of, task.parameters())
         names, norms = diag.grad_norms(task.backbone)
     return AtCheckpoint(step, update, names, norms, ln_names, ln_input)

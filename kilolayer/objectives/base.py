@@ -35,7 +35,7 @@ class Objective(nn.Module):
       compiled as a whole (``train.compile: model``): random draws from a CPU generator, index lists
       whose length depends on the data. ``forward`` must give the same result on a prepared batch as on
       the raw one, which it prepares itself; preparing a prepared batch returns it as it is (the trainer
-      prepares each micro-batch, then counts its FLOPs on what was drawn).
+      prepares each micro-batch, then counts its FLOPs and its ``loss_weight`` on what was drawn).
     * ``evaluate(backbone, batches) -> dict``: metrics over an evaluation set;
       must contain ``loss``.
     * ``represent(backbone, batch) -> Tensor``: the network output F(x, theta)
@@ -82,6 +82,7 @@ class Objective(nn.Module):
         evaluation targets, however the batches divide them)."""
         total = weight = 0.0
         for batch in batches:
+            batch = self.prepare(batch)
             loss, _ = self(backbone, batch)
             w = self.loss_weight(batch)
             total, weight = total + float(loss) * w, weight + w
@@ -138,7 +139,9 @@ class Objective(nn.Module):
         return flops
 
     def loss_weight(self, batch: dict) -> int:
-        """How many targets ``forward``'s loss on ``batch`` is the mean over. Default: ``tokens(batch)``."""
+        """How many targets ``forward``'s loss on ``batch`` (a prepared batch) is the mean over: the batch's
+        weight where losses are averaged over batches (a training step's micro-batches and processes, the
+        default evaluation). Default: ``tokens(batch)``."""
         return self.tokens(batch)
 
     def eval_targets(self, batch: dict, index: int) -> torch.Tensor | None:

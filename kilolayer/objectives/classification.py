@@ -115,6 +115,10 @@ class Classification(Objective):
         B = batch_size(batch)
         return self.backbone_flops(B, self.tokens(batch) / B) + 6.0 * head_weights(self) * B
 
+    def loss_weight(self, batch: dict) -> int:
+        """The samples: one label each."""
+        return len(batch["labels"])
+
     def tokens(self, batch: dict) -> int:
         x, mask = self._inputs(batch)
         if self.patches:

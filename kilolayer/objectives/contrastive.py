@@ -216,6 +216,10 @@ class Contrastive(Objective):
         projections = 6.0 * B * (self.image_proj.weight.numel() + self.text_proj.weight.numel())
         return towers + projections + 6.0 * B * B * self.image_proj.out_features
 
+    def loss_weight(self, batch: dict) -> int:
+        """The batch's pairs: InfoNCE is the mean over them of each image's and each caption's cross-entropy."""
+        return len(batch["images"])
+
     def tokens(self, batch: dict) -> int:
         images = batch["images"]
         return images.shape[0] * self.image_seq_len + token_count(batch["tokens"], batch.get("padding_mask"))

@@ -260,6 +260,10 @@ class MAE(Objective):
     def tokens(self, batch: dict) -> int:
         return batch_inputs(batch, "inputs", "images").shape[0] * (self.keep + self.cls)
 
+    def loss_weight(self, batch: dict) -> int:
+        """The hidden patches: the loss is the mean over them of each patch's mean squared error."""
+        return batch_inputs(batch, "inputs", "images").shape[0] * (self.num_patches - self.keep)
+
     def backbone_length(self, length: int) -> int:
         return self.keep + self.cls  # the encoder sees only the visible patches (and CLS)
 

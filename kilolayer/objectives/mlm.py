@@ -202,3 +202,7 @@ class MLM(Objective):
 
     def tokens(self, batch: dict) -> int:
         return token_count(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"))
+
+    def loss_weight(self, batch: dict) -> int:
+        """The selected tokens: those :meth:`prepare` drew for ``batch``, a prepared batch."""
+        return batch[DRAWN][2].numel()

@@ -127,15 +127,6 @@ def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, st
         optimizer.load_state_dict(state)
 
 
-def all_mean(value: float, env: Dist) -> float:
-    """Mean of a float over processes."""
-    if not env.active:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=env.device if env.device.type == "cuda" else "cpu")
-    dist.all_reduce(t)
-    return float(t) / env.world
-
-
 def all_sum(t: torch.Tensor, env: Dist) -> torch.Tensor:
     """Sum of a tensor over processes, returned on the CPU."""
     t = t.to(env.device if env.device.type == "cuda" else "cpu")

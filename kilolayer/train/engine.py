@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,17 +81,41 @@ def autocast(precision: str, device: torch.device):
 
 
 def forward_backward(
-    micro_batches: list, loss_of: Callable[[object], torch.Tensor], no_sync: Callable[[bool], object] | None = None
+    micro_batches: list,
+    loss_of: Callable[[object], tuple[torch.Tensor, int]],
+    params: Iterable[torch.Tensor],
+    env: D.Dist | None = None,
+    no_sync: Callable[[bool], object] | None = None,
 ) -> float:
-    """Forward and backward over a step's micro-batches, each loss scaled by 1/parts so the gradients are the
-    mean's; ``no_sync(skip)`` wraps every micro-batch but the last (DDP all-reduces once). Returns the mean loss."""
-    parts, total = len(micro_batches), 0.0
+    """Forward and backward over a step's micro-batches on every process; returns the step's loss.
+
+    ``loss_of(mb)`` gives a micro-batch's loss L_i, a mean over its w_i targets, and w_i (the objective's
+    ``loss_weight``). The loss returned and the gradients left on ``params`` are those of the mean over all
+    the step's targets on all processes, sum_i w_i L_i / W with W = sum_i w_i (one all-reduce of the weights
+    and weighted losses, as fairseq and torchtitan normalise): the same whatever the number of processes and
+    micro-batches, to float rounding. Each L_i is back-propagated times w_i / w_ref; DDP (once, on the last
+    micro-batch: ``no_sync(skip)`` wraps the others) or FSDP2 (on each) averages the processes' gradients,
+    which are then multiplied by world * w_ref / W. w_ref is 1 with several processes (it must be the same on
+    each) and w_0 in one: there one micro-batch is never rescaled, and k of equal weight are rescaled by 1/k,
+    which for k a power of two is exact (bit for bit the mean of their losses' gradients)."""
+    world = env.world if env is not None else 1
+    ref, weighted, total = None, 0.0, 0
     for i, mb in enumerate(micro_batches):
-        with no_sync(i < parts - 1) if no_sync is not None else contextlib.nullcontext():
-            loss = loss_of(mb)
-            (loss / parts).backward()
-        total += float(loss.detach()) / parts
-    return total
+        with no_sync(i < len(micro_batches) - 1) if no_sync is not None else contextlib.nullcontext():
+            loss, weight = loss_of(mb)
+            if ref is None:  # w_ref (1 where the first micro-batch has no targets)
+                ref = (weight or 1) if world == 1 else 1
+            (loss * (weight / ref)).backward()
+        weighted, total = weighted + float(loss.detach()) * weight, total + weight
+    if world > 1:
+        weighted, total = D.all_sum(torch.tensor([weighted, total], dtype=torch.float64), env).tolist()
+    total = total or 1  # no targets anywhere: nothing to normalise
+    scale = world * ref / total
+    if scale != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return weighted / total
 
 
 def apply_update(optimizer: torch.optim.Optimizer, scheduler=None) -> None:
@@ -106,7 +130,7 @@ def apply_update(optimizer: torch.optim.Optimizer, scheduler=None) -> None:
 class StepStats:
     """What :meth:`Engine.train_step` measured."""
 
-    loss: float  # the step's loss, averaged over micro-batches and processes
+    loss: float  # the step's loss: the mean over its targets on all processes (:func:`forward_backward`)
     grad_norm: torch.Tensor  # the global gradient norm before clipping
     tokens: int  # tokens the backbone processed on this process
     flops: float  # model FLOPs of the step on this process (the objective's train_flops)
@@ -169,9 +193,10 @@ class Engine:
 
     def train_step(self, step: int, layer_grads: bool = False) -> StepStats:
         """Forward and backward over step ``step``'s micro-batches (``train.accumulate``; DDP all-reduces on the
-        last one only), under autocast for ``train.precision``; then the per-layer gradient norms (on
-        diagnostic steps, and on every step with ``layer_grads``) and clipping to ``train.clip``. The gradients are left
-        for :meth:`update`, which a diverged step never reaches."""
+        last one only), under autocast for ``train.precision``, normalised by the step's targets on all
+        processes (:func:`forward_backward`); then the per-layer gradient norms (on diagnostic steps, and on
+        every step with ``layer_grads``) and clipping to ``train.clip``. The gradients are left for
+        :meth:`update`, which a diverged step never reaches."""
         tc, env = self.config.train, self.env
         batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
         tokens, flops = 0, 0.0
@@ -184,9 +209,10 @@ class Engine:
             tokens += self.objective.tokens(mb)
             flops += self.objective.train_flops(mb)
             with autocast(tc.precision, env.device):
-                return self.model(mb)[0]
+                return self.model(mb)[0], self.objective.loss_weight(mb)
 
-        loss = D.all_mean(forward_backward(split_batch(batch, tc.accumulate), loss_of, self._no_sync), env)
+        micro = split_batch(batch, tc.accumulate)
+        loss = forward_backward(micro, loss_of, self.task.parameters(), env, self._no_sync)
         grads = None
         if layer_grads or self.diagnostic_step(step):
             grads = diag.grad_norms(self.task.backbone, (lambda t: D.all_sum(t, env)) if env.active else None)
