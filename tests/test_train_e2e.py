@@ -68,11 +68,16 @@ def test_byte_lm_beats_unigram_entropy(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_process_gloo_matches_one_process(tmp_path, parallel):
+@pytest.mark.parametrize(
+    "parallel, scheme", [("ddp", "deepnorm"), ("fsdp", "deepnorm"), ("fsdp", "dlcl"), ("fsdp", "branchnorm")]
+)
+def test_two_process_gloo_matches_one_process(tmp_path, parallel, scheme):
     """Same global batch of fixed-length sequences: per-process mean losses average to the global mean,
-    and gradients are averaged, so the runs agree up to float32 reduction order (rel. 1e-5)."""
+    and gradients are averaged, so the runs agree up to float32 reduction order (rel. 1e-5). DLCL's
+    combination weights belong to the root FSDP unit, BranchNorm's step to every sharded layer."""
     sets = [
+        f"model.scheme={scheme}",
+        "model.branchnorm_steps=3",
         "model.layers=2",
         "model.decoder_layers=2",
         "train.steps=5",
