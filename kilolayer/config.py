@@ -107,6 +107,7 @@ class ModelConfig(_Section):
     layerscale_init: float | None = Field(None, gt=0, description="LayerScale gain; default by depth as CaiT")
     ds_init_variant: Literal["paper", "code"] = "paper"
     admin_omega: Literal["default", "profile"] = "default"
+    branchnorm_steps: int = Field(4000, ge=1, description="BranchNorm's T: updates until it is plain Post-LN")
     # speed options (the model's numbers do not depend on them beyond dtype rounding)
     checkpoint_activations: bool = False
     attention_fp32_cpu: bool = Field(

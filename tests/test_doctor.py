@@ -2,6 +2,7 @@
 DeepNet's update bound, and one-line errors."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -136,6 +137,26 @@ def test_deepnorm_constants_make_the_bound_one():
     enc = load_config({"model": {"arch": "encoder", "layers": 12}}).model
     assert update_coefficient(enc, "post_ln") == pytest.approx(4 * 12)  # 4N
     assert update_coefficient(enc, "pre_ln") is None  # not of the theorem's form
+
+
+def test_post_ln_init_bound_stays_below_a_constant():
+    """Post-LN-init's gains 1/k_l on V, O, W1, W2 (k_l = N - l + 1) make each sublayer count (2 / k_l^2), so
+    one stack sums to 4 S_N and an encoder-decoder to 6 S_M + S_M 4 S_N, S_n = sum_{k<=n} 1/k^2 < pi^2/6:
+    bounded at any depth (below 2 pi^2 / 3 and pi^2 + pi^4 / 9), where Post-LN's grows as 4N and 6M + 4NM."""
+
+    def s(n):
+        return sum(1 / k**2 for k in range(1, n + 1))
+
+    for n in (1, 6, 18, 500):
+        enc = load_config({"model": {"arch": "encoder", "layers": n, "scheme": "post_ln_init"}}).model
+        assert update_coefficient(enc) == pytest.approx(4 * s(n)) and update_coefficient(enc) < 2 * math.pi**2 / 3
+        ed = load_config(
+            {"model": {"arch": "encoder_decoder", "layers": n, "decoder_layers": 7, "scheme": "post_ln_init"}}
+        ).model
+        assert update_coefficient(ed) == pytest.approx(6 * s(7) + s(7) * 4 * s(n))
+        assert update_coefficient(ed) < math.pi**2 + math.pi**4 / 9
+    for scheme in ("r_fixup", "dlcl", "branchnorm"):  # not of the theorem's form: no bound known here
+        assert update_coefficient(enc, scheme) is None
 
 
 # ---------------------------------------------------------------- constructed runs

@@ -21,10 +21,10 @@ from kilolayer.train.parallelize import compile_model, parallelize, transformer_
 S2S = {"arch": "encoder_decoder", "layers": 3, "decoder_layers": 3, "width": 32, "heads": 4, "ffn": 64}
 
 
-def _config(checkpoint: bool, dropout: float = 0.0):
+def _config(checkpoint: bool, dropout: float = 0.0, scheme: str = "deepnorm"):
     return load_config(
         {
-            "model": {**S2S, "scheme": "deepnorm", "dropout": dropout, "checkpoint_activations": checkpoint},
+            "model": {**S2S, "scheme": scheme, "dropout": dropout, "checkpoint_activations": checkpoint},
             "objective": {"name": "seq2seq"},
             "data": {"name": "synthetic", "task": "reverse"},
             "train": {"batch_size": 8, "accumulate": 2, "seed": 0},
@@ -32,9 +32,9 @@ def _config(checkpoint: bool, dropout: float = 0.0):
     )
 
 
-def _train(checkpoint: bool, steps: int = 3, dropout: float = 0.0):
+def _train(checkpoint: bool, steps: int = 3, dropout: float = 0.0, scheme: str = "deepnorm"):
     """(losses, final gradients by name, calls of the first layer's first Linear) of ``steps`` AdamW steps."""
-    cfg = _config(checkpoint, dropout)
+    cfg = _config(checkpoint, dropout, scheme)
     source = load_source(cfg)
     torch.manual_seed(0)
     task = build_task(cfg, source)
@@ -57,11 +57,15 @@ def _train(checkpoint: bool, steps: int = 3, dropout: float = 0.0):
     return losses, grads, len(calls)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_checkpointed_training_is_plain_training_bit_for_bit(dropout):
-    """Recomputation replays the forward's random state, so dropout is recomputed identically too."""
-    plain_losses, plain_grads, plain_calls = _train(False, dropout=dropout)
-    ckpt_losses, ckpt_grads, ckpt_calls = _train(True, dropout=dropout)
+@pytest.mark.parametrize(
+    "dropout, scheme",
+    [(0.0, "deepnorm"), (0.1, "deepnorm"), (0.1, "post_ln_init"), (0.1, "r_fixup"), (0.1, "dlcl"), (0.1, "branchnorm")],
+)
+def test_checkpointed_training_is_plain_training_bit_for_bit(dropout, scheme):
+    """Recomputation replays the forward's random state, so dropout is recomputed identically too; DLCL's
+    combination of layers sits between the recomputed layers."""
+    plain_losses, plain_grads, plain_calls = _train(False, dropout=dropout, scheme=scheme)
+    ckpt_losses, ckpt_grads, ckpt_calls = _train(True, dropout=dropout, scheme=scheme)
     assert ckpt_losses == plain_losses
     assert ckpt_grads.keys() == plain_grads.keys() and len(plain_grads) > 10
     for name, g in plain_grads.items():

@@ -20,12 +20,16 @@ from kilolayer.registry import Registry
 
 ALL = [
     "admin",
+    "branchnorm",
     "deepnorm",
+    "dlcl",
     "ds_init",
     "layerscale",
     "normformer",
     "post_ln",
+    "post_ln_init",
     "pre_ln",
+    "r_fixup",
     "rezero",
     "sandwich_ln",
     "sub_ln",
@@ -70,10 +74,23 @@ def ln(x, norm):
     return F.layer_norm(x, (D,), norm.weight, norm.bias, norm.eps)
 
 
+BRANCHNORM_T = 4000  # model.branchnorm_steps by default
+
+
+def branchnorm(y, step):
+    """BranchNorm's rescaled branch: y (Var(y) + eps)^(-(1 - lambda) / 2), lambda = min(t / T, 1)."""
+    lam = min(step / BRANCHNORM_T, 1.0)
+    return y * (y.var(-1, unbiased=False, keepdim=True) + 1e-5) ** (-(1 - lam) / 2)
+
+
 # every scheme's sublayer written out: x, f the branch, r the Residual (its norms and learned scales), alpha
 # DeepNorm's constant from the table below, a the layer's ReZero scalar
 FORMULAS = {
     "post_ln": lambda x, f, r, alpha, a: ln(x + f(x), r.post_norm),
+    "post_ln_init": lambda x, f, r, alpha, a: ln(x + f(x), r.post_norm),
+    "branchnorm": lambda x, f, r, alpha, a: ln(x + branchnorm(f(x), int(r.branch_scale.step)), r.post_norm),
+    "dlcl": lambda x, f, r, alpha, a: x + f(ln(x, r.pre_norm)),
+    "r_fixup": lambda x, f, r, alpha, a: x + r.branch_scale.weight * f(x + r.shift.bias),
     "ds_init": lambda x, f, r, alpha, a: ln(x + f(x), r.post_norm),
     "deepnorm": lambda x, f, r, alpha, a: ln(alpha * x + f(x), r.post_norm),
     "admin": lambda x, f, r, alpha, a: ln(r.shortcut.omega * x + f(x), r.post_norm),
@@ -107,10 +124,13 @@ def test_each_scheme_forward_is_its_formula(scheme):
         dict(arch="encoder_decoder", scheme=scheme, layers=n, decoder_layers=m, width=D, heads=2, ffn=16, max_len=8)
     )
     model.eval()
-    with torch.no_grad():  # every learned scale and norm away from its start, so a misplaced one shows
+    with torch.no_grad():  # every learned scale, shift and norm away from its start, so a misplaced one shows
         for name, p in model.named_parameters():
-            if "norm" in name or "branch_scale" in name or "shortcut" in name or "resweight" in name:
+            if any(part in name for part in ("norm", "branch_scale", "shortcut", "resweight", "shift")):
                 p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("branch_scale.step"):  # BranchNorm a quarter of the way through its schedule
+                b.fill_(BRANCHNORM_T // 4)
     memory = torch.randn(2, 4, D)
     seen = set()
     for stack in model.stacks():
@@ -225,6 +245,17 @@ def test_describe_equals_the_init_applied(monkeypatch, scheme, arch):
                     )
                     std = getattr(model, embed).tokens.weight.std().item()
                     assert std == pytest.approx(width**-0.5 * value, rel=0.03)
+                elif key == "k_1":  # Post-LN-init's divisor of the bottom layer: every weight of it
+                    got = {g for (sd, layer, _, _), g in gains.items() if sd == s and layer == 0}
+                    assert got == {1 / value}, (s, got)
+                elif key == "L":  # R-Fixup's count of residual branches, over the whole model
+                    assert value == len(residuals(model, "encoder")) + len(residuals(model, "decoder"))
+                elif key in ("qkv", "w1"):  # R-Fixup's gains (the last weight of each branch starts at 0)
+                    names = ("q", "k", "v") if key == "qkv" else ("w1",)
+                    assert {g for (sd, _, _, w), g in gains.items() if sd == s and w in names} == {value}
+                    assert {g for (sd, _, _, w), g in gains.items() if sd == s and w in ("o", "w2")} == {0.0}
+                elif key == "T":  # BranchNorm's schedule length, on every sublayer
+                    assert {res.branch_scale.steps for res in residuals(model, s)} == {value}
                 else:
                     pytest.fail(f"{scheme}.describe() reports {key!r}, which this test cannot check against the init")
 

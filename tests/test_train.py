@@ -19,7 +19,7 @@ from objective_helpers import tiny_lm
 from kilolayer.cli import main
 from kilolayer.config import load_config
 from kilolayer.errors import ConfigError, InputError
-from kilolayer.train.checkpoint import complete_checkpoints, load_run
+from kilolayer.train.checkpoint import complete_checkpoints, load_run, read_weights
 from kilolayer.train.optim import lr_factor, param_groups
 from kilolayer.train.run import train
 
@@ -94,10 +94,17 @@ def test_run_directory_contract(tmp_path):
     assert config.model.layers == 2 and not task.training
 
 
-def test_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("scheme", ["deepnorm", "post_ln_init", "r_fixup", "dlcl", "branchnorm"])
+def test_resume_is_bit_identical(tmp_path, scheme):
+    """For BranchNorm the schedule (8 steps here) ends after the resume, so the step it restarts from must be the
+    one its checkpoint carries."""
     full, half = tmp_path / "full", tmp_path / "half"
-    train(TINY_S2S, full, quiet=True)
-    train(TINY_S2S, half, quiet=True, sets=["train.steps=6"])  # checkpoints at 4 and 6
+    sets = [f"model.scheme={scheme}", "model.branchnorm_steps=8"]
+    train(TINY_S2S, full, quiet=True, sets=sets)
+    train(TINY_S2S, half, quiet=True, sets=[*sets, "train.steps=6"])  # checkpoints at 4 and 6
+    weights = read_weights(complete_checkpoints(half)[-1] / "model.safetensors")
+    steps = [int(v) for k, v in weights.items() if k.endswith("branch_scale.step")]
+    assert steps == ([6] * (2 * 2 + 3 * 2) if scheme == "branchnorm" else [])
     train(None, half, resume=True, quiet=True, sets=["train.steps=12"])
     assert losses(full) == losses(half)
     # the first leg also evaluated at its last step (6); every other evaluation is the same

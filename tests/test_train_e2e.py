@@ -69,16 +69,27 @@ def test_byte_lm_beats_unigram_entropy(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-@pytest.mark.parametrize("name", ["seq2seq", "mlm"])
-def test_two_processes_train_as_one(tmp_path, name, parallel):
+@pytest.mark.parametrize(
+    "name, parallel, scheme",
+    [
+        ("seq2seq", "ddp", None),
+        ("seq2seq", "fsdp", None),
+        ("mlm", "ddp", None),
+        ("mlm", "fsdp", None),
+        ("seq2seq", "fsdp", "dlcl"),
+        ("seq2seq", "fsdp", "branchnorm"),
+    ],
+)
+def test_two_processes_train_as_one(tmp_path, name, parallel, scheme):
     """Ragged batches (reversal pairs of 4 to 12 symbols; lines of 2 to 30 bytes, every token masked): each
     process's share of the global batch, and each of its two micro-batches, holds its own number of targets,
     yet two processes train as one process does on whole batches. The loss is normalised by the step's targets
-    on all processes, so the losses agree to float32 reduction order (rel. 1e-6)."""
-    cfg = load_config(
-        {**ragged_task(name, tmp_path), "train": {"steps": 5, "log_every": 1, "batch_size": 8, "eval_batches": 1}}
-    )
+    on all processes, so the losses agree to float32 reduction order (rel. 1e-6). DLCL's combination weights
+    belong to the root FSDP unit, BranchNorm's step to every sharded layer."""
+    task = ragged_task(name, tmp_path)
+    if scheme is not None:
+        task["model"] = {**task["model"], "scheme": scheme, "branchnorm_steps": 3}
+    cfg = load_config({**task, "train": {"steps": 5, "log_every": 1, "batch_size": 8, "eval_batches": 1}})
     path = tmp_path / "cfg.yaml"
     path.write_text(dump_yaml(cfg))
     train(cfg, tmp_path / "one", quiet=True)

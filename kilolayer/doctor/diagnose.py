@@ -48,7 +48,7 @@ LN_GROWTH = 3.0
 COSINE = 0.9
 BARELY_MOVED = 0.05
 
-POST_LN_FORM = ("post_ln", "ds_init", "admin")  # x <- LN(x + F(x)) with a shortcut that does not scale up
+POST_LN_FORM = ("post_ln", "post_ln_init", "ds_init", "admin")  # x <- LN(x + F(x)), a shortcut not scaled up
 LAYER_NORM = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\..*(pre_norm|post_norm)$")
 
 

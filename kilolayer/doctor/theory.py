@@ -32,7 +32,7 @@ from __future__ import annotations
 from kilolayer.config import ModelConfig
 
 # schemes of the form x <- LN(alpha x + G(x)) with no other norm, which the theorem covers
-POST_LN_FORM = ("post_ln", "deepnorm", "ds_init", "admin")
+POST_LN_FORM = ("post_ln", "post_ln_init", "deepnorm", "ds_init", "admin")
 
 
 def _side_sum(scheme, side: str, depth) -> float:
@@ -70,8 +70,9 @@ def _cross_factor(scheme, depth) -> float:
 
 def update_coefficient(model: ModelConfig, scheme_name: str | None = None) -> float | None:
     """The bound's coefficient C in ``||dF|| <= C eta`` for ``model`` (or the same shape with
-    ``scheme_name``); None for schemes the theorem does not cover (Pre-LN and other pre-norm schemes,
-    ReZero, T-Fixup)."""
+    ``scheme_name``); None for schemes the theorem does not cover (Pre-LN and other pre-norm schemes, DLCL,
+    ReZero, T-Fixup, R-Fixup, and BranchNorm, whose branch output is normalised rather than set by its
+    weights' gains)."""
     from kilolayer.nn.residual import Depth, make_scheme
 
     name = scheme_name or model.scheme

@@ -1,4 +1,4 @@
 """The model: attention, feed-forward, residual schemes, layers, stacks, budgets."""
 
 # each scheme module registers its schemes in kilolayer.nn.residual.SCHEMES
-from kilolayer.nn import admin, deepnorm, schemes  # noqa: F401
+from kilolayer.nn import admin, branchnorm, deepnorm, schemes  # noqa: F401

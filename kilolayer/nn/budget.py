@@ -22,6 +22,7 @@ def _sublayer_params(cfg: ModelConfig, scheme, site: Site) -> tuple[int, int]:
     if site.kind == "ffn":
         matmul = 2 * d * f
         total = matmul + b * (f + d) + (2 * f if scheme.ffn_inner_norm(site) else 0)
+        total += 2 if scheme.ffn_shifts(site) else 0
     else:
         matmul = 4 * d * d
         total = matmul + b * 4 * d
@@ -30,7 +31,8 @@ def _sublayer_params(cfg: ModelConfig, scheme, site: Site) -> tuple[int, int]:
     norms = int(scheme.pre_norm) + int(scheme.out_norm(site)) + int(scheme.post_norm)
     total += 2 * d * norms
     total += d if scheme.learned_shortcut else 0
-    total += d if scheme.branch_scale == "channel" else 0
+    total += {"channel": d, "scalar": 1}.get(scheme.branch_scale, 0)
+    total += 1 if scheme.branch_shift else 0
     return total, matmul
 
 
@@ -43,7 +45,9 @@ def _side_params(cfg: ModelConfig, scheme, side: str, n: int, cross: bool) -> tu
             t, m = _sublayer_params(cfg, scheme, Site(side, i, kind))
             total, matmul = total + t, matmul + m
         total += 1 if scheme.branch_scale == "layer" else 0
-    total += 2 * cfg.width if scheme.final_norm else 0
+    total += scheme.history.parameter_count(n, cfg.width)
+    final = scheme.final_part(side, cfg.width, cfg.norm_eps)
+    total += sum(p.numel() for p in final.parameters()) if final is not None else 0
     cross_kv = 2 * cfg.width * cfg.width * n if cross else 0
     return total, matmul, cross_kv
 

@@ -47,6 +47,7 @@ class Layer(nn.Module):
             activation=cfg.activation,
             bias=cfg.bias,
             inner_norm=scheme.ffn_inner_norm(s),
+            shifts=scheme.ffn_shifts(s),
             dropout=cfg.dropout,
             eps=eps,
         )

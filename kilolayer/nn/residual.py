@@ -2,7 +2,7 @@
 
 Every sublayer of every scheme computes
 
-    x <- post_norm( shortcut(x) + dropout( branch_scale( out_norm( branch( pre_norm(x) ) ) ) ) )
+    x <- post_norm( shortcut(x) + dropout( branch_scale( out_norm( branch( shift( pre_norm(x) ) ) ) ) ) )
 
 and a part that a scheme does not use is ``nn.Identity``. DeepNorm, for example, keeps only a LayerNorm after
 the add and a fixed shortcut scale, so its sublayer reads ``x <- LN(alpha * x + G(x))`` (docs/deepnet.md).
@@ -11,13 +11,19 @@ Three kinds of number, one name each:
 
 * the **shortcut scale** multiplies ``x``: 1 (most schemes), DeepNorm's fixed ``alpha``, or Admin's learned
   per-channel ``omega`` (:meth:`Scheme.alpha` gives its value at initialisation);
-* the **branch scale** is a learned multiplier on the branch output: LayerScale's per-channel one
-  (``Residual.branch_scale``) or ReZero's one scalar per layer (``Layer.resweight``, passed in as ``shared_scale``);
+* the **branch scale** multiplies the branch output: LayerScale's learned per-channel one, R-Fixup's learned
+  scalar (both ``Residual.branch_scale``), ReZero's one scalar per layer (``Layer.resweight``, passed in as
+  ``shared_scale``), or BranchNorm's scale computed from the branch output and the training step;
 * the **init gain** is the Xavier gain a branch weight starts with (:meth:`Scheme.init_gain`; DeepNorm's beta).
 
+A stack of layers consults its scheme twice more: :attr:`Scheme.history` says what each layer reads (the
+previous layer's output, or DLCL's combination of all earlier ones) and :meth:`Scheme.final_part` what
+follows the last layer.
+
 A scheme is a small class registered in :data:`SCHEMES` by decorator, in the module that defines it
-(``kilolayer/nn/deepnorm.py``, ``kilolayer/nn/admin.py``, ``kilolayer/nn/schemes.py``); ``kilolayer.nn``
-imports those modules, so the registry is full whenever this module is importable.
+(``kilolayer/nn/deepnorm.py``, ``kilolayer/nn/admin.py``, ``kilolayer/nn/branchnorm.py``,
+``kilolayer/nn/schemes.py``); ``kilolayer.nn`` imports those modules, so the registry is full whenever this
+module is importable.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kilolayer.nn.history import LayerHistory
 from kilolayer.registry import SCHEMES
 
 
@@ -92,7 +99,8 @@ class LearnedShortcut(nn.Module):
 
 
 class BranchScale(nn.Module):
-    """``y -> weight * y`` with a learned per-channel ``weight`` (LayerScale)."""
+    """``y -> weight * y`` with a learned ``weight``: per channel (LayerScale) or one scalar (``width`` 1,
+    R-Fixup)."""
 
     def __init__(self, width: int, init: float):
         super().__init__()
@@ -100,6 +108,20 @@ class BranchScale(nn.Module):
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         return y * self.weight
+
+
+class ScalarAffine(nn.Module):
+    """``x -> s * (x + b)``: Fixup's learned scalar bias ``b`` (from 0) and, if ``scaled``, its learned scalar
+    multiplier ``s`` (from 1)."""
+
+    def __init__(self, scaled: bool = False):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.scale = nn.Parameter(torch.ones(1)) if scaled else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.bias
+        return x * self.scale if self.scale is not None else x
 
 
 def layer_norm(present: bool, width: int, eps: float) -> nn.Module:
@@ -122,7 +144,10 @@ class Scheme:
     final_norm = False  # LN after the last layer of a stack
     init_dist = "normal"  # Xavier-normal or Xavier-uniform
     learned_shortcut = False  # the shortcut scale is a learned per-channel parameter (Admin)
-    branch_scale: str | None = None  # learned branch scale: "channel" (LayerScale) or "layer" (ReZero)
+    # learned branch scale: "channel" (LayerScale), "scalar" (one per sublayer, R-Fixup), "layer" (ReZero)
+    branch_scale: str | None = None
+    branch_shift = False  # a learned scalar bias on the branch input (R-Fixup)
+    history: type[LayerHistory] = LayerHistory  # what each layer of a stack reads
 
     def __init__(self, depth: Depth, **options):
         self.depth = depth
@@ -145,6 +170,10 @@ class Scheme:
         """A learned per-head scale on the attention output."""
         return False
 
+    def ffn_shifts(self, site: Site) -> bool:
+        """Learned scalar biases before the FFN activation and before W2 (R-Fixup)."""
+        return False
+
     # -- scales
     def alpha(self, site: Site) -> float:
         """The shortcut scale at initialisation: ``x <- alpha * x + branch`` (fixed unless learned_shortcut)."""
@@ -160,6 +189,18 @@ class Scheme:
         if self.learned_shortcut:
             return LearnedShortcut(width, alpha)
         return nn.Identity() if alpha == 1.0 else ScaledShortcut(alpha)
+
+    def branch_scale_module(self, site: Site, width: int, eps: float) -> nn.Module:
+        """The module that scales the branch output of ``site`` (ReZero's per-layer scalar is the layer's)."""
+        if self.branch_scale == "channel":
+            return BranchScale(width, self.branch_scale_init())
+        if self.branch_scale == "scalar":
+            return BranchScale(1, self.branch_scale_init())
+        return nn.Identity()
+
+    def final_part(self, side: str, width: int, eps: float) -> nn.Module | None:
+        """What follows the last layer of a stack: a LayerNorm with ``final_norm``, else nothing."""
+        return nn.LayerNorm(width, eps=eps) if self.final_norm else None
 
     # -- initialisation
     def init_gain(self, site: Site, weight: str) -> float:
@@ -181,6 +222,10 @@ class Scheme:
     def data_dependent_init(self, model: nn.Module, run: Callable[[], object]) -> dict | None:
         """Set any data-dependent initial values of ``model`` from one forward pass ``run()``; None if none."""
         return None
+
+    def on_step(self, model: nn.Module, step: int) -> None:
+        """``model`` (a backbone built with this scheme) has had ``step`` updates; a scheme whose forward
+        follows training progress (BranchNorm) records it in the model, where checkpoints keep it."""
 
 
 def make_scheme(name: str, depth: Depth, **options) -> Scheme:
@@ -214,10 +259,10 @@ class Residual(nn.Module):
         super().__init__()
         self.site = site
         self.shortcut = scheme.shortcut(site, width)
-        channel = scheme.branch_scale == "channel"
-        self.branch_scale = BranchScale(width, scheme.branch_scale_init()) if channel else nn.Identity()
+        self.branch_scale = scheme.branch_scale_module(site, width, eps)
         self.branch = branch
         self.pre_norm = layer_norm(scheme.pre_norm, width, eps)
+        self.shift = ScalarAffine() if scheme.branch_shift else nn.Identity()
         self.out_norm = layer_norm(scheme.out_norm(site), width, eps)
         self.post_norm = layer_norm(scheme.post_norm, width, eps)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -230,7 +275,7 @@ class Residual(nn.Module):
     def forward(self, x: torch.Tensor, *, shared_scale: torch.Tensor | None = None, **inputs) -> torch.Tensor:
         """``inputs`` go to the branch by keyword; ``shared_scale`` is a branch scale the layer's sublayers
         share (ReZero's one scalar per layer)."""
-        y = self.branch_scale(self.out_norm(self.branch(self.pre_norm(x), **inputs)))
+        y = self.branch_scale(self.out_norm(self.branch(self.shift(self.pre_norm(x)), **inputs)))
         if shared_scale is not None:
             y = y * shared_scale
         return self.post_norm(self.shortcut(x) + self.dropout(y))

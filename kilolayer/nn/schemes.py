@@ -1,14 +1,16 @@
 """The baseline residual schemes DeepNet compares against, one small class each (formulas: docs/deepnet.md).
 
-DeepNorm lives in ``kilolayer/nn/deepnorm.py`` and Admin in ``kilolayer/nn/admin.py``. Adding a scheme is one
-class with ``@SCHEMES.register()`` in one module that ``kilolayer/nn/__init__.py`` imports.
+DeepNorm lives in ``kilolayer/nn/deepnorm.py``, Admin in ``kilolayer/nn/admin.py`` and BranchNorm in
+``kilolayer/nn/branchnorm.py``. Adding a scheme is one class with ``@SCHEMES.register()`` in one module that
+``kilolayer/nn/__init__.py`` imports.
 """
 
 from __future__ import annotations
 
 import math
 
-from kilolayer.nn.residual import SCHEMES, Scheme, Site
+from kilolayer.nn.history import LinearCombination
+from kilolayer.nn.residual import SCHEMES, ScalarAffine, Scheme, Site
 
 SCALED = ("v", "o", "w1", "w2")  # the branch weights that DeepNet-style inits scale
 
@@ -19,6 +21,24 @@ class PostLN(Scheme):
 
     name = "post_ln"
     post_norm = True
+
+
+@SCHEMES.register()
+class PostLNInit(PostLN):
+    """Post-LN-init (DeepNet section 3): Post-LN whose layer-l weights (1-based, per side) start Xavier / k_l,
+    k_l = n - l + 1 for the side's n layers, so the bottom layer is scaled down most."""
+
+    name = "post_ln_init"
+
+    def divisor(self, site: Site) -> int:
+        """k_l = n - l + 1 for the layer of ``site`` (``site.layer`` is l - 1)."""
+        return self.depth.layers(site.side) - site.layer
+
+    def init_gain(self, site, weight):
+        return 1.0 / self.divisor(site)
+
+    def describe(self):
+        return {side: {"k_1": self.divisor(Site(side, 0, "ffn"))} for side in self.depth.sides()}
 
 
 @SCHEMES.register()
@@ -120,6 +140,15 @@ class ReZero(Scheme):
 
 
 @SCHEMES.register()
+class DLCL(PreLN):
+    """DLCL (Wang et al. 2019): Pre-LN layers, each reading a learned combination of the LayerNormed outputs of
+    the embedding and every earlier layer (:class:`~kilolayer.nn.history.LinearCombination`)."""
+
+    name = "dlcl"
+    history = LinearCombination
+
+
+@SCHEMES.register()
 class DSInit(PostLN):
     """DS-Init: Post-LN; layer l (1-based) weights ~ U(+-r/sqrt(l)); ``ds_init_variant=code`` uses l^(-1/4)."""
 
@@ -157,3 +186,39 @@ class TFixup(Scheme):
             side: {"scale": self.init_gain(Site(side, 0, "ffn"), "w2"), "embed": self.embedding_scale(side)}
             for side in self.depth.sides()
         }
+
+
+@SCHEMES.register()
+class RFixup(Scheme):
+    """R-Fixup: Fixup (Zhang, Dauphin, Ma 2019) on a Transformer without LayerNorm, as the Fixup authors' code
+    builds it: a scalar bias on each branch input and a scalar multiplier on each branch output, scalar biases
+    around the FFN activation, the last weight of every branch at zero, the others Xavier-uniform scaled by a
+    power of L, the number of residual branches in the model."""
+
+    name = "r_fixup"
+    init_dist = "uniform"
+    branch_scale = "scalar"
+    branch_shift = True
+
+    @property
+    def branches(self) -> int:
+        """L: residual branches of the whole model (2 per encoder layer, 2 or 3 per decoder layer)."""
+        return sum(self.depth.sublayers(side) for side in self.depth.sides())
+
+    def ffn_shifts(self, site):
+        return True
+
+    def init_gain(self, site, weight):
+        if weight in ("o", "w2"):
+            return 0.0  # the last layer of each branch: the branch starts at zero
+        if weight == "w1":
+            return self.branches**-0.5  # L^(-1/(2m-2)) for the FFN's m = 2 layers
+        return self.branches ** (-1 / 6)  # Q, K, V: the code's L^(-1/6)
+
+    def final_part(self, side, width, eps):
+        # a scalar bias on each stack's output; the encoder's (read by every cross-attention) is also scaled
+        return ScalarAffine(scaled=side == "encoder")
+
+    def describe(self):
+        site = Site(self.depth.sides()[0], 0, "ffn")
+        return {"all": {"L": self.branches, "qkv": self.init_gain(site, "v"), "w1": self.init_gain(site, "w1")}}

@@ -158,14 +158,16 @@ def attention_mask(padding: torch.Tensor | None, causal: bool, length: int, devi
 
 
 class Stack(nn.Module):
-    """N layers of one side, with the scheme's final norm."""
+    """N layers of one side; what each layer reads (the scheme's layer history) and what follows the last
+    layer (the scheme's final part, ``final_norm``: a LayerNorm for pre-norm schemes) come from the scheme."""
 
     def __init__(self, cfg: ModelConfig, scheme: Scheme, side: str, n: int, cross: bool = False):
         super().__init__()
         self.side = side
         self.causal = side == "decoder"
         self.layers = nn.ModuleList(Layer(cfg, scheme, side, i, cross=cross) for i in range(n))
-        self.final_norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps) if scheme.final_norm else None
+        self.history = scheme.history(n, cfg.width, cfg.norm_eps)
+        self.final_norm = scheme.final_part(side, cfg.width, cfg.norm_eps)
 
     def forward(
         self,
@@ -179,16 +181,19 @@ class Stack(nn.Module):
         memory_mask = None if memory_padding_mask is None else ~memory_padding_mask[:, None, None, :]
         if observe is not None:
             observe(0, x)
+        outputs: list[torch.Tensor] = []  # the history's record of this pass
+        x = self.history.push(outputs, x)
         last = len(self.layers)
         for i, layer in enumerate(self.layers, 1):
-            x = layer(x, mask, memory, memory_mask)
+            y = layer(x, mask, memory, memory_mask)
+            x = self.history.push(outputs, y)
             if i == last and self.final_norm is not None:
                 if observe is not None and getattr(observe, "before_final_norm", False):
-                    observe(i, x)  # the last block's own output, before the norm's shared bias and scale
+                    observe(i, y)  # the last block's own output, before the norm's shared bias and scale
                     observe = None
                 x = self.final_norm(x)
             if observe is not None:
-                observe(i, x)
+                observe(i, x if i == last else y)
         return x
 
 
@@ -203,6 +208,7 @@ def scheme_for(cfg: ModelConfig) -> Scheme:
         layerscale_init=cfg.layerscale_init,
         ds_init_variant=cfg.ds_init_variant,
         admin_omega=cfg.admin_omega,
+        branchnorm_steps=cfg.branchnorm_steps,
     )
 
 
@@ -326,3 +332,18 @@ def data_dependent_init(model: nn.Module, run: Callable[[], object]) -> dict | N
         if isinstance(m, Backbone) and (out := m.scheme.data_dependent_init(m, run)) is not None:
             found[name] = out
     return found or None
+
+
+def set_training_step(model: nn.Module, step: int) -> None:
+    """Tell every backbone of ``model`` (a backbone or a module holding backbones) that ``step`` updates have
+    been applied. The trainer calls it after each update; schemes whose forward follows training progress
+    (BranchNorm) keep the step in the model, so checkpoints carry it, and the others ignore it."""
+    for backbone in _backbones(model):
+        backbone.scheme.on_step(backbone, step)
+
+
+def _backbones(module: nn.Module) -> list[Backbone]:
+    """The backbones in ``module``, found without walking through their layers (this runs on every step)."""
+    if isinstance(module, Backbone):
+        return [module]
+    return [b for child in module.children() for b in _backbones(child)]

@@ -24,6 +24,7 @@ import torch
 from kilolayer.config import Config
 from kilolayer.data import load_source
 from kilolayer.errors import ConfigError, InputError
+from kilolayer.nn.transformer import set_training_step
 from kilolayer.objectives import build_task
 from kilolayer.train import diagnostics as diag
 from kilolayer.train import distributed as D
@@ -229,8 +230,9 @@ class Engine:
         return reason
 
     def update(self, step: int, stats: StepStats) -> None:
-        """Apply step ``step``'s gradients (optimizer, then schedule) and count its tokens."""
+        """Apply step ``step``'s gradients (optimizer, then schedule), tell the model, and count its tokens."""
         apply_update(self.optimizer, self.scheduler)
+        set_training_step(self.task, step)
         self.tokens += stats.tokens * self.env.world
         self.step = step
 
