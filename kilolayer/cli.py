@@ -205,7 +205,7 @@ def cmd_presets(args) -> int:
 
 
 #: commands that compute in this process take their thread count from the policy (``train`` applies it itself)
-COMPUTING = ("doctor", "analyze")
+COMPUTING = ("doctor", "analyze", "evaluate")
 
 
 @contextlib.contextmanager

@@ -271,7 +271,7 @@ class TrainConfig(_Section):
     early_stop_mode: Literal["auto", "min", "max"] = Field(
         "auto",
         description="early stopping: lower (min) or higher (max) is better; auto: max for accuracy, "
-        "exact_match and bleu, else min",
+        "exact_match, bleu and chrf (and their intervals' ends), else min",
     )
 
     @field_validator("compile", mode="before")

@@ -9,6 +9,10 @@ layout is defined once::
       config.yaml           the resolved config the run trains with now
       resume.json           one entry per --resume: step, time, changed train.* keys (old -> new)
       metrics.jsonl         one JSON object per line: step, split (train | eval | diagnostics), loss, ...
+      baselines.json        seq2seq: the scores of predictors that do not translate on the pairs the
+                            evaluations decode (kilolayer.objectives.baselines): split, pairs, baselines
+      scores_SPLIT.json     kilolayer evaluate: the chosen checkpoint's metrics on all of SPLIT, and the
+                            baselines there
       checkpoints/step_NNNNNNNN/
                             one checkpoint (see kilolayer.train.checkpoint); manifest.json holds the
                             SHA-256 of each file, COMPLETE is written last. With early stopping
@@ -45,8 +49,28 @@ LOCK = "train.lock"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
+BASELINES = "baselines.json"
+SCORED_SPLITS = ("validation", "test")  # the splits kilolayer evaluate scores a run on
+
+
+def scores_name(split: str) -> str:
+    """The file ``kilolayer evaluate --split SPLIT`` writes in the run directory."""
+    return f"scores_{split}.json"
+
+
 # what a run writes; --overwrite removes exactly these, never anything else in the directory
-OWN_ENTRIES = (STATUS, CONFIG, METRICS, RESUME, CHECKPOINTS, "tensorboard", "samples", "analysis")
+OWN_ENTRIES = (
+    STATUS,
+    CONFIG,
+    METRICS,
+    RESUME,
+    BASELINES,
+    *map(scores_name, SCORED_SPLITS),
+    CHECKPOINTS,
+    "tensorboard",
+    "samples",
+    "analysis",
+)
 
 STATUSES = ("running", "completed", "diverged", "failed", "interrupted")
 FINISHED = ("completed", "diverged")  # results; failed and interrupted runs are resumed
@@ -146,6 +170,17 @@ def read_json(path: str | Path, default=None):
         return default
 
 
+def write_json(path: str | Path, data: dict) -> None:
+    """``data`` as indented JSON, written atomically (NaN and infinities as the strings ``metrics_line`` uses)."""
+    write_atomic(Path(path), json.dumps(_cleaned(data), indent=2) + "\n")
+
+
+def read_baselines(run_dir: str | Path) -> dict:
+    """baselines.json as a dict (``split``, ``pairs``, ``baselines``: name -> scores); {} if there is none."""
+    data = read_json(Path(run_dir) / BASELINES, {})
+    return data if isinstance(data, dict) else {}
+
+
 # ---------------------------------------------------------------- status
 
 
@@ -216,6 +251,12 @@ def _clean(v):
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN/inf; keep them readable
     return v
+
+
+def _cleaned(data):
+    if isinstance(data, dict):
+        return {k: _cleaned(v) for k, v in data.items()}
+    return _clean(data)
 
 
 def metrics_line(record: dict) -> str:

@@ -497,7 +497,6 @@ def test_tiny_training_lowers_validation_loss_with_a_finite_bleu(root, tmp_path)
     from kilolayer.train.run import train
 
     cfg = config(root).model_dump()
-    cfg["objective"]["options"] = {"decode_samples": 16}
     # peak_flops given: MFU needs no measurement of this machine in the private cache
     cfg["train"].update(
         steps=60, batch_size=8, lr=3e-3, warmup=10, eval_every=30, eval_batches=2, log_every=10, peak_flops=1e12
@@ -514,11 +513,10 @@ def test_tiny_training_lowers_validation_loss_with_a_finite_bleu(root, tmp_path)
 
 
 def test_bleu_is_scored_on_detokenized_text_and_a_perfect_decoder_scores_100(root, monkeypatch):
-    # an oracle decoder that returns each reference's ids: BLEU 100 and exact match 1, and what sacrebleu saw
-    # is the corpus text (detokenized BPE: no word-boundary marks, no ids)
-    import sacrebleu
-
+    # an oracle decoder that returns each reference's ids: BLEU and chrF 100 and exact match 1, and what sacrebleu
+    # saw is the corpus text (detokenized BPE: no word-boundary marks, no ids)
     from kilolayer.objectives import build_task
+    from kilolayer.objectives import seq2seq as S
 
     cfg = config(root)
     cfg.objective.options = {"decode_samples": 8}
@@ -528,10 +526,11 @@ def test_bleu_is_scored_on_detokenized_text_and_a_perfect_decoder_scores_100(roo
     queue = [b["tgt_out"].masked_fill(b["tgt_padding_mask"], source.eos) for b in batches]
     monkeypatch.setattr(task.objective, "greedy", lambda *a, **k: queue.pop(0))
     seen = {}
-    real = sacrebleu.corpus_bleu
-    monkeypatch.setattr(sacrebleu, "corpus_bleu", lambda hyps, refs: seen.update(hyps=hyps) or real(hyps, refs))
+    real = S.text_scores
+    monkeypatch.setattr(S, "text_scores", lambda hyps, refs: seen.update(hyps=hyps) or real(hyps, refs))
     out = task.objective.evaluate(task.backbone, batches)
-    assert out["bleu"] == pytest.approx(100.0) and out["exact_match"] == 1.0
+    assert out["bleu"] == pytest.approx(100.0) and out["chrf"] == pytest.approx(100.0) and out["exact_match"] == 1.0
+    assert len(seen["hyps"]) == 8
     for h in seen["hyps"]:
         assert h and "\u2581" not in h and not h.replace(" ", "").isdigit(), h
 

@@ -139,8 +139,9 @@ def test_resume_before_the_stop_equals_one_run(tmp_path, leg, trained_run):
 def test_mode_inferred_from_the_metric():
     tc = load_config(cfg(patience=1)).train
     assert early_stop_mode(tc) == "min"
-    for name in ("accuracy", "exact_match", "bleu", "top1_accuracy"):
+    for name in ("accuracy", "exact_match", "bleu", "chrf", "bleu_low", "chrf_high", "token_accuracy", "top1_accuracy"):
         assert early_stop_mode(tc.model_copy(update={"early_stop_metric": name})) == "max"
+    assert early_stop_mode(tc.model_copy(update={"early_stop_metric": "loss_high"})) == "min"
     assert early_stop_mode(tc.model_copy(update={"early_stop_metric": "accuracy", "early_stop_mode": "min"})) == "min"
 
 

@@ -36,7 +36,7 @@ BASE = {
         "vocab_size": 13,
         "max_len": 12,
     },
-    "objective": {"name": "seq2seq", "options": {"decode_samples": 8}},
+    "objective": {"name": "seq2seq"},
     "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 6, "eval_size": 16}},
     "train": {
         "steps": 4,

@@ -38,7 +38,7 @@ TINY_S2S = {
         "max_len": 16,
         "dropout": 0.1,
     },
-    "objective": {"name": "seq2seq", "options": {"decode_samples": 16}},
+    "objective": {"name": "seq2seq"},
     "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 8, "eval_size": 32}},
     "train": {
         "steps": 12,
@@ -88,7 +88,13 @@ def test_run_directory_contract(tmp_path):
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))
     evals = [r for r in records if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [4, 8, 12]
-    assert all({"loss", "exact_match", "bleu"} <= r.keys() for r in evals)
+    scores = {f"{m}{end}" for m in ("exact_match", "bleu", "chrf") for end in ("", "_low", "_high")}
+    assert all({"loss", "token_accuracy", *scores} == r.keys() - {"step", "split"} for r in evals)
+    # the baselines of the same 32 pairs, once
+    baselines = json.loads((out / "baselines.json").read_text())
+    assert (baselines["data"], baselines["split"], baselines["pairs"]) == ("synthetic", "validation", 32)
+    assert sorted(baselines["baselines"]) == ["copy", "shuffle"]
+    assert all({*scores, "token_accuracy"} == b.keys() for b in baselines["baselines"].values())
     assert [p.name for p in complete_checkpoints(out)] == ["step_00000004", "step_00000008", "step_00000012"]
     config, task = load_run(out)
     assert config.model.layers == 2 and not task.training
@@ -326,7 +332,8 @@ def test_bad_input_is_one_line(tmp_path, args, needles):
     assert_one_line_error(p.returncode, p.stderr, *needles)
 
 
-def test_parallel_text_files(tmp_path):
+def test_parallel_text_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))  # the nearest-neighbour baseline's
     src = tmp_path / "src.txt"
     tgt = tmp_path / "tgt.txt"
     words = ["ein haus", "der hund", "die katze", "ein baum", "das boot", "der tisch"] * 6
@@ -344,13 +351,14 @@ def test_parallel_text_files(tmp_path):
             "vocab_size": 262,
             "max_len": 24,
         },
-        "objective": {"name": "seq2seq", "options": {"decode_samples": 4}},
+        "objective": {"name": "seq2seq"},
         "data": {"name": "parallel", "options": {"source": str(src), "target": str(tgt), "valid_percent": 10}},
         "train": {"steps": 2, "batch_size": 4},
     }
     train(cfg, tmp_path / "run", quiet=True)
     ev = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
     assert ev["split"] == "eval" and 0.0 <= ev["bleu"] <= 100.0
+    assert sorted(json.loads((tmp_path / "run" / "baselines.json").read_text())["baselines"]) == ["copy", "nearest"]
     tgt.write_text("only one line\n")
     with pytest.raises(InputError, match="lines, but"):
         train(cfg, tmp_path / "run2", quiet=True)

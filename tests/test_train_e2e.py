@@ -34,7 +34,6 @@ def test_deepnorm_encoder_decoder_learns_reverse(tmp_path):
             "train.steps=300",
             "train.eval_every=300",
             "train.checkpoint_every=300",
-            "objective.options.decode_samples=128",
         ],
     )
     train(cfg, tmp_path / "run", quiet=True)

@@ -204,6 +204,26 @@ def _with_bleu(results, bleu: dict):
 BLEU = {"post_ln": lambda l, s: 3.0 + s, "pre_ln": lambda l, s: 30.0, "deepnorm": lambda l, s: 38.0 + 0.5 * s}
 
 
+def test_bleu_verdicts_quote_the_baselines_and_which_runs_translate(tmp_path):
+    import json
+
+    results = _with_bleu(_deepnet(GOOD), BLEU)
+    base = {"copy": {"bleu": 6.3, "chrf": 22.5}, "nearest": {"bleu": 31.0, "chrf": 40.0}}
+    deepest = max(r.point.config.model.layers for r in results)
+    for r in results:
+        r.eval["chrf"] = 45.0
+        if r.point.config.model.layers == deepest:
+            r.point.run_dir(tmp_path).mkdir(parents=True)
+            (r.point.run_dir(tmp_path) / "baselines.json").write_text(json.dumps({"baselines": base}))
+    f = deepnet_postln_bleu(results, tmp_path)
+    # at the deepest setting, two seeds each: DeepNorm's BLEU 38/38.5 above 31, Pre-LN's 30 and Post-LN's 3/4 not
+    assert f.notes[-1] == (
+        "Baselines on the same evaluation pairs (baselines.json): copy BLEU 6.30, chrF 22.50; nearest BLEU 31.00, "
+        "chrF 40.00. 2 of 6 completed runs translate (BLEU and chrF above the nearest training pair's target)."
+    )
+    assert not any("baselines.json" in n for n in deepnet_postln(results, tmp_path).notes)  # the loss verdict
+
+
 def test_deepnet_bleu_is_higher_is_better(tmp_path):
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), BLEU), tmp_path)
     # d = DeepNorm's BLEU - Post-LN's: 35 and 34.5

@@ -32,6 +32,8 @@ class Source(ABC):
     # sources of images with captions: the caption ids (padding included) lie below this; the contrastive
     # objective checks its text tower's vocabulary against it when the run is built
     text_vocab: int | None = None
+    # the split the evaluation batches come from; sources with ``data.options.eval_split`` set their own
+    eval_split: str = "validation"
 
     def __init__(self, seed: int):
         self.seed = seed

@@ -14,7 +14,7 @@ one of ``validation`` from ``train``, and a repeated pair within a split is kept
 Tokens: a joint BPE vocabulary of ``vocab`` ids (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3) trained on both
 sides of the training split (the same packages and options give a byte-identical file); pairs with a side longer
 than ``model.max_len - 1`` tokens are left out of every split. Batches are those of the ``synthetic`` tasks;
-``detokenize`` turns output ids back into text for sacrebleu's BLEU. See docs/data.md.
+``detokenize`` turns output ids back into text for sacrebleu's BLEU and chrF. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -548,6 +548,7 @@ class ParallelCorpus(Seq2SeqSource):
     """Encoded pairs of the three splits; ids from the BPE tokenizer (PAD 0, BOS 1, EOS 2)."""
 
     bos, eos, pad = BOS, EOS, PAD
+    baselines = ("copy", "nearest")
 
     def __init__(self, splits: dict, tokenizer, eval_split: str, seed: int):
         super().__init__(seed)
@@ -556,6 +557,9 @@ class ParallelCorpus(Seq2SeqSource):
 
     def __len__(self) -> int:
         return len(self.splits["train"])
+
+    def train_pairs(self):
+        return self.splits["train"]
 
     @property
     def eval_size(self) -> int:

@@ -69,9 +69,20 @@ def seq2seq_batch(pairs: list[tuple[list[int], list[int]]], bos: int, eos: int, 
 
 
 class Seq2SeqSource(Source):
-    """Shared by synthetic tasks and parallel files: pairs of id lists, batched with BOS/EOS/PAD."""
+    """Shared by synthetic tasks and parallel files: pairs of id lists, batched with BOS/EOS/PAD.
+
+    ``baselines`` names the predictors that do not translate which a model's decoding is scored beside
+    (:mod:`kilolayer.objectives.baselines`): on symbol tasks the source copied and the reference's tokens shuffled;
+    a source with a training split of its own (:meth:`train_pairs`) names the source copied and the nearest
+    training pair's target instead."""
 
     bos, eos, pad = BOS, EOS, PAD
+    baselines: tuple[str, ...] = ("copy", "shuffle")
+
+    def train_pairs(self) -> list[tuple[list[int], list[int]]] | None:
+        """The training split's pairs, where it is a list (the nearest-neighbour baseline searches it); None for a
+        stream drawn step by step."""
+        return None
 
     def batch_of(self, pairs) -> dict:
         return seq2seq_batch(pairs, self.bos, self.eos, self.pad)
@@ -223,6 +234,7 @@ class Parallel(Seq2SeqSource):
 
     bos, eos, pad = vocab.BOS, vocab.EOS, vocab.PAD
     joiner = ""
+    baselines = ("copy", "nearest")
 
     def __init__(self, pairs, valid_percent: int, seed: int):
         super().__init__(seed)
@@ -244,6 +256,9 @@ class Parallel(Seq2SeqSource):
 
     def __len__(self):
         return len(self.train)
+
+    def train_pairs(self):
+        return self.train
 
     @property
     def eval_size(self):

@@ -49,6 +49,9 @@ class Objective(nn.Module):
       objective reports one) of the best predictor that ignores the input, on the same evaluation
       targets: the level a model that learned nothing sits at. Objectives with categorical targets
       implement ``eval_targets`` and inherit it.
+    * ``baselines(batches) -> dict`` (optional): the scores of predictors that do not use what a model learns
+      (seq2seq: the source copied, the nearest training pair's target), on the pairs ``evaluate`` scores, as
+      ``{"pairs": N, "baselines": {name: scores}}``; {} where the objective has none.
     """
 
     name = ""
@@ -148,6 +151,11 @@ class Objective(nn.Module):
         """The class ids evaluation batch ``index`` is scored on (1-D, long), or None if the targets are
         not categorical. ``index`` fixes any random masking exactly as ``evaluate`` does."""
         return None
+
+    def baselines(self, batches: Iterable[dict]) -> dict:
+        """Scores of predictors that do not use what a model learns, on the evaluation batches (see the class
+        docstring). Default: none."""
+        return {}
 
     def label_smoothing(self) -> tuple[float, int]:
         """(epsilon, number of classes) of the training loss's label smoothing; (0, 0) without it."""

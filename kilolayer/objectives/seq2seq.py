@@ -1,4 +1,6 @@
-"""``seq2seq``: sequence-to-sequence with teacher forcing; greedy decoding, exact match and BLEU at evaluation."""
+"""``seq2seq``: sequence-to-sequence with teacher forcing; at evaluation, token accuracy, and greedy decoding
+scored by exact match, BLEU and chrF, each with a bootstrap interval (:mod:`kilolayer.objectives.text_scores`);
+the baselines those sit beside: :mod:`kilolayer.objectives.baselines`."""
 
 from __future__ import annotations
 
@@ -13,12 +15,18 @@ from kilolayer.data.options import parse_options
 from kilolayer.data.synthetic import Seq2SeqSource
 from kilolayer.errors import ConfigError
 from kilolayer.objectives.base import Objective, batch_size, head_weights, register_objective
+from kilolayer.objectives.baselines import baseline_scores
+from kilolayer.objectives.text_scores import text_scores
 
 
 class Seq2SeqOptions(NumbersNotBools):
     model_config = ConfigDict(extra="forbid")
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
-    decode_samples: int = Field(256, ge=0, description="evaluation samples decoded greedily (0 = none)")
+    decode_samples: int | None = Field(
+        None,
+        ge=0,
+        description="evaluation pairs decoded greedily: every one (null, the default), the first N, 0 = none",
+    )
     max_new_tokens: int = Field(0, ge=0, description="0 = source length + 8, capped by model.max_len")
 
 
@@ -37,10 +45,11 @@ class Seq2Seq(Objective):
         self.opts = parse_options(Seq2SeqOptions, config.objective.options, "objective.options")
         self.head = nn.Linear(m.width, m.vocab_size, bias=False)
         nn.init.normal_(self.head.weight, std=m.width**-0.5)
-        # BOS/EOS ids and the detokenizer (for BLEU and exact match) are the data's; without data, those of
-        # plain id sequences
+        # BOS/EOS ids and the detokenizer (for the decoding's scores) are the data's; without data, those of
+        # plain id sequences. The source also names the baselines the scores sit beside.
         self.bos, self.eos = 1, 2
         self.detokenize = lambda ids: " ".join(str(int(i)) for i in ids)
+        self.source = source
         if source is not None:
             self.bos, self.eos, self.detokenize = source.bos, source.eos, source.detokenize
 
@@ -77,32 +86,44 @@ class Seq2Seq(Objective):
 
     @torch.no_grad()
     def evaluate(self, backbone, batches):
-        import sacrebleu
-
+        """``loss`` and ``token_accuracy`` (teacher-forced argmax over the target tokens the loss counts, the end
+        token included) over every evaluation pair; then the first ``decode_samples`` pairs (all by default)
+        decoded greedily, scored by :func:`~kilolayer.objectives.text_scores.text_scores`: ``exact_match``,
+        ``bleu``, ``chrf`` and each one's 95% interval (``_low``, ``_high``)."""
         batches = list(batches)
         out = super().evaluate(backbone, batches)
-        if not self.opts.decode_samples:
-            return out
-        m = self.config.model
-        detok = self.detokenize
-        hyps, refs, exact, seen = [], [], 0, 0
+        right = total = 0
         for batch in batches:
-            if seen >= self.opts.decode_samples:
-                break
+            keep = ~batch["tgt_padding_mask"]
+            guess = self.head(self.represent(backbone, batch)).argmax(-1)
+            right += int((guess == batch["tgt_out"])[keep].sum())
+            total += int(keep.sum())
+        out["token_accuracy"] = right / max(total, 1)
+        hyps, refs = [], []
+        for batch in self.decoded(batches):
             src, mask = batch["src"], batch["src_padding_mask"]
-            max_new = self.opts.max_new_tokens or src.shape[1] + 8
-            max_new = min(max_new, m.max_len - 1)
+            max_new = min(self.opts.max_new_tokens or src.shape[1] + 8, self.config.model.max_len - 1)
             pred = self.greedy(backbone, src, mask, self.bos, self.eos, max_new)
-            for i in range(src.shape[0]):
-                h = detok(pred[i].tolist())
-                r = detok(batch["tgt_out"][i][~batch["tgt_padding_mask"][i]].tolist())
-                hyps.append(h)
-                refs.append(r)
-                exact += int(h == r)
-            seen += src.shape[0]
-        out["exact_match"] = exact / max(1, len(hyps))
-        out["bleu"] = float(sacrebleu.corpus_bleu(hyps, [refs]).score)
-        return out
+            hyps += [self.detokenize(row) for row in pred.tolist()]
+            refs += [self.detokenize(t) for _, t in pairs_of(batch)]
+        return {**out, **text_scores(hyps, refs)}
+
+    def decoded(self, batches: list[dict]):
+        """The evaluation batches cut to the first ``decode_samples`` pairs: the pairs decoding scores."""
+        cap, seen = self.opts.decode_samples, 0
+        for batch in batches:
+            rows = len(batch["src"]) if cap is None else min(cap - seen, len(batch["src"]))
+            if rows <= 0:
+                return
+            yield {k: v[:rows] for k, v in batch.items()}
+            seen += rows
+
+    def baselines(self, batches):
+        """:func:`~kilolayer.objectives.baselines.baseline_scores` of the pairs decoding scores, and their number."""
+        if self.source is None:
+            return {}
+        pairs = [p for batch in self.decoded(list(batches)) for p in pairs_of(batch)]
+        return {"pairs": len(pairs), "baselines": baseline_scores(self.source, pairs)} if pairs else {}
 
     def represent(self, backbone, batch):
         return backbone(batch["src"], batch["tgt_in"], batch["src_padding_mask"], batch["tgt_padding_mask"])
@@ -126,3 +147,13 @@ class Seq2Seq(Objective):
 
     def eval_targets(self, batch, index):
         return batch["tgt_out"][~batch["tgt_padding_mask"]]
+
+
+def pairs_of(batch: dict) -> list[tuple[list[int], list[int]]]:
+    """The (source ids, target ids) of a batch's rows, as they were before batching (no padding, no end token)."""
+    out = []
+    for src, src_pad, tgt, tgt_pad in zip(
+        batch["src"], batch["src_padding_mask"], batch["tgt_out"], batch["tgt_padding_mask"]
+    ):
+        out.append((src[~src_pad].tolist(), tgt[~tgt_pad].tolist()[:-1]))
+    return out

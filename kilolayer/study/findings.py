@@ -15,7 +15,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kilolayer import rundir
 from kilolayer.analysis.chance import LEARNED_NOTHING
+from kilolayer.objectives.baselines import translates
 from kilolayer.registry import Registry
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
@@ -427,6 +429,31 @@ def _chance_note(runs, out, unit=" nats") -> list[str]:
     ]
 
 
+def _baselines_note(runs, out) -> list[str]:
+    """Beside BLEU verdicts: the baselines of the runs' own evaluation pairs (their baselines.json), and how many
+    runs translate (BLEU and chrF both above the nearest training pair's target, on the same pairs)."""
+    texts, verdicts = [], []
+    for r in runs:
+        found = rundir.read_baselines(r.point.run_dir(out)).get("baselines") if r is not None else None
+        if not found:
+            continue
+        text = "; ".join(f"{name} BLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}" for name, s in found.items())
+        if text not in texts:
+            texts.append(text)
+        v = translates(r.eval, found) if r.status == "completed" else None
+        if v is not None:
+            verdicts.append(v.translates)
+    if not texts:
+        return []
+    note = f"Baselines on the same evaluation pairs (baselines.json): {' / '.join(texts)}."
+    if verdicts:
+        note += (
+            f" {sum(verdicts)} of {len(verdicts)} completed runs translate (BLEU and chrF above the nearest "
+            f"training pair's target)."
+        )
+    return [note]
+
+
 def _scheme_vs(
     results, out, loser: str, winner: str, name: str, title: str, claim: str, margin: float, metric: str = "loss"
 ):
@@ -473,7 +500,7 @@ def _scheme_vs(
         v,
         headers,
         rows,
-        notes=_cells_note(rs) + _chance_note(deep, out),
+        notes=_cells_note(rs) + _chance_note(deep, out) + (_baselines_note(deep, out) if metric == "bleu" else []),
     )
 
 

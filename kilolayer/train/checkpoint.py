@@ -188,7 +188,12 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     if ckpt is None:
         raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
     task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
+    load_weights(task, ckpt)
+    return config, task.to(device).eval()
+
+
+def load_weights(task: torch.nn.Module, ckpt: Path) -> None:
+    """The weights of checkpoint directory ``ckpt`` into ``task``; one line naming the first key that does not fit."""
     weights = read_weights(ckpt / "model.safetensors")
     check_fits(ckpt / "model.safetensors", weights, task.state_dict())
     task.load_state_dict(weights)
-    return config, task.to(device).eval()

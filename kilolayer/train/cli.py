@@ -1,6 +1,10 @@
-"""``kilolayer train``."""
+"""``kilolayer train`` and ``kilolayer evaluate``."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from kilolayer.rundir import SCORED_SPLITS
 
 
 def cmd_train(args) -> int:
@@ -24,6 +28,18 @@ def cmd_train(args) -> int:
     )
     if os.environ.get("RANK", "0") == "0":
         print(f"{result['status']} at step {result['step']}: {args.out}")
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from kilolayer.rundir import scores_name
+    from kilolayer.train.logging import eval_line
+    from kilolayer.train.score import score_run
+
+    record = score_run(args.run, args.split, args.device)
+    what = f"{record['split']} ({record['samples']} samples, {record['checkpoint']})"
+    print(eval_line(what, record["metrics"], record.get("baselines", {})))
+    print(f"wrote {Path(args.run) / scores_name(record['split'])}")
     return 0
 
 
@@ -66,3 +82,21 @@ def register(sub) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "evaluate",
+        help="score a run's chosen checkpoint on all of a split; writes RUN/scores_SPLIT.json",
+        description="Score a run's chosen checkpoint (the newest intact one; with early stopping, the best) on "
+        "every sample of a split with the metrics its evaluations report; a seq2seq run decodes every pair and is "
+        "scored beside its baselines (the source copied; the nearest training pair's target, or the reference's "
+        "tokens shuffled). Writes RUN/scores_SPLIT.json.",
+    )
+    p.add_argument("run", metavar="RUN_DIR", help="a run directory")
+    p.add_argument(
+        "--split",
+        choices=SCORED_SPLITS,
+        help="the split to score (default: the one the run evaluates on); test needs a source that holds one "
+        "(data.options.eval_split)",
+    )
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
+    p.set_defaults(func=cmd_evaluate)

@@ -281,16 +281,25 @@ class Engine:
         finally:
             self.task.train()
 
+    def eval_data(self, batches: int | None = None):
+        """The evaluation batches :meth:`evaluate` scores: the first ``train.eval_batches`` (or ``batches``) of
+        ``train.batch_size`` samples (on the CPU)."""
+        tc = self.config.train
+        return self.source.eval_batches(tc.batch_size, (batches or tc.eval_batches) * tc.batch_size)
+
     def evaluate(self, batches: int | None = None) -> dict:
         """The objective's evaluation metrics over ``train.eval_batches`` batches (or ``batches``)."""
-        tc = self.config.train
-        count = batches or tc.eval_batches
         with self.evaluating():
-            data = (
-                to_device(b, self.env.device) for b in self.source.eval_batches(tc.batch_size, count * tc.batch_size)
-            )
+            data = (to_device(b, self.env.device) for b in self.eval_data(batches))
             metrics = self.objective.evaluate(self.task.backbone, data)
         return {k: float(v) for k, v in metrics.items()}
+
+    def baselines(self, batches: int | None = None) -> dict:
+        """The objective's baselines (:meth:`~kilolayer.objectives.base.Objective.baselines`) on the pairs
+        :meth:`evaluate` scores, with the split they come from: ``{"split", "pairs", "baselines"}``; {} where the
+        objective has none. No model runs: every process may call it alone."""
+        found = self.objective.baselines(self.eval_data(batches))
+        return {"split": self.source.eval_split, **found} if found else {}
 
     def check_early_stop_metric(self) -> None:
         """Early stopping's metric must be one the objective reports: one evaluation batch says."""

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from kilolayer import rundir
+from kilolayer.objectives.baselines import translates
 
 # metrics and status files live in kilolayer.rundir; re-exported for callers that import them here
 from kilolayer.rundir import read_metrics, truncate_metrics, write_status  # noqa: F401
@@ -74,6 +75,34 @@ class Progress:
             eta = elapsed / done * (self.total - step) if done else float("nan")
             print(f"step {step}/{self.total} {text} eta {eta:.0f}s", flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own (an evaluation's), above the bar on a terminal."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def eval_line(what: str, metrics: dict, baselines: dict) -> str:
+    """One evaluation as a line, after ``what`` (e.g. ``eval step 400``): every metric (an interval's ends in
+    brackets after its value), then the BLEU and chrF of each baseline on the same pairs (``baselines``: name ->
+    scores) and the verdict against the nearest training pair's target where there is one."""
+    parts = []
+    for name, value in metrics.items():
+        if name.endswith(("_low", "_high")):
+            continue
+        part = f"{name} {value:.4g}"
+        if f"{name}_low" in metrics and f"{name}_high" in metrics:
+            part += f" [{metrics[f'{name}_low']:.4g}, {metrics[f'{name}_high']:.4g}]"
+        parts.append(part)
+    line = f"{what}: " + " ".join(parts)
+    for name, scores in baselines.items():
+        line += f" | {name}: bleu {scores['bleu']:.4g} chrf {scores['chrf']:.4g}"
+    verdict = translates(metrics, baselines)
+    return line + (f" | {verdict}" if verdict is not None else "")

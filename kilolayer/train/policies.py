@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import math
 
-# early_stop_mode auto: these evaluation metrics are better higher, every other one lower
-HIGHER_IS_BETTER = ("accuracy", "exact_match", "bleu")
+# early_stop_mode auto: these evaluation metrics (and the ends of their intervals, ``bleu_low``) are better
+# higher, every other one lower
+HIGHER_IS_BETTER = ("accuracy", "exact_match", "bleu", "chrf")
 
 
 def early_stop_mode(tc) -> str:
     """``min`` or ``max``: whether lower or higher values of ``train.early_stop_metric`` are better."""
     if tc.early_stop_mode != "auto":
         return tc.early_stop_mode
-    name = tc.early_stop_metric
+    name = tc.early_stop_metric.removesuffix("_low").removesuffix("_high")
     return "max" if name in HIGHER_IS_BETTER or name.endswith("accuracy") else "min"
 
 

@@ -9,6 +9,10 @@ raise :class:`~kilolayer.train.signals.Interrupted` (exit 130 / 143) after recor
 other error records ``failed`` with its reason. Nothing in the directory changes until training has started:
 a run refused during set-up keeps its status.
 
+Each evaluation is an ``eval`` record and a line of the progress output; an objective with baselines (seq2seq:
+the scores of predictors that do not translate, on the evaluation's pairs) has them computed once, at the first
+evaluation, written to ``baselines.json`` and quoted on every evaluation line.
+
 Train records carry the run's efficiency (:mod:`kilolayer.train.metrics`: ``tokens_per_s``, ``flops_per_s``,
 ``mfu``, ``peak_mem_gib``, ``train_s``) over the training time since the previous record; evaluation,
 diagnostics and checkpoints are not training time. With ``train.patience`` > 0 the run stops early on a
@@ -42,7 +46,7 @@ from kilolayer.train import metrics as M
 from kilolayer.train import threads as T
 from kilolayer.train.engine import Engine, StepStats
 from kilolayer.train.heap import heap_held
-from kilolayer.train.logging import MetricsLog, Progress
+from kilolayer.train.logging import MetricsLog, Progress, eval_line
 from kilolayer.train.memory import check_memory
 from kilolayer.train.peak import cpu_bf16_warning, device_peak, peak_too_low
 from kilolayer.train.signals import Interrupted, StopSignals
@@ -76,6 +80,7 @@ class Run:
                 f"({self.env.world} x {tc.accumulate})"
             )
         self.lock: rundir.RunLock | None = None
+        self.baseline_scores: dict | None = None  # baselines.json, once computed
         self.life: rundir.Lifecycle | None = None  # rank 0's status.json
         self.engine: Engine | None = None
         self.started = False  # status.json says running: from here on every exit is recorded
@@ -307,12 +312,23 @@ class Run:
             return False, False
         metrics = self.evaluate(step)
         self._write({"step": step, "split": "eval", **metrics})
+        if self.env.main:
+            self.progress.note(eval_line(f"eval step {step}", metrics, self._baselines().get("baselines", {})))
         # only the evaluations every eval_every steps count: a leg that ended off that grid (and evaluated
         # there) resumes exactly as if it had never stopped
         if not (tc.patience and on_grid):
             return False, False
         stopping = self.engine.early_stopping
         return self._agree(stopping.track(step, metrics)), self._agree(stopping.plateaued)
+
+    def _baselines(self) -> dict:
+        """The engine's baselines on the evaluation's pairs, computed once in this process and written to
+        baselines.json (rank 0; {} for an objective without them)."""
+        if self.baseline_scores is None:
+            self.baseline_scores = self.engine.baselines()
+            if self.baseline_scores:
+                rundir.write_json(self.out / rundir.BASELINES, {"data": self.config.data.name, **self.baseline_scores})
+        return self.baseline_scores
 
     def _save_on_schedule(self, step: int, early_stopping: bool) -> bool:
         """Checkpoint every ``train.checkpoint_every`` steps, at the last, and where early stopping asks (the

@@ -1,0 +1,158 @@
+"""What a seq2seq model's scores sit beside: predictors that do not translate, scored on the very pairs and
+references the model is scored on, with the same detokenizer and the same
+:func:`~kilolayer.objectives.text_scores.text_scores`.
+
+* ``copy``: the source itself as the hypothesis.
+* ``shuffle``: the reference's own tokens in a seeded random order: every token right, the order lost. On digit
+  strings such a hypothesis keeps a sizeable BLEU, so BLEU there says little; token accuracy and exact match are
+  the measures that fit those tasks.
+* ``nearest``: the target of the training pair whose source is nearest to the evaluation source, by the cosine of
+  their character n-gram TF-IDF vectors (scikit-learn's ``TfidfVectorizer(analyzer="char_wb")`` fitted on the
+  training sources): retrieval, no translation. A model whose BLEU and chrF are not above it has not learned to
+  translate (:func:`translates`).
+
+A source names the ones that apply (``Seq2SeqSource.baselines``). Each baseline's scores are those of
+``text_scores`` plus ``token_accuracy``: the share of the reference's tokens, its end token included, that the
+hypothesis has at the same position. A model's teacher-forced ``token_accuracy`` is read against it on symbol
+tasks; on text a shift by one token loses every later one, so BLEU and chrF are the measures there.
+
+The nearest-neighbour search is a sparse product of every evaluation source with every training source; its
+outcome (the chosen training pair of each evaluation pair) is cached (:mod:`kilolayer.data.cache`) under a hash
+of the texts it compared and of this recipe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kilolayer.data.cache import TensorOf, cached
+from kilolayer.data.synthetic import Seq2SeqSource
+from kilolayer.objectives.text_scores import text_scores
+
+Pairs = list[tuple[list[int], list[int]]]
+
+NGRAMS = (2, 4)  # character n-gram lengths, within words padded with a space (char_wb)
+CHUNK = 128  # evaluation sources per sparse product (its result is nearly dense: a column per training source)
+SHUFFLE_SEED = 0
+RECIPE = f"char_wb{NGRAMS}"  # in the cache key: change it with the vectorizer's settings
+
+
+def copy_hypotheses(source: Seq2SeqSource, pairs: Pairs) -> list[list[int]]:
+    return [list(s) for s, _ in pairs]
+
+
+def shuffle_hypotheses(source: Seq2SeqSource, pairs: Pairs) -> list[list[int]]:
+    rng = np.random.default_rng(SHUFFLE_SEED)
+    return [[t[i] for i in rng.permutation(len(t))] for _, t in pairs]
+
+
+def nearest_hypotheses(source: Seq2SeqSource, pairs: Pairs) -> list[list[int]]:
+    train = source.train_pairs()
+    if not train:
+        raise ValueError(f"{type(source).__name__}: the nearest-neighbour baseline needs a training split")
+    chosen = nearest([source.detokenize(s) for s, _ in train], [source.detokenize(s) for s, _ in pairs])
+    return [list(train[j][1]) for j in chosen]
+
+
+HYPOTHESES: dict[str, Callable[[Seq2SeqSource, Pairs], list[list[int]]]] = {
+    "copy": copy_hypotheses,
+    "shuffle": shuffle_hypotheses,
+    "nearest": nearest_hypotheses,
+}
+
+
+def nearest(corpus: list[str], queries: list[str]) -> list[int]:
+    """For each query, the index of the text of ``corpus`` nearest to it by character n-gram TF-IDF cosine (the
+    first of equals), cached."""
+
+    def search() -> dict:
+        from sklearn.feature_extraction.text import TfidfVectorizer
+
+        vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=NGRAMS, dtype=np.float32)
+        known = vectorizer.fit_transform(corpus).T.tocsr()
+        asked = vectorizer.transform(queries)
+        found = [
+            np.asarray((asked[i : i + CHUNK] @ known).argmax(axis=1)).ravel() for i in range(0, len(queries), CHUNK)
+        ]
+        return {"index": torch.as_tensor(np.concatenate(found) if found else np.zeros(0), dtype=torch.int64)}
+
+    def check(data: dict) -> None:
+        index = data["index"]
+        if index.numel() != len(queries) or (
+            index.numel() and not 0 <= int(index.min()) <= int(index.max()) < len(corpus)
+        ):
+            raise ValueError(
+                f"'index' does not hold one position in [0, {len(corpus)}) per each of {len(queries)} queries"
+            )
+
+    key = hashlib.sha256(repr((RECIPE, corpus, queries)).encode()).hexdigest()[:20]
+    return cached(f"nearest-{key}", search, {"index": TensorOf((torch.int64,), 1)}, check)["index"].tolist()
+
+
+def positional_accuracy(hyps: list[list[int]], refs: list[list[int]], eos: int) -> float:
+    """The share of the references' tokens, each one's end token included, that the hypotheses (ended alike)
+    have at the same position."""
+    right = total = 0
+    for h, r in zip(hyps, refs):
+        h, r = list(h) + [eos], list(r) + [eos]
+        right += sum(a == b for a, b in zip(h, r))
+        total += len(r)
+    return right / max(total, 1)
+
+
+def baseline_scores(source: Seq2SeqSource, pairs: Pairs) -> dict[str, dict[str, float]]:
+    """``{name: scores}`` of each baseline ``source`` names, on ``pairs`` (source ids, target ids without the end
+    token), the references being the targets through ``source.detokenize``."""
+    refs = [source.detokenize(t) for _, t in pairs]
+    out = {}
+    for name in source.baselines:
+        ids = HYPOTHESES[name](source, pairs)
+        scores = text_scores([source.detokenize(h) for h in ids], refs)
+        out[name] = {**scores, "token_accuracy": positional_accuracy(ids, [t for _, t in pairs], source.eos)}
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A model's BLEU and chrF against the nearest-neighbour baseline's on the same pairs: it translates only
+    when both are above."""
+
+    translates: bool
+    bleu: float
+    chrf: float
+    nearest_bleu: float
+    nearest_chrf: float
+
+    @property
+    def bleu_margin(self) -> float:
+        return self.bleu - self.nearest_bleu
+
+    @property
+    def chrf_margin(self) -> float:
+        return self.chrf - self.nearest_chrf
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "bleu_margin": self.bleu_margin, "chrf_margin": self.chrf_margin}
+
+    def __str__(self) -> str:
+        side = "translates" if self.translates else "does not translate"
+        return (
+            f"{side}: BLEU {self.bleu:.2f} vs {self.nearest_bleu:.2f} ({self.bleu_margin:+.2f}), chrF {self.chrf:.2f} "
+            f"vs {self.nearest_chrf:.2f} ({self.chrf_margin:+.2f}) of the nearest training pair's target"
+        )
+
+
+def translates(metrics: dict, baselines: dict) -> Verdict | None:
+    """Whether a model translates: its ``bleu`` and ``chrf`` both above those of the ``nearest`` entry of
+    ``baselines`` (name -> scores, on the same pairs), and by how much. None without a decoded score or a
+    nearest-neighbour baseline to set it beside."""
+    near = baselines.get("nearest") or {}
+    if not all(k in metrics and k in near for k in ("bleu", "chrf")):
+        return None
+    bleu, chrf, nb, nc = (float(v) for v in (metrics["bleu"], metrics["chrf"], near["bleu"], near["chrf"]))
+    return Verdict(bleu > nb and chrf > nc, bleu, chrf, nb, nc)

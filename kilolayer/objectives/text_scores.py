@@ -1,0 +1,57 @@
+"""Decoded text scored against its references: sacrebleu's corpus BLEU and chrF (its defaults) and exact match,
+each with a 95% bootstrap interval over the sentences.
+
+The interval is scipy's percentile bootstrap, ``RESAMPLES`` resamples of the sentences drawn by a NumPy generator
+of fixed seed: the same pairs give the same interval, and nothing is drawn from torch's or NumPy's global random
+state (an evaluation must leave training's random streams where they were). A resample's corpus score is
+computed from its sentences' sufficient statistics (n-gram matches and lengths), as sacrebleu's own bootstrap
+computes it; sacrebleu's public result keeps only the resamples' mean and a half-width, not the interval's ends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+RESAMPLES = 1000
+SEED = 0
+#: the scores :func:`text_scores` gives, each with ``_low`` and ``_high``
+SCORES = ("bleu", "chrf", "exact_match")
+
+
+def text_scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
+    """``bleu`` and ``chrf`` (0-100), ``exact_match`` (the share of hypotheses equal to their reference), each with
+    the ends of its 95% interval as ``<name>_low`` and ``<name>_high``; {} without pairs."""
+    from sacrebleu.metrics import BLEU, CHRF
+    from scipy.stats import bootstrap
+
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses for {len(refs)} references")
+    n = len(hyps)
+    if not n:
+        return {}
+    metrics = (BLEU(), CHRF())
+    # one row of counts per sentence; a corpus score is a function of their sum
+    stats = [np.asarray(m._extract_corpus_statistics(hyps, [refs]), dtype=np.int64) for m in metrics]
+    exact = np.array([h == r for h, r in zip(hyps, refs)], dtype=np.float64)
+
+    def scores(rows: np.ndarray) -> np.ndarray:
+        corpus = [m._compute_score_from_stats(s[rows].sum(0).tolist()).score for m, s in zip(metrics, stats)]
+        return np.array([*corpus, exact[rows].mean()], dtype=np.float64)
+
+    point = scores(np.arange(n))
+    if n > 1:
+        found = bootstrap(
+            (np.arange(n),),
+            scores,
+            n_resamples=RESAMPLES,
+            vectorized=False,
+            method="percentile",
+            rng=np.random.default_rng(SEED),
+        ).confidence_interval
+        low, high = found.low, found.high
+    else:
+        low = high = point  # one sentence: every resample is the sentence itself
+    out = {}
+    for i, name in enumerate(SCORES):
+        out.update({name: float(point[i]), f"{name}_low": float(low[i]), f"{name}_high": float(high[i])})
+    return out

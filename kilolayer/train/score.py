@@ -1,0 +1,83 @@
+"""``kilolayer evaluate``: a run's chosen checkpoint scored on the whole of a split, with the metrics its evaluations
+report and, for seq2seq, the baselines beside them, written to ``RUN/scores_SPLIT.json``.
+
+The run's own config is used, with its evaluation pointed at ``split`` (``data.options.eval_split``, for the sources
+that hold a test split) and stretched over every sample of it; a seq2seq run decodes every pair, whatever its
+``decode_samples`` (a cap that saves time while training). The checkpoint is the one that stands for the run
+(:func:`kilolayer.rundir.chosen_checkpoint`: the newest intact one; with early stopping, the best).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from kilolayer import rundir
+from kilolayer.config import Config, load_config
+from kilolayer.data import load_source
+from kilolayer.errors import ConfigError, InputError
+from kilolayer.objectives.baselines import translates
+from kilolayer.train import distributed as D
+from kilolayer.train.checkpoint import load_weights
+from kilolayer.train.engine import Engine
+
+
+def for_split(config: Config, split: str | None) -> Config:
+    """``config`` with every evaluation pair decoded and, when ``split`` is given and is not the one it
+    evaluates on, ``data.options.eval_split`` set to it."""
+    objective = config.objective.model_dump()
+    objective["options"] = {k: v for k, v in objective["options"].items() if k != "decode_samples"}
+    data = config.data.model_dump()
+    if split is not None and split != data["options"].get("eval_split", "validation"):
+        data["options"] = {**data["options"], "eval_split": split}
+    return load_config({**config.model_dump(), "objective": objective, "data": data})
+
+
+def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto") -> dict:
+    """Score the run in ``run_dir`` on all of ``split`` (default: the split it evaluates on) and write the record
+    to ``scores_SPLIT.json`` there: ``data``, ``split``, ``samples``, ``checkpoint``, ``step``, ``metrics``
+    (those of its evaluations), and for seq2seq ``baselines`` (name -> scores on the same pairs) and, beside a
+    nearest-neighbour baseline, ``translates`` (:func:`kilolayer.objectives.baselines.translates`)."""
+    run_dir = Path(run_dir)
+    if split is not None and split not in rundir.SCORED_SPLITS:
+        raise InputError(f"--split {split}: expected one of {', '.join(rundir.SCORED_SPLITS)}")
+    if not (run_dir / rundir.CONFIG).is_file():
+        raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
+    config = load_config(run_dir / rundir.CONFIG)
+    ckpt = rundir.chosen_checkpoint(run_dir, config.train.patience)
+    if ckpt is None:
+        raise InputError(f"{run_dir}: the run has no complete checkpoint to score")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here; use cpu or auto")
+    config = for_split(config, split)
+    try:
+        source = load_source(config)
+    except ConfigError as err:
+        if str(err).startswith("data.options.eval_split:"):
+            raise InputError(
+                f"--split {split}: data.name={config.data.name!r} has no {split} split (it evaluates on its "
+                f"validation split only)"
+            ) from None
+        raise
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    engine = Engine(config, D.Dist(device=torch.device("cuda" if use_cuda else "cpu")), fresh=False, source=source)
+    load_weights(engine.task, ckpt)
+    batches = max(1, math.ceil(source.eval_size / config.train.batch_size))
+    record = {
+        "data": config.data.name,
+        "split": source.eval_split,
+        "samples": source.eval_size,
+        "checkpoint": ckpt.name,
+        "step": rundir.checkpoint_step(ckpt),
+        "metrics": engine.evaluate(batches),
+    }
+    found = engine.baselines(batches).get("baselines")
+    if found:
+        record["baselines"] = found
+        verdict = translates(record["metrics"], found)
+        if verdict is not None:
+            record["translates"] = verdict.as_dict()
+    rundir.write_json(run_dir / rundir.scores_name(source.eval_split), record)
+    return record

@@ -1,0 +1,319 @@
+"""seq2seq's evaluation scores and the baselines they sit beside: token accuracy counted by hand, sacrebleu's BLEU
+and chrF with bootstrap intervals (an oracle's are 100 with no width; an interval holds its point and narrows with
+more pairs; nothing is drawn from the global random state), the copy and nearest-neighbour baselines equal to
+sacrebleu on the same pairs, the verdict against the nearest one, and ``kilolayer evaluate``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sacrebleu
+import torch
+from helpers import cli
+from torch import nn
+
+from kilolayer.config import load_config
+from kilolayer.data import load_source
+from kilolayer.data import parallel as P
+from kilolayer.errors import InputError
+from kilolayer.objectives import build_task
+from kilolayer.objectives.baselines import baseline_scores, shuffle_hypotheses, translates
+from kilolayer.objectives.text_scores import text_scores
+from kilolayer.train.logging import eval_line
+from kilolayer.train.score import score_run
+
+MODEL = {"arch": "encoder_decoder", "layers": 1, "decoder_layers": 1, "width": 32, "heads": 2, "ffn": 64}
+SCORES = {f"{m}{end}" for m in ("bleu", "chrf", "exact_match") for end in ("", "_low", "_high")}
+
+
+def synthetic(task="reverse", **options):
+    return load_config(
+        {
+            "model": {**MODEL, "vocab_size": 13, "max_len": 16},
+            "objective": {"name": "seq2seq", "options": options},
+            "data": {"name": "synthetic", "task": task, "options": {"min_len": 3, "max_len": 8, "eval_size": 24}},
+            "train": {"steps": 0},
+        }
+    )
+
+
+# ------------------------------------------------------------------ token accuracy
+
+
+class Guess(nn.Module):
+    """A head whose argmax is a fixed tensor of ids, whatever it is given."""
+
+    def __init__(self, ids: torch.Tensor, vocab: int):
+        super().__init__()
+        self.logits = nn.functional.one_hot(ids, vocab).float()
+
+    def forward(self, h):
+        return self.logits[: h.shape[0], : h.shape[1]]
+
+
+def test_token_accuracy_counts_the_target_tokens_the_loss_counts():
+    cfg = synthetic(decode_samples=0)
+    source = load_source(cfg)
+    task = build_task(cfg, source).eval()
+    batch = source.batch_of([([3, 4, 5], [5, 4, 3]), ([6], [6]), ([3, 3, 4, 5], [5, 4, 3, 3])])
+    # targets with their end token (2): [5 4 3 2 .], [6 2 . . .], [5 4 3 3 2]; padding is 0
+    guess = batch["tgt_out"].clone()
+    guess[0, 1] = 7  # wrong
+    guess[1, 1] = 9  # the end token wrong
+    guess[1, 2:] = 0  # the padding "right": not counted
+    guess[2, 4] = 4  # the end token wrong
+    task.objective.head = Guess(guess, 13)
+    out = task.objective.evaluate(task.backbone, [batch])
+    assert out["token_accuracy"] == pytest.approx(8 / 11)  # 3 of 4, 1 of 2, 4 of 5
+    assert set(out) == {"loss", "token_accuracy"}  # decode_samples 0: nothing decoded
+
+
+# ------------------------------------------------------------------ scores and their intervals
+
+
+def test_an_oracle_decoder_scores_100_with_an_interval_of_no_width():
+    cfg = synthetic()
+    source = load_source(cfg)
+    task = build_task(cfg, source).eval()
+    batches = list(source.eval_batches(10))  # 10 + 10 + 4 pairs, all decoded
+    queue = [b["tgt_out"].masked_fill(b["tgt_padding_mask"], source.eos) for b in batches]
+    task.objective.greedy = lambda *a, **k: queue.pop(0)
+    out = task.objective.evaluate(task.backbone, batches)
+    assert not queue
+    assert SCORES <= out.keys()
+    for name, best in (("bleu", 100.0), ("chrf", 100.0), ("exact_match", 1.0)):
+        assert out[name] == out[f"{name}_low"] == out[f"{name}_high"] == pytest.approx(best)
+
+
+def noisy(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """``n`` references of 4-12 digits, and hypotheses with each digit wrong with probability 0.3."""
+    g = random.Random(seed)
+    refs = [" ".join(str(g.randrange(10)) for _ in range(g.randint(4, 12))) for _ in range(n)]
+    hyps = [" ".join(c if g.random() > 0.3 else str(g.randrange(10)) for c in r.split()) for r in refs]
+    return hyps, refs
+
+
+def test_an_interval_holds_its_point_and_narrows_with_more_pairs():
+    few, many = text_scores(*noisy(40)), text_scores(*noisy(640))
+    for name in ("bleu", "chrf", "exact_match"):
+        for s in (few, many):
+            assert s[f"{name}_low"] < s[name] < s[f"{name}_high"], (name, s)
+        width = {k: s[f"{name}_high"] - s[f"{name}_low"] for k, s in (("few", few), ("many", many))}
+        # 16 times the pairs: about a quarter of the width
+        assert width["many"] < 0.5 * width["few"], (name, width)
+    hyps, refs = noisy(640)
+    assert many["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-9)
+    assert many["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+    assert many["exact_match"] == sum(h == r for h, r in zip(hyps, refs)) / 640
+
+
+def test_the_interval_is_the_same_each_time_and_leaves_the_global_random_state_alone():
+    torch.manual_seed(5)
+    np.random.seed(5)
+    before = torch.get_rng_state(), np.random.get_state()[1].copy()
+    first = text_scores(*noisy(50))
+    assert torch.equal(torch.get_rng_state(), before[0]) and (np.random.get_state()[1] == before[1]).all()
+    assert text_scores(*noisy(50)) == first
+
+
+# ------------------------------------------------------------------ baselines
+
+# each validation source is a training source with one word changed: its nearest neighbour is that pair
+TRAIN = [
+    ("der rote Hund schläft im Garten", "the red dog sleeps in the garden"),
+    ("die kleine Katze trinkt Milch", "the little cat drinks milk"),
+    ("mein Vater liest die Zeitung", "my father reads the newspaper"),
+    ("wir fahren morgen nach Berlin", "we drive to Berlin tomorrow"),
+    ("das Wetter ist heute schön", "the weather is nice today"),
+    ("ich habe keinen Hunger mehr", "I am not hungry any more"),
+    ("öffnen Sie bitte das Fenster", "please open the window"),
+    ("der Zug kommt um acht Uhr", "the train arrives at eight o'clock"),
+    ("sie spielt jeden Tag Klavier", "she plays the piano every day"),
+    ("speichern Sie das Dokument", "save the document"),
+    ("wählen Sie eine Tabelle aus", "select a table"),
+    ("klicken Sie auf Abbrechen", "click Cancel"),
+]
+VALID = [
+    ("der rote Hund schläft im Haus", "the red dog sleeps in the house", 0),
+    ("mein Vater liest das Buch", "my father reads the book", 2),
+    ("der Zug kommt um neun Uhr", "the train arrives at nine o'clock", 7),
+    ("speichern Sie die Tabelle", "save the table", 9),
+]
+
+
+@pytest.fixture
+def parallel_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+    rows = [(s, t) for s, t, _ in VALID] + TRAIN  # the parallel source holds out its first lines
+    (tmp_path / "de.txt").write_text("".join(s + "\n" for s, _ in rows), encoding="utf-8")
+    (tmp_path / "en.txt").write_text("".join(t + "\n" for _, t in rows), encoding="utf-8")
+    opts = {"source": str(tmp_path / "de.txt"), "target": str(tmp_path / "en.txt"), "valid_percent": 25}
+    return load_config(
+        {
+            "model": {**MODEL, "vocab_size": 262, "max_len": 48},
+            "objective": {"name": "seq2seq"},
+            "data": {"name": "parallel", "options": opts},
+            "train": {"steps": 0, "batch_size": 3},
+        }
+    )
+
+
+def test_copy_and_nearest_baselines_are_sacrebleu_on_the_same_pairs(parallel_files):
+    source = load_source(parallel_files)
+    assert len(source.valid) == 4 and source.baselines == ("copy", "nearest")
+    found = baseline_scores(source, source.valid)
+    refs = [t for _, t, _ in VALID]
+    expect = {"copy": [s for s, _, _ in VALID], "nearest": [TRAIN[j][1] for _, _, j in VALID]}
+    for name, hyps in expect.items():
+        assert found[name]["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-9)
+        assert found[name]["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+        assert found[name]["exact_match"] == 0.0
+    assert 20 < found["nearest"]["bleu"] < 100 and found["copy"]["bleu"] < found["nearest"]["bleu"]
+    # the objective finds the same pairs in the evaluation batches (3 + 1 rows), and the same scores
+    task = build_task(parallel_files, source)
+    assert task.objective.baselines(source.eval_batches(3)) == {"pairs": 4, "baselines": found}
+
+
+def test_shuffle_keeps_the_references_tokens_and_token_accuracy_is_by_position():
+    source = load_source(synthetic(task="sort"))
+    pairs = source.eval_pairs
+    found = baseline_scores(source, pairs)
+    assert sorted(found) == ["copy", "shuffle"]
+    refs = [source.detokenize(t) for _, t in pairs]
+    shuffled = shuffle_hypotheses(source, pairs)
+    assert all(sorted(h) == sorted(t) for h, (_, t) in zip(shuffled, pairs))
+    assert sum(h != t for h, (_, t) in zip(shuffled, pairs)) > len(pairs) // 2
+    for name, ids in (("copy", [s for s, _ in pairs]), ("shuffle", shuffled)):
+        hyps = [source.detokenize(h) for h in ids]
+        assert found[name]["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-9)
+        assert found[name]["exact_match"] == sum(h == r for h, r in zip(hyps, refs)) / len(pairs)
+        # by position, each target's end token (2) included
+        right = sum(a == b for h, (_, t) in zip(ids, pairs) for a, b in zip(h + [2], t + [2]))
+        assert found[name]["token_accuracy"] == pytest.approx(right / sum(len(t) + 1 for _, t in pairs))
+
+
+def test_translates_only_above_the_nearest_baseline_on_both_scores():
+    base = {"copy": {"bleu": 6.3, "chrf": 22.5}, "nearest": {"bleu": 14.3, "chrf": 31.0}}
+    below = translates({"bleu": 9.0, "chrf": 33.0}, base)
+    assert not below.translates and below.bleu_margin == pytest.approx(-5.3) and below.chrf_margin == pytest.approx(2)
+    above = translates({"bleu": 20.0, "chrf": 40.0}, base)
+    assert above.translates and above.as_dict()["bleu_margin"] == pytest.approx(5.7)
+    assert str(above).startswith("translates: BLEU 20.00 vs 14.30 (+5.70), chrF 40.00 vs 31.00 (+9.00)")
+    assert translates({"bleu": 20.0, "chrf": 40.0}, {"copy": base["copy"]}) is None  # no nearest neighbour
+    assert translates({"loss": 1.0}, base) is None  # nothing decoded
+    line = eval_line("eval step 5", {"loss": 2.5, "bleu": 9.0, "bleu_low": 8.0, "bleu_high": 10.0, "chrf": 33.0}, base)
+    assert line == (
+        "eval step 5: loss 2.5 bleu 9 [8, 10] chrf 33 | copy: bleu 6.3 chrf 22.5 | nearest: bleu 14.3 chrf 31 | "
+        f"{below}"
+    )
+
+
+# ------------------------------------------------------------------ kilolayer evaluate
+
+RUN = {
+    "model": {**MODEL, "vocab_size": 13, "max_len": 16},
+    "objective": {"name": "seq2seq"},
+    "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 8, "eval_size": 20}},
+    "train": {"steps": 6, "batch_size": 8, "lr": 1e-3, "eval_every": 3, "log_every": 3, "peak_flops": 1e12},
+}
+
+
+def test_a_run_scored_again_gives_its_last_evaluation_and_baselines(trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run(RUN), run)
+    record = score_run(run, device="cpu")
+    assert json.loads((run / "scores_validation.json").read_text()) == record
+    assert (record["data"], record["split"], record["samples"], record["step"]) == ("synthetic", "validation", 20, 6)
+    assert record["checkpoint"] == "step_00000006" and "translates" not in record
+    # 3 batches of 8 cover the 20 pairs: the run's last evaluation scored exactly these
+    last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["metrics"] == pytest.approx({k: v for k, v in last.items() if k not in ("step", "split")})
+    assert record["metrics"].keys() == {"loss", "token_accuracy", *SCORES}
+    assert record["baselines"] == json.loads((run / "baselines.json").read_text())["baselines"]
+    assert all(math.isfinite(v) for b in record["baselines"].values() for v in b.values())
+
+
+def test_scoring_bad_input_is_one_line(trained_run, tmp_path):
+    run = trained_run(RUN)
+    with pytest.raises(InputError, match=r"^--split test: data.name='synthetic' has no test split"):
+        score_run(run, "test", device="cpu")
+    with pytest.raises(InputError, match=r"^--split train: expected one of validation, test$"):
+        score_run(run, "train", device="cpu")
+    with pytest.raises(InputError, match="not a kilolayer run directory"):
+        score_run(tmp_path, device="cpu")
+    (tmp_path / "config.yaml").write_text((run / "config.yaml").read_text())
+    with pytest.raises(InputError, match="has no complete checkpoint"):
+        score_run(tmp_path, device="cpu")
+
+
+@pytest.mark.integration
+def test_cli_evaluate_writes_the_scores_and_refuses_a_missing_split(trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run(RUN), run)
+    p = cli("evaluate", run, "--device", "cpu")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("validation (20 samples, step_00000006): loss ")
+    assert "| copy: bleu " in p.stdout and "| shuffle: bleu " in p.stdout
+    assert json.loads((run / "scores_validation.json").read_text())["metrics"].keys() >= SCORES
+    p = cli("evaluate", run, "--split", "test")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("kilolayer: error: --split test: data.name='synthetic' has no test split")
+    p = cli("evaluate", run, "--split", "dev")
+    assert p.returncode == 2 and "invalid choice: 'dev'" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def _de_en_extracted() -> bool:
+    root = Path(os.environ.get(P.ENV_ROOT) or P.default_root())
+    return all((root / marker).exists() for marker in P.all_packages("de_en").values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _de_en_extracted(), reason="the de_en packages are not extracted (python -m kilolayer.data.debian fetch de_en)"
+)
+def test_on_de_en_the_nearest_training_target_beats_copying_the_german():
+    cfg = load_config(
+        {
+            "model": {**MODEL, "vocab_size": 8000, "max_len": 128},
+            "objective": {"name": "seq2seq"},
+            "data": {"name": "de_en", "options": {"vocab": 8000}},
+            "train": {"steps": 0},
+        }
+    )
+    source = load_source(cfg)
+    pairs = source.splits["validation"][:256]
+    found = baseline_scores(source, pairs)
+    refs = [source.detokenize(t) for _, t in pairs]
+    copy = [source.detokenize(s) for s, _ in pairs]
+    assert found["copy"]["bleu"] == pytest.approx(sacrebleu.corpus_bleu(copy, [refs]).score, abs=1e-9)
+    # retrieval is far above copying, and its interval clears copy's
+    assert found["nearest"]["bleu_low"] > found["copy"]["bleu_high"]
+    assert found["nearest"]["chrf_low"] > found["copy"]["chrf_high"]
+
+
+def test_any_objective_is_scored_on_its_test_split(trained_run, tmp_path):
+    """A digits classifier: the metrics of its evaluations over all of the test split, and no baselines."""
+    from objective_helpers import TINY_IMAGE
+
+    cfg = {
+        "model": TINY_IMAGE,
+        "objective": {"name": "classification"},
+        "data": {"name": "digits"},
+        "train": {"steps": 2, "batch_size": 16, "peak_flops": 1e12},
+    }
+    run = tmp_path / "run"
+    shutil.copytree(trained_run(cfg), run)
+    record = score_run(run, "test", device="cpu")
+    source = load_source(load_config({**cfg, "data": {"name": "digits", "options": {"eval_split": "test"}}}))
+    assert (record["split"], record["samples"]) == ("test", source.eval_size)
+    assert record["metrics"].keys() == {"loss", "accuracy"} and 0 <= record["metrics"]["accuracy"] <= 1
+    assert "baselines" not in record and not (run / "baselines.json").exists()
+    assert (run / "scores_test.json").is_file()
