@@ -317,3 +317,46 @@ def test_any_objective_is_scored_on_its_test_split(trained_run, tmp_path):
     assert record["metrics"].keys() == {"loss", "accuracy"} and 0 <= record["metrics"]["accuracy"] <= 1
     assert "baselines" not in record and not (run / "baselines.json").exists()
     assert (run / "scores_test.json").is_file()
+
+
+def test_a_studys_final_table_reads_the_test_scores_analysis(trained_run, tmp_path):
+    """The ``test_scores`` analysis is ``kilolayer evaluate --split test`` kept with the point; the study's
+    result then carries it, and a BLEU table reads its scores and its baselines, not the validation ones."""
+    from objective_helpers import TINY_IMAGE
+
+    from kilolayer.study import findings
+    from kilolayer.study.analyses import run_analysis
+    from kilolayer.study.runner import Result, collect
+
+    cfg = {
+        "model": TINY_IMAGE,
+        "objective": {"name": "classification"},
+        "data": {"name": "digits"},
+        "train": {"steps": 2, "batch_size": 16, "peak_flops": 1e12},
+    }
+    run = tmp_path / "run"
+    shutil.copytree(trained_run(cfg), run)
+    run_analysis("test_scores", run)
+    saved = json.loads((run / "analysis" / "test_scores" / "test_scores.json").read_text())
+    assert saved == json.loads((run / "scores_test.json").read_text())
+    assert saved["split"] == "test"
+
+    class Point:  # what collect() asks of a point
+        group, name = "g", "p"
+
+        def run_dir(self, out):
+            return run
+
+    assert collect(Point(), tmp_path).test == saved
+
+    val = {"loss": 1.0, "bleu": 30.0, "chrf": 50.0}
+    test = {"samples": 7, "metrics": {"loss": 1.5, "bleu": 12.0, "chrf": 40.0}}
+    test["baselines"] = {"nearest": {"bleu": 15.0, "chrf": 41.0}}
+    r = Result(point=Point(), status="completed", eval=val, test=test)
+    assert findings.final_scores(r) == (test["metrics"], "test, 7 pairs")
+    assert findings.bleu_of(r, tmp_path) == 12.0
+    assert findings._cell_value(r, "bleu", tmp_path) == "BLEU 12.00, chrF 40.0 (loss 1.000)"
+    note = findings._baselines_note([r], tmp_path)[0]
+    assert "test, 7 pairs: nearest BLEU 15.00, chrF 41.00" in note and "0 of 1 completed runs translate" in note
+    without = Result(point=Point(), status="completed", eval=val)
+    assert findings.final_scores(without) == (val, "validation") and findings.bleu_of(without, tmp_path) == 30.0

@@ -32,6 +32,18 @@ def smoothness_analysis(run_dir: Path, target: Path, data: dict | None = None) -
     save_smoothness(smoothness_of_run(run_dir, data=data, samples=256), target)
 
 
+@ANALYSES.register("test_scores")
+def test_scores_analysis(run_dir: Path, target: Path, data: dict | None = None) -> None:
+    """The run scored on its data's ``test`` split, every sample (every pair decoded for seq2seq, with the
+    baselines on the same pairs): ``kilolayer evaluate RUN --split test``, kept with the point's analyses for
+    the study's final table."""
+    from kilolayer.train.score import score_run
+
+    record = score_run(run_dir, "test")
+    target.mkdir(parents=True, exist_ok=True)
+    write_atomic(target / "test_scores.json", json.dumps(record, indent=1) + "\n")
+
+
 def _smoothness_version() -> int:
     from kilolayer.analysis.smoothness import SMOOTHNESS_METHOD
 

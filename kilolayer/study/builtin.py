@@ -610,6 +610,8 @@ def _deepnet_mt(name: str, depths, base: dict, minutes: float | None, basis: str
                     "model.layers,model.decoder_layers": [[d, d] for d in depths],
                 },
                 "seeds": [0, 1],
+                # the final table's BLEU and chrF: every test pair, beside the baselines on the same pairs
+                "analyses": ["test_scores"],
             }
         ],
         "findings": ["deepnet_postln_bleu", "deepnet_preln_bleu", "deepnet_update"],

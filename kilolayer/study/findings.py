@@ -232,12 +232,21 @@ def accuracy_of(r, out) -> float | None:
     return None
 
 
+def final_scores(r) -> tuple[dict, str]:
+    """The scores that stand for a run in a BLEU table, and where they come from: its test split scored whole
+    (the ``test_scores`` analysis) when it has been, else its last validation evaluation."""
+    if r.test and r.test.get("metrics"):
+        return r.test["metrics"], f"test, {r.test.get('samples', '?')} pairs"
+    return r.eval, "validation"
+
+
 def bleu_of(r, out) -> float | None:
-    """Final validation BLEU (greedy decoding, sacrebleu); a diverged run scores 0, what a model that produces
-    nothing scores; None (not evidence) for a run that logged no BLEU."""
+    """Final BLEU (greedy decoding, sacrebleu) on test where the run was scored on it, else validation; a
+    diverged run scores 0, what a model that produces nothing scores; None (not evidence) for a run that logged
+    no BLEU."""
     if r.status == "diverged":
         return 0.0
-    value = r.eval.get("bleu")
+    value = final_scores(r)[0].get("bleu")
     return float(value) if value is not None and math.isfinite(float(value)) else None
 
 
@@ -363,7 +372,9 @@ def _cell_value(r, metric: str, out) -> str:
     loss = f"{r.eval['loss']:.3f}" if "loss" in r.eval else None
     if metric == "bleu":
         b = bleu_of(r, out)
+        chrf = final_scores(r)[0].get("chrf")
         bleu = f"BLEU {b:.2f}" if b is not None else "BLEU -"
+        bleu += f", chrF {chrf:.1f}" if chrf is not None and r.status != "diverged" else ""
         return bleu + (f" (loss {loss})" if loss else "")
     em = r.eval.get("exact_match")
     return loss + (f" (EM {em:.2f})" if em is not None else "") if loss else "-"
@@ -434,13 +445,21 @@ def _baselines_note(runs, out) -> list[str]:
     runs translate (BLEU and chrF both above the nearest training pair's target, on the same pairs)."""
     texts, verdicts = [], []
     for r in runs:
-        found = rundir.read_baselines(r.point.run_dir(out)).get("baselines") if r is not None else None
+        if r is None:
+            continue
+        scores, where = final_scores(r)
+        if r.test and r.test.get("metrics"):
+            found = r.test.get("baselines")
+        else:
+            found = rundir.read_baselines(r.point.run_dir(out)).get("baselines")
         if not found:
             continue
-        text = "; ".join(f"{name} BLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}" for name, s in found.items())
+        text = f"{where}: " + "; ".join(
+            f"{name} BLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}" for name, s in found.items()
+        )
         if text not in texts:
             texts.append(text)
-        v = translates(r.eval, found) if r.status == "completed" else None
+        v = translates(scores, found) if r.status == "completed" else None
         if v is not None:
             verdicts.append(v.translates)
     if not texts:
@@ -482,7 +501,8 @@ def _scheme_vs(
     must = f"{winner} must have learned (loss ≤ {LEARNED_NOTHING:g} x chance)"
     if metric == "bleu":
         rule = (
-            f"d = final validation BLEU (greedy decoding, sacrebleu) of {winner} minus that of {loser} at the "
+            f"d = final BLEU (greedy decoding, sacrebleu; on the whole test split where the runs were scored on it, "
+            f"else validation) of {winner} minus that of {loser} at the "
             f"deepest setting ({at}), per seed; a diverged run scores BLEU 0; {must}. Margin {margin} BLEU."
         )
     else:

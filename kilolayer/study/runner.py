@@ -56,6 +56,7 @@ class Result:
     train_losses: list = field(default_factory=list)
     diagnostics: list = field(default_factory=list)
     smoothness: dict | None = None
+    test: dict | None = None  # the run scored on its test split (the test_scores analysis), when it has been
     seconds: float = 0.0
     command: str = ""
     ran: bool = False  # trained in this invocation
@@ -343,6 +344,7 @@ def collect(point: Point, out: Path) -> Result:
         smooth = json.loads(sfile.read_text()) if sfile.exists() else None
     except (OSError, ValueError):
         smooth = None
+    test = rundir.read_json(run_dir / "analysis" / "test_scores" / "test_scores.json", None)
     return Result(
         point=point,
         status=status,
@@ -353,6 +355,7 @@ def collect(point: Point, out: Path) -> Result:
         train_losses=[(r["step"], r["loss"]) for r in records if r.get("split") == "train"],
         diagnostics=[r for r in records if r.get("split") == "diagnostics"],
         smoothness=smooth,
+        test=test,
         seconds=float(st.get("seconds", 0.0)),
         command=shell_command(point, out),
     )
