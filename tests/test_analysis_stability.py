@@ -5,7 +5,15 @@ import math
 
 import pytest
 
-from kilolayer.analysis.stability import pick_steps, read_metrics, read_run, read_runs
+from kilolayer.analysis.stability import (
+    Diagnostics,
+    mean_log_gradients,
+    pick_steps,
+    read_metrics,
+    read_run,
+    read_runs,
+    top_stack,
+)
 from kilolayer.cli import main
 from kilolayer.errors import InputError
 
@@ -147,3 +155,16 @@ def test_compare_errors(tmp_path, capsys):
     assert "not a readable JSON file" in err
     err = _error(["analyze", "smoothness", "--compare", str(tmp_path / "nope.json"), "--out", str(tmp_path)], capsys)
     assert "no such file" in err
+
+
+def test_top_stack_and_mean_log_gradients():
+    assert top_stack(LAYERS) == [3, 4, 5] and top_stack(LAYERS[:3]) == [0, 1, 2] and top_stack([]) == []
+    lines = [Diagnostics(step=s, layers=LAYERS, grad_norm=[g * s for g in (1, 2, 4, 0.5, 1, 8)]) for s in (1, 4, 16)]
+    # the geometric mean over steps 1 and 4 of g x step is g x 2; step 16 is left out
+    assert mean_log_gradients(lines, [1, 4]) == pytest.approx([math.log(2 * g) for g in (1, 2, 4, 0.5, 1, 8)])
+    lines[1].grad_norm[2] = 0.0  # a vanished gradient has no logarithm: that layer only is NaN
+    logs = mean_log_gradients(lines, [1, 4])
+    assert math.isnan(logs[2]) and logs[3] == pytest.approx(math.log(1.0))
+    assert mean_log_gradients(lines, [2, 3]) is None  # no line at those steps
+    lines[0].layers = LAYERS[::-1]
+    assert mean_log_gradients(lines, [1, 4]) is None  # lines of different models

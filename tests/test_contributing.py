@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import CHANCE
 
 from kilolayer.config import load_config
 from kilolayer.data import SOURCES, load_source
@@ -216,9 +217,6 @@ def test_the_source_example(tmp_path):
         with pytest.raises(ConfigError, match=r"^model.vocab_size=8: data.name='counting' needs at least 16$"):
             load_source(small)
     assert "counting" not in SOURCES
-
-
-CHANCE = {"loss": 2.4, "accuracy": 0.1}
 
 
 def deepnet_results(loss, status=lambda scheme, layers, seed: "completed") -> list[Result]:

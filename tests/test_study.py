@@ -176,7 +176,9 @@ def test_unknown_study_name_cli_one_line(tmp_path):
 def test_study_list():
     p = cli("study", "--list")
     assert p.returncode == 0
-    assert all(name in p.stdout for name in ("quick", "deepnet", "bamboo"))
+    listed = {line.split()[0] for line in p.stdout.splitlines() if line and not line.startswith(" ")}
+    studies = "quick deepnet deepnet_1000 deepnet_analysis deepnet_robust bamboo bamboo_cpu deepnet_mt deepnet_mt_slice"
+    assert listed == set(studies.split())
 
 
 def test_bamboo_shapes_match_parameters_and_pair_up():

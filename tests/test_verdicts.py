@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from helpers import CHANCE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,9 +34,6 @@ from kilolayer.study.findings import (
 )
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import expand, load_spec
-
-CHANCE = {"loss": 2.4, "accuracy": 0.1}
-
 
 # ---------------------------------------------------------------- the rule itself
 

@@ -119,3 +119,29 @@ def summary(runs: list[StabilityRun]) -> dict:
             "max_ln_input": max((v for d in r.diagnostics for v in d.ln_input if math.isfinite(v)), default=math.nan),
         }
     return out
+
+
+def top_stack(layers: list[str]) -> list[int]:
+    """The indices of ``layers`` (names ``<stack>.<i>``, in forward order) that belong to the top stack, the
+    decoder of an encoder-decoder, bottom to top."""
+    if not layers:
+        return []
+    top = layers[-1].split(".")[0]
+    return [i for i, name in enumerate(layers) if name.split(".")[0] == top]
+
+
+def mean_log_gradients(diagnostics: list[Diagnostics], steps) -> list[float] | None:
+    """Per layer, the mean of ln(gradient norm) over the diagnostics lines at ``steps`` (the log of the geometric
+    mean); NaN for a layer whose norm is not positive and finite at one of those steps (a vanished or blown-up
+    gradient has no logarithm to average). None when ``steps`` selects no line or the lines name different
+    layers."""
+    wanted = set(steps)
+    chosen = [d for d in diagnostics if d.step in wanted]
+    if not chosen or any(d.layers != chosen[0].layers for d in chosen):
+        return None
+    logs = []
+    for i in range(len(chosen[0].layers)):
+        values = [d.grad_norm[i] for d in chosen]
+        ok = all(math.isfinite(v) and v > 0 for v in values)
+        logs.append(sum(math.log(v) for v in values) / len(values) if ok else math.nan)
+    return logs

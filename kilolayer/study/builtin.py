@@ -1,7 +1,9 @@
-"""The built-in studies: ``quick`` (what ``make demo`` runs), ``deepnet`` and ``bamboo``.
+"""The built-in studies: ``quick`` (what ``make demo`` runs), DeepNet's (``deepnet`` and its slices, its section 3
+analysis ``deepnet_analysis`` and robustness sweep ``deepnet_robust``) and Bamboo's (``bamboo``, ``bamboo_cpu``).
 
 Group names carry roles the findings look for (kilolayer/study/findings.py): ``deepnet``
-(schemes x depths); on images ``untrained``, ``supervised``, ``contrastive``, ``mae`` and
+(schemes x depths); ``depth_gradients`` (early gradients across depths); ``robust_lr``, ``robust_batch`` and
+``robust_width`` (one setting raised at a time); on images ``untrained``, ``supervised``, ``contrastive``, ``mae`` and
 ``finetune`` (MAE then fine-tuning); on text ``text_untrained``, ``text_classify``, ``mlm``,
 ``mlm_finetune`` and ``next_token``.
 """
@@ -382,6 +384,12 @@ def quick() -> dict:
     }
 
 
+# DeepNet's Table 1 (WMT-17 En-De), row by row: the Post-LN group, the No-LN group, the Pre-LN group and DeepNet;
+# then BranchNorm, the later refinement of DeepNorm
+TABLE_1 = ["post_ln", "ds_init", "admin", "rezero", "r_fixup", "t_fixup", "pre_ln", "dlcl", "normformer", "deepnorm"]
+DEEPNET_SCHEMES = [*TABLE_1, "branchnorm"]
+
+
 def deepnet() -> dict:
     base = _deepnet_base(steps=1000, width=64, eval_every=100, diag_until=200)
     thousand = copy.deepcopy(base)
@@ -392,20 +400,23 @@ def deepnet() -> dict:
     return {
         "name": "deepnet",
         "description": (
-            "DeepNet's depth sweep: seven residual schemes from 6L-6L to 100L-100L, 2 seeds, and a 1,000-layer "
-            "DeepNorm model. Encoder-decoders (width 64) with post_ln, pre_ln, deepnorm, ds_init, admin, rezero and "
-            "sub_ln learn to reverse digit strings at one learning rate and warm-up (1,000 steps), with stability "
-            "diagnostics for the first 200 steps; plus a 1,000-layer (500L-500L) DeepNorm model trained for 50 "
-            "steps with activation checkpointing."
+            "DeepNet's full comparison: the ten models of its Table 1 and BranchNorm from 6L-6L to 100L-100L, 2 "
+            "seeds, and a 1,000-layer DeepNorm model. Encoder-decoders (width 64) with post_ln, ds_init, admin, "
+            "rezero, r_fixup, t_fixup, pre_ln, dlcl, normformer, deepnorm and branchnorm learn to reverse digit "
+            "strings at one learning rate and warm-up (1,000 steps), with stability diagnostics for the first 200 "
+            "steps; plus a 1,000-layer (500L-500L) DeepNorm model trained for 50 steps with activation "
+            "checkpointing. A GPU or cluster study."
         ),
-        "expected_minutes": 348,
-        "expected_basis": "estimated with --estimate --jobs 2",
+        # --estimate --jobs 2 of this grid with seven schemes (56 scheme runs) gave 348 min: 338 for the scheme
+        # runs, 10 for the 1,000-layer point; the scheme runs scaled by run count to 88
+        "expected_minutes": 541,
+        "expected_basis": "estimated: --estimate --jobs 2 of these shapes with seven schemes, scaled by run count",
         "groups": [
             {
                 "name": "deepnet",
                 "base": base,
                 "grid": {
-                    "model.scheme": ["post_ln", "pre_ln", "deepnorm", "ds_init", "admin", "rezero", "sub_ln"],
+                    "model.scheme": DEEPNET_SCHEMES,
                     "model.layers,model.decoder_layers": [[6, 6], [18, 18], [50, 50], [100, 100]],
                 },
                 "seeds": [0, 1],
@@ -440,6 +451,105 @@ def deepnet_1000() -> dict:
             },
         ],
         "findings": ["deepnet_postln", "deepnet_update"],
+    }
+
+
+def deepnet_analysis() -> dict:
+    # the 18L-18L models of Figures 3(a), 3(c) and 4: trained long enough for a loss curve, diagnostics over the
+    # first 200 steps (the warm-up and as long again after it)
+    base = _deepnet_base(steps=2000, width=64, eval_every=100, diag_until=200)
+    # Figure 3(b) reads only the early window at each depth, so those models train for that window alone
+    early = _deepnet_base(steps=200, width=64, eval_every=200, diag_until=200)
+    schemes = ["post_ln", "post_ln_init", "deepnorm"]
+    return {
+        "name": "deepnet_analysis",
+        "description": (
+            "DeepNet's section 3 analysis at CPU scale: Post-LN vs Post-LN-init, DeepNorm beside them, on the "
+            "reverse task, 2 seeds: gradients per layer and across depths, loss curves, early update and LayerNorm "
+            "inputs. Post-LN-init is Post-LN with layer l's weights divided by N - l + 1 after Xavier. "
+            "Encoder-decoders (width 64) learn at one learning rate (1e-3) and warm-up (100 steps), logging gradient "
+            "norms per layer, model update and LayerNorm inputs every 5 steps for the first 200. 18L-18L models "
+            "train 2,000 steps for the gradients per layer (Figure 3(a)), the loss curves (3(c)) and the early "
+            "update and LayerNorm inputs (4(a)-(c)); 6L-6L, 12L-12L, 18L-18L and 24L-24L models train the 200 "
+            "diagnosed steps for the last layer's gradient across depths (3(b)). The paper's version is 18L-18L "
+            "translation at width 512 (IWSLT-14 De-En): on a GPU, the same groups on de_en at width 512."
+        ),
+        "expected_minutes": 30,
+        "expected_basis": (
+            "estimated, not measured: CPU seconds per training step measured at these shapes, plus evaluations"
+        ),
+        "groups": [
+            {
+                "name": "deepnet",
+                "description": "18L-18L: gradients per layer, loss curves, early update and LayerNorm inputs",
+                "base": base,
+                "grid": {"model.scheme": schemes, "model.layers,model.decoder_layers": [[18, 18]]},
+                "seeds": [0, 1],
+            },
+            {
+                "name": "depth_gradients",
+                "description": "6L-6L to 24L-24L, the first 200 steps: the last layer's gradient across depths",
+                "base": early,
+                "grid": {
+                    "model.scheme": schemes,
+                    "model.layers,model.decoder_layers": [[6, 6], [12, 12], [18, 18], [24, 24]],
+                },
+                "seeds": [0, 1],
+            },
+        ],
+        "findings": [
+            "deepnet_init_gradient",
+            "deepnet_init_gradient_depth",
+            "deepnet_init_loss",
+            "deepnet_init_update",
+        ],
+    }
+
+
+# DeepNet's Figure 7 raises one setting at a time with the others fixed. At 6L-6L, width 64, batch 32, lr 1e-3
+# every scheme here learns the reverse task; each axis goes from that base to a setting where Post-LN may not:
+ROBUST_GRID = {
+    # to 1e-2, where a 6L-6L Post-LN on this task learns nothing (docs/doctor.md: 0.93 x chance after 400 steps)
+    "robust_lr": {"train.lr": [1e-3, 3e-3, 1e-2]},
+    # x1, x2, x4 at the same learning rate and steps (so the larger batches also see more data)
+    "robust_batch": {"train.batch_size": [32, 64, 128]},
+    # x1, x2, x4 at the same learning rate: Adam moves each weight by about lr per step at any width, so a wider
+    # layer's output moves more per step; 4 heads throughout (head size 16 to 64), the FFN 4 x width
+    "robust_width": {"model.width,model.ffn": [[64, 256], [128, 512], [256, 1024]]},
+}
+
+
+def deepnet_robust() -> dict:
+    base = _deepnet_base(steps=400, width=64, eval_every=50, diag_until=50)
+    base["model"].update(layers=6, decoder_layers=6)
+    schemes = ["post_ln", "pre_ln", "deepnorm", "branchnorm"]
+    return {
+        "name": "deepnet_robust",
+        "description": (
+            "DeepNet's robustness sweep at CPU scale: learning rate, batch size and width raised one at a time "
+            "for Post-LN, Pre-LN, DeepNorm and BranchNorm at 6L-6L on the reverse task, 2 seeds. At the base "
+            "(width 64, batch 32, lr 1e-3, warm-up 100) every one of them learns the task; 400 steps. Learning "
+            "rate 1e-3, 3e-3, 1e-2 (up to where Post-LN at this depth learns nothing); batch 32, 64, 128; width 64, "
+            "128, 256 (4 heads, FFN 4 x width). BranchNorm keeps its default T of 4,000 updates, so within 400 "
+            "steps its branches stay mostly normalised. A run is stable when it neither diverged nor ended above "
+            "0.9 x chance. The paper's version (Figure 7) is 18L-18L translation: on a GPU, the same axes at "
+            "18L-18L on de_en from width 512."
+        ),
+        "expected_minutes": 40,
+        "expected_basis": (
+            "estimated, not measured: CPU seconds per training step measured at these shapes, plus evaluations"
+        ),
+        "groups": [
+            {
+                "name": name,
+                "description": f"{', '.join(axis)} raised from the base, the other settings fixed",
+                "base": base,
+                "grid": {"model.scheme": schemes, **axis},
+                "seeds": [0, 1],
+            }
+            for name, axis in ROBUST_GRID.items()
+        ],
+        "findings": ["deepnet_robust"],
     }
 
 
@@ -664,6 +774,8 @@ BUILTIN: Registry[Callable[[], dict]] = Registry("study", "built-in study")
 BUILTIN.add("quick", quick)
 BUILTIN.add("deepnet", deepnet)
 BUILTIN.add("deepnet_1000", deepnet_1000)
+BUILTIN.add("deepnet_analysis", deepnet_analysis)
+BUILTIN.add("deepnet_robust", deepnet_robust)
 BUILTIN.add("bamboo", bamboo)
 BUILTIN.add("bamboo_cpu", bamboo_cpu)
 BUILTIN.add("deepnet_mt", deepnet_mt)

@@ -328,6 +328,8 @@ def slope(depths: list[int], values: list[float]) -> float:
 
 # ---------------------------------------------------------------- DeepNet
 
+DEEPNET = "Wang et al. 2022, DeepNet (arXiv 2203.00555)"
+
 
 def _other_axes(rs) -> list[str]:
     """The grid keys that tell apart several runs of one scheme, depth and seed (a one-run comparison would pick
@@ -515,7 +517,7 @@ def _scheme_vs(
         name,
         title,
         claim,
-        "Wang et al. 2022, DeepNet (arXiv 2203.00555)",
+        DEEPNET,
         rule,
         v,
         headers,
@@ -610,24 +612,39 @@ def _first_update(r) -> float | None:
     return float(ups[0]) if ups and ups[0] is not None else None
 
 
-@register_finding("deepnet_update")
-def deepnet_update(results, out):
-    rs = [r for r in _group(results, "deepnet") if r.diagnostics]
-    if not rs:
-        return None
+def _largest_ln_input(r) -> float | None:
+    """The largest mean |input| of any LayerNorm over a run's diagnostics lines (None: none logged)."""
+    values = [v for d in _diagnostics(r) or [] for v in d.ln_input if math.isfinite(v)]
+    return max(values) if values else None
+
+
+def _update_vs(results, out, large: str, small: str) -> tuple[Verdict, list, list, int]:
+    """The first model update of ``large`` against that of ``small`` at the deepest setting of the ``deepnet``
+    group, per seed: the verdict (d = ln of their ratio, margin ln 1.5), the table rows of every run with
+    diagnostics, those runs, and the deepest depth."""
     everything = _group(results, "deepnet")
+    rs = [r for r in everything if r.diagnostics]
     deepest = max(_depth(r) for r in everything)
     rows = []
     others = _other_axes(everything)  # several runs of one scheme, depth and seed: each row names its own
     for r in sorted(rs, key=lambda r: (_val(r, "model.scheme"), _depth(r), _seed(r))):
         ups = [d["update"] for d in r.diagnostics]
         scheme = " ".join([str(_val(r, "model.scheme")), *(f"{k}={_val(r, k)}" for k in others)])
-        rows.append([scheme, _depth(r), _seed(r), _fmt(max(ups) if ups else None), _fmt(_first_update(r))])
+        rows.append(
+            [
+                scheme,
+                _depth(r),
+                _seed(r),
+                _fmt(max(ups) if ups else None),
+                _fmt(_first_update(r)),
+                _fmt(_largest_ln_input(r)),
+            ]
+        )
     ev = Evidence()
     for seed in _seeds(everything):
-        a, b = _run(everything, "post_ln", deepest, seed), _run(everything, "deepnorm", deepest, seed)
+        a, b = _run(everything, large, deepest, seed), _run(everything, small, deepest, seed)
         # the first update is measured at step 1, before any divergence: a diverged run still has it
-        runs = {f"post_ln seed {seed}": a, f"deepnorm seed {seed}": b}
+        runs = {f"{large} seed {seed}": a, f"{small} seed {seed}": b}
         missing = [
             f"{what} (no diagnostics)"
             for what, r in runs.items()
@@ -643,25 +660,348 @@ def deepnet_update(results, out):
     v = ev.decide(math.log(1.5), " (ln ratio)")
     if others:
         v = _several_settings(v, others, len(_seeds(everything)))
-    rule = (
-        "d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of post_ln / that of deepnorm) "
-        f"on a fixed probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 "
-        "(post_ln's update at least 1.5x DeepNorm's). The table also shows how it grows with depth."
+    return v, rows, rs, deepest
+
+
+UPDATE_HEADERS = ["scheme", "layers", "seed", "max update", "update at step 1", "largest LayerNorm input"]
+
+
+def _update_rule(large: str, small: str, deepest: int) -> str:
+    return (
+        f"d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of {large} / that of {small}) on a fixed "
+        f"probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 ({large}'s "
+        f"update at least 1.5x {small}'s). The table also shows the largest update and LayerNorm input logged"
     )
+
+
+@register_finding("deepnet_update")
+def deepnet_update(results, out):
+    if not any(r.diagnostics for r in _group(results, "deepnet")):
+        return None
+    v, rows, rs, deepest = _update_vs(results, out, "post_ln", "deepnorm")
     plots = _update_plot(rs, out, "deepnet_update.png") + _stability_plot(rs, out)
     return Finding(
         "deepnet_update",
         "Post-LN's early updates are large; DeepNorm's stay bounded",
         "DeepNorm bounds the model update in the first steps by a constant, whereas Post-LN's update grows with "
         "depth and destabilises training (DeepNet, section 3, Figure 4(a); across depths, Figure 5).",
-        "Wang et al. 2022, DeepNet (arXiv 2203.00555)",
-        rule,
+        DEEPNET,
+        _update_rule("post_ln", "deepnorm", deepest) + ", and how they grow with depth.",
         v,
-        ["scheme", "layers", "seed", "max update", "update at step 1"],
+        UPDATE_HEADERS,
         rows,
         plots,
         "Log diagnostics every step over the first few hundred steps at 18L-18L and deeper.",
     )
+
+
+# ---------------------------------------------------------------- DeepNet section 3: Post-LN vs Post-LN-init
+
+SECTION3 = DEEPNET + ", section 3"
+# Figure 3(b): the last layer's gradient at several depths, a group of its own beside the 18L-18L `deepnet` group
+DEPTH_GRADIENTS = "depth_gradients"
+# "the last several layers" of Figure 3(a): the top third of the top stack (the decoder), 6 of 18 layers
+TOP_SHARE = 1 / 3
+SECTION3_SCALE = (
+    "The paper's models are 18L-18L translation Transformers (IWSLT-14 De-En, width 512); train at that width on "
+    "real translation data, with 3+ seeds."
+)
+
+
+def _has_schemes(rs, *schemes) -> bool:
+    return set(schemes) <= {_val(r, "model.scheme") for r in rs}
+
+
+def _diagnostics(r):
+    """A run's diagnostics lines with per-layer gradient norms, parsed; None where they cannot be read."""
+    from kilolayer.analysis.stability import read_diagnostics
+    from kilolayer.errors import InputError
+
+    try:
+        return [d for d in read_diagnostics(r.diagnostics, r.point.key) if d.layers]
+    except InputError:
+        return None
+
+
+def _shared_log_gradients(ev: Evidence, runs: dict, out) -> tuple[list[int], dict] | None:
+    """For ``runs`` (what -> run): the diagnostics steps they all logged (the early window; a diverged run's
+    lines before it diverged count) and, per run, its layer names and each layer's mean ln gradient norm over
+    those steps. None, with the reason recorded in ``ev``, when a run is not evidence or has no usable lines."""
+    from kilolayer.analysis.stability import mean_log_gradients
+
+    if not ev.check(runs, out):
+        return None
+    lines = {}
+    for what, r in runs.items():
+        found = _diagnostics(r)
+        if not found:
+            ev.excluded.append(f"{r.point.key} ({'unreadable' if found is None else 'no'} gradient diagnostics)")
+            return None
+        lines[what] = found
+    steps = sorted(set.intersection(*({d.step for d in found} for found in lines.values())))
+    logs = {}
+    for what, found in lines.items():
+        values = mean_log_gradients(found, steps)
+        if values is None:
+            ev.excluded.append(f"{what} (no diagnostics step shared with the runs it is compared with)")
+            return None
+        logs[what] = (found[0].layers, values)
+    return steps, logs
+
+
+def _window(steps: list[int]) -> str:
+    return f"steps {steps[0]}-{steps[-1]} ({len(steps)} lines)" if steps else "-"
+
+
+def _top_layers(names: list[str]) -> list[int]:
+    from kilolayer.analysis.stability import top_stack
+
+    stack = top_stack(names)
+    return stack[-max(1, math.ceil(len(stack) * TOP_SHARE)) :]
+
+
+@register_finding("deepnet_init_gradient")
+def deepnet_init_gradient(results, out):
+    rs = _group(results, "deepnet")
+    if not _has_schemes(rs, "post_ln", "post_ln_init"):
+        return None
+    deepest = max(_depth(r) for r in rs)
+    ev, rows, top = Evidence(), [], []
+    for seed in _seeds(rs):
+        a, b = f"post_ln_init seed {seed}", f"post_ln seed {seed}"
+        runs = {a: _run(rs, "post_ln_init", deepest, seed), b: _run(rs, "post_ln", deepest, seed)}
+        got = _shared_log_gradients(ev, runs, out)
+        if got is None:
+            continue
+        steps, logs = got
+        (names, la), (names_b, lb) = logs[a], logs[b]
+        if names != names_b:
+            ev.excluded.append(f"seed {seed} (the two runs' layers differ)")
+            continue
+        top = _top_layers(names)
+        ga, gb = statistics.fmean(la[i] for i in top), statistics.fmean(lb[i] for i in top)
+        # a zero or non-finite norm in the window has no logarithm: the seed is not evidence, named
+        ev.add(seed, ga - gb, f"top-layer gradient norms of seed {seed}")
+        rows.append([seed, _window(steps), f"{math.exp(ga):.4g}", f"{math.exp(gb):.4g}", f"{math.exp(ga - gb):.3g}"])
+    v = ev.decide(math.log(1.25), " (ln ratio)")
+    if others := _other_axes(rs):
+        v = _several_settings(v, others, len(_seeds(rs)))
+    layers = f"its top {len(top)} decoder layers" if top else "the top third of its decoder layers"
+    return Finding(
+        "deepnet_init_gradient",
+        "Post-LN-init's top layers get larger gradients than Post-LN's",
+        "Post-LN-init (Post-LN with layer l's weights divided by N - l + 1 after Xavier) has an even larger gradient "
+        "norm in the last several layers than Post-LN, although its weights have been scaled down (18L-18L; "
+        "section 3, Figure 3(a)); from this and Figure 3(b) the paper concludes that exploding gradients in the top "
+        "layers are not the root cause of Post-LN's instability.",
+        SECTION3,
+        f"d = ln(geometric mean gradient norm of post_ln_init's top layers / that of post_ln's), the top layers being "
+        f"the top third of the decoder ({layers} at {_depth_label(rs[0], deepest)}), the mean taken over those layers "
+        "and every diagnostics step both runs logged (the early window; a diverged run's steps before it diverged "
+        "count), at the deepest setting, per seed; margin ln 1.25 (Post-LN-init's at least 1.25x Post-LN's).",
+        v,
+        ["seed", "window", "post_ln_init top-layer gradient", "post_ln top-layer gradient", "ratio"],
+        rows,
+        _plot(
+            _layer_gradients,
+            rs,
+            out,
+            "deepnet_init_gradient.png",
+            "gradient norm per layer, geometric mean over the early diagnostics steps (first seed)",
+        ),
+        SECTION3_SCALE,
+    )
+
+
+@register_finding("deepnet_init_gradient_depth")
+def deepnet_init_gradient_depth(results, out):
+    rs = _group(results, DEPTH_GRADIENTS)
+    if not _has_schemes(rs, "post_ln", "post_ln_init"):
+        return None
+    depths = sorted({_depth(r) for r in rs})
+    ev, rows = Evidence(), []
+    for seed in _seeds(rs):
+        ds, row = [], [seed]
+        for depth in depths:
+            label = _depth_label(rs[0], depth)
+            a, b = f"post_ln_init {label} seed {seed}", f"post_ln {label} seed {seed}"
+            runs = {a: _run(rs, "post_ln_init", depth, seed), b: _run(rs, "post_ln", depth, seed)}
+            got = _shared_log_gradients(ev, runs, out)
+            if got is None:
+                ds.append(None)
+                row.append("-")
+                continue
+            _, logs = got
+            (names, la), (_, lb) = logs[a], logs[b]
+            last = _top_layers(names)[-1]
+            ds.append(la[last] - lb[last])
+            row.append(f"{math.exp(la[last]):.3g} / {math.exp(lb[last]):.3g}")
+        rows.append(row)
+        if None not in ds:
+            # a zero or non-finite norm in the window has no logarithm: the seed is not evidence, named
+            d = min(ds) if all(math.isfinite(x) for x in ds) else math.nan
+            ev.add(seed, d, f"last-layer gradient norms of seed {seed}")
+    v = ev.decide(math.log(1.5), " (ln ratio)")
+    if others := _other_axes(rs):
+        v = _several_settings(v, others, len(_seeds(rs)))
+    shown = ", ".join(_depth_label(rs[0], d) for d in depths)
+    return Finding(
+        "deepnet_init_gradient_depth",
+        "Post-LN-init's last-layer gradient is larger than Post-LN's at every depth",
+        "The gradient norm of Post-LN-init in the last decoder layer is still much larger than that of Post-LN, "
+        "regardless of model depth (6L-6L to 24L-24L; section 3, Figure 3(b)).",
+        SECTION3,
+        "d = the smallest, over the depths (" + shown + "), of ln(geometric mean gradient norm of post_ln_init's "
+        "last decoder layer / that of post_ln's) over every diagnostics step both runs logged (the early window), "
+        "per seed: positive only if Post-LN-init's is the larger at every depth. Margin ln 1.5 (much larger: "
+        "at least 1.5x at every depth). A missing depth leaves the seed out.",
+        v,
+        ["seed"] + [f"{_depth_label(rs[0], d)}: post_ln_init / post_ln" for d in depths],
+        rows,
+        _plot(
+            _last_layer_gradients,
+            rs,
+            out,
+            "deepnet_init_gradient_depth.png",
+            "the last decoder layer's gradient norm vs depth, geometric mean over the early diagnostics steps",
+        ),
+        SECTION3_SCALE,
+    )
+
+
+@register_finding("deepnet_init_loss")
+def deepnet_init_loss(results, out):
+    f = _scheme_vs(
+        results,
+        out,
+        "post_ln",
+        "post_ln_init",
+        "deepnet_init_loss",
+        "Post-LN-init converges where Post-LN does not",
+        "Post-LN-init converged while Post-LN did not (18L-18L, the same architecture, only the initialisation "
+        "differs; section 3, Figure 3(c)).",
+        margin=0.05,
+    )
+    if f is None:
+        return None
+    f.reference = SECTION3
+    f.plots = _curves(results, "deepnet", out, "deepnet_init_loss.png")
+    f.scale_up = SECTION3_SCALE
+    return f
+
+
+@register_finding("deepnet_init_update")
+def deepnet_init_update(results, out):
+    rs = _group(results, "deepnet")
+    if not _has_schemes(rs, "post_ln", "post_ln_init") or not any(r.diagnostics for r in rs):
+        return None
+    v, rows, with_diagnostics, deepest = _update_vs(results, out, "post_ln", "post_ln_init")
+    plots = _update_plot(with_diagnostics, out, "deepnet_init_update.png") + _stability_plot(with_diagnostics, out)
+    return Finding(
+        "deepnet_init_update",
+        "Post-LN's early model update is larger than Post-LN-init's",
+        "Post-LN has an exploding update at the very beginning of training and then nearly no update; better "
+        "initialisation lets the model update smoothly: Post-LN-init has relatively small updates, and the "
+        "inputs to its LayerNorms are stable (18L-18L; section 3, Figure 4(a)-(c)).",
+        SECTION3,
+        _update_rule("post_ln", "post_ln_init", deepest) + ".",
+        v,
+        UPDATE_HEADERS,
+        rows,
+        plots,
+        SECTION3_SCALE,
+    )
+
+
+# ---------------------------------------------------------------- DeepNet robustness (section 5, Figure 7)
+
+# group -> the setting it raises, one at a time from the base (DeepNet's Figure 7: learning rate, batch size,
+# hidden dimension)
+ROBUST_AXES = {"robust_lr": "train.lr", "robust_batch": "train.batch_size", "robust_width": "model.width"}
+ROBUST_LABEL = {"train.lr": "learning rate", "train.batch_size": "batch size", "model.width": "width"}
+
+
+def _robust_axis(rs, out, group: str, key: str) -> Finding:
+    values = sorted({r.point.setting(key) for r in rs})
+    schemes = sorted({_val(r, "model.scheme") for r in rs}, key=lambda s: (s not in ("post_ln", "deepnorm"), s))
+    seeds = _seeds(rs)
+
+    def run(scheme, value, seed):
+        return next(
+            (r for r in rs if _val(r, "model.scheme") == scheme and r.point.setting(key) == value and _seed(r) == seed),
+            None,
+        )
+
+    ev = Evidence()
+    unstable_post_ln = 0
+    for seed in seeds:
+        runs = {f"{s} {key}={x} seed {seed}": run(s, x, seed) for s in ("post_ln", "deepnorm") for x in values}
+        if ev.check(runs, out):
+            stable = {s: sum(learned(run(s, x, seed), out) for x in values) for s in ("post_ln", "deepnorm")}
+            unstable_post_ln += len(values) - stable["post_ln"]
+            ev.add(seed, stable["deepnorm"] - stable["post_ln"])
+    v = ev.decide(0.5, " settings")
+    if v.verdict == INCONCLUSIVE and ev.per_seed() and not unstable_post_ln:
+        v.reason += (
+            f"; Post-LN was stable at every {ROBUST_LABEL[key]} in every seed: the sweep did not reach a setting "
+            "where it fails"
+        )
+    rows = []
+    for s in schemes:
+        row = [s]
+        for x in values:
+            cells = []
+            for seed in seeds:
+                r = run(s, x, seed)
+                cell = _status_cell(r, _fmt(r.eval.get("loss")) if r is not None else "")
+                if r is not None and r.status == "completed":
+                    cell += " (stable)" if learned(r, out) else " (learned nothing)"
+                cells.append(cell)
+            row.append(" / ".join(cells))
+        rows.append(row)
+    label = ROBUST_LABEL[key]
+    shown = ", ".join(f"{x:g}" for x in values)
+    return Finding(
+        f"deepnet_robust:{group}",
+        f"DeepNorm stays stable where Post-LN does not (larger {label})",
+        "DeepNet can be trained without difficulty in all the largest settings of learning rate, batch size and "
+        "hidden dimension, each raised with the others fixed (18L-18L on WMT-17 En-De; section 5, Figure 7). "
+        "Tested here beside Post-LN at the same settings: DeepNorm stays stable where Post-LN does not.",
+        DEEPNET + ", section 5",
+        f"A run is stable when it completed without diverging and learned (final validation loss at most "
+        f"{LEARNED_NOTHING:g} x chance). d = (the number of {label} settings ({shown}) at which deepnorm was stable) "
+        "minus (the number at which post_ln was), per seed, the other settings at the base; a diverged or unlearned "
+        "DeepNorm counts against the claim. Margin 0.5 settings: held needs DeepNorm stable at more settings than "
+        "Post-LN in every seed, alike enough for the bounds.",
+        v,
+        ["scheme"] + [f"{label} {x:g}" for x in values],
+        rows,
+        _plot(
+            lambda runs, path: _loss_curves(runs, path, key),
+            rs,
+            out,
+            f"deepnet_robust_{group}.png",
+            f"validation loss vs step, one panel per {label}",
+        ),
+        "DeepNet's sweep is of 18L-18L models on WMT-17; a depth where Post-LN already fails at the base setting "
+        "cannot show where it starts to fail, so this sweep starts from one where it trains. Scale to width 512, real "
+        "translation data and 3+ seeds.",
+        notes=[
+            f"Each cell: the final validation loss of seed {' / '.join(map(str, seeds))}, in that order; (stable): "
+            f"completed and learned; (learned nothing): completed above {LEARNED_NOTHING:g} x chance."
+        ]
+        + _chance_note([r for r in rs if r.ok][:1], out),
+    )
+
+
+@register_finding("deepnet_robust")
+def deepnet_robust(results, out):
+    found = [
+        _robust_axis(rs, out, group, key)
+        for group, key in ROBUST_AXES.items()
+        if _has_schemes(rs := _group(results, group), "post_ln", "deepnorm")
+    ]
+    return found or None
 
 
 # ---------------------------------------------------------------- Bamboo
@@ -1113,6 +1453,24 @@ def _curves(results, group, out, fname):
     from kilolayer.study.plots import loss_curves
 
     return _plot(loss_curves, _group(results, group), out, fname, "validation loss vs step, one panel per depth")
+
+
+def _loss_curves(rs, path, by: str) -> bool:
+    from kilolayer.study.plots import loss_curves
+
+    return loss_curves(rs, path, by=by)
+
+
+def _layer_gradients(rs, path) -> bool:
+    from kilolayer.study.plots import layer_gradient_curves
+
+    return layer_gradient_curves(rs, path)
+
+
+def _last_layer_gradients(rs, path) -> bool:
+    from kilolayer.study.plots import last_layer_gradient_curves
+
+    return last_layer_gradient_curves(rs, path)
 
 
 def _update_plot(rs, out, fname):

@@ -1,4 +1,4 @@
-"""Plots for study reports (matplotlib, Agg): loss curves, model update, token cosine per layer."""
+"""Plots for study reports (matplotlib, Agg): loss curves, model update, gradient norms, token cosine per layer."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ SCHEME_COLORS = {
     "normformer": "tab:olive",
     "layerscale": "tab:cyan",
     "t_fixup": "black",
+    "post_ln_init": "darkred",
+    "r_fixup": "darkgoldenrod",
+    "dlcl": "navy",
+    "branchnorm": "lime",
 }
 
 
@@ -34,22 +38,30 @@ def _save(fig, path: Path) -> bool:
     return True
 
 
-def loss_curves(results, path: Path) -> bool:
-    """Validation loss vs step; one panel per depth, one line per scheme (and seed)."""
+def _panel_title(r, key: str) -> str:
+    m = r.point.config.model
+    if key == "model.layers":
+        return f"{m.layers}L-{m.decoder_layers}L" if m.arch == "encoder_decoder" else f"{m.layers} layers"
+    return f"{key.split('.')[-1]} {r.point.setting(key):g}"
+
+
+def loss_curves(results, path: Path, by: str = "model.layers") -> bool:
+    """Validation loss vs step; one panel per value of the config key ``by`` (depth unless told), one line per
+    scheme (and seed)."""
     rs = [r for r in results if r.evals]
     if not rs:
         return False
-    depths = sorted({r.point.config.model.layers for r in rs})
-    fig, axes = plt.subplots(1, len(depths), figsize=(4.2 * len(depths), 3.4), sharey=True, squeeze=False)
-    for ax, d in zip(axes[0], depths):
-        for r in sorted((r for r in rs if r.point.config.model.layers == d), key=lambda r: r.point.name):
+    values = sorted({r.point.setting(by) for r in rs})
+    fig, axes = plt.subplots(1, len(values), figsize=(4.2 * len(values), 3.4), sharey=True, squeeze=False)
+    for ax, v in zip(axes[0], values):
+        mine = sorted((r for r in rs if r.point.setting(by) == v), key=lambda r: r.point.name)
+        for r in mine:
             scheme = r.point.config.model.scheme
             steps = [e["step"] for e in r.evals]
             loss = [e["loss"] for e in r.evals]
             label = f"{scheme} (seed {r.point.config.train.seed})" + (" diverged" if r.status == "diverged" else "")
             ax.plot(steps, loss, marker="o", ms=3, color=SCHEME_COLORS.get(scheme), label=label)
-        cfg = next(r for r in rs if r.point.config.model.layers == d).point.config.model
-        ax.set_title(f"{d}L-{cfg.decoder_layers}L" if cfg.arch == "encoder_decoder" else f"{d} layers")
+        ax.set_title(_panel_title(mine[0], by))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("validation loss (nats/token)")
@@ -81,6 +93,90 @@ def update_curves(results, path: Path) -> bool:
     ax.set_title("Early model update on a fixed probe batch")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def _log_gradients(r) -> tuple[list[str], list[float]] | None:
+    """A run's layer names and each layer's mean ln gradient norm over every diagnostics step it logged."""
+    from kilolayer.analysis.stability import mean_log_gradients, read_diagnostics
+    from kilolayer.errors import InputError
+
+    try:
+        lines = [d for d in read_diagnostics(r.diagnostics, r.point.key) if d.layers]
+    except InputError:
+        return None
+    logs = mean_log_gradients(lines, [d.step for d in lines]) if lines else None
+    return (lines[0].layers, logs) if logs is not None else None
+
+
+def _exp(values) -> list[float]:
+    return [math.exp(v) if math.isfinite(v) else math.nan for v in values]
+
+
+def layer_gradient_curves(results, path: Path) -> bool:
+    """DeepNet's Figure 3(a): the gradient norm of every layer (geometric mean over the run's diagnostics steps),
+    bottom to top, one line per scheme, at the deepest setting and first seed."""
+    rs = [r for r in results if r.diagnostics]
+    if not rs:
+        return False
+    deepest = max(r.point.config.model.layers for r in rs)
+    seed = min(r.point.config.train.seed for r in rs)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    drew = None
+    for r in sorted(rs, key=lambda r: r.point.config.model.scheme):
+        if r.point.config.model.layers != deepest or r.point.config.train.seed != seed:
+            continue
+        got = _log_gradients(r)
+        if got is None:
+            continue
+        names, logs = got
+        scheme = r.point.config.model.scheme
+        ax.plot(range(len(names)), _exp(logs), marker="o", ms=3, color=SCHEME_COLORS.get(scheme), label=scheme)
+        drew = names
+    if drew is None:
+        plt.close(fig)
+        return False
+    stacks = [n.split(".")[0] for n in drew]
+    for i in range(1, len(stacks)):
+        if stacks[i] != stacks[i - 1]:
+            ax.axvline(i - 0.5, color="grey", lw=0.8, ls="--")
+    ax.set_yscale("log")
+    ax.set_xlabel(" then ".join(dict.fromkeys(stacks)) + " layers, bottom to top")
+    ax.set_ylabel("||dL/dθ_layer|| (geometric mean)")
+    ax.set_title(f"Gradient norm per layer over the early steps (seed {seed})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def last_layer_gradient_curves(results, path: Path) -> bool:
+    """DeepNet's Figure 3(b): the top layer's gradient norm (geometric mean over each run's diagnostics steps) vs
+    depth, one line per scheme (geometric mean over seeds), each seed a point."""
+    points: dict[str, dict[int, list[float]]] = {}
+    for r in results:
+        got = _log_gradients(r) if r.diagnostics else None
+        if got is not None and math.isfinite(got[1][-1]):
+            m = r.point.config.model
+            points.setdefault(m.scheme, {}).setdefault(m.layers, []).append(got[1][-1])
+    if not points:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    depths = sorted({d for by_depth in points.values() for d in by_depth})
+    for scheme, by_depth in sorted(points.items()):
+        xs = sorted(by_depth)
+        colour = SCHEME_COLORS.get(scheme)
+        ax.plot(xs, [math.exp(statistics.fmean(by_depth[d])) for d in xs], marker="o", color=colour, label=scheme)
+        for d in xs:
+            ax.scatter([d] * len(by_depth[d]), _exp(by_depth[d]), s=10, color=colour, alpha=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("layers per side")
+    ax.set_ylabel("last layer's ||dL/dθ|| (geometric mean)")
+    ax.set_title("The last layer's gradient norm over the early steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     return _save(fig, path)
 
 

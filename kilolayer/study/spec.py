@@ -105,6 +105,13 @@ class Point:
     def run_dir(self, out: Path) -> Path:
         return Path(out) / "runs" / self.group / self.name
 
+    def setting(self, key: str) -> Any:
+        """The value of the dotted config key ``key`` (``train.lr``) in this point's config."""
+        value: Any = self.config
+        for part in key.split("."):
+            value = getattr(value, part)
+        return value
+
     @property
     def key(self) -> str:
         return f"{self.group}/{self.name}"

@@ -1,0 +1,379 @@
+"""DeepNet's section 3 analysis (``deepnet_analysis``) and robustness sweep (``deepnet_robust``): each finding fed
+constructed evidence says what its stated rule says, and the specs expand to the intended points.
+
+The results are the built-in studies' own grid points with made-up outcomes and diagnostics records (layer names
+as the trainer logs them); chance levels are set on them, so nothing trains and no data is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+from helpers import CHANCE, study_results
+
+from kilolayer.study.builtin import DEEPNET_SCHEMES, ROBUST_GRID, TABLE_1
+from kilolayer.study.findings import (
+    HELD,
+    INCONCLUSIVE,
+    LEARNED_NOTHING,
+    NOT_HELD,
+    deepnet_init_gradient,
+    deepnet_init_gradient_depth,
+    deepnet_init_loss,
+    deepnet_init_update,
+    deepnet_robust,
+    evaluate_findings,
+)
+from kilolayer.study.spec import expand, load_spec
+
+STEPS = [1, *range(5, 201, 5)]  # the analysis study's diagnostics steps: every 5 for the first 200
+
+
+def _scheme(p) -> str:
+    return p.values["model.scheme"]
+
+
+def _seed(p) -> int:
+    return p.values["train.seed"]
+
+
+def _records(p, grad, update=0.1, steps=STEPS) -> list[dict]:
+    """Diagnostics records of point ``p``: ``grad(stack, i, layers, step)`` per layer, bottom to top."""
+    m = p.config.model
+    names = [f"encoder.{i}" for i in range(m.layers)] + [f"decoder.{i}" for i in range(m.decoder_layers)]
+    return [
+        {
+            "step": s,
+            "split": "diagnostics",
+            "layers": names,
+            "grad_norm": [grad(n.split(".")[0], int(n.split(".")[1]), m.decoder_layers, s) for n in names],
+            "update": update,
+            "ln_names": ["decoder.final_norm"],
+            "ln_input": [1.0 + 0.01 * s],
+        }
+        for s in steps
+    ]
+
+
+def _analysis(grad=None, loss=None, update=None, status=None, steps=None, seeds=(0, 1), drop=()):
+    """The deepnet_analysis points, each scheme's outcome a function of (point): ``grad[scheme](stack, i, M,
+    step, seed)``, ``loss[scheme](seed)``, ``update[scheme](seed)`` (the first update), ``status[scheme](point)``,
+    ``steps[scheme](point)`` (its diagnostics steps); points whose key contains a string of ``drop`` are missing."""
+    grad, loss, update = grad or {}, loss or {}, update or {}
+    status, steps = status or {}, steps or {}
+
+    def outcome(p):
+        s, seed = _scheme(p), _seed(p)
+        st = status.get(s, lambda p: "completed")(p)
+        g = grad.get(s, lambda stack, i, M, step, seed: 1.0)
+        records = _records(
+            p,
+            lambda stack, i, M, step: g(stack, i, M, step, seed),
+            update.get(s, lambda seed: 0.1)(seed),
+            steps.get(s, lambda p: STEPS)(p),
+        )
+        final = {"loss": loss.get(s, lambda seed: 0.05)(seed)} if st == "completed" else {}
+        return st, final, records
+
+    return [r for r in study_results("deepnet_analysis", outcome, seeds) if not any(d in r.point.key for d in drop)]
+
+
+def _top_larger(factor, noise=0.02):
+    """Post-LN-init's gradient ``factor`` x Post-LN's in the decoder's top third, seed 1 a little apart; the rest
+    of the layers ten times smaller than Post-LN's (what the top-layer rule must not read)."""
+
+    def grad(stack, i, M, step, seed):
+        top = stack == "decoder" and i >= M - math.ceil(M / 3)
+        return factor * (1 + noise * seed) if top else 0.1
+
+    return {"post_ln_init": grad, "post_ln": lambda *a: 1.0}
+
+
+# ---------------------------------------------------------------- (a) gradient in the top layers, 18L-18L
+
+
+def test_top_layer_gradient_held_when_post_ln_init_is_larger(tmp_path):
+    f = deepnet_init_gradient(_analysis(grad=_top_larger(2.0)), tmp_path)
+    v = f.verdict
+    assert v.verdict == HELD and v.n == 2
+    # ln of the ratio in the top 6 of 18 decoder layers, per seed: the lower layers' 0.1 do not count
+    assert v.per_seed == pytest.approx({0: math.log(2.0), 1: math.log(2.04)})
+    assert f.rows[0][:2] == [0, "steps 1-200 (41 lines)"] and f.rows[0][4] == "2"
+    assert "top 6 decoder layers" in f.rule and (tmp_path / "report_files" / "deepnet_init_gradient.png").is_file()
+
+
+def test_top_layer_gradient_did_not_hold_when_smaller(tmp_path):
+    v = deepnet_init_gradient(_analysis(grad=_top_larger(0.5)), tmp_path).verdict
+    assert v.verdict == NOT_HELD and v.mean == pytest.approx(math.log(0.5 * 1.01), abs=1e-3)
+
+
+def test_top_layer_gradient_inconclusive_below_the_margin_with_one_seed_or_a_failed_run(tmp_path):
+    # 1.1x is in the claim's direction but inside the ln 1.25 margin
+    v = deepnet_init_gradient(_analysis(grad=_top_larger(1.1, noise=0.0)), tmp_path).verdict
+    assert v.verdict == INCONCLUSIVE and v.lower == pytest.approx(math.log(1.1))
+    v = deepnet_init_gradient(_analysis(grad=_top_larger(2.0), seeds=(0,)), tmp_path).verdict
+    assert v.verdict == INCONCLUSIVE and "one seed" in v.reason
+    failed = {"post_ln": lambda p: "failed" if _seed(p) == 1 else "completed"}
+    v = deepnet_init_gradient(_analysis(grad=_top_larger(2.0), status=failed), tmp_path).verdict
+    assert v.verdict == INCONCLUSIVE and "scheme=post_ln_layers=18_decoder_layers=18_seed=1 (failed: boom)" in v.reason
+
+
+def test_top_layer_gradient_reads_only_the_steps_both_runs_logged(tmp_path):
+    # Post-LN diverged after step 10; Post-LN-init's later steps (where its gradient is 100x) must not count
+    diverged = {"post_ln": lambda p: "diverged"}
+    steps = {"post_ln": lambda p: [1, 5, 10]}
+    g = {
+        "post_ln_init": lambda stack, i, M, step, seed: 3.0 if step <= 10 else 300.0,
+        "post_ln": lambda *a: 1.0,
+    }
+    f = deepnet_init_gradient(_analysis(grad=g, status=diverged, steps=steps), tmp_path)
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(math.log(3.0))
+    assert f.rows[0][1] == "steps 1-10 (3 lines)"
+
+
+def test_top_layer_gradient_that_vanished_is_named_not_averaged(tmp_path):
+    g = _top_larger(2.0)
+    g["post_ln"] = lambda stack, i, M, step, seed: 0.0 if (seed == 1 and step == 5) else 1.0
+    v = deepnet_init_gradient(_analysis(grad=g), tmp_path).verdict
+    assert v.verdict == INCONCLUSIVE and "top-layer gradient norms of seed 1 (no finite value" in v.reason
+    assert v.per_seed == pytest.approx({0: math.log(2.0)})
+
+
+# ---------------------------------------------------------------- (b) the last layer's gradient across depths
+
+
+def _last_larger(factor_at):
+    """Post-LN-init's last decoder layer ``factor_at(M)`` x Post-LN's at depth M (every other layer equal)."""
+
+    def grad(stack, i, M, step, seed):
+        return factor_at(M) * (1 + 0.01 * seed) if (stack == "decoder" and i == M - 1) else 1.0
+
+    return {"post_ln_init": grad, "post_ln": lambda *a: 1.0, "deepnorm": lambda *a: 0.5}
+
+
+def test_last_layer_gradient_held_at_every_depth(tmp_path):
+    f = deepnet_init_gradient_depth(_analysis(grad=_last_larger(lambda M: 2.0 + 0.1 * M)), tmp_path)
+    v = f.verdict
+    # d is the smallest ratio over 6, 12, 18 and 24 layers: the one at 6L-6L
+    assert v.verdict == HELD and v.per_seed == pytest.approx({0: math.log(2.6), 1: math.log(2.6 * 1.01)})
+    assert f.headers == ["seed"] + [f"{d}L-{d}L: post_ln_init / post_ln" for d in (6, 12, 18, 24)]
+    assert f.rows[0] == [0, "2.6 / 1", "3.2 / 1", "3.8 / 1", "4.4 / 1"]
+    assert (tmp_path / "report_files" / "deepnet_init_gradient_depth.png").is_file()
+
+
+def test_last_layer_gradient_smaller_at_one_depth_did_not_hold(tmp_path):
+    # larger at 6L-6L to 18L-18L, half Post-LN's at 24L-24L: "regardless of depth" is contradicted
+    v = deepnet_init_gradient_depth(_analysis(grad=_last_larger(lambda M: 0.5 if M == 24 else 3.0)), tmp_path).verdict
+    assert v.verdict == NOT_HELD and v.mean == pytest.approx(math.log(0.5 * 1.005), abs=1e-3)
+
+
+def test_last_layer_gradient_missing_depth_leaves_the_seed_out(tmp_path):
+    results = _analysis(grad=_last_larger(lambda M: 3.0), drop=("post_ln_layers=12_decoder_layers=12_seed=1",))
+    v = deepnet_init_gradient_depth(results, tmp_path).verdict
+    assert v.verdict == INCONCLUSIVE and "post_ln 12L-12L seed 1 (missing)" in v.reason
+    assert v.per_seed == pytest.approx({0: math.log(3.0)})
+
+
+# ---------------------------------------------------------------- (c) validation loss at 18L-18L
+
+
+def test_loss_held_did_not_hold_and_unlearned(tmp_path):
+    loss = {"post_ln": lambda s: 2.1, "post_ln_init": lambda s: 0.3 + 0.01 * s}
+    f = deepnet_init_loss(_analysis(loss=loss), tmp_path)
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(1.795)
+    assert [row[0] for row in f.rows] == ["deepnorm", "post_ln", "post_ln_init"]  # DeepNorm beside them
+    worse = {"post_ln": lambda s: 0.3, "post_ln_init": lambda s: 1.5 + 0.01 * s}
+    assert deepnet_init_loss(_analysis(loss=worse), tmp_path).verdict.verdict == NOT_HELD
+    # Post-LN diverged (chance 2.4) and Post-LN-init ended above 0.9 x chance: a positive d, but it learned nothing
+    unlearned = {"post_ln_init": lambda s: 2.3}
+    assert 2.3 > LEARNED_NOTHING * CHANCE["loss"]
+    v = deepnet_init_loss(_analysis(loss=unlearned, status={"post_ln": lambda p: "diverged"}), tmp_path).verdict
+    assert v.verdict == INCONCLUSIVE and v.mean == pytest.approx(0.1) and "learned nothing" in v.reason
+
+
+# ---------------------------------------------------------------- (d) the early model update
+
+
+def test_update_held_did_not_hold_and_without_diagnostics(tmp_path):
+    update = {"post_ln": lambda s: 3.0 * (1 + 0.01 * s), "post_ln_init": lambda s: 0.2}
+    f = deepnet_init_update(_analysis(update=update), tmp_path)
+    assert f.verdict.verdict == HELD and f.verdict.per_seed == pytest.approx({0: math.log(15), 1: math.log(15.15)})
+    row = next(r for r in f.rows if r[0] == "post_ln_init" and r[2] == 0)
+    assert row == ["post_ln_init", 18, 0, "0.200", "0.200", "3.000"]  # LayerNorm input 1 + 0.01 x step 200
+    smaller = {"post_ln": lambda s: 0.2, "post_ln_init": lambda s: 3.0 + s}
+    assert deepnet_init_update(_analysis(update=smaller), tmp_path).verdict.verdict == NOT_HELD
+    results = _analysis(update=update)
+    for r in results:
+        if r.point.values["model.scheme"] == "post_ln_init" and _seed(r.point) == 1:
+            r.diagnostics = []
+    v = deepnet_init_update(results, tmp_path).verdict
+    assert v.verdict == INCONCLUSIVE and "post_ln_init seed 1 (no diagnostics)" in v.reason
+
+
+def test_the_analysis_findings_are_absent_without_post_ln_init(tmp_path):
+    quick = study_results("quick", lambda p: ("completed", {"loss": 1.0}, _records(p, lambda *a: 1.0)))
+    found = evaluate_findings(
+        ["deepnet_init_gradient", "deepnet_init_gradient_depth", "deepnet_init_loss", "deepnet_init_update"],
+        quick,
+        tmp_path,
+    )
+    assert found == []
+
+
+# ---------------------------------------------------------------- robustness: one setting raised at a time
+
+
+def _robust(unstable=None, status=None, seeds=(0, 1)):
+    """The deepnet_robust points: ``unstable[(group, scheme)](value, seed)`` True makes the run end at 2.3 (above
+    0.9 x chance: learned nothing), else 0.1 + 0.01 x seed; ``status[(group, scheme)](value, seed)`` its status."""
+    unstable, status = unstable or {}, status or {}
+    key = {"robust_lr": "train.lr", "robust_batch": "train.batch_size", "robust_width": "model.width"}
+
+    def outcome(p):
+        x, seed, cell = p.setting(key[p.group]), _seed(p), (p.group, _scheme(p))
+        st = status.get(cell, lambda x, seed: "completed")(x, seed)
+        bad = unstable.get(cell, lambda x, seed: False)(x, seed)
+        return st, ({"loss": 2.3 if bad else 0.1 + 0.01 * seed} if st == "completed" else {}), []
+
+    return study_results("deepnet_robust", outcome, seeds)
+
+
+def _by_axis(found) -> dict:
+    return {f.name.split(":")[1]: f for f in found}
+
+
+def test_robust_held_where_post_ln_fails_and_deepnorm_does_not(tmp_path):
+    # Post-LN learns nothing at lr 1e-2 and diverges at width 256; DeepNorm is stable throughout
+    found = _by_axis(
+        deepnet_robust(
+            _robust(
+                unstable={("robust_lr", "post_ln"): lambda x, s: x == 1e-2},
+                status={("robust_width", "post_ln"): lambda x, s: "diverged" if x == 256 else "completed"},
+            ),
+            tmp_path,
+        )
+    )
+    assert set(found) == {"robust_lr", "robust_batch", "robust_width"}  # one verdict per axis, never pooled
+    for axis in ("robust_lr", "robust_width"):
+        v = found[axis].verdict
+        assert v.verdict == HELD and v.per_seed == {0: 1.0, 1: 1.0}, axis
+    lr = found["robust_lr"]
+    assert lr.headers == ["scheme", "learning rate 0.001", "learning rate 0.003", "learning rate 0.01"]
+    assert lr.rows[0] == ["deepnorm", "0.100 (stable) / 0.110 (stable)", *["0.100 (stable) / 0.110 (stable)"] * 2]
+    assert lr.rows[1][3] == "2.300 (learned nothing) / 2.300 (learned nothing)"
+    assert found["robust_width"].rows[1][3] == "diverged@30 / diverged@30"
+    # Post-LN stable at every batch size: no difference to measure, and the reason says the sweep never reached one
+    batch = found["robust_batch"].verdict
+    assert batch.verdict == INCONCLUSIVE and batch.per_seed == {0: 0.0, 1: 0.0}
+    assert "Post-LN was stable at every batch size in every seed" in batch.reason
+    assert (tmp_path / "report_files" / "deepnet_robust_robust_lr.png").is_file()
+
+
+def test_robust_did_not_hold_when_deepnorm_fails_where_post_ln_does_not(tmp_path):
+    unstable = {("robust_lr", "deepnorm"): lambda x, s: x > 1e-3}
+    v = _by_axis(deepnet_robust(_robust(unstable=unstable), tmp_path))["robust_lr"].verdict
+    assert v.verdict == NOT_HELD and v.per_seed == {0: -2.0, 1: -2.0}
+
+
+def test_robust_seeds_that_disagree_a_failed_run_or_one_seed_are_inconclusive(tmp_path):
+    unstable = {("robust_lr", "post_ln"): lambda x, s: x == 1e-2 and s == 0}
+    v = _by_axis(deepnet_robust(_robust(unstable=unstable), tmp_path))["robust_lr"].verdict
+    assert v.verdict == INCONCLUSIVE and v.per_seed == {0: 1.0, 1: 0.0} and v.lower < 0.5
+    failed = {("robust_batch", "deepnorm"): lambda x, s: "failed" if x == 128 and s == 1 else "completed"}
+    v = _by_axis(deepnet_robust(_robust(status=failed), tmp_path))["robust_batch"].verdict
+    assert v.verdict == INCONCLUSIVE and "robust_batch/scheme=deepnorm_batch_size=128_seed=1 (failed: boom)" in v.reason
+    one = {("robust_lr", "post_ln"): lambda x, s: x == 1e-2}
+    v = _by_axis(deepnet_robust(_robust(unstable=one, seeds=(0,)), tmp_path))["robust_lr"].verdict
+    assert v.verdict == INCONCLUSIVE and "one seed" in v.reason
+
+
+# ---------------------------------------------------------------- the specs
+
+
+def test_deepnet_analysis_expands_to_its_panels():
+    spec = load_spec("deepnet_analysis")
+    points = expand(spec)
+    assert len(points) == 30
+    schemes = {"post_ln", "post_ln_init", "deepnorm"}
+    deep = [p for p in points if p.group == "deepnet"]
+    assert {(_scheme(p), p.config.model.layers, p.config.model.decoder_layers, _seed(p)) for p in deep} == {
+        (s, 18, 18, seed) for s in schemes for seed in (0, 1)
+    }
+    sweep = [p for p in points if p.group == "depth_gradients"]
+    assert {(_scheme(p), p.config.model.layers, _seed(p)) for p in sweep} == {
+        (s, d, seed) for s in schemes for d in (6, 12, 18, 24) for seed in (0, 1)
+    }
+    for p in points:
+        c = p.config
+        assert (c.model.arch, c.model.width, c.data.task, c.train.lr, c.train.warmup) == (
+            "encoder_decoder",
+            64,
+            "reverse",
+            1e-3,
+            100,
+        )
+        assert (c.train.diagnostics_every, c.train.diagnostics_until) == (5, 200)
+        # the depth sweep trains only the diagnosed window; the 18L-18L models train on for the loss curves
+        assert c.train.steps == (2000 if p.group == "deepnet" else 200)
+    assert spec.findings == [
+        "deepnet_init_gradient",
+        "deepnet_init_gradient_depth",
+        "deepnet_init_loss",
+        "deepnet_init_update",
+    ]
+    assert spec.expected_minutes <= 90 and spec.expected_basis.startswith("estimated, not measured")
+
+
+def test_deepnet_robust_raises_one_setting_at_a_time():
+    spec = load_spec("deepnet_robust")
+    points = expand(spec)
+    assert len(points) == 72 and [g.name for g in spec.groups] == list(ROBUST_GRID)
+    base = {"train.lr": 1e-3, "train.batch_size": 32, "model.width": 64}
+    raised = {"robust_lr": "train.lr", "robust_batch": "train.batch_size", "robust_width": "model.width"}
+    for p in points:
+        assert _scheme(p) in ("post_ln", "pre_ln", "deepnorm", "branchnorm")
+        c = p.config
+        assert (c.model.layers, c.model.decoder_layers, c.model.heads, c.train.steps) == (6, 6, 4, 400)
+        assert c.model.ffn == 4 * c.model.width
+        for key, value in base.items():
+            if key != raised[p.group]:
+                assert p.setting(key) == value, (p.key, key)
+    values = {g: sorted({p.setting(raised[g]) for p in points if p.group == g}) for g in raised}
+    assert values == {"robust_lr": [1e-3, 3e-3, 1e-2], "robust_batch": [32, 64, 128], "robust_width": [64, 128, 256]}
+    assert spec.expected_minutes <= 90 and spec.expected_basis.startswith("estimated, not measured")
+
+
+def test_deepnet_compares_table_1_and_branchnorm():
+    assert TABLE_1 == [
+        "post_ln",
+        "ds_init",
+        "admin",
+        "rezero",
+        "r_fixup",
+        "t_fixup",
+        "pre_ln",
+        "dlcl",
+        "normformer",
+        "deepnorm",
+    ]
+    spec = load_spec("deepnet")
+    points = expand(spec)
+    grid = [p for p in points if p.group == "deepnet"]
+    assert {_scheme(p) for p in grid} == set(DEEPNET_SCHEMES) == {*TABLE_1, "branchnorm"}
+    assert len(grid) == 11 * 4 * 2 and len(points) == len(grid) + 1
+    assert "estimated" in spec.expected_basis and all(s in spec.description for s in DEEPNET_SCHEMES)
+
+
+def test_study_list_shows_the_new_studies(capsys):
+    from kilolayer.study.cli import cmd_study
+
+    assert cmd_study(SimpleNamespace(list=True)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
+    assert " 30 runs, ~30 min on 2 CPU cores (estimated, not measured" in first["deepnet_analysis"]
+    assert " 72 runs, ~40 min on 2 CPU cores (estimated, not measured" in first["deepnet_robust"]
+    assert " 89 runs, ~9.0 h on 2 CPU cores (estimated" in first["deepnet"]
+    described = lines[lines.index(first["deepnet_robust"]) + 1]
+    assert described.strip().startswith("DeepNet's robustness sweep at CPU scale")
