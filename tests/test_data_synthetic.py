@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kilolayer.data.synthetic import FIRST, Synthetic, SyntheticOptions
 from kilolayer.errors import ConfigError
 
@@ -88,7 +89,15 @@ def test_the_train_records_count_the_rejected_draws(tmp_path):
 
     options = {"vocab": 3, "min_len": 2, "max_len": 3, "eval_size": 6}
     config = {
-        "model": {"arch": "encoder_decoder", "layers": 1, "decoder_layers": 1, "width": 16, "heads": 2, "ffn": 32, "vocab_size": 8},
+        "model": {
+            "arch": "encoder_decoder",
+            "layers": 1,
+            "decoder_layers": 1,
+            "width": 16,
+            "heads": 2,
+            "ffn": 32,
+            "vocab_size": 8,
+        },
         "objective": {"name": "seq2seq", "options": {"decode_samples": 0}},
         "data": {"name": "synthetic", "task": "reverse", "options": options},
         "train": {"steps": 12, "log_every": 5, "batch_size": 8, "eval_batches": 1},
