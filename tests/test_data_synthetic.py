@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_the_streams_differ_at_every_seed():
 def test_the_share_rejected_is_the_share_held_out():
     """On a small space, the measured rejection rate matches the computed probability of drawing an
     evaluation input (binomial standard error ~0.004 at 20,000 draws)."""
-    opts = SyntheticOptions(vocab=3, min_len=2, max_len=4, eval_size=20)
+    opts = SyntheticOptions(vocab=3, min_len=3, max_len=5, eval_size=20)
     source = Synthetic("copy", opts, 0)
     share = source.held_out_share()
     expected = sum(3.0 ** -len(x) for x in source.held_out) / 3
@@ -70,9 +71,21 @@ def test_adds_held_out_share_counts_every_length_that_can_draw_a_sum():
     assert source.held_out_share() == pytest.approx(0.5 / 100 + 0.5 / 1000)
 
 
-def test_an_evaluation_set_that_would_swallow_training_is_refused():
-    with pytest.raises(ConfigError, match=r"data.options.eval_size=64: .*lower eval_size"):
-        Synthetic("copy", SyntheticOptions(vocab=2, min_len=1, max_len=3, eval_size=64), 0)
+def test_an_evaluation_set_that_could_swallow_training_is_refused_at_every_seed():
+    """The refusal rests on a bound that holds for any seed, so a study's seeds are all refused or all run."""
+    opts = SyntheticOptions(vocab=2, min_len=3, max_len=3, eval_size=4)
+    for seed in range(4):
+        with pytest.raises(ConfigError, match=r"data.options.eval_size=4: .* up to 50% .*lower eval_size"):
+            Synthetic("copy", opts, seed)
+    ok = SyntheticOptions(vocab=2, min_len=3, max_len=3, eval_size=3)  # 3 of 8 inputs: at most 37.5%
+    for seed in range(4):
+        source = Synthetic("copy", ok, seed)
+        assert source.held_out_share() <= source.held_out_bound() == 3 / 8
+
+
+def test_the_evaluation_pairs_are_distinct():
+    source = Synthetic("sort", SyntheticOptions(vocab=3, min_len=4, max_len=8, eval_size=100), 0)
+    assert len(source.eval_pairs) == 100 == len({tuple(x) for x, _ in source.eval_pairs})
 
 
 def test_a_batch_is_the_same_at_any_world_size():
@@ -112,3 +125,13 @@ def test_the_train_records_count_the_rejected_draws(tmp_path):
         counts.append(source.excluded[step])
     assert logged == [(5, sum(counts[:5])), (10, sum(counts[5:10])), (12, sum(counts[10:]))]
     assert sum(counts) > 0
+
+    # resumed from its step-7 checkpoint, the record of step 10 still counts batches 5 to 9: batches 5 and 6,
+    # drawn before the resume, are drawn again to count them
+    config["train"]["checkpoint_every"] = 7
+    train(config, tmp_path / "resumed", quiet=True)
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000012")
+    train(config, tmp_path / "resumed", resume=True, quiet=True)
+    lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    again = [(r["step"], r["eval_excluded"]) for r in map(json.loads, lines) if r.get("split") == "train"]
+    assert again == logged

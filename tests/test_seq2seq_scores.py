@@ -199,13 +199,18 @@ def test_shuffle_keeps_the_references_tokens_and_token_accuracy_is_by_position()
         assert found[name]["token_accuracy"] == pytest.approx(right / sum(len(t) + 1 for _, t in pairs))
 
 
-def test_translates_only_above_the_nearest_baseline_on_both_scores():
+def test_translates_only_above_the_nearest_and_copy_baselines_on_both_scores():
     base = {"copy": {"bleu": 6.3, "chrf": 22.5}, "nearest": {"bleu": 14.3, "chrf": 31.0}}
     below = translates({"bleu": 9.0, "chrf": 33.0}, base)
     assert not below.translates and below.bleu_margin == pytest.approx(-5.3) and below.chrf_margin == pytest.approx(2)
     above = translates({"bleu": 20.0, "chrf": 40.0}, base)
     assert above.translates and above.as_dict()["bleu_margin"] == pytest.approx(5.7)
     assert str(above).startswith("translates: BLEU 20.00 vs 14.30 (+5.70), chrF 40.00 vs 31.00 (+9.00)")
+    # where the target is close to the source, copying is the bar: a model that copies does not translate
+    close = {"copy": {"bleu": 85.8, "chrf": 97.0}, "nearest": {"bleu": 10.3, "chrf": 31.2}}
+    copier = translates({"bleu": 85.8, "chrf": 97.0}, close)
+    assert not copier.translates and (copier.bar_bleu, copier.bar_chrf) == (85.8, 97.0)
+    assert translates({"bleu": 86.0, "chrf": 97.5}, close).translates
     assert translates({"bleu": 20.0, "chrf": 40.0}, {"copy": base["copy"]}) is None  # no nearest neighbour
     assert translates({"loss": 1.0}, base) is None  # nothing decoded
     line = eval_line("eval step 5", {"loss": 2.5, "bleu": 9.0, "bleu_low": 8.0, "bleu_high": 10.0, "chrf": 33.0}, base)
@@ -360,3 +365,6 @@ def test_a_studys_final_table_reads_the_test_scores_analysis(trained_run, tmp_pa
     assert "test, 7 pairs: nearest BLEU 15.00, chrF 41.00" in note and "0 of 1 completed runs translate" in note
     without = Result(point=Point(), status="completed", eval=val)
     assert findings.final_scores(without) == (val, "validation") and findings.bleu_of(without, tmp_path) == 30.0
+    # one split for all: a run without test scores puts every run of the comparison on validation
+    assert findings.on_one_split([r, r]) == [r, r]
+    assert [findings.bleu_of(x, tmp_path) for x in findings.on_one_split([r, without])] == [30.0, 30.0]

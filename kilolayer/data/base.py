@@ -70,9 +70,9 @@ class Source(ABC):
             idx.append(int(self.epoch_order(epoch)[k]) if n > 1 else 0)
         return self.collate(idx, "train")
 
-    def log_fields(self, step: int) -> dict:
-        """Counts the source adds to the train record of step ``step`` (1-based: batches ``0 .. step - 1``
-        have been drawn), covering the batches drawn since the previous record. Default: none."""
+    def log_fields(self, since: int, step: int) -> dict:
+        """Counts the source adds to a train record: over training batches ``since .. step - 1`` (those since
+        the previous record; batch ``s`` is step ``s + 1``'s). Default: none."""
         return {}
 
     def eval_batches(self, batch_size: int, limit: int | None = None) -> Iterator[dict]:

@@ -7,8 +7,8 @@ Evaluation is disjoint from training by construction. The evaluation pairs come 
 ("eval", seed) and training batch ``step`` from one keyed ("train", seed, step), so the two streams never
 share a seed; and since short strings recur in any long stream, a training draw whose source equals an
 evaluation source is rejected and drawn again. Each train record logs how many draws were rejected
-(``eval_excluded``); a configuration whose evaluation pairs would be half of what training draws or more is
-refused. A batch depends only on (seed, step), whatever the world size.
+(``eval_excluded``). The evaluation pairs are distinct, and a configuration whose evaluation inputs could be
+half of what training draws or more, at any seed, is refused. A batch depends only on (seed, step), whatever the world size.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def stream(*key) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-MAX_HELD_OUT = 0.5  # the largest share of training draws the evaluation inputs may take
+MAX_HELD_OUT = 0.5  # the largest share of training draws the evaluation inputs may take (its bound, any seed)
 
 
 class Synthetic(Seq2SeqSource):
@@ -119,16 +119,37 @@ class Synthetic(Seq2SeqSource):
         super().__init__(seed)
         self.task, self.opts = task, opts
         self.vocab = 11 if task == "add" else opts.vocab
-        g = stream("eval", seed)
-        self.eval_pairs = [self.example(g) for _ in range(opts.eval_size)]
-        self.held_out = {tuple(x) for x, _ in self.eval_pairs}  # a pair's target is a function of its source
-        share = self.held_out_share()
-        if share >= MAX_HELD_OUT:
+        bound = self.held_out_bound()
+        if bound >= MAX_HELD_OUT:
             raise ConfigError(
-                f"data.options.eval_size={opts.eval_size}: the evaluation inputs are {share:.0%} of what "
-                f"data.task={task!r} can draw for training; lower eval_size or widen vocab/min_len/max_len"
+                f"data.options.eval_size={opts.eval_size}: evaluation inputs could be up to {bound:.0%} of what "
+                f"data.task={task!r} draws for training; lower eval_size or widen vocab/min_len/max_len"
             )
+        # distinct evaluation pairs (a pair's target is a function of its source): each is scored once
+        g, self.eval_pairs, self.held_out = stream("eval", seed), [], set()
+        while len(self.eval_pairs) < opts.eval_size:
+            pair = self.example(g)
+            if tuple(pair[0]) not in self.held_out:
+                self.held_out.add(tuple(pair[0]))
+                self.eval_pairs.append(pair)
         self.excluded: dict[int, int] = {}  # step -> training draws rejected as evaluation pairs
+        self.batch_size = 0  # of the last training batch drawn (to recount a step's rejections)
+
+    def _lengths(self) -> list[tuple[int, int]]:
+        """(inputs a length can draw, their count) per length: V^n strings; for add, 10^k x 10^max(1, n-k) pairs
+        of numbers, k = max(1, n // 2)."""
+        out = []
+        for n in range(self.opts.min_len, self.opts.max_len + 1):
+            k = max(1, n // 2)
+            out.append((n, 10**k * 10 ** max(1, n - k) if self.task == "add" else self.vocab**n))
+        return out
+
+    def held_out_bound(self) -> float:
+        """An upper bound, whatever the seed, on the probability that one training draw equals one of
+        ``eval_size`` distinct evaluation inputs: a length n is drawn with probability 1/L and then each of its
+        inputs equally, so at most min(eval_size, count_n) / count_n of it is held out."""
+        lengths = self._lengths()
+        return sum(min(self.opts.eval_size, count) / count for _, count in lengths) / len(lengths)
 
     def held_out_share(self) -> float:
         """The probability that one training draw equals an evaluation input (before rejection)."""
@@ -187,12 +208,19 @@ class Synthetic(Seq2SeqSource):
                 rejected += 1
             else:
                 pairs.append(pair)
-        self.excluded[step] = rejected
+        self.excluded[step], self.batch_size = rejected, batch_size
+        while len(self.excluded) > 4096:  # a process that never logs keeps a bounded record
+            del self.excluded[next(iter(self.excluded))]
         per = batch_size // world
         return self.batch_of(pairs[rank * per : (rank + 1) * per])
 
-    def log_fields(self, step: int) -> dict:
-        fields = {"eval_excluded": sum(n for s, n in self.excluded.items() if s < step)}
+    def log_fields(self, since: int, step: int) -> dict:
+        """``eval_excluded``: training draws rejected as evaluation inputs in batches ``since .. step - 1``, those
+        this process did not draw (before a resume) drawn again to count them."""
+        for s in range(since, step):
+            if s not in self.excluded and self.batch_size:
+                self.train_batch(s, self.batch_size)
+        fields = {"eval_excluded": sum(self.excluded.get(s, 0) for s in range(since, step))}
         self.excluded = {s: n for s, n in self.excluded.items() if s >= step}
         return fields
 

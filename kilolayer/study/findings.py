@@ -13,7 +13,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kilolayer import rundir
 from kilolayer.analysis.chance import LEARNED_NOTHING
@@ -238,6 +238,14 @@ def final_scores(r) -> tuple[dict, str]:
     if r.test and r.test.get("metrics"):
         return r.test["metrics"], f"test, {r.test.get('samples', '?')} pairs"
     return r.eval, "validation"
+
+
+def on_one_split(rs: list) -> list:
+    """The results as compared: with their test scores when every completed run has them, else all on
+    validation (a difference of one run's test BLEU and another's validation BLEU measures nothing)."""
+    if all(r.test and r.test.get("metrics") for r in rs if r is not None and r.status == "completed"):
+        return rs
+    return [replace(r, test=None) if r is not None else None for r in rs]
 
 
 def bleu_of(r, out) -> float | None:
@@ -469,8 +477,8 @@ def _baselines_note(runs, out) -> list[str]:
     note = f"Baselines on the same evaluation pairs (baselines.json): {' / '.join(texts)}."
     if verdicts:
         note += (
-            f" {sum(verdicts)} of {len(verdicts)} completed runs translate (BLEU and chrF above the nearest "
-            f"training pair's target)."
+            f" {sum(verdicts)} of {len(verdicts)} completed runs translate (BLEU and chrF above the better of "
+            f"copying and the nearest training pair's target)."
         )
     return [note]
 
@@ -483,6 +491,8 @@ def _scheme_vs(
     rs = _group(results, "deepnet")
     if not {loser, winner} <= {_val(r, "model.scheme") for r in rs}:
         return None  # the study does not compare these two schemes
+    if metric == "bleu":
+        rs = on_one_split(rs)
     headers, rows = _scheme_depth_table(rs, out, metric)
     deepest = max(_depth(r) for r in rs)
     # a winner that learned nothing is evidence against the claim that it trains

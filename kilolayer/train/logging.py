@@ -92,7 +92,8 @@ class Progress:
 def eval_line(what: str, metrics: dict, baselines: dict) -> str:
     """One evaluation as a line, after ``what`` (e.g. ``eval step 400``): every metric (an interval's ends in
     brackets after its value), then the BLEU and chrF of each baseline on the same pairs (``baselines``: name ->
-    scores) and the verdict against the nearest training pair's target where there is one."""
+    scores) and the verdict against the better of copying and the nearest training pair's target where there
+    is one."""
     parts = []
     for name, value in metrics.items():
         if name.endswith(("_low", "_high")):

@@ -104,6 +104,7 @@ class Run:
         )
         self.engine = Engine(self.config, self.env, fresh=latest is None)
         self.start_step = 0
+        self.last_record = 0  # the step of the newest train record (what the next one counts from)
         if latest is not None:
             self._restore(latest)
         tc = self.config.train
@@ -180,6 +181,8 @@ class Run:
                 self.life.running(0)
             else:
                 rundir.truncate_metrics(self.out, self.start_step)
+                trained = [r["step"] for r in rundir.read_metrics(self.out) if r.get("split") == "train"]
+                self.last_record = max(trained, default=0)
                 for later in rundir.complete_checkpoints(self.out):
                     if rundir.checkpoint_step(later) > self.start_step:
                         shutil.rmtree(later, ignore_errors=True)  # damaged (reported): this run replays them
@@ -409,7 +412,8 @@ class Run:
             rundir.warn(peak_too_low(self.peak, eff["mfu"], step))
         lr = self.engine.lr()
         record = {"step": step, "split": "train", "loss": stats.loss, "lr": lr, "grad_norm": float(stats.grad_norm)}
-        data = self.engine.source.log_fields(step)
+        data = self.engine.source.log_fields(self.last_record, step)
+        self.last_record = step
         self.log.write({**record, **data, "tokens": self.engine.tokens, "threads": self.threads.count, **eff})
         self.progress.update(
             step,
