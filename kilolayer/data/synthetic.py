@@ -8,7 +8,8 @@ Evaluation is disjoint from training by construction. The evaluation pairs come 
 share a seed; and since short strings recur in any long stream, a training draw whose source equals an
 evaluation source is rejected and drawn again. Each train record logs how many draws were rejected
 (``eval_excluded``). The evaluation pairs are distinct, and a configuration whose evaluation inputs could be
-half of what training draws or more, at any seed, is refused. A batch depends only on (seed, step), whatever the world size.
+half of what training draws or more, at any seed, is refused. A batch depends only on (seed, step),
+whatever the world size.
 """
 
 from __future__ import annotations

@@ -744,8 +744,9 @@ def deepnet_mt() -> dict:
             "example sentences and gettext catalogues from Debian packages; joint BPE of 8,000 ids) at one learning "
             "rate (5e-4) and warm-up (1,000 steps), each until its validation loss plateaus (4 evaluations 1,000 "
             "steps apart without a 0.01-nat gain) or 30,000 steps; greedy-decoding BLEU and chrF (sacrebleu, "
-            "detokenized) on all 1,966 validation pairs, beside the nearest training pair's target on the same "
-            "pairs. Sized for one GPU."
+            "detokenized) on all 1,966 validation pairs while training and on all 3,282 test pairs for the final "
+            "table, beside copying the source and the nearest training pair's target on the same pairs. Sized "
+            "for one GPU."
         ),
     )
 
