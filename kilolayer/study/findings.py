@@ -474,7 +474,7 @@ def _baselines_note(runs, out) -> list[str]:
             verdicts.append(v.translates)
     if not texts:
         return []
-    note = f"Baselines on the same evaluation pairs (baselines.json): {' / '.join(texts)}."
+    note = f"Baselines on the same evaluation pairs, {' / '.join(texts)}."
     if verdicts:
         note += (
             f" {sum(verdicts)} of {len(verdicts)} completed runs translate (BLEU and chrF above the better of "
