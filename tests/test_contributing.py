@@ -109,7 +109,7 @@ def test_every_registry_the_guide_names(tmp_path):
     spec.write_text("name: s\ngroups: [{name: g, analyses: [smoothnes]}]\n")
     with pytest.raises(ConfigError) as err:
         load_spec(spec)
-    assert str(err.value) == "analyses='smoothnes': unknown analysis; allowed: smoothness"
+    assert str(err.value) == "analyses='smoothnes': unknown analysis; allowed: smoothness, test_scores"
 
 
 def test_the_scheme_example(tmp_path):
