@@ -1,4 +1,4 @@
-"""BranchNorm (Liu, Zeng, Meng, Zhou; arXiv 2305.02790, ACL Findings 2024): Post-LN whose branch output is
+"""BranchNorm (Liu, Zeng, Meng, Zhou; arXiv 2305.02790): Post-LN whose branch output is
 rescaled by the training step, normalised at the start and left as it is from step T on (docs/deepnet.md)::
 
     x <- LN(x + F(x) * (Var(F(x)) + eps)^(-(1 - lambda_t) / 2)),    lambda_t = min(t / T, 1)
