@@ -17,6 +17,7 @@ import pytest
 import sacrebleu
 import torch
 from helpers import cli
+from objective_helpers import TINY_IMAGE
 from torch import nn
 
 from kilolayer.config import load_config
@@ -304,16 +305,17 @@ def test_on_de_en_the_nearest_training_target_beats_copying_the_german():
     assert found["nearest"]["chrf_low"] > found["copy"]["chrf_high"]
 
 
+DIGITS_CLASSIFIER = {  # a tiny classifier on digits, a source with a test split
+    "model": TINY_IMAGE,
+    "objective": {"name": "classification"},
+    "data": {"name": "digits"},
+    "train": {"steps": 2, "batch_size": 16, "peak_flops": 1e12},
+}
+
+
 def test_any_objective_is_scored_on_its_test_split(trained_run, tmp_path):
     """A digits classifier: the metrics of its evaluations over all of the test split, and no baselines."""
-    from objective_helpers import TINY_IMAGE
-
-    cfg = {
-        "model": TINY_IMAGE,
-        "objective": {"name": "classification"},
-        "data": {"name": "digits"},
-        "train": {"steps": 2, "batch_size": 16, "peak_flops": 1e12},
-    }
+    cfg = DIGITS_CLASSIFIER
     run = tmp_path / "run"
     shutil.copytree(trained_run(cfg), run)
     record = score_run(run, "test", device="cpu")
@@ -327,18 +329,11 @@ def test_any_objective_is_scored_on_its_test_split(trained_run, tmp_path):
 def test_a_studys_final_table_reads_the_test_scores_analysis(trained_run, tmp_path):
     """The ``test_scores`` analysis is ``kilolayer evaluate --split test`` kept with the point; the study's
     result then carries it, and a BLEU table reads its scores and its baselines, not the validation ones."""
-    from objective_helpers import TINY_IMAGE
-
     from kilolayer.study import findings
     from kilolayer.study.analyses import run_analysis
     from kilolayer.study.runner import Result, collect
 
-    cfg = {
-        "model": TINY_IMAGE,
-        "objective": {"name": "classification"},
-        "data": {"name": "digits"},
-        "train": {"steps": 2, "batch_size": 16, "peak_flops": 1e12},
-    }
+    cfg = DIGITS_CLASSIFIER
     run = tmp_path / "run"
     shutil.copytree(trained_run(cfg), run)
     run_analysis("test_scores", run)
