@@ -178,6 +178,7 @@ def test_study_list():
     assert p.returncode == 0
     listed = {line.split()[0] for line in p.stdout.splitlines() if line and not line.startswith(" ")}
     studies = "quick deepnet deepnet_1000 deepnet_analysis deepnet_robust bamboo bamboo_cpu deepnet_mt deepnet_mt_slice"
+    studies += " deepnet_mt_depth"
     assert listed == set(studies.split())
 
 

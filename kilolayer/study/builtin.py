@@ -666,7 +666,14 @@ def bamboo_cpu() -> dict:
 
 
 def _deepnet_mt_base(
-    width: int, batch_size: int, steps: int, warmup: int, eval_every: int, patience: int, eval_batches: int
+    width: int,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    eval_every: int,
+    patience: int,
+    eval_batches: int,
+    lr: float = 5e-4,
 ) -> dict:
     """An encoder-decoder translating German to English (data.name de_en, joint BPE of 8,000 ids), trained at one
     learning rate and warm-up for every scheme and depth until its validation loss plateaus (``patience``
@@ -687,7 +694,7 @@ def _deepnet_mt_base(
         "train": {
             "steps": steps,
             "batch_size": batch_size,
-            "lr": 5e-4,
+            "lr": lr,
             "warmup": warmup,
             "schedule": "inverse_sqrt",
             "clip": 0.0,
@@ -776,6 +783,39 @@ def deepnet_mt_slice() -> dict:
     )
 
 
+def deepnet_mt_depth() -> dict:
+    # a learning rate at which a shallow model learns quickly (configs/de_en_translate.yaml trains 2L-2L Pre-LN at
+    # 2e-3 after 400 warm-up steps), at a depth where Post-LN already fails at a quarter of it (deepnet_mt_slice)
+    base = _deepnet_mt_base(
+        width=64, batch_size=32, steps=800, warmup=400, eval_every=200, patience=2, eval_batches=4, lr=2e-3
+    )
+    # greedy decoding is the costly part of an evaluation; the verdicts here read the loss
+    base["objective"]["options"]["decode_samples"] = 64
+    return {
+        "name": "deepnet_mt_depth",
+        "description": (
+            "DeepNet's depth contrast on real data: 18L-18L Post-LN and DeepNorm encoder-decoders (width 64) "
+            "translate German to English (de_en) at one learning rate (2e-3, 4x deepnet_mt_slice's) and warm-up "
+            "(400 steps), batches of 32 pairs, 2 seeds, until the validation loss plateaus (2 evaluations 200 "
+            "steps apart without a 0.01-nat gain) or 800 steps. Validation loss on the first 128 "
+            "pairs decides (a run learned when it ends at most 0.9 x the chance loss); BLEU and chrF of the "
+            "first 64, beside copying and the nearest training pair's target, show how far from translating."
+        ),
+        "expected_minutes": None,
+        "expected_basis": "",
+        "groups": [
+            {
+                "name": "deepnet",
+                "description": "Post-LN vs DeepNorm at 18L-18L on de_en, same lr/warm-up",
+                "base": base,
+                "grid": {"model.scheme": ["post_ln", "deepnorm"], "model.layers,model.decoder_layers": [[18, 18]]},
+                "seeds": [0, 1],
+            }
+        ],
+        "findings": ["deepnet_postln", "deepnet_update"],
+    }
+
+
 # name -> a function returning the spec (a dict); `kilolayer study --list` shows them in this order
 BUILTIN: Registry[Callable[[], dict]] = Registry("study", "built-in study")
 BUILTIN.add("quick", quick)
@@ -787,3 +827,4 @@ BUILTIN.add("bamboo", bamboo)
 BUILTIN.add("bamboo_cpu", bamboo_cpu)
 BUILTIN.add("deepnet_mt", deepnet_mt)
 BUILTIN.add("deepnet_mt_slice", deepnet_mt_slice)
+BUILTIN.add("deepnet_mt_depth", deepnet_mt_depth)
