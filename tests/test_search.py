@@ -3,6 +3,9 @@ trials that are ordinary run directories, and a search that continues where it w
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 pytest.importorskip("optuna")
@@ -14,6 +17,7 @@ from kilolayer.errors import ConfigError
 from kilolayer.study import search as S
 from kilolayer.study.search_report import write_report
 from kilolayer.train import run as run_module
+from kilolayer.train.signals import Interrupted
 
 # MAE on the bundled digits, shrunk: a trial trains 12 steps in about half a second
 TINY = [
@@ -172,8 +176,8 @@ def test_an_interrupted_search_continues_without_training_a_finished_trial_again
             hook = kw["on_eval"]
 
             def on_eval(step, metrics):
-                if step == 9:
-                    raise KeyboardInterrupt  # Ctrl-C in the second trial's step 9, after its step-6 checkpoint
+                if step == 9:  # Ctrl-C in the second trial: it stops after step 9 with a checkpoint
+                    os.kill(os.getpid(), signal.SIGINT)
                 return hook(step, metrics)
 
             kw = {**kw, "on_eval": on_eval}
@@ -181,7 +185,7 @@ def test_an_interrupted_search_continues_without_training_a_finished_trial_again
 
     monkeypatch.setattr(run_module, "train", interrupted_in_the_second_trial)
     s = settings(min_steps=11)  # the first rung at the last step: no trial is pruned
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted, match="interrupted by SIGINT at step 9"):
         S.run_search(tiny(), out, s, forecaster=trains, log=lambda _: None)
     first, second = (out / "trials" / name for name in calls)
     assert rundir.read_status(first)["status"] == "completed"
@@ -199,7 +203,7 @@ def test_an_interrupted_search_continues_without_training_a_finished_trial_again
     assert first.name not in trained  # finished: read back, never trained again
     assert trained[0] == second.name  # the interrupted trial continues first, in its own run directory
     assert (first / rundir.STATUS).stat().st_mtime_ns == finished
-    assert rundir.read_resume_history(second)[-1]["step"] == 6  # from its newest checkpoint
+    assert rundir.read_resume_history(second)[-1]["step"] == 9  # from the checkpoint it saved when stopped
     assert sorted(t.state for t in search.trials) == ["completed"] * len(search.shapes)
     assert len({t.number for t in search.trials}) == len(search.shapes)
 

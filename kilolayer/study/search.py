@@ -408,6 +408,7 @@ class _Racer:
         """Train ``trial`` until it completes, is pruned, diverges or fails (each recorded in the study); returns
         why the search must stop ("" to go on)."""
         from kilolayer.train.run import Halted, train
+        from kilolayer.train.signals import Interrupted
 
         s = self.settings
         name = trial.suggest_categorical("shape", list(self.kept))
@@ -463,6 +464,8 @@ class _Racer:
             self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
             self.log(f"[search] trial {trial.number}: diverged ({err})")
             return ""
+        except Interrupted:
+            raise  # Ctrl-C or SIGTERM: the trial saved a checkpoint and stays running; a re-run continues it
         except ConfigError as err:
             if str(err).startswith("--metric"):
                 raise  # the user's mistake, the same for every trial
@@ -510,8 +513,8 @@ class _Racer:
         better = "higher" if maximize else "lower"
         where = self.study.pruner._min_resource * eta**rung
         return (
-            f"successive halving, rung {rung} (step >= {where}): {self.settings.metric} {value:.4g} at step {step} is "
-            f"not among the best {keep} of the {len(values)} trials that reached this rung (cut-off {cutoff:.4g}, "
+            f"successive halving, rung {rung} (step >= {where}): {self.settings.metric} {value:.6g} at step {step} is "
+            f"not among the best {keep} of the {len(values)} trials that reached this rung (cut-off {cutoff:.6g}, "
             f"{better} is better)"
         )
 

@@ -13,14 +13,14 @@ from kilolayer.study.search import Search, TrialResult
 
 
 def _count(n: float) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= div:
             return f"{n / div:.3g}{unit}"
     return f"{n:.3g}"
 
 
 def _value(v: float | None) -> str:
-    return f"{v:.4g}" if v is not None and math.isfinite(v) else "-"
+    return f"{v:.5g}" if v is not None and math.isfinite(v) else "-"
 
 
 def curves_plot(search: Search, path: Path) -> bool:
@@ -74,8 +74,9 @@ def _recommendation(search: Search) -> list[str]:
             "",
         ]
     m = top.shape.model
+    layers = f"{m.layers} layer{'s' * (m.layers != 1)}"
     lines = [
-        f"**Recommended: {_text(top.shape.name)}** — {m.layers} layers x width {m.width} ({m.heads} heads, FFN "
+        f"**Recommended: {_text(top.shape.name)}** — {layers} x width {m.width} ({m.heads} heads, FFN "
         f"{m.ffn}), {top.shape.parameters:,} parameters, {_count(top.shape.flops_per_token)} training FLOPs per "
         f"token, lr {top.lr:.3g}: {metric} {_value(top.value)} at step {top.step} (trial {top.number}). Its config "
         f"is written to `best.yaml`: `kilolayer train best.yaml --out RUN` trains it.",
@@ -177,7 +178,8 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
         f"- **trials**: {len(search.trials)} started of {search.planned} planned",
         f"- **race**: Optuna's successive halving (reduction factor {eta}; rungs at steps "
         f"{', '.join(map(str, rungs)) or '-'}): at each rung a trial goes on only if its {_text(metric)} is among "
-        f"the best 1/{eta} of the trials that reached that rung so far (of fewer than {eta}, the best)",
+        f"the best 1/{eta} of the trials that reached that rung so far (of fewer than {eta}, the best); the trials "
+        f"run one after another, so the earlier ones at a rung set the bar for the later",
         "",
         "## Recommendation",
         "",
@@ -197,6 +199,7 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
         "step they reached. *shape*: layers x width.",
         "",
         _table(headers, [_trial_row(i + 1, t, lr_searched) for i, t in enumerate(search.ranked)]),
+        "",
     ]
     if plot is not None:
         rel = os.path.relpath(plot, out)
@@ -209,6 +212,7 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
             ["trial", "shape", "status", "at step", "by which rule"],
             [[t.number, t.shape.name, t.state, t.step, t.reason or "-"] for t in sorted(search.trials, key=_num)],
         ),
+        "",
         "## Pre-screen",
         "",
         "Each shape's first steps replayed in memory by `kilolayer doctor CONFIG --forecast` (rule: docs/doctor.md); "
@@ -232,9 +236,11 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
                 for sh, sc in zip(search.shapes, search.screens)
             ],
         ),
+        "",
         "## Compute",
         "",
         *_compute(search),
+        "",
         "## Commands",
         "",
         "Every trial is an ordinary run directory: `kilolayer doctor RUN` diagnoses it, `kilolayer train --resume "
