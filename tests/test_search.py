@@ -271,3 +271,39 @@ def test_search_errors_are_one_line(tmp_path, capsys):
     assert main([*base, "--params", "10", "--depths", "1..4", "--set", "model.width=32", "--set", "model.heads=2"]) == 2
     assert "kilolayer: error: --params 10: no shape of head size 16 at depths 1..4" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()  # nothing written for a refused search
+
+
+@pytest.mark.integration
+def test_a_killed_search_continues_where_it_stopped(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT
+
+    out = tmp_path / "s"
+    cmd = [sys.executable, "-m", "kilolayer", "search", "configs/digits_mae.yaml", "--params", "28k", "--depths"]
+    cmd += ["1..8", "--tolerance", "0.1", "--min-steps", "59", "--out", str(out), "--forecast-steps", "3"]
+    cmd += ["--keep-forecast-failures", *[f"--set={s}" for s in [*TINY, "train.steps=60"]]]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    second = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        runs = sorted((out / "trials").glob("001-*")) if (out / "trials").is_dir() else []
+        if runs and rundir.latest_checkpoint(runs[0]) is not None:
+            second = runs[0]
+            break
+        time.sleep(0.05)
+    proc.kill()  # kill -9 in the second trial: no status written, the Optuna trial left running
+    proc.wait()
+    assert second is not None
+    first = next((out / "trials").glob("000-*"))
+    assert rundir.read_status(first)["status"] == "completed"
+    finished = (first / rundir.STATUS).stat().st_mtime_ns
+    config = load_config("configs/digits_mae.yaml", [*TINY, "train.steps=60"])
+    s = S.Settings(PARAMS, (1, 8), 0.1, min_steps=59, forecast_steps=3, keep_forecast_failures=True)
+    search = S.run_search(config, out, s, log=lambda _: None)
+    assert (first / rundir.STATUS).stat().st_mtime_ns == finished  # never trained again
+    assert rundir.read_resume_history(second)[-1]["step"] >= 3  # continued from its checkpoint
+    assert sorted(t.state for t in search.trials) == ["completed"] * len(search.trials)
+    assert len(search.trials) == 3
