@@ -22,16 +22,6 @@ from kilolayer.train import cli as train_cli
 SUBCOMMANDS = (train_cli, study_cli, analysis_cli, doctor_cli)
 
 
-def _parse_count(text: str) -> int:
-    """'85M', '1.3B', '350k' or a plain integer."""
-    t = text.strip().lower().replace("_", "")
-    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(t[-1:], None)
-    try:
-        return int(float(t[:-1]) * mult) if mult else int(float(t))
-    except ValueError:
-        raise ConfigError(f"--params {text!r}: expected a count such as 86M, 1.3B or 350000") from None
-
-
 def _model_source(source: str, sets: list[str]):
     from kilolayer.config import load_config
 
@@ -110,7 +100,7 @@ def cmd_configs(args) -> int:
     from rich.table import Table
 
     from kilolayer.config import ModelConfig
-    from kilolayer.nn.budget import budget, count_parameters, matched_configs
+    from kilolayer.nn.budget import budget, count_parameters, matched_configs, parse_count
 
     if args.like is None and args.params is None:
         raise ConfigError("configs: give --like PRESET|CONFIG.yaml or --params COUNT")
@@ -125,7 +115,7 @@ def cmd_configs(args) -> int:
             ffn=args.head_dim * 8,
             decoder_layers=2 if args.arch == "encoder_decoder" else 0,
         )
-    target = _parse_count(args.params) if args.params is not None else count_parameters(base)
+    target = parse_count(args.params) if args.params is not None else count_parameters(base)
     rows = matched_configs(
         base, params=target if args.params is not None else None, tolerance=args.tolerance, head_dim=args.head_dim
     )
@@ -205,7 +195,7 @@ def cmd_presets(args) -> int:
 
 
 #: commands that compute in this process take their thread count from the policy (``train`` applies it itself)
-COMPUTING = ("doctor", "analyze", "evaluate")
+COMPUTING = ("doctor", "analyze", "evaluate", "search")
 
 
 @contextlib.contextmanager

@@ -479,12 +479,14 @@ def intact_checkpoint(run_dir: str | Path, on_damaged=warn) -> Path | None:
 
 
 class RunLock:
-    """An exclusive ``fcntl.flock`` on RUN/train.lock, held by the training process until :meth:`release`
-    or its exit. The kernel drops it with the process, so a ``kill -9`` never leaves a stale lock; the
-    file stays behind and only says who held it last."""
+    """An exclusive ``fcntl.flock`` on RUN/train.lock (or another lock file ``name`` of a directory that one
+    ``owner`` command at a time may write, e.g. a search's), held by the process until :meth:`release` or its
+    exit. The kernel drops it with the process, so a ``kill -9`` never leaves a stale lock; the file stays behind
+    and only says who held it last."""
 
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / LOCK
+    def __init__(self, run_dir: str | Path, name: str = LOCK, owner: str = "kilolayer train"):
+        self.path = Path(run_dir) / name
+        self.owner = owner
         self.fd: int | None = None
 
     def acquire(self) -> RunLock:
@@ -496,9 +498,10 @@ class RunLock:
         except OSError as err:
             os.close(fd)
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                what = "run directory" if self.path.name == LOCK else "directory"
                 raise RunLocked(
-                    f"{self.path.parent}: another kilolayer train ({holder(self.path.parent)}) is writing this run "
-                    f"directory; wait for it to finish or stop it, or choose another --out"
+                    f"{self.path.parent}: another {self.owner} ({holder(self.path.parent, self.path.name)}) is "
+                    f"writing this {what}; wait for it to finish or stop it, or choose another --out"
                 ) from None
             raise
         os.ftruncate(fd, 0)
@@ -518,10 +521,10 @@ class RunLock:
         self.release()
 
 
-def holder(run_dir: str | Path) -> str:
-    """'PID 1234 on host' of the process that holds (or last held) the lock."""
+def holder(run_dir: str | Path, name: str = LOCK) -> str:
+    """'PID 1234 on host' of the process that holds (or last held) the lock file ``name``."""
     try:
-        pid, _, host = (Path(run_dir) / LOCK).read_text().strip().partition(" ")
+        pid, _, host = (Path(run_dir) / name).read_text().strip().partition(" ")
         return f"PID {int(pid)} on {host}" if host else f"PID {int(pid)}"
     except (OSError, ValueError):
         return "PID unknown"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kilolayer.config import ModelConfig, model_config
+from kilolayer.errors import ConfigError
 from kilolayer.nn.residual import Depth, Site, make_scheme
 
 
@@ -152,6 +153,16 @@ def _counts(cfg: ModelConfig) -> tuple[int, int, int]:
 # ---------------------------------------------------------------- configurator
 
 
+def parse_count(text: str, flag: str = "--params") -> int:
+    """A parameter count as a user writes it: '85M', '1.3B', '350k' or a plain integer."""
+    t = text.strip().lower().replace("_", "")
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(t[-1:], None)
+    try:
+        return int(float(t[:-1]) * mult) if mult else int(float(t))
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected a count such as 86M, 1.3B or 350000") from None
+
+
 def _with(cfg: ModelConfig, layers: int, width: int, head_dim: int, ffn_ratio: float) -> ModelConfig:
     data = cfg.model_dump()
     data.update(layers=layers, width=width, heads=width // head_dim, ffn=max(1, round(ffn_ratio * width)))
@@ -167,18 +178,21 @@ def matched_configs(
     head_dim: int = 64,
     max_depth_factor: int = 8,
     deeper_only: bool = True,
+    depths: range | None = None,
 ) -> list[ModelConfig]:
     """Configs shaped like ``cfg`` (same FFN ratio, head size ``head_dim``, width a multiple of it)
     whose parameter count is within ``tolerance`` of ``params`` (default: ``cfg``'s own).
 
-    One config per width: for each width the depth that comes closest. Sorted by depth.
+    One config per width: for each width the depth that comes closest (among ``depths``, when given).
+    Sorted by depth.
     """
     cfg = model_config(cfg)
     target = params if params is not None else count_parameters(cfg)
     ratio = cfg.ffn / cfg.width
     lo = cfg.layers if deeper_only and params is None else 1
     best: dict[int, tuple[float, ModelConfig]] = {}
-    for layers in range(lo, cfg.layers * max_depth_factor + 1 if params is None else 257):
+    candidates = range(lo, cfg.layers * max_depth_factor + 1 if params is None else 257)
+    for layers in depths if depths is not None else candidates:
         # parameters grow with width; bisect over multiples of head_dim
         a, b = 1, 8192 // head_dim
         while a < b:

@@ -1,4 +1,4 @@
-"""``kilolayer study``."""
+"""``kilolayer study`` and ``kilolayer search``."""
 
 from __future__ import annotations
 
@@ -218,3 +218,104 @@ def register(sub) -> None:
         help="with --estimate: timed steps per point, after 2 warm-up steps (default 5)",
     )
     p.set_defaults(func=cmd_study)
+    register_search(sub)
+
+
+def cmd_search(args) -> int:
+    from kilolayer.config import load_config
+    from kilolayer.nn.budget import parse_count
+    from kilolayer.study.search import Settings, parse_depths, run_search
+    from kilolayer.study.search_report import write_report
+
+    settings = Settings(
+        params=parse_count(args.params),
+        depths=parse_depths(args.depths) if args.depths else None,
+        tolerance=args.tolerance,
+        metric=args.metric or "",
+        lr_factor=args.search_lr,
+        trials=args.trials,
+        reduction_factor=args.reduction_factor,
+        min_steps=args.min_steps,
+        keep_forecast_failures=args.keep_forecast_failures,
+        forecast_steps=args.forecast_steps,
+        budget_steps=args.budget_steps,
+        minutes=args.minutes,
+    )
+    if args.forecast_steps is not None and args.forecast_steps < 1:
+        raise ConfigError(f"--forecast-steps {args.forecast_steps}: expected an integer >= 1")
+    config = load_config(args.config, args.set)
+    search = run_search(config, Path(args.out), settings)
+    md, html = write_report(search)
+    done = [t for t in search.ranked if t.state == "completed"]
+    if search.best is not None:
+        top = done[0]
+        print(f"recommended: {top.shape.name} ({settings.metric} {top.value:.4g}, trial {top.number}): {search.best}")
+    elif search.comparison is not None and search.comparison.tied:
+        a, b = done[:2]
+        print(f"within noise: {a.shape.name} and {b.shape.name} (the report says why; no pick)")
+    else:
+        print("no trial completed yet: no recommendation")
+    print(f"report: {html}")
+    print(f"        {md}")
+    return 0
+
+
+def register_search(sub) -> None:
+    p = sub.add_parser(
+        "search",
+        help="search the best depth and width for a config's objective at a parameter budget, and write a report",
+        description="From CONFIG (its objective, data and training settings): generate parameter-matched shapes "
+        "across a depth range (the config's head size held, widths multiples of it), drop those the doctor "
+        "forecasts to diverge or stall, and race the rest with Optuna's successive-halving pruner; each trial "
+        "is an ordinary run directory under DIR/trials/. Writes DIR/report.md, DIR/report.html and the "
+        "recommended config DIR/best.yaml (unless the top two are within noise). Re-running continues the "
+        "search. Needs Optuna (pip install 'kilolayer[search]').",
+    )
+    p.add_argument("config", metavar="CONFIG", help="a YAML config file or a preset name")
+    p.add_argument("--params", required=True, metavar="N", help="the parameter budget, e.g. 5M, 350k")
+    p.add_argument("--out", required=True, metavar="DIR", help="the search directory")
+    p.add_argument("--depths", metavar="A..B", help="the depth range (inclusive; default: any depth up to 256)")
+    p.add_argument(
+        "--tolerance", type=float, default=0.03, help="relative parameter tolerance of a shape (default 0.03)"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="key.path=value", help="override a config key (repeatable)"
+    )
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, metavar="M", help="budget: minutes of training over all trials")
+    budget.add_argument("--budget-steps", type=int, metavar="S", help="budget: optimizer steps over all trials")
+    p.add_argument(
+        "--metric",
+        metavar="NAME",
+        help="the evaluation metric to rank by (default train.early_stop_metric; its direction as early stopping's)",
+    )
+    p.add_argument(
+        "--search-lr",
+        type=float,
+        nargs="?",
+        const=3.0,
+        metavar="F",
+        help="search the learning rate jointly, log-uniform in [lr/F, lr*F] (F default 3)",
+    )
+    p.add_argument("--trials", type=int, metavar="N", help="with --search-lr: trials (default 2 per shape)")
+    p.add_argument(
+        "--reduction-factor", type=int, default=3, metavar="ETA", help="successive halving's eta (default 3)"
+    )
+    p.add_argument(
+        "--min-steps",
+        type=int,
+        metavar="K",
+        help="the first rung's step (default train.steps / eta^2, rounded up to an evaluation)",
+    )
+    p.add_argument(
+        "--keep-forecast-failures",
+        action="store_true",
+        help="race the shapes the doctor forecasts to diverge or stall too",
+    )
+    p.add_argument(
+        "--forecast-steps",
+        type=int,
+        metavar="K",
+        help="steps the pre-screen replays per shape (default: the doctor's, through warm-up + 10)",
+    )
+    p.set_defaults(func=cmd_search)

@@ -20,6 +20,10 @@ plateau (:class:`~kilolayer.train.policies.EarlyStopping`); every improvement is
 rotation keeps while the run needs it, and ``status.json`` says ``completed`` with ``stopped_early``,
 ``best_step`` and the reason.
 
+A caller may watch the evaluations: ``on_eval(step, metrics)`` is called after each one, and a non-empty line it
+returns stops the run at that step with a checkpoint, recorded ``interrupted`` with that line as its reason (a
+resume continues it), by raising :class:`Halted`. ``kilolayer search`` races its trials this way.
+
 Its intra-op thread count follows :mod:`kilolayer.train.threads`; ``status.json`` records it (``threads``,
 ``threads_reason``), every train record carries the count it ran at, and a resume reuses the recorded count
 unless ``train.threads`` says otherwise (float reductions are ordered by the thread count, so a resume is
@@ -32,6 +36,7 @@ import contextlib
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,6 +57,10 @@ from kilolayer.train.peak import cpu_bf16_warning, device_peak, peak_too_low
 from kilolayer.train.signals import Interrupted, StopSignals
 
 
+class Halted(KilolayerError):
+    """The caller's ``on_eval`` stopped the run (recorded ``interrupted``: a resume continues it)."""
+
+
 class Run:
     """One training process's run in ``out_dir``: set-up (``__init__``: claim the directory, build the engine,
     restore the newest intact checkpoint on ``resume``), then :meth:`run`. :func:`train` wraps it with what a
@@ -67,9 +76,12 @@ class Run:
         overwrite: bool = False,
         signals: StopSignals | None = None,
         threads: T.Threads | None = None,
+        on_eval: Callable[[int, dict], str] | None = None,
     ):
         self.config, self.out, self.resume, self.quiet = config, Path(out_dir), resume, quiet
         self.signals = signals
+        self.on_eval = on_eval
+        self.halt = ""  # why on_eval asked the run to stop ("" while it has not)
         self.announce = threads is not None  # the run's first line says the count and why
         self.threads = T.Adapter(threads or T.Threads(torch.get_num_threads(), "this process's setting"))
         tc = config.train
@@ -211,7 +223,7 @@ class Run:
         if isinstance(err, OSError):
             err = rundir.os_error(err)
         if self.life is not None and self.started and self.life.final is None:
-            if isinstance(err, (Interrupted, KeyboardInterrupt)):
+            if isinstance(err, (Interrupted, Halted, KeyboardInterrupt)):
                 status = "interrupted"
             else:
                 status = "failed"
@@ -290,7 +302,7 @@ class Run:
                     if stats.layer_grads is not None:
                         self._write(engine.diagnostics(step, *stats.layer_grads))
                     improved, stop = self._evaluate_on_schedule(step)
-                    saved = self._save_on_schedule(step, improved or stop)
+                    saved = self._save_on_schedule(step, improved or stop or bool(self.halt))
                 if stop:
                     return self._complete(step)
                 self._stop_on_signal(step, saved)
@@ -317,6 +329,8 @@ class Run:
         self._write({"step": step, "split": "eval", **metrics})
         if self.env.main:
             self.progress.note(eval_line(f"eval step {step}", metrics, self._baselines().get("baselines", {})))
+        if self.on_eval is not None and step < tc.steps:
+            self.halt = self.on_eval(step, metrics) or ""
         # only the evaluations every eval_every steps count: a leg that ended off that grid (and evaluated
         # there) resumes exactly as if it had never stopped
         if not (tc.patience and on_grid):
@@ -343,7 +357,14 @@ class Run:
         return saved
 
     def _stop_on_signal(self, step: int, saved: bool) -> None:
-        """A SIGINT/SIGTERM arrived: finish the step with a checkpoint, so a resume replays nothing, and stop."""
+        """A SIGINT/SIGTERM arrived, or ``on_eval`` asked to stop: finish the step with a checkpoint, so a resume
+        replays nothing, and stop."""
+        if self._agree(bool(self.halt)):
+            if not saved:
+                self.save(step)
+            raise Halted(
+                f"{self.halt} (checkpoint step {step} saved); continue with: kilolayer train --resume --out {self.out}"
+            )
         signum = self._stop_signal() if step < self.config.train.steps else 0
         if signum:
             if not saved:
@@ -536,6 +557,7 @@ def train(
     quiet: bool = False,
     overwrite: bool = False,
     auto_threads: bool = False,
+    on_eval: Callable[[int, dict], str] | None = None,
 ) -> dict:
     """Train a config into ``out_dir`` (see module docstring), holding the directory's lock meanwhile.
 
@@ -546,7 +568,7 @@ def train(
     memory exceeds what the device has free is refused in one line before anything is allocated
     (:func:`kilolayer.train.memory.check_memory`). SIGINT and SIGTERM stop at the next step boundary with a
     checkpoint. ``auto_threads`` (the CLI's) applies :mod:`kilolayer.train.threads`' whole policy; otherwise a
-    count given or recorded is used, else the process's own setting.
+    count given or recorded is used, else the process's own setting. ``on_eval``: see the module docstring.
     """
     out = Path(out_dir)
     if resume and overwrite:
@@ -575,7 +597,16 @@ def train(
     signals = StopSignals().install()
     run = None
     try:
-        run = Run(config, out, resume=resume, quiet=quiet, overwrite=overwrite, signals=signals, threads=threads)
+        run = Run(
+            config,
+            out,
+            resume=resume,
+            quiet=quiet,
+            overwrite=overwrite,
+            signals=signals,
+            threads=threads,
+            on_eval=on_eval,
+        )
         return run.run()
     finally:
         signals.restore()

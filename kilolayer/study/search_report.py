@@ -1,0 +1,267 @@
+"""The search report: DIR/report.md and a self-contained DIR/report.html, written with the study report's
+machinery (:mod:`kilolayer.study.report`: its tables, escaping and safe HTML), and the trials' curves."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+from pathlib import Path
+
+from kilolayer.study.report import _fenced, _table, _text, machine, render_html, versions
+from kilolayer.study.search import Search, TrialResult
+
+
+def _count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def _value(v: float | None) -> str:
+    return f"{v:.5g}" if v is not None and math.isfinite(v) else "-"
+
+
+def curves_plot(search: Search, path: Path) -> bool:
+    """The metric at each evaluation of every trial; a cross where a trial was pruned, diverged or left off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trials = [t for t in search.trials if t.curve]
+    if not trials:
+        return False
+    depths = sorted({t.shape.layers for t in search.trials})
+    cmap = plt.get_cmap("viridis")
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for t in sorted(trials, key=lambda t: t.number):
+        color = cmap(depths.index(t.shape.layers) / max(1, len(depths) - 1))
+        steps, values = zip(*t.curve)
+        style = "-" if t.state == "completed" else "--"
+        label = f"#{t.number} {t.shape.name}" + (f" lr {t.lr:.2g}" if search.settings.lr_factor else "")
+        ax.plot(steps, values, style, marker="o", ms=3, color=color, label=f"{label} ({t.state})")
+        if t.state != "completed":
+            ax.plot(steps[-1], values[-1], "x", ms=9, mew=2, color=color)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"evaluation {search.settings.metric}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2 if len(trials) > 8 else 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _recommendation(search: Search) -> list[str]:
+    done = [t for t in search.ranked if t.state == "completed"]
+    metric = search.settings.metric
+    if not done:
+        return ["No trial completed, so there is no recommendation yet." + _continue_hint(search), ""]
+    c = search.comparison
+    top = done[0]
+    if c is not None and c.tied:
+        a, b = done[:2]
+        return [
+            f"**Within noise: no pick.** The top two, {_text(a.shape.name)} (trial {a.number}, {metric} "
+            f"{_value(a.value)}) and {_text(b.shape.name)} (trial {b.number}, {_value(b.value)}), differ by "
+            f"{c.difference:+.4g} on the same {c.batches} evaluation batches, within the noise bound +/-"
+            f"{c.bound:.3g} (two-sided 95% Student-t on the per-batch differences, standard error {c.stderr:.3g}). "
+            f"Both configs are written out (`tied-{a.shape.name}.yaml`, `tied-{b.shape.name}.yaml`); more "
+            f"evaluation batches (`train.eval_batches`), more steps or other seeds would separate them.",
+            "",
+        ]
+    m = top.shape.model
+    layers = f"{m.layers} layer{'s' * (m.layers != 1)}"
+    lines = [
+        f"**Recommended: {_text(top.shape.name)}** — {layers} x width {m.width} ({m.heads} heads, FFN "
+        f"{m.ffn}), {top.shape.parameters:,} parameters, {_count(top.shape.flops_per_token)} training FLOPs per "
+        f"token, lr {top.lr:.3g}: {metric} {_value(top.value)} at step {top.step} (trial {top.number}). Its config "
+        f"is written to `best.yaml`: `kilolayer train best.yaml --out RUN` trains it.",
+        "",
+    ]
+    if c is not None:
+        b = done[1]
+        lines += [
+            f"It beats the runner-up {_text(b.shape.name)} (trial {b.number}, {_value(b.value)}) by "
+            f"{abs(c.difference):.4g} on the same {c.batches} evaluation batches, beyond the noise bound "
+            f"+/-{c.bound:.3g} (two-sided 95% Student-t on the per-batch differences).",
+            "",
+        ]
+    elif len(done) < 2:
+        lines += ["Only one trial completed: nothing to compare it with.", ""]
+    else:
+        lines += ["One evaluation batch: the noise between the top two was not measured (train.eval_batches >= 2).", ""]
+    return lines
+
+
+def _continue_hint(search: Search) -> str:
+    if search.stopped_by_budget:
+        return f" The search stopped because {search.stopped_by_budget}; a larger budget continues it."
+    return ""
+
+
+def _compute(search: Search) -> list[str]:
+    bs = search.config.train.batch_size
+    steps = search.config.train.steps
+    kept = [s for s, sc in zip(search.shapes, search.screens) if sc.kept]
+    spent_steps = sum(t.step for t in search.trials)
+    spent_flops = sum(t.step * t.shape.step_flops(bs) for t in search.trials)
+    per_trial = search.planned / max(1, len(kept))  # trials per shape in a full grid of the planned trials
+    grid_steps = search.planned * steps
+    grid_flops = per_trial * sum(steps * s.step_flops(bs) for s in kept)
+    minutes = sum(t.seconds for t in search.trials) / 60
+    forecast_s = sum(sc.seconds for sc in search.screens)
+    rows = [
+        ["optimizer steps", f"{spent_steps:,}", f"{grid_steps:,}", f"{spent_steps / max(1, grid_steps):.0%}"],
+        ["model FLOPs", _count(spent_flops), _count(grid_flops), f"{spent_flops / max(1.0, grid_flops):.0%}"],
+    ]
+    return [
+        f"A full grid trains each of the {search.planned} planned trials for all {steps:,} steps. Model FLOPs: "
+        f"each shape's training FLOPs per sample at full length (docs/bamboo.md#model-flops-and-mfu) x batch "
+        f"size {bs} x steps.",
+        "",
+        _table(["", "spent", "full grid", "spent / grid"], rows),
+        f"Training time: {minutes:.1f} min over all trials; the pre-screen's forecasts took {forecast_s:.0f} s.",
+        "",
+    ]
+
+
+def _trial_row(rank: int, t: TrialResult, lr_searched: bool) -> list:
+    m = t.shape.model
+    return [
+        rank,
+        t.number,
+        t.shape.name,
+        m.heads,
+        f"{t.shape.parameters:,}",
+        _count(t.shape.flops_per_token),
+        *([f"{t.lr:.3g}"] if lr_searched else []),
+        t.step,
+        _value(t.value),
+        t.state,
+    ]
+
+
+def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
+    cfg, s = search.config, search.settings
+    tc = cfg.train
+    metric = s.metric
+    better = "higher" if search.direction == "maximize" else "lower"
+    kept = sum(sc.kept for sc in search.screens)
+    eta, rung = s.reduction_factor, search.rung
+    rungs = []
+    r = rung
+    while r < tc.steps:
+        rungs.append(r)
+        r *= eta
+    span = f"{s.depths[0]}..{s.depths[1]}" if s.depths else "any"
+    lr_text = (
+        f"searched jointly, log-uniform in [{tc.lr / s.lr_factor:.3g}, {tc.lr * s.lr_factor:.3g}] (Optuna's TPE "
+        f"sampler, seed {tc.seed}; each shape first at the config's {tc.lr:.3g})"
+        if s.lr_factor
+        else f"the config's, {tc.lr:.3g}"
+    )
+    lines = [
+        f"# kilolayer search: {_text(cfg.objective.name)} on {_text(cfg.data.name)} at {_count(s.params)} parameters",
+        "",
+        f"- **date**: {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}",
+        f"- **machine**: {machine()}",
+        f"- **versions**: {versions()}",
+        f"- **objective**: {_text(metric)} on the evaluation split, {better} is better; each trial up to {tc.steps:,} "
+        f"steps, evaluated every {tc.eval_every}, seed {tc.seed}",
+        f"- **shapes**: {len(search.shapes)} within {s.tolerance:.0%} of {s.params:,} parameters (head size "
+        f"{cfg.model.width // cfg.model.heads} held, depths {span}); {kept} raced after the pre-screen",
+        f"- **learning rate**: {lr_text}",
+        f"- **trials**: {len(search.trials)} started of {search.planned} planned",
+        f"- **race**: Optuna's successive halving (reduction factor {eta}; rungs at steps "
+        f"{', '.join(map(str, rungs)) or '-'}): at each rung a trial goes on only if its {_text(metric)} is among "
+        f"the best 1/{eta} of the trials that reached that rung so far (of fewer than {eta}, the best); the trials "
+        f"run one after another, so the earlier ones at a rung set the bar for the later",
+        "",
+        "## Recommendation",
+        "",
+        *_recommendation(search),
+        *[f"- {_text(n)}" for n in search.notes],
+        *([""] if search.notes else []),
+    ]
+    if search.stopped_by_budget:
+        lines += [f"The search stopped because {_text(search.stopped_by_budget)}; a larger budget continues it.", ""]
+    lr_searched = bool(s.lr_factor)
+    headers = ["rank", "trial", "shape", "heads", "params", "FLOPs/token", *(["lr"] if lr_searched else [])]
+    headers += ["steps", _text(metric), "status"]
+    lines += [
+        "## Leaderboard",
+        "",
+        "Completed trials first, by their final evaluation (with early stopping: its best); then the others by the "
+        "step they reached. *shape*: layers x width.",
+        "",
+        _table(headers, [_trial_row(i + 1, t, lr_searched) for i, t in enumerate(search.ranked)]),
+        "",
+    ]
+    if plot is not None:
+        rel = os.path.relpath(plot, out)
+        caption = f"evaluation {metric} of every trial; a cross where it stopped before its last step"
+        lines += [f"![{_text(caption)}]({rel})", "", f"*{_text(caption)}*", ""]
+    lines += [
+        "## Where each trial stopped",
+        "",
+        _table(
+            ["trial", "shape", "status", "at step", "by which rule"],
+            [[t.number, t.shape.name, t.state, t.step, t.reason or "-"] for t in sorted(search.trials, key=_num)],
+        ),
+        "",
+        "## Pre-screen",
+        "",
+        "Each shape's first steps replayed in memory by `kilolayer doctor CONFIG --forecast` (rule: docs/doctor.md); "
+        "shapes forecast to diverge or stall are not raced"
+        + (" (kept here: --keep-forecast-failures)" if s.keep_forecast_failures else "")
+        + ".",
+        "",
+        _table(
+            ["shape", "layers", "width", "params", "FLOPs/token", "forecast", "raced", "the doctor's reason"],
+            [
+                [
+                    sh.name,
+                    sh.layers,
+                    sh.model.width,
+                    f"{sh.parameters:,}",
+                    _count(sh.flops_per_token),
+                    sc.verdict,
+                    "yes" if sc.kept else "**dropped**",
+                    sc.reason,
+                ]
+                for sh, sc in zip(search.shapes, search.screens)
+            ],
+        ),
+        "",
+        "## Compute",
+        "",
+        *_compute(search),
+        "",
+        "## Commands",
+        "",
+        "Every trial is an ordinary run directory: `kilolayer doctor RUN` diagnoses it, `kilolayer train --resume "
+        "--out RUN` continues it (a pruned trial to its full budget). Re-running this search continues it.",
+        "",
+    ]
+    lines += _fenced([f"kilolayer doctor {t.run}" for t in sorted(search.trials, key=_num)])
+    return "\n".join(lines) + "\n"
+
+
+def _num(t: TrialResult) -> int:
+    return t.number
+
+
+def write_report(search: Search) -> tuple[Path, Path]:
+    """report.md, report.html and report_files/curves.png in the search's directory."""
+    out = search.out
+    plot = out / "report_files" / "curves.png"
+    drawn = curves_plot(search, plot)
+    md = render_markdown(search, out, plot if drawn else None)
+    md_path, html_path = out / "report.md", out / "report.html"
+    md_path.write_text(md)
+    html_path.write_text(render_html(md, out))
+    return md_path, html_path
