@@ -19,7 +19,8 @@ split.
 
 Tokens are UTF-8 bytes with the special ids of :mod:`kilolayer.data.vocab` (``model.vocab_size`` at least 262),
 ``[CLS]`` first with ``add_cls``, cut at ``max_len`` ids (default ``model.max_len``); a sample whose cut ids equal
-those of a sample of a split ranked before its own (test, then validation, then train) is left out. Batches: ``{"tokens", "padding_mask", "labels"}``. See docs/data.md.
+those of a sample of a split ranked before its own (test, then validation, then train) is left out. Batches:
+``{"tokens", "padding_mask", "labels"}``. See docs/data.md.
 """
 
 from __future__ import annotations
