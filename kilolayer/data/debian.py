@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     bad = [n for n in args.names if n not in sources]
     if bad:
         ap.error(f"unknown {', '.join(bad)}; allowed: {', '.join(sources)}")
-    root = Path(args.root) if args.root else parallel.resolve_root(parallel.ParallelOptions())
+    root = Path(args.root) if args.root else parallel.resolve_root(None)
     wanted = {}
     for name in args.names or sources:
         wanted.update(sources[name])

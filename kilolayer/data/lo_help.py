@@ -260,7 +260,7 @@ def lo_help(config: Config) -> MemorySource:
     max_len = opts.max_len or m.max_len
     if max_len > m.max_len:
         raise ConfigError(f"data.options.max_len={max_len}: longer than model.max_len={m.max_len}")
-    root = parallel.resolve_root(opts)
+    root = parallel.resolve_root(opts.root)
     corpus, record = load_corpus(str(root), opts.model_dump_json())
     splits, repeated = encode_splits(corpus, max_len, opts.add_cls)
     empty = [s for s in ("train", opts.eval_split) if not len(splits[s][0])]
