@@ -60,7 +60,8 @@ def test_smoothness_memory_does_not_grow_with_depth():
     peak_10, r10 = _peak(shallow, lambda m: smoothness(m, [_batch()]))
     peak_1000, r1000 = _peak(deep, lambda m: smoothness(m, [_batch()]))
     assert len(r10["layers"]) == 11 and len(r1000["layers"]) == 1001
-    assert all(len(r1000[k]) == 1001 for k in ("cosine", "rank_residual", "effective_rank", "hc_ratio"))
+    metrics = ("cosine", "cosine_centred", "cosine_same_minus_different", "rank_residual", "effective_rank", "hc_ratio")
+    assert all(len(r1000[k]) == 1001 for k in metrics)
     # at most the current and the previous layer's output are alive at once, at any depth
     assert peak_10 <= 2 and peak_1000 <= 2
 

@@ -10,13 +10,17 @@ from hypothesis import strategies as st
 
 from kilolayer.analysis.smoothness import (
     SmoothnessObserver,
+    TokenMeans,
     centred_token_cosine,
+    different_sample_cosine,
     effective_rank,
     hc_ratio,
     high_frequency,
     layer_metrics,
     rank_collapse_residual,
     relative_log_amplitude,
+    same_minus_different_cosine,
+    smoothness,
     token_cosine,
 )
 from kilolayer.errors import InputError
@@ -218,3 +222,122 @@ def test_layer_metrics_keys():
     x = torch.randn(2, 17, 8)
     assert set(layer_metrics(x)) == {"cosine", "cosine_centred", "rank_residual", "effective_rank", "hc_ratio"}
     assert "high_freq" in layer_metrics(x, grid=4)
+
+
+# ---------------------------------------------------------------- the evaluated set: centring, samples against samples
+
+
+def _pairwise_same_minus_different(x: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """The definition written out pair by pair: per sample the mean cosine over its ordered token pairs i != j;
+    per ordered pair of distinct samples the mean cosine over all their token pairs; the two means' difference."""
+    tokens = [x[b] if mask is None else x[b][~mask[b]] for b in range(len(x))]
+    cos = lambda u, v: float(u @ v / (u.norm() * v.norm()))
+    same = [np.mean([cos(t[i], t[j]) for i in range(len(t)) for j in range(len(t)) if i != j]) for t in tokens]
+    different = [
+        np.mean([cos(u, v) for u in tokens[a] for v in tokens[b]])
+        for a in range(len(tokens))
+        for b in range(len(tokens))
+        if a != b
+    ]
+    return float(np.mean(same) - np.mean(different))
+
+
+def test_same_minus_different_by_hand():
+    # sample 0: e1, e2 (same-sample cosine 0); sample 1: e1, e1 (1); sample 2: e2, e1+e2 (1/sqrt 2)
+    r = 1 / math.sqrt(2)
+    x = torch.tensor([[[1.0, 0], [0, 1]], [[1, 0], [1, 0]], [[0, 1], [1, 1]]], dtype=torch.float64)
+    same = (0 + 1 + r) / 3
+    # mean unit tokens u0 = (1/2, 1/2), u1 = (1, 0), u2 = (r/2, (1 + r)/2): the six ordered pairs
+    u = [(0.5, 0.5), (1.0, 0.0), (r / 2, (1 + r) / 2)]
+    dots = [u[a][0] * u[b][0] + u[a][1] * u[b][1] for a in range(3) for b in range(3) if a != b]
+    want = same - sum(dots) / 6
+    assert want == pytest.approx(1 / 12, rel=1e-12)  # (1 + r) / 3 - (3/4 + r) / 3
+    assert same_minus_different_cosine(x) == pytest.approx(want, rel=1e-12)
+    assert same_minus_different_cosine(x) == pytest.approx(_pairwise_same_minus_different(x), rel=1e-12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), B=st.integers(2, 4), T=st.integers(2, 5), D=st.integers(2, 6))
+def test_same_minus_different_matches_the_pairwise_definition_with_padding(seed, B, T, D):
+    x = _random(seed, B, T + 1, D)
+    mask = torch.zeros(B, T + 1, dtype=torch.bool)
+    mask[0, -1] = True  # ragged: sample 0 has one token fewer
+    mask[1:, :] = False
+    want = _pairwise_same_minus_different(x, mask)
+    assert same_minus_different_cosine(x, mask) == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_same_minus_different_of_identical_sample_constant_and_random_tokens():
+    # every token the same vector: as alike within a sample as across samples
+    v = torch.tensor([0.3, -1.2, 2.0, 0.5], dtype=torch.float64)
+    assert same_minus_different_cosine(v.expand(4, 6, 4)) == pytest.approx(0.0, abs=1e-12)
+    # each sample's tokens one constant of its own, the constants orthogonal: within 1, across 0
+    constants = 2.5 * torch.eye(4, dtype=torch.float64)
+    assert same_minus_different_cosine(constants[:, None, :].expand(4, 6, 4)) == pytest.approx(1.0, rel=1e-12)
+    # isotropic random tokens: about 0 (within and across alike near 0)
+    assert abs(same_minus_different_cosine(_random(0, 32, 16, 64))) < 0.01
+    # a large shared offset lifts the plain cosine near 1 within and across samples: the difference stays small
+    shifted = _random(1, 8, 10, 16) + 50.0
+    assert token_cosine(shifted).min().item() > 0.99 and abs(same_minus_different_cosine(shifted)) < 1e-3
+
+
+def test_different_sample_cosine_needs_two_samples():
+    assert math.isnan(different_sample_cosine(torch.ones(3), 1.0, 1))
+    assert math.isnan(same_minus_different_cosine(_random(0, 1, 4, 3)))
+
+
+def test_centred_cosine_of_identical_tokens_is_undefined_and_of_sample_constants_is_one():
+    v = torch.tensor([0.3, -1.2, 2.0, 0.5])  # float32: rounding must not give tokens at the mean a direction
+    assert torch.isnan(centred_token_cosine(v.expand(3, 5, 4))).all()
+    constants = torch.tensor([[1.0, 2.0, 0.0, 0.0], [-1.0, -2.0, 0.0, 0.0], [0.0, 0.0, 3.0, 1.0]])
+    x = constants[:, None, :].expand(3, 5, 4)
+    # the mean token is (0, 0, 1, 1/3): each sample's centred tokens are still one vector each
+    assert torch.allclose(centred_token_cosine(x), torch.ones(3))
+    obs = SmoothnessObserver(centre=[v])
+    obs(0, v.expand(3, 5, 4))
+    assert math.isnan(obs.result()["cosine_centred"][0])  # no sample counted: NaN, null in smoothness.json
+
+
+def test_centred_cosine_subtracts_the_mean_of_the_whole_set_across_batches():
+    a, b = _random(1, 3, 5, 4) + 2.0, _random(2, 2, 5, 4) - 1.0
+    mask_a = torch.zeros(3, 5, dtype=torch.bool)
+    mask_a[0, 3:] = True
+    mask_all = torch.cat([mask_a, torch.zeros(2, 5, dtype=torch.bool)])
+    whole = torch.cat([a, b])
+    means = TokenMeans()
+    for x, m in ((a, mask_a), (b, None)):
+        means.begin_batch(m)(0, x)
+    kept = whole[~mask_all]
+    assert torch.allclose(means.means()[0], kept.mean(0), atol=1e-12)
+    obs = SmoothnessObserver(centre=means.means())
+    for x, m in ((a, mask_a), (b, None)):
+        obs.begin_batch(m)(0, x)
+    result = obs.result()
+    # the same numbers as the whole set in one batch, which differ from centring each batch on its own mean
+    assert result["cosine_centred"][0] == pytest.approx(centred_token_cosine(whole, mask_all).mean().item(), rel=1e-12)
+    own = torch.cat([centred_token_cosine(a, mask_a), centred_token_cosine(b)]).mean().item()
+    assert abs(result["cosine_centred"][0] - own) > 0.01
+    # samples are paired across batches too
+    want = _pairwise_same_minus_different(whole, mask_all)
+    assert result["cosine_same_minus_different"][0] == pytest.approx(want, rel=1e-12)
+
+
+def test_smoothness_reports_set_metrics_per_layer_of_a_model():
+    from kilolayer import build_model
+
+    torch.manual_seed(0)
+    model = build_model(dict(arch="encoder", layers=3, width=16, heads=2, ffn=32, vocab_size=32, max_len=8)).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = [{"inputs": torch.randint(0, 32, (3, 8), generator=g)} for _ in range(2)]
+    result = smoothness(model, iter(batches))  # a one-shot iterator is read once, run twice
+    hidden = [[], [], [], []]
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch, observe=lambda i, h: hidden[i].append(h.clone()))
+    whole = [torch.cat(h) for h in hidden]
+    for key in ("cosine", "cosine_centred", "cosine_same_minus_different"):
+        assert len(result[key]) == len(result["layers"]) == 4
+    assert result["cosine_centred"] == pytest.approx([centred_token_cosine(h).mean().item() for h in whole], rel=1e-5)
+    assert result["cosine_same_minus_different"] == pytest.approx(
+        [same_minus_different_cosine(h) for h in whole], rel=1e-5, abs=1e-7
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from objective_helpers import config, evaluate, setup, train
+from objective_helpers import SMALL_PACKAGES, config, evaluate, setup, train
 
 from kilolayer.errors import ConfigError
 from kilolayer.objectives.common import pool
@@ -74,6 +74,47 @@ def test_pooling_ignores_padding_and_cls():
     assert torch.allclose(mean[1], hidden[1].mean(0))
     assert torch.equal(pool(hidden, None, "cls"), hidden[:, 0])
     assert torch.allclose(pool(hidden[1:], None, "mean", skip_first=True), hidden[1, 1:].mean(0, keepdim=True))
+
+
+def _reads_first_two_features(objective) -> None:
+    """Make logits 0 and 1 the pooled features' first two numbers (the rest 0): no norm, unit weights, no bias."""
+    objective.norm = torch.nn.Identity()
+    with torch.no_grad():
+        objective.head.weight.zero_()
+        objective.head.weight[0, 0] = objective.head.weight[1, 1] = 1.0
+        objective.head.bias.zero_()
+
+
+def test_mean_pooled_head_reads_the_mean_of_the_final_content_tokens():
+    # a patch model with a CLS token: 16 patch tokens + CLS; the backbone's output is given, not computed
+    hidden = torch.zeros(1, 17, 32)
+    hidden[0, 0, :2] = 100.0  # the CLS token
+    hidden[0, 1:, 0] = torch.arange(1.0, 17.0)  # patch tokens 1..16: mean 8.5
+    hidden[0, 1:, 1] = torch.tensor([4.0] * 8 + [-2.0] * 8)  # mean 1.0
+    batch = {"inputs": torch.zeros(1, 1, 8, 8), "labels": torch.tensor([0])}
+    logits = {}
+    for how in ("mean", "cls"):
+        task, _ = setup(config("classification", "digits", options={"pool": how}))
+        assert task.objective.pool == how
+        _reads_first_two_features(task.objective)
+        logits[how] = task.objective.logits(lambda x, mask: hidden, batch)
+    assert logits["mean"][:, :2].tolist() == [[8.5, 1.0]]  # the CLS token is not in the mean
+    assert logits["cls"][:, :2].tolist() == [[100.0, 100.0]]
+    assert not logits["mean"][:, 2:].any()
+
+
+def test_mean_pooled_text_head_leaves_padding_out():
+    cfg = config("classification", "stdlib_packages", data_options=SMALL_PACKAGES, options={"pool": "mean"})
+    task, _ = setup(cfg)
+    _reads_first_two_features(task.objective)
+    hidden = torch.zeros(2, 4, 32)
+    hidden[:, :, 0] = torch.tensor([[1.0, 2.0, 3.0, 1e6], [5.0, 7.0, 9.0, 11.0]])
+    batch = {
+        "tokens": torch.zeros(2, 4, dtype=torch.long),
+        "padding_mask": torch.tensor([[False, False, False, True], [False] * 4]),
+        "labels": torch.tensor([0, 1]),
+    }
+    assert task.objective.logits(lambda x, mask: hidden, batch)[:, 0].tolist() == [2.0, 8.0]
 
 
 def test_default_pooling():

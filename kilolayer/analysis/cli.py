@@ -17,10 +17,11 @@ def _table(result: dict) -> str:
     from kilolayer.analysis.smoothness import METRICS
 
     metrics = [m for m in METRICS if m in result]
-    head = "layer " + " ".join(f"{m:>14s}" for m in metrics)
+    widths = [max(10, len(m)) for m in metrics]
+    head = "layer " + " ".join(f"{m:>{w}s}" for m, w in zip(metrics, widths))
     rows = [head]
     for i, layer in enumerate(result["layers"]):
-        cells = " ".join(f"{result[m][i]:14.4f}" for m in metrics)
+        cells = " ".join(f"{result[m][i]:{w}.4f}" for m, w in zip(metrics, widths))
         rows.append(f"{layer:5d} {cells}")
     return "\n".join(rows)
 

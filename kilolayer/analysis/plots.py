@@ -23,7 +23,8 @@ from kilolayer.errors import InputError
 # y-axis label per metric: units plus which way is "smoother"
 Y_LABELS = {
     "cosine": "mean cos(h_i, h_j)\n(1 = all tokens alike)",
-    "cosine_centred": "mean cos after removing\nthe batch's mean token",
+    "cosine_centred": "mean cos after removing\nthe set's mean token",
+    "cosine_same_minus_different": "mean cos within a sample\nminus across samples",
     "rank_residual": "||X - 1 mean(X)|| / ||X||\n(0 = rank one)",
     "effective_rank": "exp(entropy of singular values)\n(1 = rank one)",
     "hc_ratio": "||X - mean token|| / ||X||\n(0 = all tokens equal)",
@@ -108,7 +109,7 @@ def plot_smoothness(
         ax.set_title(METRICS[metric], fontsize=10)
         ax.set_xlabel("relative depth (layer / number of layers)" if relative else "layer (0 = embeddings)")
         ax.set_ylabel(Y_LABELS[metric], fontsize=9)
-        if metric in ("cosine", "hc_ratio", "rank_residual"):  # show the distance from 0 (and cosine's 1)
+        if metric in ("cosine", "cosine_same_minus_different", "hc_ratio", "rank_residual"):  # 0 (and cosine's 1)
             low, high = ax.get_ylim()
             low, high = min(low, 0.0), max(high, 1.0) if metric == "cosine" else high
             ax.set_ylim(low, high + 0.04 * (high - low))

@@ -1,13 +1,15 @@
 """Over-smoothing metrics on hidden states, layer by layer (docs/bamboo.md#over-smoothing-metrics).
 
-Every metric takes hidden states ``(B, T, D)`` and an optional padding mask
+Every per-sample metric takes hidden states ``(B, T, D)`` and an optional padding mask
 ``(B, T)`` (bool, True = padding) and returns one value per sample ``(B,)``;
 a sample the metric is undefined for (e.g. fewer than two tokens) gets NaN and
-is left out of averages. Padding tokens never change a result.
+is left out of averages. Padding tokens never change a result. Two metrics read the
+evaluated set as a whole: ``cosine_centred`` subtracts the set's mean token, and
+``cosine_same_minus_different`` compares tokens of one sample with tokens of others.
 
 :class:`SmoothnessObserver` is passed to a backbone as ``observe``: it reduces
 each layer's hidden states to these numbers at once, so analysing a
-1,000-layer model holds one layer's activations, not 1,000.
+1,000-layer model holds one layer's activations (and one mean vector per layer), not 1,000.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from kilolayer.errors import InputError
 # name -> what the number is; the order is the order of plot panels.
 METRICS = {
     "cosine": "token cosine similarity",
-    "cosine_centred": "dataset-centred token cosine similarity",
+    "cosine_centred": "token cosine, the set's mean token subtracted",
+    "cosine_same_minus_different": "same-sample minus different-sample token cosine",
     "rank_residual": "rank-collapse residual (Dong et al.)",
     "effective_rank": "effective rank",
     "hc_ratio": "high-frequency share ||HC|| / ||X||",
@@ -93,16 +96,65 @@ def token_cosine(
 
 
 def centred_token_cosine(
-    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+    hidden: torch.Tensor,
+    padding_mask: torch.Tensor | None = None,
+    exclude: Sequence[int] = (),
+    mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Token cosine after subtracting the mean token of the whole batch (all samples' kept tokens).
+    """Per sample: :func:`token_cosine` of its kept tokens minus ``mean`` (D,), the mean kept token of the
+    evaluated set: by default this batch's (all samples' kept tokens).
 
     Removes the direction every token shares (e.g. a large common bias), which plain
-    cosine counts as similarity."""
+    cosine counts as similarity. A token at the mean (within 1e-6 of its own norm) has no direction, and
+    rounding would give it an arbitrary one: it is left out, so a set of identical tokens gives NaN."""
     x = _as_float(hidden)
     keep = keep_mask(x, padding_mask, exclude)
-    mean = _masked(x, keep).sum((0, 1)) / keep.sum().clamp_min(1).to(x.dtype)
-    return token_cosine(x - mean, ~keep)
+    if mean is None:
+        mean = _masked(x, keep).double().sum((0, 1)) / keep.sum().clamp_min(1)
+    centred = x - mean.to(device=x.device, dtype=x.dtype)
+    at_mean = centred.norm(dim=-1) <= 1e-6 * x.norm(dim=-1)
+    return token_cosine(centred, ~keep | at_mean)
+
+
+def mean_unit_tokens(
+    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B, D) each sample's mean kept token scaled to unit length, u_b = mean_i h_i / ||h_i||; (B,) bool, True
+    for the samples :func:`token_cosine` counts, those with two kept tokens or more).
+
+    The mean cosine between a token of sample a and a token of sample b is u_a . u_b."""
+    x = _as_float(hidden)
+    keep = keep_mask(x, padding_mask, exclude)
+    unit = _masked(x / x.norm(dim=-1, keepdim=True).clamp_min(1e-30), keep)
+    n = keep.sum(1)
+    return unit.sum(1) / n.clamp_min(1)[:, None].to(x.dtype), n >= 2
+
+
+def different_sample_cosine(unit_sum: torch.Tensor, unit_square_sum: float, samples: int) -> float:
+    """Mean over ordered pairs of distinct samples (a, b) of the mean cosine between a token of a and a token of
+    b, from S = ``samples`` vectors u_b (:func:`mean_unit_tokens`) given as their sum and their summed squared
+    norms: (||sum_b u_b||^2 - sum_b ||u_b||^2) / (S (S - 1)). NaN below two samples."""
+    if samples < 2:
+        return math.nan
+    return (float(unit_sum.double().square().sum()) - unit_square_sum) / (samples * (samples - 1))
+
+
+def same_minus_different_cosine(
+    hidden: torch.Tensor, padding_mask: torch.Tensor | None = None, exclude: Sequence[int] = ()
+) -> float:
+    """Over the samples of one batch (the evaluated set): the mean of :func:`token_cosine` (tokens of the same
+    sample) minus :func:`different_sample_cosine` (tokens of different samples), both over the samples with two
+    kept tokens or more. Near 0 when a sample's tokens are no more alike than any two tokens of the set (all
+    tokens alike, or all independent); large when each sample's tokens share something of their own."""
+    same = token_cosine(hidden, padding_mask, exclude)
+    unit, counted = mean_unit_tokens(hidden, padding_mask, exclude)
+    unit = unit[counted].double()
+    samples = int(counted.sum())
+    if samples < 2:
+        return math.nan
+    return float(same[counted].double().mean()) - different_sample_cosine(
+        unit.sum(0), float(unit.square().sum()), samples
+    )
 
 
 def _composite_norm(a: torch.Tensor) -> torch.Tensor:
@@ -177,20 +229,27 @@ def high_frequency(hidden: torch.Tensor, grid: int) -> torch.Tensor:
     return relative_log_amplitude(hidden, grid)[:, -1]
 
 
+def left_out_mask(padding_mask: torch.Tensor | None, skip: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T) bool, True = a token the token metrics leave out: padding, or a real token ``skip`` marks."""
+    return padding_mask if skip is None else (skip if padding_mask is None else padding_mask | skip)
+
+
 def layer_metrics(
     hidden: torch.Tensor,
     padding_mask: torch.Tensor | None = None,
     exclude: Sequence[int] = (),
     grid: int | None = None,
     skip: torch.Tensor | None = None,
+    centre: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every metric that applies, each ``(B,)``. ``high_freq`` only with a grid (images: no padding).
+    """Every per-sample metric that applies, each ``(B,)``. ``high_freq`` only with a grid (images: no padding).
     ``skip`` (B, T): tokens the token metrics leave out, as padding, but that are real tokens of the grid (the
-    Fourier metric, which needs the whole grid, keeps them)."""
-    left_out = padding_mask if skip is None else (skip if padding_mask is None else padding_mask | skip)
+    Fourier metric, which needs the whole grid, keeps them). ``centre`` (D,): the evaluated set's mean token, which
+    ``cosine_centred`` subtracts (default: this batch's)."""
+    left_out = left_out_mask(padding_mask, skip)
     out = {
         "cosine": token_cosine(hidden, left_out, exclude),
-        "cosine_centred": centred_token_cosine(hidden, left_out, exclude),
+        "cosine_centred": centred_token_cosine(hidden, left_out, exclude, centre),
         "rank_residual": rank_collapse_residual(hidden, left_out, exclude),
         "effective_rank": effective_rank(hidden, left_out, exclude),
         "hc_ratio": hc_ratio(hidden, left_out, exclude),
@@ -205,47 +264,97 @@ def layer_metrics(
 # ---------------------------------------------------------------- accumulation
 
 
-class SmoothnessObserver:
-    """An ``observe(layer_index, hidden)`` callback that keeps only running sums of the metrics.
+class _BatchObserver:
+    """What every observer shares: the tokens left out (:meth:`begin_batch`), token 0 when ``exclude_first``,
+    and where a kilolayer stack observes its last layer (``before_final_norm``, which the stacks read)."""
 
-    Call :meth:`begin_batch` with the batch's padding mask before each forward
-    pass. Averages are over samples (each sample counts once, whatever its
-    length), across all batches.
-    """
-
-    def __init__(self, grid: int | None = None, exclude_first: bool = False, before_final_norm: bool = False):
-        self.grid = grid
+    def __init__(self, exclude_first: bool = False, before_final_norm: bool = False):
         self.exclude = (0,) if exclude_first else ()
-        # read by kilolayer stacks: observe the last layer before their final norm
         self.before_final_norm = before_final_norm
         self.padding_mask: torch.Tensor | None = None
         self.skip: torch.Tensor | None = None
-        self.samples = 0
-        self._sums: dict[str, list[float]] = {}
-        self._counts: dict[str, list[int]] = {}
 
-    def begin_batch(
-        self, padding_mask: torch.Tensor | None = None, skip: torch.Tensor | None = None
-    ) -> SmoothnessObserver:
+    def begin_batch(self, padding_mask: torch.Tensor | None = None, skip: torch.Tensor | None = None):
         """The next batch's padding mask and the real tokens the token metrics skip (:func:`layer_metrics`)."""
         self.padding_mask = padding_mask
         self.skip = skip
         return self
 
+
+def _grow(values: list, layer: int, zero) -> list:
+    while len(values) <= layer:
+        values.append(zero() if callable(zero) else zero)
+    return values
+
+
+class TokenMeans(_BatchObserver):
+    """An ``observe(layer_index, hidden)`` callback that sums each layer's kept tokens: :meth:`means` is the mean
+    token per layer over everything observed (the centre of ``cosine_centred``)."""
+
+    def __init__(self, exclude_first: bool = False, before_final_norm: bool = False):
+        super().__init__(exclude_first, before_final_norm)
+        self._sums: list[torch.Tensor] = []
+        self._counts: list[int] = []
+
+    def __call__(self, layer: int, hidden: torch.Tensor) -> None:
+        x = _as_float(hidden)
+        keep = keep_mask(x, left_out_mask(self.padding_mask, self.skip), self.exclude)
+        total = _masked(x, keep).double().sum((0, 1))
+        _grow(self._counts, layer, 0)[layer] += int(keep.sum())
+        sums = _grow(self._sums, layer, lambda: torch.zeros_like(total))
+        sums[layer] = sums[layer] + total
+
+    def means(self) -> list[torch.Tensor]:
+        """The mean kept token (D,) of each observed layer (zeros where none was kept)."""
+        return [s / max(n, 1) for s, n in zip(self._sums, self._counts)]
+
+
+class SmoothnessObserver(_BatchObserver):
+    """An ``observe(layer_index, hidden)`` callback that keeps only running sums of the metrics.
+
+    Call :meth:`begin_batch` with the batch's padding mask before each forward
+    pass. Averages are over samples (each sample counts once, whatever its
+    length), across all batches. ``centre``: the evaluated set's mean token per layer
+    (:class:`TokenMeans` over the same batches, which :func:`smoothness` runs first), subtracted by
+    ``cosine_centred``; without it each batch is centred on its own mean token. The different-sample
+    cosine pairs samples across all batches (a sum of one vector per layer), so
+    ``cosine_same_minus_different`` is the set's whatever the batch size.
+    """
+
+    def __init__(
+        self,
+        grid: int | None = None,
+        exclude_first: bool = False,
+        before_final_norm: bool = False,
+        centre: list[torch.Tensor] | None = None,
+    ):
+        super().__init__(exclude_first, before_final_norm)
+        self.grid = grid
+        self.centre = centre
+        self.samples = 0
+        self._sums: dict[str, list[float]] = {}
+        self._counts: dict[str, list[int]] = {}
+        # per layer, over the samples the cosine counts: sum of u_b, sum of ||u_b||^2 (mean_unit_tokens)
+        self._unit_sums: list[torch.Tensor] = []
+        self._unit_squares: list[float] = []
+
     def __call__(self, layer: int, hidden: torch.Tensor) -> None:
         if layer == 0:
             self.samples += hidden.shape[0]
+        centre = self.centre[layer] if self.centre is not None else None
         with torch.no_grad():
-            values = layer_metrics(hidden, self.padding_mask, self.exclude, self.grid, self.skip)
+            values = layer_metrics(hidden, self.padding_mask, self.exclude, self.grid, self.skip, centre)
+            unit, counted = mean_unit_tokens(hidden, left_out_mask(self.padding_mask, self.skip), self.exclude)
         for name, v in values.items():
-            sums = self._sums.setdefault(name, [])
-            counts = self._counts.setdefault(name, [])
-            while len(sums) <= layer:
-                sums.append(0.0)
-                counts.append(0)
+            sums = _grow(self._sums.setdefault(name, []), layer, 0.0)
+            counts = _grow(self._counts.setdefault(name, []), layer, 0)
             finite = torch.isfinite(v)
             sums[layer] += float(v[finite].double().sum())
             counts[layer] += int(finite.sum())
+        unit = unit[counted].double()
+        unit_sums = _grow(self._unit_sums, layer, lambda: torch.zeros(unit.shape[-1], dtype=torch.float64))
+        unit_sums[layer] = unit_sums[layer] + unit.sum(0).cpu()
+        _grow(self._unit_squares, layer, 0.0)[layer] += float(unit.square().sum())
 
     def result(self) -> dict:
         """``{"layers": [0..L], "samples": n, metric: [mean per layer], ...}`` (NaN where no sample counted)."""
@@ -256,7 +365,12 @@ class SmoothnessObserver:
         for name in METRICS:
             if name in self._sums:
                 out[name] = [s / c if c else math.nan for s, c in zip(self._sums[name], self._counts[name])]
-        return out
+        counted = self._counts["cosine"]
+        out["cosine_same_minus_different"] = [
+            same - different_sample_cosine(u, sq, n)
+            for same, u, sq, n in zip(out["cosine"], self._unit_sums, self._unit_squares, counted)
+        ]
+        return {k: out[k] for k in ("layers", "samples", *METRICS) if k in out}
 
 
 # ---------------------------------------------------------------- models
@@ -306,11 +420,22 @@ def smoothness(
     Returns ``{"layers": [0..L], "samples": n, "cosine": [...], ...}``: index 0 is
     the embedding output, index L the last layer's output after any final norm, or,
     with ``before_final_norm`` (kilolayer backbones), the last block's output before it.
+    The model runs twice over ``batches`` (held in memory: inputs only): first for each layer's mean token
+    over the whole set, which ``cosine_centred`` subtracts, then for the metrics.
     """
+    batches = list(batches)  # two passes: the set's mean token per layer, then the metrics
+    means = TokenMeans(exclude_first, before_final_norm)
+    _observe(model, batches, means)
+    observer = SmoothnessObserver(grid, exclude_first, before_final_norm, centre=means.means())
+    _observe(model, batches, observer)
+    return observer.result()
+
+
+def _observe(model: torch.nn.Module, batches: list, observer: _BatchObserver) -> None:
+    """Run ``model`` in evaluation mode on every batch with ``observer`` seeing each layer's hidden states."""
     from kilolayer.nn.transformer import Backbone
 
     ours = isinstance(model, Backbone)
-    observer = SmoothnessObserver(grid=grid, exclude_first=exclude_first, before_final_norm=before_final_norm)
     was_training = model.training
     model.eval()
     try:
@@ -327,7 +452,6 @@ def smoothness(
                         observer(i, h)
     finally:
         model.train(was_training)
-    return observer.result()
 
 
 def special_token_ids(config, source) -> list[int]:
@@ -370,7 +494,8 @@ def blank_token_mask(images: torch.Tensor, patch: int, cls_token: bool) -> torch
 
 
 #: version of the measurement choices below; the study runner re-measures saved results of another version
-SMOOTHNESS_METHOD = 2
+#: (3: cosine_centred subtracts the evaluated set's mean token, not each batch's; cosine_same_minus_different)
+SMOOTHNESS_METHOD = 3
 
 
 def smoothness_of_run(
@@ -391,7 +516,7 @@ def smoothness_of_run(
     Measurement choices (Bamboo's over-smoothing is about the content tokens of the last block):
     ``exclude_special`` (default) leaves the CLS token of a patch model and special-token ids of token inputs
     out of every metric (``exclude_first`` drops token 0 whatever it is); ``exclude_blank`` (default) leaves
-    out the tokens of blank patches (every pixel equal: MNIST's black border is 62% of its 4x4 patches), which
+    out the tokens of blank patches (every pixel equal: MNIST's black border, most of its 4x4 patches), which
     differ only by their position embedding and would raise every model's cosine alike; the last entry is the
     last block's output before the stack's final LayerNorm, whose shared bias raises raw cosine, unless
     ``after_final_norm``.

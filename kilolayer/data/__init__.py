@@ -6,7 +6,18 @@ its module plus one import line here.
 
 from __future__ import annotations
 
-from kilolayer.data import digits, hf_dataset, images, mnist, parallel, ptb, stdlib, synthetic, text  # noqa: F401
+from kilolayer.data import (  # noqa: F401
+    digits,
+    hf_dataset,
+    images,
+    lo_help,
+    mnist,
+    parallel,
+    ptb,
+    stdlib,
+    synthetic,
+    text,
+)
 from kilolayer.data.base import SOURCES, Source, register_source
 
 

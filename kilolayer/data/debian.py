@@ -1,7 +1,8 @@
 """Debian packages as data: extract them into a folder without installing, and record their versions.
 
-``python -m kilolayer.data.debian fetch de_en fr_en [--root DIR]`` runs ``apt-get download`` for the packages
-the ``de_en``/``fr_en`` sources read (:mod:`kilolayer.data.parallel`), ``dpkg -x`` each into ``DIR`` (default
+``python -m kilolayer.data.debian fetch de_en fr_en lo_help [--root DIR]`` runs ``apt-get download`` for the
+packages the ``de_en``/``fr_en`` sources (:mod:`kilolayer.data.parallel`) and the ``lo_help`` source
+(:mod:`kilolayer.data.lo_help`) read, ``dpkg -x`` each into ``DIR`` (default
 ``$KILOLAYER_PARALLEL_ROOT``, else ``$KILOLAYER_CACHE/parallel/root``) and records each package's version in
 ``DIR/kilolayer-packages.json`` (:mod:`kilolayer.data.packages` reads it). No root rights and no system
 install are needed; a package already recorded with its files present is not fetched again.
@@ -16,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kilolayer.data import parallel
+from kilolayer.data import lo_help, parallel
 from kilolayer.data.packages import MANIFEST, read_manifest
 
 
@@ -42,20 +43,26 @@ def fetch_packages(wanted: dict[str, str], root: Path) -> dict[str, str]:
     return {p: manifest.get(p, "unknown") for p in sorted(wanted)}
 
 
+def fetchable() -> dict[str, dict[str, str]]:
+    """Source name -> the packages it reads, each with a path (under the root) that shows it is there."""
+    return {**{name: parallel.all_packages(name) for name in sorted(parallel.PAIRS)}, "lo_help": lo_help.PACKAGES}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kilolayer.data.debian", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    f = sub.add_parser("fetch", help="download and extract the packages of parallel sources (no system install)")
-    f.add_argument("names", nargs="*", metavar="NAME", help=f"{' '.join(sorted(parallel.PAIRS))} (default: all)")
+    f = sub.add_parser("fetch", help="download and extract the packages of Debian-package sources (no system install)")
+    sources = fetchable()
+    f.add_argument("names", nargs="*", metavar="NAME", help=f"{' '.join(sources)} (default: all)")
     f.add_argument("--root", default=None, help=f"default: ${parallel.ENV_ROOT}, else {parallel.default_root()}")
     args = ap.parse_args(argv)
-    bad = [n for n in args.names if n not in parallel.PAIRS]
+    bad = [n for n in args.names if n not in sources]
     if bad:
-        ap.error(f"unknown {', '.join(bad)}; allowed: {', '.join(sorted(parallel.PAIRS))}")
-    root = Path(args.root) if args.root else parallel.resolve_root(parallel.ParallelOptions())
+        ap.error(f"unknown {', '.join(bad)}; allowed: {', '.join(sources)}")
+    root = Path(args.root) if args.root else parallel.resolve_root(None)
     wanted = {}
-    for name in args.names or sorted(parallel.PAIRS):
-        wanted.update(parallel.all_packages(name))
+    for name in args.names or sources:
+        wanted.update(sources[name])
     try:
         versions = fetch_packages(wanted, root)
     except (OSError, subprocess.CalledProcessError) as err:

@@ -288,8 +288,10 @@ def default_root() -> Path:
     return cache_dir() / "parallel" / "root"
 
 
-def resolve_root(opts: ParallelOptions) -> Path:
-    return Path(opts.root or os.environ.get(ENV_ROOT) or default_root())
+def resolve_root(root: str | None) -> Path:
+    """The folder of extracted packages: ``root`` (``data.options.root``), else ``$KILOLAYER_PARALLEL_ROOT``, else
+    the cache's."""
+    return Path(root or os.environ.get(ENV_ROOT) or default_root())
 
 
 def kinds_of(name: str, opts: ParallelOptions) -> list[str]:
@@ -622,7 +624,7 @@ def make_source(name: str, config) -> ParallelCorpus:
         raise ConfigError(f"model.arch={m.arch!r}: data.name={name!r} needs an encoder_decoder")
     if m.input != "tokens":
         raise ConfigError(f"model.input={m.input!r}: data.name={name!r} gives tokens; set model.input: tokens")
-    root = resolve_root(opts)
+    root = resolve_root(opts.root)
     key, corpus, record = load_corpus(name, str(root), opts.model_dump_json())
     if not corpus["train"] or not corpus[opts.eval_split]:
         raise InputError(

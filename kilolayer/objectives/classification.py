@@ -6,8 +6,9 @@ Batch: ``{"inputs": images float (B, C, H, W) or token ids long (B, T),
 
 * ``pool``: ``cls`` (the first token: the CLS token of a patch model, or a CLS
   id the text source put first) or ``mean`` (over non-padding tokens; a
-  patch model's CLS token is left out). Default: ``cls`` for a patch model
-  with a CLS token, else ``mean``.
+  patch model's CLS token is left out, so every content token gets the same
+  gradient from the head). Default: ``cls`` for a patch model with a CLS
+  token, else ``mean``.
 * ``num_classes``: default, the data source's number of classes.
 * ``head_norm``: LayerNorm on the pooled features before the linear head
   (default true; makes a frozen-backbone linear probe far better conditioned).
