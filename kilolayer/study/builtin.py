@@ -474,10 +474,8 @@ def deepnet_analysis() -> dict:
             "diagnosed steps for the last layer's gradient across depths (3(b)). The paper's version is 18L-18L "
             "translation at width 512 (IWSLT-14 De-En): on a GPU, the same groups on de_en at width 512."
         ),
-        "expected_minutes": 30,
-        "expected_basis": (
-            "estimated, not measured: CPU seconds per training step measured at these shapes, plus evaluations"
-        ),
+        "expected_minutes": 38,
+        "expected_basis": "measured with --jobs 2 on a shared machine",
         "groups": [
             {
                 "name": "deepnet",
