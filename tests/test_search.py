@@ -270,6 +270,10 @@ def test_search_errors_are_one_line(tmp_path, capsys):
     assert "kilolayer: error: --params 'lots': expected a count" in capsys.readouterr().err
     assert main([*base, "--params", "10", "--depths", "1..4", "--set", "model.width=32", "--set", "model.heads=2"]) == 2
     assert "kilolayer: error: --params 10: no shape of head size 16 at depths 1..4" in capsys.readouterr().err
+    assert main([*base, "--params", "26k", "--address", "127.0.0.1:6379", "--cpus-per-run", "2"]) == 2
+    assert "kilolayer: error: --address, --cpus-per-run: only with --executor ray" in capsys.readouterr().err
+    assert main([*base, "--params", "26k", "--executor", "ray", "--cpus-per-run", "0.5"]) == 2
+    assert "kilolayer: error: --cpus-per-run=0.5: expected a number >= 1" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()  # nothing written for a refused search
 
 
@@ -307,3 +311,31 @@ def test_a_killed_search_continues_where_it_stopped(tmp_path):
     assert rundir.read_resume_history(second)[-1]["step"] >= 3  # continued from its checkpoint
     assert sorted(t.state for t in search.trials) == ["completed"] * len(search.trials)
     assert len(search.trials) == 3
+
+
+def test_a_rung_is_judged_in_trial_order_not_in_the_order_values_arrive(tmp_path, monkeypatch):
+    import optuna
+
+    from kilolayer.train import signals
+
+    s = settings()
+    config = S.check_settings(tiny("train.steps=90", "train.eval_every=10"), s)
+    study = S._open_study(optuna, tmp_path, config, s, 10, "minimize")
+    racer = S._Racer(optuna, study, config, s, {}, tmp_path, print)
+    first, second = study.ask(), study.ask()  # two trials running at once
+    assert racer.wait_for_earlier(first, 10) == ""  # nothing before it: never waits
+    assert racer.wait_for_earlier(second, 9) == ""  # not at a rung yet
+    monkeypatch.setattr(signals, "stop_requested", lambda: True)
+    assert racer.wait_for_earlier(second, 10) == "stopped by a signal while waiting at a rung for earlier trials"
+    # the later trial reports its rung first (as a faster trial on another worker would)
+    second.report(0.5, 10)
+    assert not second.should_prune()
+    # the earlier trial competes only with itself at rung 0, as if it had run alone before the other: promoted,
+    # where Optuna's own pruner (every trial that has reached the rung by now) would stop it (0.9 > 0.5)
+    first.report(0.9, 10)
+    assert not first.should_prune()
+    assert "best 1 of the 1 trials" in racer.prune_reason(first, 10, 0.9)
+    plain = optuna.pruners.SuccessiveHalvingPruner(min_resource=10, reduction_factor=3, min_early_stopping_rate=0)
+    third = study.ask()
+    third.report(0.9, 10)
+    assert plain.prune(study, study._storage.get_trial(third._trial_id))  # 0.9 against 0.5 and 0.9: stopped

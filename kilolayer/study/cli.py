@@ -101,6 +101,35 @@ def _run(spec, args):
 RAY_OPTIONS = ("address", "cpus_per_run", "gpus_per_run", "nproc_per_run")
 
 
+def add_executor_options(p, unit: str, local: str, cpus_default: str) -> None:
+    """``--executor local|ray`` and the Ray executor's ``--address``, ``--cpus-per-run``, ``--gpus-per-run``, the
+    same for ``kilolayer study`` (each ``unit`` a grid point) and ``kilolayer search`` (each a trial)."""
+    p.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help=f"{local}; ray: one Ray task per {unit}, on a cluster (pip install 'kilolayer[ray]'); results never "
+        "depend on which",
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="ray: the cluster to join (auto, HOST:PORT); omitted: start Ray on this machine (127.0.0.1)",
+    )
+    p.add_argument(
+        "--cpus-per-run",
+        type=float,
+        metavar="C",
+        help=f"ray: CPUs each {unit} reserves, and its torch threads (default: {cpus_default})",
+    )
+    p.add_argument(
+        "--gpus-per-run",
+        type=float,
+        metavar="G",
+        help=f"ray: GPUs each {unit} reserves (default 0); train.device auto then uses CUDA",
+    )
+
+
 def _check_executor(args) -> None:
     """Options that belong to the other executor are one line, not silently ignored."""
     from kilolayer.errors import ConfigError
@@ -109,18 +138,18 @@ def _check_executor(args) -> None:
         return "--" + name.replace("_", "-")
 
     if args.executor == "local":
-        given = [flag(n) for n in RAY_OPTIONS if getattr(args, n) is not None]
+        given = [flag(n) for n in RAY_OPTIONS if getattr(args, n, None) is not None]
         if given:
             raise ConfigError(f"{', '.join(given)}: only with --executor ray")
         return
-    if args.jobs is not None:
+    if getattr(args, "jobs", None) is not None:
         raise ConfigError(
             "--jobs: only with --executor local; Ray runs as many points at once as the cluster's "
             "CPUs and GPUs allow (size each with --cpus-per-run and --gpus-per-run)"
         )
-    if args.estimate:
+    if getattr(args, "estimate", False):
         raise ConfigError("--estimate times points on this machine; use it without --executor ray")
-    if args.nproc_per_run is not None and args.nproc_per_run < 1:
+    if getattr(args, "nproc_per_run", None) is not None and args.nproc_per_run < 1:
         raise ConfigError(f"--nproc-per-run={args.nproc_per_run}: expected an integer >= 1")
     if args.cpus_per_run is not None and not args.cpus_per_run >= 1:
         raise ConfigError(f"--cpus-per-run={args.cpus_per_run:g}: expected a number >= 1")
@@ -173,30 +202,7 @@ def register(sub) -> None:
     p.add_argument("spec", nargs="?", metavar="NAME|SPEC.yaml", help="a built-in study (see --list) or a spec file")
     p.add_argument("--out", metavar="DIR", help="the study directory")
     p.add_argument("--jobs", type=int, metavar="K", help="local executor: train K points at once (default 1)")
-    p.add_argument(
-        "--executor",
-        choices=("local", "ray"),
-        default="local",
-        help="local (default): subprocesses on this machine; ray: one Ray task per point, on a cluster "
-        "(pip install 'kilolayer[ray]'); results never depend on which",
-    )
-    p.add_argument(
-        "--address",
-        metavar="ADDR",
-        help="ray: the cluster to join (auto, HOST:PORT); omitted: start Ray on this machine (127.0.0.1)",
-    )
-    p.add_argument(
-        "--cpus-per-run",
-        type=float,
-        metavar="C",
-        help="ray: CPUs each point reserves, and its torch threads (default: --nproc-per-run)",
-    )
-    p.add_argument(
-        "--gpus-per-run",
-        type=float,
-        metavar="G",
-        help="ray: GPUs each point reserves (default 0); train.device auto then uses CUDA",
-    )
+    add_executor_options(p, "point", "local (default): subprocesses on this machine", "--nproc-per-run")
     p.add_argument(
         "--nproc-per-run",
         type=int,
@@ -243,8 +249,14 @@ def cmd_search(args) -> int:
     )
     if args.forecast_steps is not None and args.forecast_steps < 1:
         raise ConfigError(f"--forecast-steps {args.forecast_steps}: expected an integer >= 1")
+    _check_executor(args)
+    race = None
+    if args.executor == "ray":
+        from kilolayer.study.search_ray import RayRace
+
+        race = RayRace(args.address, args.cpus_per_run or 1, args.gpus_per_run or 0)
     config = load_config(args.config, args.set)
-    search = run_search(config, Path(args.out), settings)
+    search = run_search(config, Path(args.out), settings, race=race)
     md, html = write_report(search)
     done = [t for t in search.ranked if t.state == "completed"]
     if search.best is not None:
@@ -269,7 +281,8 @@ def register_search(sub) -> None:
         "forecasts to diverge or stall, and race the rest with Optuna's successive-halving pruner; each trial "
         "is an ordinary run directory under DIR/trials/. Writes DIR/report.md, DIR/report.html and the "
         "recommended config DIR/best.yaml (unless the top two are within noise). Re-running continues the "
-        "search. Needs Optuna (pip install 'kilolayer[search]').",
+        "search. Trials run one at a time in this process, or at once as Ray tasks (--executor ray), with the "
+        "same leaderboard. Needs Optuna (pip install 'kilolayer[search]').",
     )
     p.add_argument("config", metavar="CONFIG", help="a YAML config file or a preset name")
     p.add_argument("--params", required=True, metavar="N", help="the parameter budget, e.g. 5M, 350k")
@@ -318,4 +331,5 @@ def register_search(sub) -> None:
         metavar="K",
         help="steps the pre-screen replays per shape (default: the doctor's, through warm-up + 10)",
     )
+    add_executor_options(p, "trial", "local (default): one trial after another in this process", "1")
     p.set_defaults(func=cmd_search)

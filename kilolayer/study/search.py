@@ -8,12 +8,14 @@ objective instead of inheriting 12 x 768. From the user's config (objective, dat
    token;
 2. :func:`prescreen`: each shape forecast by the doctor (:func:`kilolayer.doctor.forecast`); those forecast to
    diverge or stall are dropped with its reason, unless kept on purpose;
-3. :func:`run_search`: the rest raced under Optuna's successive-halving pruner (a trial goes on past a rung only
-   if its metric is among the best 1/eta of the trials that reached that rung), optionally with the learning
-   rate searched jointly (log-uniform around the config's, Optuna's TPE sampler). Each trial is an ordinary
-   run directory trained in this process by :func:`kilolayer.train.run.train`, which reports every evaluation
-   to the trial; a pruned trial stops there with a checkpoint (status ``interrupted``: resumable, and
-   diagnosable by ``kilolayer doctor``).
+3. :func:`run_search`: the rest raced under Optuna's successive-halving pruner in trial order (a trial goes on
+   past a rung only if its metric is among the best 1/eta of the trials numbered before it that reached that
+   rung, and itself: :func:`in_order_pruner`), optionally with the learning rate searched jointly (log-uniform
+   around the config's, Optuna's TPE sampler). Each trial is an ordinary run directory trained by
+   :func:`kilolayer.train.run.train`, which reports every evaluation to the trial; a pruned trial stops there
+   with a checkpoint (status ``interrupted``: resumable, and diagnosable by ``kilolayer doctor``). The trials
+   run one after another in this process (:func:`race_here`), or at once as Ray tasks
+   (:mod:`kilolayer.study.search_ray`), with the same leaderboard.
 
 The search lives in its directory: ``search.json`` (its settings), ``prescreen.json`` (the forecasts),
 ``optuna.journal`` (Optuna's journal storage: every trial, its state and reported values) and ``trials/``. A
@@ -326,10 +328,43 @@ def _open_study(optuna, out: Path, config: Config, settings: Settings, rung: int
         load_if_exists=True,
         direction=dirn,
         sampler=optuna.samplers.TPESampler(seed=config.train.seed),
-        pruner=optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=rung, reduction_factor=settings.reduction_factor, min_early_stopping_rate=0
-        ),
+        pruner=in_order_pruner(optuna, rung, settings.reduction_factor),
     )
+
+
+def in_order_pruner(optuna, rung: int, eta: int):
+    """Optuna's successive-halving pruner (first rung ``rung``, reduction factor ``eta``) in which the trials a
+    trial competes with at a rung are fixed by trial order: those numbered below it that reached the rung, and
+    itself, never a later one. Trials trained one after another meet exactly Optuna's own rule; trials trained
+    at once (``--executor ray``) each wait at a rung for every earlier trial to reach it or stop
+    (:meth:`_Racer.wait_for_earlier`), so no decision depends on how many run at once or which is faster."""
+    inner = optuna.pruners.SuccessiveHalvingPruner(min_resource=rung, reduction_factor=eta, min_early_stopping_rate=0)
+
+    class InOrderSuccessiveHalving(optuna.pruners.BasePruner):
+        def prune(self, study, trial) -> bool:
+            return inner.prune(_Earlier(study, trial.number), trial)
+
+    return InOrderSuccessiveHalving()
+
+
+class _Earlier:
+    """The study as trial ``number`` sees it at a rung: the trials numbered below it (what the pruner reads)."""
+
+    def __init__(self, study, number: int):
+        self.study, self.number = study, number
+        self._storage = study._storage
+        self.direction = study.direction
+
+    def get_trials(self, deepcopy: bool = True, states=None) -> list:
+        return [t for t in self.study.get_trials(deepcopy=deepcopy, states=states) if t.number < self.number]
+
+
+def rung_of(frozen) -> int:
+    """The rung a trial is at: how many rungs it has passed (Optuna's ``completed_rung_<i>`` attributes)."""
+    rung = 0
+    while f"completed_rung_{rung}" in frozen.system_attrs:
+        rung += 1
+    return rung
 
 
 def _check_same_search(out: Path, config: Config, settings: Settings) -> None:
@@ -363,13 +398,17 @@ def _steps_of(run: Path) -> int:
 
 
 class _Racer:
-    """Runs trials one at a time in this process: each an ordinary run directory trained by
-    :func:`kilolayer.train.run.train`, its evaluations reported to its Optuna trial."""
+    """Runs trials: each an ordinary run directory trained in this process by :func:`kilolayer.train.run.train`,
+    its evaluations reported to its Optuna trial. The local executor runs them one at a time here; the Ray
+    executor (:mod:`kilolayer.study.search_ray`) makes one in each task, on the same study's journal."""
+
+    POLL_S = 0.5  # how often a trial waiting at a rung looks at the earlier trials again
 
     def __init__(self, optuna, study, config, settings, kept: dict[str, Shape], out: Path, log):
         self.optuna, self.study, self.config, self.settings = optuna, study, config, settings
         self.kept, self.out, self.log = kept, out, log
         self.lr = config.train.lr
+        self.rung = first_rung(config, settings)
 
     # -- what has been spent
 
@@ -392,15 +431,67 @@ class _Racer:
 
     # -- the next trial
 
-    def next_trial(self, planned: int):
-        """A trial an interruption left running (continued: the search holds the directory, so its process is
-        gone), else a new one while fewer than ``planned`` exist, else None."""
+    def next_trial(self, planned: int, busy: frozenset[int] = frozenset()):
+        """The lowest-numbered trial an interruption left running and no one is training now (``busy``: trial
+        numbers; continued: the search holds the directory, so its process is gone), else a new one while fewer
+        than ``planned`` exist, else None. Its shape and lr are chosen here (:meth:`assign`)."""
         from optuna.trial import Trial, TrialState
 
+        trial = None
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            return Trial(self.study, t._trial_id)
-        started = self.study.get_trials(deepcopy=False, states=tuple(s for s in TrialState if s != TrialState.WAITING))
-        return self.study.ask() if len(started) < planned else None
+            if t.number not in busy:
+                trial = Trial(self.study, t._trial_id)
+                break
+        if trial is None:
+            started = self.study.get_trials(
+                deepcopy=False, states=tuple(s for s in TrialState if s != TrialState.WAITING)
+            )
+            if len(started) >= planned:
+                return None
+            trial = self.study.ask()
+        self.assign(trial)
+        return trial
+
+    def assign(self, trial) -> tuple[str, float, str]:
+        """The trial's (shape, lr, run directory relative to the search): sampled once, by the process that asked
+        for the trial (so the sampler's draws do not depend on the executor), and read back after."""
+        s = self.settings
+        name = trial.suggest_categorical("shape", list(self.kept))
+        lr = self.lr
+        if s.lr_factor is not None:
+            lr = trial.suggest_float("lr", self.lr / s.lr_factor, self.lr * s.lr_factor, log=True)
+        rel = trial.user_attrs.get("run")
+        if rel is None:
+            rel = f"{TRIALS}/{trial.number:03d}-{name}" + (f"-lr{lr:.3g}" if s.lr_factor is not None else "")
+            trial.set_user_attr("run", rel)
+        return name, lr, rel
+
+    def wait_for_earlier(self, trial, step: int) -> str:
+        """At a rung's step, wait until every earlier trial has reached that rung or stopped (in-order successive
+        halving: :func:`in_order_pruner`); returns why it must stop instead ("" to go on): the budget is spent,
+        or a signal asked training to stop. Trials run one after another never wait here."""
+        from optuna.trial import TrialState
+
+        from kilolayer.train.signals import stop_requested
+
+        rung = rung_of(self.study._storage.get_trial(trial._trial_id))
+        if step < self.rung * self.settings.reduction_factor**rung:
+            return ""
+        key = f"completed_rung_{rung}"
+        while True:
+            waiting_for = [
+                t.number
+                for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if t.number < trial.number and key not in t.system_attrs
+            ]
+            if not waiting_for:
+                return ""
+            stop = self.over_budget(*self.spent())
+            if stop:
+                return stop
+            if stop_requested():
+                return "stopped by a signal while waiting at a rung for earlier trials"
+            time.sleep(self.POLL_S)
 
     # -- one trial
 
@@ -411,22 +502,31 @@ class _Racer:
         from kilolayer.train.signals import Interrupted
 
         s = self.settings
-        name = trial.suggest_categorical("shape", list(self.kept))
-        lr = self.lr
-        if s.lr_factor is not None:
-            lr = trial.suggest_float("lr", self.lr / s.lr_factor, self.lr * s.lr_factor, log=True)
+        name, lr, rel = self.assign(trial)
         shape = self.kept[name]
-        rel = trial.user_attrs.get("run")
-        if rel is None:
-            rel = f"{TRIALS}/{trial.number:03d}-{name}" + (f"-lr{lr:.3g}" if s.lr_factor is not None else "")
-            trial.set_user_attr("run", rel)
         run = self.out / rel
         frozen = self.study._storage.get_trial(trial._trial_id)
         reported = set(frozen.intermediate_values)
         seconds0 = float(frozen.user_attrs.get("seconds", 0.0))
-        steps_others, seconds_others = self.spent(exclude=trial.number)
         t0 = time.perf_counter()
         verdict = {"pruned": "", "budget": ""}
+
+        def judge(step: int, value: float) -> str:
+            """Report ``value`` at ``step`` (after the earlier trials reached this rung); why to stop, or ""."""
+            waited = self.wait_for_earlier(trial, step)
+            if waited:
+                # not reported: the re-run that continues this trial judges it here first (``pending``)
+                trial.set_user_attr("pending", [step, value])
+                verdict["budget"] = waited
+                return waited
+            trial.report(value, step)
+            reported.add(step)
+            if "pending" in trial.user_attrs:
+                trial.set_user_attr("pending", None)
+            if trial.should_prune():
+                verdict["pruned"] = self.prune_reason(trial, step, value)
+                return f"pruned by kilolayer search: {verdict['pruned']}"
+            return ""
 
         def on_eval(step: int, metrics: dict) -> str:
             if s.metric not in metrics:
@@ -437,13 +537,18 @@ class _Racer:
             elapsed = seconds0 + time.perf_counter() - t0
             trial.set_user_attr("seconds", elapsed)
             if step not in reported:
-                trial.report(float(metrics[s.metric]), step)
-                reported.add(step)
-                if trial.should_prune():
-                    verdict["pruned"] = self.prune_reason(trial, step, float(metrics[s.metric]))
-                    return f"pruned by kilolayer search: {verdict['pruned']}"
+                stop = judge(step, float(metrics[s.metric]))
+                if stop:
+                    return stop if verdict["pruned"] else f"stopped by kilolayer search: {stop}"
+            steps_others, seconds_others = self.spent(exclude=trial.number)  # others may be training at once
             verdict["budget"] = self.over_budget(steps_others + step, seconds_others + elapsed)
             return f"stopped by kilolayer search: {verdict['budget']}" if verdict["budget"] else ""
+
+        pending = frozen.user_attrs.get("pending")
+        if pending and pending[0] not in reported and judge(*pending):
+            if verdict["pruned"]:
+                return self._pruned(trial, run, verdict["pruned"])
+            return verdict["budget"]
 
         self.log(f"[search] trial {trial.number}: {name} (lr {lr:.3g}) -> {run}")
         cfg = trial_config(self.config, shape, lr)
@@ -452,11 +557,7 @@ class _Racer:
         except Halted:
             trial.set_user_attr("seconds", seconds0 + time.perf_counter() - t0)
             if verdict["pruned"]:
-                trial.set_user_attr("ended", "pruned")
-                trial.set_user_attr("reason", verdict["pruned"])
-                self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
-                self.log(f"[search] trial {trial.number}: pruned at step {_steps_of(run)}")
-                return ""
+                return self._pruned(trial, run, verdict["pruned"])
             return verdict["budget"]  # left running: a larger budget continues it
         except DivergedError as err:
             trial.set_user_attr("ended", "diverged")
@@ -469,10 +570,10 @@ class _Racer:
         except ConfigError as err:
             if str(err).startswith("--metric"):
                 raise  # the user's mistake, the same for every trial
-            self._failed(trial, err, t0, seconds0)
+            self.failed(trial, err, seconds0 + time.perf_counter() - t0)
             return ""
         except Exception as err:
-            self._failed(trial, err, t0, seconds0)
+            self.failed(trial, err, seconds0 + time.perf_counter() - t0)
             return ""
         trial.set_user_attr("seconds", seconds0 + time.perf_counter() - t0)
         trial.set_user_attr("ended", "completed")
@@ -481,10 +582,19 @@ class _Racer:
         self.log(f"[search] trial {trial.number}: completed, {s.metric} {value:.4g}")
         return ""
 
-    def _failed(self, trial, err: BaseException, t0: float, seconds0: float) -> None:
-        reason = str(err) if isinstance(err, KilolayerError) else f"{type(err).__name__}: {err}"
-        reason = " ".join(reason.split())[:300]
-        trial.set_user_attr("seconds", seconds0 + time.perf_counter() - t0)
+    def _pruned(self, trial, run: Path, reason: str) -> str:
+        trial.set_user_attr("ended", "pruned")
+        trial.set_user_attr("reason", reason)
+        self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+        self.log(f"[search] trial {trial.number}: pruned at step {_steps_of(run)}")
+        return ""
+
+    def failed(self, trial, err: BaseException | str, seconds: float) -> None:
+        """Record ``trial`` failed with ``err`` (one line) after ``seconds`` of training; the search goes on."""
+        if not isinstance(err, str):
+            err = str(err) if isinstance(err, KilolayerError) else f"{type(err).__name__}: {err}"
+        reason = " ".join(err.split())[:300]
+        trial.set_user_attr("seconds", seconds)
         trial.set_user_attr("ended", "failed")
         trial.set_user_attr("reason", reason)
         self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
@@ -505,16 +615,21 @@ class _Racer:
             (int(k.rsplit("_", 1)[1]) for k in frozen.system_attrs if k.startswith("completed_rung_")), default=0
         )
         key = f"completed_rung_{rung}"
-        values = sorted(t.system_attrs[key] for t in self.study.get_trials(deepcopy=False) if key in t.system_attrs)
+        values = sorted(
+            t.system_attrs[key]
+            for t in self.study.get_trials(deepcopy=False)
+            if key in t.system_attrs and t.number <= trial.number  # the pruner's field (in_order_pruner)
+        )
         eta = self.settings.reduction_factor
         keep = max(len(values) // eta, 1)
         maximize = self.study.direction == self.optuna.study.StudyDirection.MAXIMIZE
         cutoff = values[-keep] if maximize else values[keep - 1]
         better = "higher" if maximize else "lower"
-        where = self.study.pruner._min_resource * eta**rung
+        where = self.rung * eta**rung
         return (
             f"successive halving, rung {rung} (step >= {where}): {self.settings.metric} {value:.6g} at step {step} is "
-            f"not among the best {keep} of the {len(values)} trials that reached this rung (cut-off {cutoff:.6g}, "
+            f"not among the best {keep} of the {len(values)} trials that reached this rung, this one and those before "
+            f"it (cut-off {cutoff:.6g}, "
             f"{better} is better)"
         )
 
@@ -641,15 +756,33 @@ def _write_choice(search: Search) -> None:
     write_atomic(search.best, dump_yaml(load_config(done[0].run / rundir.CONFIG)))
 
 
+def race_here(racer: _Racer, planned: int) -> str:
+    """The local executor: the trials one after another in this process; returns why a budget stopped them."""
+    while True:
+        stop = racer.over_budget(*racer.spent())
+        if stop:
+            return stop
+        trial = racer.next_trial(planned)
+        if trial is None:
+            return ""
+        stop = racer.run(trial)
+        if stop:
+            return stop
+
+
 def run_search(
     config: Config,
     out: str | Path,
     settings: Settings,
     log=print,
     forecaster: Callable[[Config], tuple[str, str]] | None = None,
+    race: Callable[[_Racer, int], str] | None = None,
 ) -> Search:
     """The whole search (module docstring) into ``out``; returns what the report shows. ``forecaster(config)``
-    gives (verdict, reason) for the pre-screen (default: the doctor's forecast)."""
+    gives (verdict, reason) for the pre-screen (default: the doctor's forecast); ``race(racer, planned)`` runs
+    the trials and says why a budget stopped them (default :func:`race_here`; Ray's:
+    :class:`kilolayer.study.search_ray.RayRace`)."""
+    race = race or race_here
     out = Path(out)
     config = check_settings(config, settings)
     optuna = _import_optuna()
@@ -683,18 +816,7 @@ def run_search(
             study.set_user_attr("lr", config.train.lr)
             _enqueue(study, list(kept), config.train.lr if settings.lr_factor is not None else None)
             racer = _Racer(optuna, study, config, settings, kept, out, log)
-            while True:
-                stop = racer.over_budget(*racer.spent())
-                if stop:
-                    search.stopped_by_budget = stop
-                    break
-                trial = racer.next_trial(planned)
-                if trial is None:
-                    break
-                stop = racer.run(trial)
-                if stop:
-                    search.stopped_by_budget = stop
-                    break
+            search.stopped_by_budget = race(racer, planned)
             search.trials = collect(study, kept, out, settings.metric)
         else:
             search.notes.append(

@@ -178,8 +178,9 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
         f"- **trials**: {len(search.trials)} started of {search.planned} planned",
         f"- **race**: Optuna's successive halving (reduction factor {eta}; rungs at steps "
         f"{', '.join(map(str, rungs)) or '-'}): at each rung a trial goes on only if its {_text(metric)} is among "
-        f"the best 1/{eta} of the trials that reached that rung so far (of fewer than {eta}, the best); the trials "
-        f"run one after another, so the earlier ones at a rung set the bar for the later",
+        f"the best 1/{eta} of the trials numbered before it that reached that rung, and itself (of fewer than {eta}, "
+        f"the best): the earlier trials set the bar for the later, whether the trials ran one after another or at "
+        f"once",
         "",
         "## Recommendation",
         "",

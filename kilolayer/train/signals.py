@@ -36,9 +36,11 @@ class StopSignals:
         self._previous: dict = {}
 
     def install(self) -> StopSignals:
+        global _installed
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._previous[s] = signal.signal(s, self._handle)
+            _installed = self
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -55,6 +57,18 @@ class StopSignals:
         self.first_at = time.monotonic()
 
     def restore(self) -> None:
+        global _installed
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+        if _installed is self:
+            _installed = None
+
+
+_installed: StopSignals | None = None  # the handlers in place, if training installed them
+
+
+def stop_requested() -> bool:
+    """Whether a SIGINT or SIGTERM has asked the training in this process to stop (for a caller's ``on_eval``
+    that waits, and must give way to it)."""
+    return _installed is not None and bool(_installed.signum)

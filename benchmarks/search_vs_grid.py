@@ -1,0 +1,215 @@
+"""``kilolayer search`` against the full grid it replaces, on two objectives whose best shapes may differ.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.search_vs_grid --out runs/search_vs_grid
+
+For each objective (MAE and classification on the bundled digits, one torch thread, the settings in
+:data:`COMMON`), the same parameter-matched shapes that ``kilolayer search`` generates
+(:func:`kilolayer.study.search.shapes`) are
+
+1. trained to the full budget for two seeds: the grid's best shape (lowest mean final evaluation loss) and its
+   seed-to-seed noise (the mean over shapes of |seed 0 - seed 1|);
+2. searched by :func:`kilolayer.study.search.run_search` at the same budget, seed 0, with the doctor's
+   pre-screen and successive halving (reduction factor 3).
+
+The search's pick is *the grid's best* when it is that shape, *within noise* when its grid mean is no further
+from the best's than the grid's seed-to-seed noise, else *worse*. Compute: model FLOPs (each shape's training
+FLOPs per sample at full length x batch size x steps) of the search's trials, and of the pre-screen's replays,
+against one seed of the full grid. Writes ``OUT/search_vs_grid.json`` and ``OUT/search_vs_grid.md``; finished
+runs are kept and a re-run only reads them back (its times are then those of the first run, as recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from kilolayer import rundir
+from kilolayer.config import load_config
+from kilolayer.doctor.forecast import auto_steps
+from kilolayer.study import search as S
+
+#: the two objectives: (name, config, --set overrides of their own)
+OBJECTIVES = (
+    ("mae", "configs/digits_mae.yaml", []),
+    ("classification", "configs/digits_vit.yaml", []),
+)
+#: both objectives: head size 4 (widths in steps of 4: ten shapes fit the budget), a short budget on one thread
+COMMON = [
+    "model.heads=16",
+    "train.steps=360",
+    "train.eval_every=20",
+    "train.eval_batches=8",
+    "train.batch_size=32",
+    "train.warmup=30",
+    "train.checkpoint_every=120",
+    "train.log_every=40",
+    "train.threads=1",
+]
+PARAMS, DEPTHS, TOLERANCE, ETA, SEEDS = 60_000, (1, 24), 0.1, 3, (0, 1)
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def final_loss(run: Path, metric: str) -> float:
+    r = rundir.RunDir(run)
+    evals = [e for e in r.metrics() if e.get("split") == "eval"]
+    return float(r.final_eval(evals, on_damaged=lambda _: None).get(metric, math.nan))
+
+
+def timed(record: dict, key: str, fn):
+    """Run ``fn`` and record its wall and CPU seconds under ``key`` unless ``record`` already has them."""
+    w, c = time.perf_counter(), time.process_time()
+    value = fn()
+    if key not in record:
+        record[key] = {"wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - c}
+    return value
+
+
+def grid(config, shapes, out: Path, times: dict, log) -> dict:
+    """{shape: [final loss per seed]} of every shape trained to the full budget."""
+    from kilolayer.train.run import train
+
+    losses = {}
+    for seed in SEEDS:
+
+        def one_seed(seed=seed):
+            for s in shapes:
+                run = out / f"{s.name}-seed{seed}"
+                if rundir.RunDir(run).state != "completed":
+                    cfg = S.trial_config(config, s, config.train.lr)
+                    cfg = load_config({**cfg.model_dump(), "train": {**cfg.train.model_dump(), "seed": seed}})
+                    train(cfg, run, resume=True, quiet=True)
+                    log(f"[grid] {run.name}: {final_loss(run, 'loss'):.4f}")
+
+        timed(times, f"grid_seed{seed}", one_seed)
+        for s in shapes:
+            losses.setdefault(s.name, []).append(final_loss(out / f"{s.name}-seed{seed}", "loss"))
+    return losses
+
+
+def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) -> dict:
+    config = load_config(config_path, [*COMMON, *sets])
+    shapes = S.shapes(config, PARAMS, DEPTHS, TOLERANCE)
+    record_path = out / name / "times.json"
+    times = rundir.read_json(record_path, {}) or {}
+    losses = grid(config, shapes, out / name / "grid", times, log)
+    rundir.write_json(record_path, times)
+    settings = S.Settings(params=PARAMS, depths=DEPTHS, tolerance=TOLERANCE, reduction_factor=ETA)
+    search = timed(times, "search", lambda: S.run_search(config, out / name / "search", settings, log=log))
+    rundir.write_json(record_path, times)
+
+    bs, steps = config.train.batch_size, config.train.steps
+    means = {k: statistics.fmean(v) for k, v in losses.items()}
+    noise = statistics.fmean(abs(v[0] - v[1]) for v in losses.values())
+    best = min(means, key=means.get)
+    done = [t for t in search.ranked if t.state == "completed"]
+    pick = done[0].shape.name if done else None
+    tied = search.comparison is not None and search.comparison.tied
+    if pick is None:
+        verdict = "no pick"
+    elif pick == best:
+        verdict = "the grid's best"
+    elif means[pick] - means[best] <= noise:
+        verdict = "within noise"
+    else:
+        verdict = "worse"
+    grid_flops = sum(steps * s.step_flops(bs) for s in shapes)
+    trial_flops = sum(t.step * t.shape.step_flops(bs) for t in search.trials)
+    forecast_flops = sum(auto_steps(S.trial_config(config, s, config.train.lr)) * s.step_flops(bs) for s in shapes)
+    return {
+        "objective": name,
+        "config": config_path,
+        "sets": [*COMMON, *sets],
+        "shapes": [s.name for s in shapes],
+        "grid": {k: {"losses": v, "mean": means[k]} for k, v in losses.items()},
+        "grid_best": best,
+        "seed_noise": noise,
+        "search_pick": pick,
+        "search_tied_with": done[1].shape.name if tied else None,
+        "search_trials": {t.shape.name: {"state": t.state, "step": t.step, "value": t.value} for t in search.trials},
+        "verdict": verdict,
+        "grid_flops_one_seed": grid_flops,
+        "search_training_flops": trial_flops,
+        "search_forecast_flops": forecast_flops,
+        "times": times,
+    }
+
+
+def table(rows: list[dict], threads: int) -> str:
+    def cs(t: dict) -> str:
+        return f"{t['wall_s']:.0f} s wall / {t['cpu_s']:.0f} s CPU"
+
+    lines = [
+        "| objective | grid best (mean loss, seeds 0 / 1) | seed noise | search pick (its grid mean) | pick is | "
+        "search FLOPs / grid (training; + pre-screen) | grid time, one seed | search time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        best, pick = r["grid_best"], r["search_pick"]
+        b = r["grid"][best]
+        train_frac = r["search_training_flops"] / r["grid_flops_one_seed"]
+        all_frac = (r["search_training_flops"] + r["search_forecast_flops"]) / r["grid_flops_one_seed"]
+        pick_text = f"{pick} ({r['grid'][pick]['mean']:.4f})" if pick else "-"
+        if r["search_tied_with"]:
+            pick_text += f", within noise of {r['search_tied_with']} (no pick written)"
+        lines.append(
+            f"| {r['objective']} | {best} ({b['mean']:.4f}: {b['losses'][0]:.4f} / {b['losses'][1]:.4f}) | "
+            f"{r['seed_noise']:.4f} | {pick_text} | {r['verdict']} | {train_frac:.0%}; {all_frac:.0%} | "
+            f"{cs(r['times']['grid_seed0'])} | {cs(r['times']['search'])} |"
+        )
+    lines += ["", f"CPU: {cpu_model()}; {threads} torch thread; shapes per objective and every loss: the JSON."]
+    return "\n".join(lines) + "\n"
+
+
+def grid_table(rows: list[dict]) -> str:
+    lines = ["| objective | " + " | ".join(rows[0]["shapes"]) + " |", "|---|" + "---|" * len(rows[0]["shapes"])]
+    for r in rows:
+        cells = []
+        for s in r["shapes"]:
+            g, t = r["grid"].get(s), r["search_trials"].get(s)
+            cell = f"{g['mean']:.4f}" if g else "-"
+            if t and t["state"] != "completed":
+                cell += f" ({t['state']} at {t['step']})"
+            cells.append(f"**{cell}**" if s == r["grid_best"] else cell)
+        lines.append(f"| {r['objective']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/search_vs_grid", help="where the runs and the table go")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    t0, c0 = time.perf_counter(), time.process_time()
+    rows = [compare(name, path, sets, out) for name, path, sets in OBJECTIVES]
+    md = table(rows, torch.get_num_threads()) + "\n" + grid_table(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "search_vs_grid.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "search_vs_grid.md").write_text(md)
+    print(md)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(f"this invocation: {wall:.0f} s wall, {cpu:.0f} s CPU (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
