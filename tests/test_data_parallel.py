@@ -626,15 +626,16 @@ def test_deepnet_mt_studies_compare_three_schemes_at_one_lr_and_warmup(name, dep
     assert all(c.model.vocab_size == c.data.options["vocab"] for c in cfgs)
 
 
-def test_deepnet_mt_depth_compares_post_ln_and_deepnorm_at_one_depth_lr_and_warmup():
+def test_deepnet_mt_depth_compares_post_ln_and_deepnorm_at_two_depths_one_lr_and_warmup():
     from kilolayer.study.spec import expand, load_spec
 
     spec = load_spec("deepnet_mt_depth")
     cfgs = [p.config for p in expand(spec)]
-    assert len(cfgs) == 4 and {c.model.scheme for c in cfgs} == {"post_ln", "deepnorm"}
-    assert {(c.model.layers, c.model.decoder_layers) for c in cfgs} == {(18, 18)}
+    assert len(cfgs) == 8 and {c.model.scheme for c in cfgs} == {"post_ln", "deepnorm"}
+    # 6L-6L is the control: a failure at 18L-18L that 6L-6L does not share is depth's
+    assert {(c.model.layers, c.model.decoder_layers) for c in cfgs} == {(6, 6), (18, 18)}
     assert {c.train.seed for c in cfgs} == {0, 1}
-    assert {(c.train.lr, c.train.warmup, c.train.steps, c.train.batch_size) for c in cfgs} == {(2e-3, 400, 800, 32)}
+    assert {(c.train.lr, c.train.warmup, c.train.steps, c.train.batch_size) for c in cfgs} == {(2e-3, 400, 700, 32)}
     assert all(c.data.name == "de_en" and c.train.patience > 0 for c in cfgs)
     # the loss verdict and the first-update verdict: the depth contrast on real data
     assert spec.findings == ["deepnet_postln", "deepnet_update"]

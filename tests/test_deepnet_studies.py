@@ -277,6 +277,20 @@ def test_robust_did_not_hold_when_deepnorm_fails_where_post_ln_does_not(tmp_path
     assert v.verdict == NOT_HELD and v.per_seed == {0: -2.0, 1: -2.0}
 
 
+def test_robust_did_not_hold_when_deepnorm_fails_at_a_setting_where_post_ln_fails_too(tmp_path):
+    # the paper's claim is absolute: DeepNorm unstable at the largest setting in every seed contradicts it even
+    # though d = 0 (both fail there)
+    both = lambda x, s: x == 1e-2  # noqa: E731
+    unstable = {("robust_lr", "deepnorm"): both, ("robust_lr", "post_ln"): both}
+    v = _by_axis(deepnet_robust(_robust(unstable=unstable), tmp_path))["robust_lr"].verdict
+    assert v.verdict == NOT_HELD and v.per_seed == {0: 0.0, 1: 0.0}
+    assert "learning rate 0.01 in every seed" in v.reason
+    # in one seed only: not decided against the claim
+    once = {("robust_lr", "deepnorm"): lambda x, s: x == 1e-2 and s == 0, ("robust_lr", "post_ln"): both}
+    v = _by_axis(deepnet_robust(_robust(unstable=once), tmp_path))["robust_lr"].verdict
+    assert v.verdict == INCONCLUSIVE
+
+
 def test_robust_seeds_that_disagree_a_failed_run_or_one_seed_are_inconclusive(tmp_path):
     unstable = {("robust_lr", "post_ln"): lambda x, s: x == 1e-2 and s == 0}
     v = _by_axis(deepnet_robust(_robust(unstable=unstable), tmp_path))["robust_lr"].verdict
@@ -323,7 +337,7 @@ def test_deepnet_analysis_expands_to_its_panels():
         "deepnet_init_loss",
         "deepnet_init_update",
     ]
-    assert spec.expected_minutes <= 90 and spec.expected_basis.startswith("estimated, not measured")
+    assert spec.expected_minutes <= 90 and spec.expected_basis.startswith("measured with --jobs 2")
 
 
 def test_deepnet_robust_raises_one_setting_at_a_time():
@@ -372,7 +386,7 @@ def test_study_list_shows_the_new_studies(capsys):
     assert cmd_study(SimpleNamespace(list=True)) == 0
     lines = capsys.readouterr().out.splitlines()
     first = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
-    assert " 30 runs, ~30 min on 2 CPU cores (estimated, not measured" in first["deepnet_analysis"]
+    assert " 30 runs, ~38 min on 2 CPU cores (measured with --jobs 2" in first["deepnet_analysis"]
     assert " 72 runs, ~40 min on 2 CPU cores (estimated, not measured" in first["deepnet_robust"]
     assert " 89 runs, ~9.0 h on 2 CPU cores (estimated" in first["deepnet"]
     described = lines[lines.index(first["deepnet_robust"]) + 1]
