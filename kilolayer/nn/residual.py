@@ -212,7 +212,8 @@ class Scheme:
         return width**-0.5
 
     def describe(self) -> dict:
-        """Per-side constants worth showing in a table (``kilolayer describe``), read off the methods above."""
+        """Per-side constants worth showing in a table (``kilolayer describe``), read off the methods above: a
+        number, or a rule as text where the constant varies by layer."""
         return {}
 
     # -- after building

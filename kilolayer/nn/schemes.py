@@ -147,6 +147,10 @@ class DLCL(PreLN):
     name = "dlcl"
     history = LinearCombination
 
+    def describe(self):
+        # the weights of layer l + 1's input start at the average of the l + 1 outputs below it
+        return {"all": {"W_l,k": "1/(l+1)"}}
+
 
 @SCHEMES.register()
 class DSInit(PostLN):
