@@ -40,7 +40,7 @@ def _schemes_text(cfg) -> str:
 
     parts = []
     for side, consts in scheme_for(cfg).describe().items():
-        inner = ", ".join(f"{k}={v:.4g}" for k, v in consts.items())
+        inner = ", ".join(f"{k}={v}" if isinstance(v, str) else f"{k}={v:.4g}" for k, v in consts.items())
         parts.append(f"{side}: {inner}")
     return "; ".join(parts) or "-"
 

@@ -248,6 +248,14 @@ def test_describe_table_matches_budget(capsys, monkeypatch):
     assert "beta=0.2063" in rows["deepnet_100l100l"][8]
 
 
+def test_describe_shows_dlcls_starting_combination_weights(capsys, monkeypatch):
+    """DLCL's scheme constants: the weights of each layer's input start at the average of the outputs below."""
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["describe", "deepnet_100l100l", "--set", "model.scheme=dlcl", "--set", "model.max_len=128"]) == 0
+    (row,) = table_rows(capsys.readouterr().out)
+    assert row[7] == "dlcl" and row[8] == "all: W_l,k=1/(l+1)"
+
+
 def test_configs_table_matches_matched_configs(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
     assert main(["configs", "--like", "vit_b16"]) == 0

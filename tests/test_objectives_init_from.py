@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from objective_helpers import config, fake_run, setup, train
+from objective_helpers import config, fake_run, setup, tiny_decoder, tiny_lm, train
 
 from kilolayer.errors import InputError
 from kilolayer.train.init_from import load_pretrained
@@ -98,3 +98,31 @@ def test_rejects_what_is_not_a_run(tmp_path):
     (run / "checkpoints" / "step_00000010" / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(InputError, match="model.safetensors: unreadable or truncated safetensors file"):
         load_pretrained(task, run)
+
+
+def test_a_run_started_from_a_branchnorm_run_starts_the_schedule_again(tmp_path):
+    """The source run's step buffers (3 of BranchNorm's T = 4 updates) are loaded with its weights, then set back
+    to 0: before its first update the new run's branches are normalised to unit variance, and its schedule
+    counts its own updates."""
+    from kilolayer.config import load_config
+    from kilolayer.nn.branchnorm import BranchNormScale
+    from kilolayer.train.checkpoint import read_weights
+    from kilolayer.train.engine import Engine
+    from kilolayer.train.run import train as run_training
+
+    model = {**tiny_decoder("branchnorm"), "branchnorm_steps": 4}
+    source = {**tiny_lm(steps=3, batch_size=4, lr=3e-3), "model": model}
+    run_training(load_config(source), tmp_path / "src", quiet=True)
+    loaded = read_weights(tmp_path / "src" / "checkpoints" / "step_00000003" / "model.safetensors")
+    assert {int(v) for k, v in loaded.items() if k.endswith("branch_scale.step")} == {3}
+
+    engine = Engine(load_config({**source, "train": {**source["train"], "init_from": str(tmp_path / "src")}}))
+    scales = [m for m in engine.task.modules() if isinstance(m, BranchNormScale)]
+    assert len(scales) == 2 * 2 and {int(s.step) for s in scales} == {0}
+    assert engine.init_from["step"] == 3
+    y = 3.0 * torch.randn(2, 5, 32)
+    torch.testing.assert_close(scales[0](y).var(-1, unbiased=False), torch.ones(2, 5), rtol=1e-4, atol=1e-4)
+    engine.update(1, engine.train_step(1))
+    assert {int(s.step) for s in scales} == {1}
+    var = y.var(-1, unbiased=False, keepdim=True)
+    torch.testing.assert_close(scales[0](y), y * (var + 1e-5) ** -0.375)  # lambda_1 = 1/4

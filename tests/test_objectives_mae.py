@@ -145,6 +145,24 @@ def test_bad_decoder_options():
         setup(config("mae", "digits", options={"mask_ratio": 1.0}))
 
 
+def test_a_branchnorm_decoder_follows_the_training_step_with_the_models_T():
+    """The training step reaches the decoder's BranchNorm sublayers as well as the encoder's, and the decoder
+    fades its normalisation out over the model's ``branchnorm_steps``."""
+    from kilolayer.nn.branchnorm import BranchNormScale
+    from kilolayer.nn.transformer import set_training_step
+
+    model = {"scheme": "branchnorm", "branchnorm_steps": 50}
+    task, _ = setup(config("mae", "digits", model=model, options={"decoder_scheme": "branchnorm", "decoder_layers": 3}))
+    set_training_step(task, 7)
+    encoder = [m for m in task.backbone.modules() if isinstance(m, BranchNormScale)]
+    decoder = [m for m in task.objective.decoder.modules() if isinstance(m, BranchNormScale)]
+    assert len(encoder) == 2 * 2 and len(decoder) == 3 * 2
+    assert {(int(s.step), s.steps) for s in encoder + decoder} == {(7, 50)}
+    y = 3.0 * torch.randn(2, 5, 32)
+    var = y.var(-1, unbiased=False, keepdim=True)
+    torch.testing.assert_close(decoder[-1](y), y * (var + 1e-5) ** (-(1 - 7 / 50) / 2))
+
+
 @pytest.mark.slow
 def test_linear_probe_on_mae_encoder_beats_chance(tmp_path):
     # MAE-pretrain a 64-wide, 2-layer encoder for 150 steps, then train only a linear head on its frozen

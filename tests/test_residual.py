@@ -254,6 +254,12 @@ def test_describe_equals_the_init_applied(monkeypatch, scheme, arch):
                     names = ("q", "k", "v") if key == "qkv" else ("w1",)
                     assert {g for (sd, _, _, w), g in gains.items() if sd == s and w in names} == {value}
                     assert {g for (sd, _, _, w), g in gains.items() if sd == s and w in ("o", "w2")} == {0.0}
+                elif key == "W_l,k":  # DLCL's combination weights: layer l + 1 reads the average of l + 1 outputs
+                    assert value == "1/(l+1)"
+                    for stack in model.stacks():
+                        starts = [w.detach() for w in stack.history.weights]
+                        assert [len(w) for w in starts] == list(range(1, len(stack.layers) + 2))
+                        assert all(torch.equal(w, torch.full_like(w, 1 / len(w))) for w in starts)
                 elif key == "T":  # BranchNorm's schedule length, on every sublayer
                     assert {res.branch_scale.steps for res in residuals(model, s)} == {value}
                 else:

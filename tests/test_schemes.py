@@ -195,7 +195,8 @@ def test_dlcl_stack_observes_each_layers_own_output():
 
 def test_r_fixup_starts_as_the_identity_with_fixup_scales():
     """Zero O and W2 make every branch start at zero, so each stack passes its input through (encoder: times
-    its scale 1); Q, K, V and W1 are Xavier-uniform times L^(-1/6) and L^(-1/2), L = 2N + 3M branches."""
+    its scale 1); Q, K, V are Xavier-uniform over the fused (3d, d) matrix times L^(-1/6), W1 Xavier-uniform
+    times L^(-1/2), L = 2N + 3M branches."""
     torch.manual_seed(0)
     n, m = 4, 3
     model = build_model(
@@ -210,12 +211,25 @@ def test_r_fixup_starts_as_the_identity_with_fixup_scales():
         for layer in stack.layers:
             for res in layer.sublayers():
                 for name, w, b in res.branch.weights():
-                    bound = math.sqrt(6 / sum(w.shape)) * {"o": 0, "w2": 0, "w1": L**-0.5}.get(name, L ** (-1 / 6))
+                    fan = 4 * 64 if name in "qkv" else sum(w.shape)  # Q, K, V: fan_in d + fan_out 3d
+                    bound = math.sqrt(6 / fan) * {"o": 0, "w2": 0, "w1": L**-0.5}.get(name, L ** (-1 / 6))
                     assert w.abs().max().item() <= bound
                     assert bound == 0 or w.abs().max().item() > 0.9 * bound  # uniform: it reaches its bound
                     assert b is None or not b.any()
                 assert res.shift.bias.item() == 0 and res.branch_scale.weight.item() == 1
     assert model.scheme.branches == L
+
+
+def test_r_fixup_qkv_has_the_std_of_the_fixup_codes_fused_in_projection():
+    """Fixup's transformer_zero.py runs Xavier-uniform on the (3d, d) in-projection, then times L^(-1/6): at
+    width 256 and L = 30, std sqrt(6 / 4d) / sqrt(3) * 30^(-1/6) = 0.02507 (per-slice Xavier would give 0.03546)."""
+    torch.manual_seed(0)
+    model = build_model(dict(arch="encoder", scheme="r_fixup", layers=15, width=256, heads=4, ffn=256))
+    assert model.scheme.branches == 30
+    qkv = torch.cat([layer.self_attn.branch.qkv.weight for layer in model.encoder.layers])
+    assert math.sqrt(6 / (4 * 256)) / math.sqrt(3) * 30 ** (-1 / 6) == pytest.approx(0.02507, abs=1e-5)
+    assert qkv.std().item() == pytest.approx(0.02507, rel=0.005)
+    assert qkv.abs().max().item() == pytest.approx(math.sqrt(6 / (4 * 256)) * 30 ** (-1 / 6), rel=1e-3)
 
 
 # ---------------------------------------------------------------- BranchNorm

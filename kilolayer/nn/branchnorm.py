@@ -60,11 +60,10 @@ class BranchNorm(PostLN):
     def branch_scale_module(self, site, width, eps):
         return BranchNormScale(self.steps, eps)
 
-    def on_step(self, model, step):
-        for stack in model.stacks():
-            for layer in stack.layers:
-                for res in layer.sublayers():
-                    res.branch_scale.step.fill_(step)
+    def on_step(self, stack, step):
+        for layer in stack.layers:
+            for res in layer.sublayers():
+                res.branch_scale.step.fill_(step)
 
     def describe(self):
         return {"all": {"T": self.steps}}

@@ -212,7 +212,8 @@ class Scheme:
         return width**-0.5
 
     def describe(self) -> dict:
-        """Per-side constants worth showing in a table (``kilolayer describe``), read off the methods above."""
+        """Per-side constants worth showing in a table (``kilolayer describe``), read off the methods above: a
+        number, or a rule as text where the constant varies by layer."""
         return {}
 
     # -- after building
@@ -223,9 +224,9 @@ class Scheme:
         """Set any data-dependent initial values of ``model`` from one forward pass ``run()``; None if none."""
         return None
 
-    def on_step(self, model: nn.Module, step: int) -> None:
-        """``model`` (a backbone built with this scheme) has had ``step`` updates; a scheme whose forward
-        follows training progress (BranchNorm) records it in the model, where checkpoints keep it."""
+    def on_step(self, stack: nn.Module, step: int) -> None:
+        """``stack`` (a stack of layers built with this scheme) has had ``step`` updates; a scheme whose forward
+        follows training progress (BranchNorm) records it in the stack, where checkpoints keep it."""
 
 
 def make_scheme(name: str, depth: Depth, **options) -> Scheme:

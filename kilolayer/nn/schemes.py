@@ -147,6 +147,10 @@ class DLCL(PreLN):
     name = "dlcl"
     history = LinearCombination
 
+    def describe(self):
+        # the weights of layer l + 1's input start at the average of the l + 1 outputs below it
+        return {"all": {"W_l,k": "1/(l+1)"}}
+
 
 @SCHEMES.register()
 class DSInit(PostLN):
@@ -213,7 +217,9 @@ class RFixup(Scheme):
             return 0.0  # the last layer of each branch: the branch starts at zero
         if weight == "w1":
             return self.branches**-0.5  # L^(-1/(2m-2)) for the FFN's m = 2 layers
-        return self.branches ** (-1 / 6)  # Q, K, V: the code's L^(-1/6)
+        # Q, K, V: the code's L^(-1/6) on Xavier over its fused (3d, d) in-projection, whose fan (d + 3d) is
+        # twice that of each (d, d) slice that kilolayer initialises
+        return self.branches ** (-1 / 6) * math.sqrt(0.5)
 
     def final_part(self, side, width, eps):
         # a scalar bias on each stack's output; the encoder's (read by every cross-attention) is also scaled

@@ -165,6 +165,7 @@ class Stack(nn.Module):
         super().__init__()
         self.side = side
         self.causal = side == "decoder"
+        self.scheme = scheme  # told the training step (set_training_step)
         self.layers = nn.ModuleList(Layer(cfg, scheme, side, i, cross=cross) for i in range(n))
         self.history = scheme.history(n, cfg.width, cfg.norm_eps)
         self.final_norm = scheme.final_part(side, cfg.width, cfg.norm_eps)
@@ -335,15 +336,16 @@ def data_dependent_init(model: nn.Module, run: Callable[[], object]) -> dict | N
 
 
 def set_training_step(model: nn.Module, step: int) -> None:
-    """Tell every backbone of ``model`` (a backbone or a module holding backbones) that ``step`` updates have
-    been applied. The trainer calls it after each update; schemes whose forward follows training progress
-    (BranchNorm) keep the step in the model, so checkpoints carry it, and the others ignore it."""
-    for backbone in _backbones(model):
-        backbone.scheme.on_step(backbone, step)
+    """Tell every stack of ``model`` (a backbone, or a module holding backbones and stacks, such as a task with an
+    MAE decoder) that ``step`` updates have been applied. The trainer calls it after each update; schemes whose
+    forward follows training progress (BranchNorm) keep the step in the model, so checkpoints carry it, and the
+    others ignore it."""
+    for stack in _stacks(model):
+        stack.scheme.on_step(stack, step)
 
 
-def _backbones(module: nn.Module) -> list[Backbone]:
-    """The backbones in ``module``, found without walking through their layers (this runs on every step)."""
-    if isinstance(module, Backbone):
+def _stacks(module: nn.Module) -> list[Stack]:
+    """The stacks in ``module``, found without walking through their layers (this runs on every step)."""
+    if isinstance(module, Stack):
         return [module]
-    return [b for child in module.children() for b in _backbones(child)]
+    return [s for child in module.children() for s in _stacks(child)]

@@ -30,8 +30,8 @@ from kilolayer.config import ModelConfig, NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError
-from kilolayer.nn.residual import SCHEMES, Depth, make_scheme
-from kilolayer.nn.transformer import Stack
+from kilolayer.nn.residual import SCHEMES
+from kilolayer.nn.transformer import Stack, scheme_for
 from kilolayer.objectives.base import Objective, batch_size, register_objective
 from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator
 
@@ -45,7 +45,9 @@ class MAEOptions(NumbersNotBools):
     decoder_width: int | None = Field(None, ge=1, description="default: half the encoder width, at least 32")
     decoder_heads: int = Field(4, ge=1)
     decoder_ffn: int | None = Field(None, ge=1, description="default: 4 x decoder_width")
-    decoder_scheme: str = "pre_ln"
+    decoder_scheme: str = Field(
+        "pre_ln", description="with the model's scheme options (e.g. model.branchnorm_steps), Admin's omega default"
+    )
     max_constant_patches: float = Field(
         0.5,
         ge=0.0,
@@ -120,9 +122,13 @@ class MAE(Objective):
             ffn=opts.decoder_ffn or 4 * width,
             activation=m.activation,
             norm_eps=m.norm_eps,
+            # the model's scheme options, but Admin's omega at its default: data-dependent init reaches backbones
+            layerscale_init=m.layerscale_init,
+            ds_init_variant=m.ds_init_variant,
+            branchnorm_steps=m.branchnorm_steps,
         )
         self.decoder_config = dec
-        scheme = make_scheme(dec.scheme, Depth("encoder", dec.layers))
+        scheme = scheme_for(dec)
         self.decoder_embed = nn.Linear(m.width, width)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
         self.decoder_positions = nn.Parameter(torch.zeros(1, self.num_patches + self.cls, width))

@@ -184,6 +184,8 @@ class Engine:
 
             loaded = load_pretrained(self.task, tc.init_from, freeze=tc.freeze_backbone)
             self.init_from = {"path": str(Path(tc.init_from).resolve()), "step": loaded["step"]}
+            # the loaded weights carry the source run's step (BranchNorm's schedule); this run has applied none
+            set_training_step(self.task, 0)
         # every backbone of the task (a CLIP text tower too); the batch is drawn only if a scheme runs the pass
         # (Admin's profiled omega)
         data_dependent_init(
