@@ -785,20 +785,21 @@ def deepnet_mt_depth() -> dict:
     # a learning rate at which a shallow model learns quickly (configs/de_en_translate.yaml trains 2L-2L Pre-LN at
     # 2e-3 after 400 warm-up steps); 6L-6L is the control that attributes an 18L-18L failure to depth
     base = _deepnet_mt_base(
-        width=64, batch_size=32, steps=700, warmup=400, eval_every=175, patience=2, eval_batches=4, lr=2e-3
+        width=64, batch_size=32, steps=600, warmup=400, eval_every=150, patience=2, eval_batches=4, lr=2e-3
     )
-    # greedy decoding is the costly part of an evaluation; the verdicts here read the loss
-    base["objective"]["options"]["decode_samples"] = 64
+    # the verdicts read the loss; greedy decoding, the costly part of an evaluation, is left to
+    # `kilolayer evaluate RUN`
+    base["objective"]["options"]["decode_samples"] = 0
     return {
         "name": "deepnet_mt_depth",
         "description": (
             "DeepNet's depth contrast on real data (its section 3 setting, 18L-18L translation): Post-LN and "
             "DeepNorm encoder-decoders (width 64) at 6L-6L and 18L-18L translate German to English (de_en) at "
             "one learning rate (2e-3) and warm-up (400 steps), batches of 32 pairs, 2 seeds, until the "
-            "validation loss plateaus (2 evaluations 175 steps apart without a 0.01-nat gain) or 700 steps. "
+            "validation loss plateaus (2 evaluations 150 steps apart without a 0.01-nat gain) or 600 steps. "
             "Validation loss on the first 128 pairs decides (a run learned when it ends at most 0.9 x the chance "
-            "loss); BLEU and chrF of the first 64, beside copying and the nearest training pair's target, show "
-            "how far from translating. A study of early training: no model here is meant to translate."
+            "loss). A study of early training: no model here is meant to translate, so evaluations do not decode "
+            "(kilolayer evaluate RUN scores a run's BLEU and chrF beside the baselines)."
         ),
         "expected_minutes": None,
         "expected_basis": "",
