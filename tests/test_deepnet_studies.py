@@ -280,7 +280,7 @@ def test_robust_did_not_hold_when_deepnorm_fails_where_post_ln_does_not(tmp_path
 def test_robust_did_not_hold_when_deepnorm_fails_at_a_setting_where_post_ln_fails_too(tmp_path):
     # the paper's claim is absolute: DeepNorm unstable at the largest setting in every seed contradicts it even
     # though d = 0 (both fail there)
-    both = lambda x, s: x == 1e-2  # noqa: E731
+    both = lambda x, s: x == 1e-2
     unstable = {("robust_lr", "deepnorm"): both, ("robust_lr", "post_ln"): both}
     v = _by_axis(deepnet_robust(_robust(unstable=unstable), tmp_path))["robust_lr"].verdict
     assert v.verdict == NOT_HELD and v.per_seed == {0: 0.0, 1: 0.0}
