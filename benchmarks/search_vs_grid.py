@@ -32,7 +32,6 @@ from pathlib import Path
 
 from kilolayer import rundir
 from kilolayer.config import load_config
-from kilolayer.doctor.forecast import auto_steps
 from kilolayer.study import search as S
 
 #: the two objectives: (name, config, --set overrides of their own)
@@ -131,7 +130,19 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) 
         verdict = "worse"
     grid_flops = sum(steps * s.step_flops(bs) for s in shapes)
     trial_flops = sum(t.step * t.shape.step_flops(bs) for t in search.trials)
-    forecast_flops = sum(auto_steps(S.trial_config(config, s, config.train.lr)) * s.step_flops(bs) for s in shapes)
+    forecast_flops = sum(sc.steps * s.step_flops(bs) for s, sc in zip(search.shapes, search.screens))
+    # the trivial baseline: train only the shallowest shape (the first), one seed
+    shallow = shapes[0]
+    if means[shallow.name] == means[best]:
+        shallow_verdict = "the grid's best"
+    elif means[shallow.name] - means[best] <= noise:
+        shallow_verdict = "within noise"
+    else:
+        shallow_verdict = "worse"
+    # does the grid's best differ from the runner-up by more than the seed noise?
+    ordered = sorted(means, key=means.get)
+    runner_up = ordered[1] if len(ordered) > 1 else None
+    best_gap = means[runner_up] - means[best] if runner_up else math.nan
     return {
         "objective": name,
         "config": config_path,
@@ -147,6 +158,13 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) 
         "grid_flops_one_seed": grid_flops,
         "search_training_flops": trial_flops,
         "search_forecast_flops": forecast_flops,
+        "search_rung_decisions": search.decisions,
+        "shallowest": shallow.name,
+        "shallowest_verdict": shallow_verdict,
+        "shallowest_flops": steps * shallow.step_flops(bs),
+        "grid_runner_up": runner_up,
+        "grid_best_gap": best_gap,
+        "grid_best_beyond_noise": bool(best_gap > noise),
         "times": times,
     }
 
@@ -156,22 +174,30 @@ def table(rows: list[dict], threads: int) -> str:
         return f"{t['wall_s']:.0f} s wall / {t['cpu_s']:.0f} s CPU"
 
     lines = [
-        "| objective | grid best (mean loss, seeds 0 / 1) | seed noise | search pick (its grid mean) | pick is | "
-        "search FLOPs / grid (training; + pre-screen) | grid time, one seed | search time |",
-        "|---|---|---|---|---|---|---|---|",
+        "| objective | grid best (mean loss, seeds 0 / 1) | runner-up, gap vs seed noise | search pick (its grid "
+        "mean) | pick is | search FLOPs / grid: total (race; pre-screen) | shallowest only: shape, is, FLOPs / grid "
+        "| grid time, one seed | search time |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         best, pick = r["grid_best"], r["search_pick"]
         b = r["grid"][best]
-        train_frac = r["search_training_flops"] / r["grid_flops_one_seed"]
-        all_frac = (r["search_training_flops"] + r["search_forecast_flops"]) / r["grid_flops_one_seed"]
+        g = r["grid_flops_one_seed"]
+        race, screen = r["search_training_flops"] / g, r["search_forecast_flops"] / g
         pick_text = f"{pick} ({r['grid'][pick]['mean']:.4f})" if pick else "-"
         if r["search_tied_with"]:
             pick_text += f", within noise of {r['search_tied_with']} (no pick written)"
+        gap = (
+            f"{r['grid_runner_up']}, {r['grid_best_gap']:.4f} vs {r['seed_noise']:.4f}: "
+            + ("beyond noise" if r["grid_best_beyond_noise"] else "within noise")
+            if r["grid_runner_up"]
+            else "-"
+        )
+        shallow = f"{r['shallowest']}, {r['shallowest_verdict']}, {r['shallowest_flops'] / g:.0%}"
         lines.append(
             f"| {r['objective']} | {best} ({b['mean']:.4f}: {b['losses'][0]:.4f} / {b['losses'][1]:.4f}) | "
-            f"{r['seed_noise']:.4f} | {pick_text} | {r['verdict']} | {train_frac:.0%}; {all_frac:.0%} | "
-            f"{cs(r['times']['grid_seed0'])} | {cs(r['times']['search'])} |"
+            f"{gap} | {pick_text} | {r['verdict']} | **{race + screen:.0%}** ({race:.0%}; {screen:.0%}) | "
+            f"{shallow} | {cs(r['times']['grid_seed0'])} | {cs(r['times']['search'])} |"
         )
     lines += ["", f"CPU: {cpu_model()}; {threads} torch thread; shapes per objective and every loss: the JSON."]
     return "\n".join(lines) + "\n"

@@ -69,71 +69,180 @@ def test_depths_parse_and_refuse_in_one_line():
             S.parse_depths(bad)
 
 
-def test_the_scheduler_prunes_a_trial_whose_metric_is_clearly_worse(tmp_path):
+def test_a_rung_keeps_the_best_third_whatever_the_order():
+    entries = [(0.5, "2x32|0.001", 0), (0.9, "1x48|0.001", 1), (0.7, "8x16|0.001", 2), (float("nan"), "4x24|0", 3)]
+    assert S.promote(entries, 3, maximize=False) == ([0], [2, 1, 3])  # 4 // 3 = 1 kept; nan last
+    assert S.promote(entries[::-1], 3, maximize=False) == ([0], [2, 1, 3])
+    assert S.promote(entries[:2], 3, maximize=False) == ([0], [1])  # of fewer than eta, the best
+    assert S.promote(entries[:3], 3, maximize=True) == ([1], [2, 0])
+    assert S.promote([(0.5, "b", 0), (0.5, "a", 1)], 2, maximize=False) == ([1], [0])  # a tie: by name, not number
+
+
+def _fake_race(tmp_path, monkeypatch, order, streams):
+    """A search over ``order`` (shape names) whose evaluations are the constructed ``streams[shape](step)``; no
+    training: {shape: (state, last step reported)} and the decisions."""
     import optuna
 
-    config = tiny("train.steps=90", "train.eval_every=10")
     s = settings()
-    config = S.check_settings(config, s)
-    rung = S.first_rung(config, s)
-    assert rung == 10  # 90 / 3^2
-    study = S._open_study(optuna, tmp_path, config, s, rung, "minimize")
-    racer = S._Racer(optuna, study, config, s, {}, tmp_path, print)
-    stopped = {}
-    streams = {"good": [1.0, 0.8, 0.6, 0.5, 0.45], "worse": [1.0, 0.85, 0.7, 0.6, 0.55], "bad": [3.0, 2.9, 2.8]}
-    for name, stream in streams.items():
-        trial = study.ask()
-        for i, value in enumerate(stream):
-            step = 10 * (i + 1)
-            trial.report(value, step)
-            if trial.should_prune():
-                stopped[name] = (step, racer.prune_reason(trial, step, value))
-                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                break
-        else:
-            study.tell(trial, stream[-1])
-    assert "good" not in stopped
-    # 0.6 at step 30 against the good trial's 0.6 goes on at rung 0 (its 1.0 at step 10 ties); rung 1 needs the best
-    assert stopped["worse"][0] == 30
-    assert stopped["bad"][0] == 10
-    assert "rung 0 (step >= 10): loss 3 at step 10" in stopped["bad"][1]
-    assert "cut-off 1" in stopped["bad"][1]
+    config = S.check_settings(tiny("train.steps=90", "train.eval_every=10"), s)
+    found = {sh.name: sh for sh in S.shapes(config, PARAMS, (1, 8), 0.1)}
+    kept = {name: found[name] for name in order}
+    progress = {}
+
+    def fake_train(cfg, run, resume, quiet, on_eval, resume_hint):
+        name = S.shape_name(cfg.model)
+        step = progress.get(run, 0)
+        while step < cfg.train.steps:
+            step += cfg.train.eval_every
+            progress[run] = step
+            if step < cfg.train.steps:
+                halt = on_eval(step, {"loss": streams[name](step)})
+                if halt:
+                    raise run_module.Halted(halt)
+
+    monkeypatch.setattr(run_module, "train", fake_train)
+    monkeypatch.setattr(S, "_steps_of", lambda run: progress.get(run, 0))
+    monkeypatch.setattr(S, "_final_value", lambda run, metric: streams[run.name.split("-", 1)[1]](90))
+    tmp_path.mkdir(parents=True)
+    study = S._open_study(optuna, tmp_path, config, s, 10, "minimize")
+    S._enqueue(study, list(kept), None)
+    racer = S._Racer(optuna, study, config, s, kept, tmp_path, lambda _: None)
+    assert racer.rungs == [10, 30]
+    assert S.race_here(racer, len(kept)) == ""
+    trials = {t.params["shape"]: (t.state.name, t.last_step) for t in study.get_trials()}
+    return trials, racer.decisions()
 
 
-def test_a_search_races_shapes_in_run_directories_and_recommends_one(tmp_path, monkeypatch):
+def test_the_race_does_not_depend_on_the_order_of_the_shapes(tmp_path, monkeypatch):
+    import itertools
+
+    # the shallowest shape is behind at the first rung; in-order halving let the first trial through unopposed
+    streams = {
+        "1x48": lambda step: 2.0 - step / 100,
+        "2x32": lambda step: 1.5 - step / 100,
+        "8x16": lambda step: 1.6 - step / 200,
+    }
+    results = []
+    for i, order in enumerate(itertools.permutations(streams)):
+        trials, decisions = _fake_race(tmp_path / str(i), monkeypatch, order, streams)
+        results.append(trials)
+        assert [d["step"] for d in decisions] == [10, 30]
+    assert all(r == results[0] for r in results)
+    assert results[0] == {"2x32": ("COMPLETE", 80), "1x48": ("PRUNED", 10), "8x16": ("PRUNED", 10)}
+
+
+def test_a_search_races_shapes_in_run_directories_and_recommends_one(tmp_path):
     out = tmp_path / "s"
     search = S.run_search(tiny("train.eval_batches=4"), out, settings(), forecaster=trains, log=lambda _: None)
     assert [s.name for s in search.shapes] == ["1x48", "2x32", "8x16"]
+    assert search.rungs == [3, 9]
     states = {t.shape.name: (t.state, t.step) for t in search.trials}
-    # the deep-narrow 8x16 is behind both at the first rung (step 3) and stops there
-    assert states == {"1x48": ("completed", 12), "2x32": ("completed", 12), "8x16": ("pruned", 3)}
+    # synchronous successive halving: all three reach step 3, the best third (one) goes on
+    assert sorted(states.values()) == [("completed", 12), ("pruned", 3), ("pruned", 3)]
+    winner = next(n for n, (state, _) in states.items() if state == "completed")
+    values = search.decisions[0]["values"]
+    assert [str(n) for n in search.decisions[0]["kept"]] == [min(values, key=values.get)]
+    assert min(search.trials, key=lambda t: t.curve[0][1]).shape.name == winner
     for t in search.trials:
         st = rundir.read_status(t.run)
         if t.state == "completed":
             last = [r for r in rundir.read_metrics(t.run) if r["split"] == "eval"][-1]
             assert st["status"] == "completed" and t.value == pytest.approx(last["loss"])
         else:  # stopped at a rung with a checkpoint: an ordinary resumable run
-            assert st["status"] == "interrupted" and "successive halving, rung 0" in st["reason"]
+            assert st["status"] == "interrupted"
+            assert "pruned by kilolayer search: successive halving, rung 0" in st["reason"]
+            assert "judged once every trial in the race had reached it" in t.reason
             assert rundir.latest_checkpoint(t.run).name == "step_00000003"
-    c = search.comparison
-    assert [t.shape.name for t in search.ranked[:2]] == ["2x32", "1x48"]
-    assert not c.tied and c.difference < -c.bound < 0  # 2x32's loss is lower on the same evaluation batches
-    assert load_config(search.best).model == search.ranked[0].shape.model
+    assert search.comparison is None and load_config(search.best).model == search.ranked[0].shape.model
     md, html = write_report(search)
     text = md.read_text()
-    assert "**Recommended: 2x32**" in text and "## Pre-screen" in text and "| optimizer steps | 27 | 36 | 75% |" in text
+    assert f"**Recommended: {winner}**" in text and "**Only one trial completed**" in text
+    assert "## Pre-screen" in text and "| race: optimizer steps | 18 | 36 | 50% |" in text
+    assert "**total model FLOPs** (race + pre-screen)" in text
     assert (out / "report_files" / "curves.png").is_file() and "data:image/png;base64" in html.read_text()
 
+
+def test_the_top_two_are_compared_on_the_same_batches(tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    s = settings(min_steps=11)  # no rung before the end: every trial completes
+    search = S.run_search(tiny("train.eval_batches=4"), out, s, forecaster=trains, log=lambda _: None)
+    assert [t.state for t in search.trials] == ["completed"] * 3
+    c = search.comparison
+    assert not c.tied and c.agrees and c.difference < -c.bound < 0
+    text = write_report(search)[0].read_text()
+    assert "It beats the runner-up" in text and "evaluation-batch noise, one seed" in text
+    a, b = (t.run.name for t in search.ranked[:2])
+
+    # the re-evaluation ranks them the other way: the report must not say "beats"
+    opposite = {a: [0.6, 0.61, 0.62], b: [0.5, 0.5, 0.5]}
+    monkeypatch.setattr(S, "per_batch_metric", lambda run, metric: opposite[run.name])
+    search.comparison = S.compare_top(search.ranked, "loss")
+    assert not search.comparison.agrees and not search.comparison.tied
+    text = write_report(search)[0].read_text()
+    assert "beats" not in text and "**The re-evaluation disagrees with the ranking**" in text
+
     # two finalists whose per-batch losses overlap: the report says so and picks neither
-    batches = {"000-1x48": [0.50, 0.52, 0.47], "001-2x32": [0.51, 0.50, 0.49]}
+    batches = {a: [0.50, 0.52, 0.47], b: [0.51, 0.50, 0.49]}
     monkeypatch.setattr(S, "per_batch_metric", lambda run, metric: batches[run.name])
     search.comparison = S.compare_top(search.ranked, "loss")
     S._write_choice(search)
-    assert search.comparison.tied and search.comparison.difference == pytest.approx(0.01 / 3)
-    assert (
-        not (out / "best.yaml").exists() and (out / "tied-2x32.yaml").is_file() and (out / "tied-1x48.yaml").is_file()
-    )
+    assert search.comparison.tied and search.comparison.difference == pytest.approx(-0.01 / 3)
+    top, second = (t.shape.name for t in search.ranked[:2])
+    assert not (out / "best.yaml").exists() and (out / f"tied-{top}.yaml").is_file()
+    assert (out / f"tied-{second}.yaml").is_file()
     assert "**Within noise: no pick.**" in write_report(search)[0].read_text()
+
+
+def test_only_the_files_the_search_wrote_are_replaced(tmp_path):
+    out = tmp_path / "s"
+    s = settings(min_steps=11, depths=(1, 2))
+    S.run_search(tiny(), out, s, forecaster=trains, log=lambda _: None)
+    name = next(iter(rundir.read_json(out / S.CHOICE, {})))  # best.yaml, or a tied-*.yaml
+    (out / "tied-mine.yaml").write_text("mine\n")  # a user's file
+    (out / name).write_text((out / name).read_text() + "# edited\n")
+    search = S.run_search(tiny(), out, s, forecaster=trains, log=lambda _: None)
+    assert (out / "tied-mine.yaml").read_text() == "mine\n"
+    assert (out / f"{name}.edited").read_text().endswith("# edited\n")
+    assert "# edited" not in (out / name).read_text()
+    assert any(f"kept as {name}.edited" in n for n in search.notes)
+    search = S.run_search(tiny(), out, s, forecaster=trains, log=lambda _: None)  # its own file: just replaced
+    assert not search.notes and (out / name).is_file()
+
+
+def test_a_pruned_trial_continued_by_hand_shows_its_own_final_evaluation(tmp_path):
+    out = tmp_path / "s"
+    search = S.run_search(tiny(), out, settings(), forecaster=trains, log=lambda _: None)
+    pruned = next(t for t in search.trials if t.state == "pruned")
+    run_module.train(load_config(pruned.run / rundir.CONFIG), pruned.run, resume=True, quiet=True)
+    search = S.run_search(tiny(), out, settings(), forecaster=trains, log=lambda _: None)
+    again = next(t for t in search.trials if t.number == pruned.number)
+    last = [r for r in rundir.read_metrics(again.run) if r["split"] == "eval"][-1]
+    assert again.continued and again.step == 12 and again.value == pytest.approx(last["loss"])
+    assert "continued outside the search" in again.reason
+    assert "pruned, continued outside the search" in write_report(search)[0].read_text()
+
+
+def test_a_stall_is_dropped_only_behind_a_shape_forecast_clearly_better(tmp_path):
+    found = S.shapes(tiny(), PARAMS, (1, 8), 0.1)
+
+    def near_chance(config):
+        score = {"1x48": 0.92, "2x32": 0.93, "8x16": 0.88}[S.shape_name(config.model)]
+        return ("stalls" if score > 0.9 else "trains"), f"{score} x chance", {"score": score, "steps": 5}
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    screens = S.prescreen(tiny(), found, tmp_path / "a", forecaster=near_chance, log=lambda _: None)
+    assert all(sc.kept for sc in screens) and screens[0].note.startswith("raced")
+    assert screens[0].steps == 5
+
+    def one_clearly_better(config):
+        score = {"1x48": 0.92, "2x32": 0.95, "8x16": 0.5}[S.shape_name(config.model)]
+        return ("stalls" if score > 0.9 else "trains"), f"{score} x chance", {"score": score, "steps": 5}
+
+    screens = S.prescreen(tiny(), found, tmp_path / "b", forecaster=one_clearly_better, log=lambda _: None)
+    assert [sc.kept for sc in screens] == [False, False, True]
+    search = S.run_search(tiny(), tmp_path / "c", settings(), forecaster=one_clearly_better, log=lambda _: None)
+    assert any("left only 8x16 of the 3 shapes" in n for n in search.notes)
 
 
 def test_a_pre_screened_diverging_shape_never_trains(tmp_path):
@@ -185,8 +294,10 @@ def test_an_interrupted_search_continues_without_training_a_finished_trial_again
 
     monkeypatch.setattr(run_module, "train", interrupted_in_the_second_trial)
     s = settings(min_steps=11)  # the first rung at the last step: no trial is pruned
-    with pytest.raises(Interrupted, match="interrupted by SIGINT at step 9"):
+    with pytest.raises(Interrupted, match="interrupted by SIGINT at step 9") as stopped:
         S.run_search(tiny(), out, s, forecaster=trains, log=lambda _: None)
+    assert "continue with: re-run the same kilolayer search command" in str(stopped.value)
+    assert "kilolayer train --resume" not in str(stopped.value)
     first, second = (out / "trials" / name for name in calls)
     assert rundir.read_status(first)["status"] == "completed"
     assert rundir.read_status(second)["status"] == "interrupted"
@@ -229,7 +340,8 @@ def test_a_step_budget_stops_the_search_and_a_larger_one_continues_it(tmp_path):
     s = settings(min_steps=11, budget_steps=15)
     search = S.run_search(tiny(), out, s, forecaster=trains, log=lambda _: None)
     assert search.stopped_by_budget == "the search's budget of 15 steps is spent"
-    assert [t.state for t in sorted(search.trials, key=lambda t: t.number)] == ["completed", "unfinished"]
+    # every planned trial exists from the start (the set the race halves): the third has not started
+    assert [t.state for t in sorted(search.trials, key=lambda t: t.number)] == ["completed", "unfinished", "unfinished"]
     assert sum(t.step for t in search.trials) == 15
     s.budget_steps = None
     search = S.run_search(tiny(), out, s, forecaster=trains, log=lambda _: None)
@@ -268,6 +380,15 @@ def test_search_errors_are_one_line(tmp_path, capsys):
     assert "kilolayer: error: --trials: only with --search-lr" in capsys.readouterr().err
     assert main([*base, "--params", "lots"]) == 2
     assert "kilolayer: error: --params 'lots': expected a count" in capsys.readouterr().err
+    assert main([*base, "--params", "1e400"]) == 2
+    assert "kilolayer: error: --params '1e400': expected a count" in capsys.readouterr().err
+    tiny_model = ["--set", "model.width=32", "--set", "model.heads=2"]
+    assert main([*base, "--params", "10", "--depths", "1..100000", *tiny_model]) == 2  # returns: depths capped
+    assert "no shape of head size 16 at depths 1..100000 is within 3% of it" in capsys.readouterr().err
+    assert main([*base, "--params", "10", "--tolerance", "0.0001", *tiny_model]) == 2
+    assert "is within 0.01% of it" in capsys.readouterr().err
+    assert main([*base, "--params", "28k", "--depths", "1..2", "--tolerance", "0.1", "--metric", "accuracy"]) == 2
+    assert "kilolayer: error: --metric accuracy: not an evaluation metric of mae" in capsys.readouterr().err
     assert main([*base, "--params", "10", "--depths", "1..4", "--set", "model.width=32", "--set", "model.heads=2"]) == 2
     assert "kilolayer: error: --params 10: no shape of head size 16 at depths 1..4" in capsys.readouterr().err
     assert main([*base, "--params", "26k", "--address", "127.0.0.1:6379", "--cpus-per-run", "2"]) == 2
@@ -311,31 +432,3 @@ def test_a_killed_search_continues_where_it_stopped(tmp_path):
     assert rundir.read_resume_history(second)[-1]["step"] >= 3  # continued from its checkpoint
     assert sorted(t.state for t in search.trials) == ["completed"] * len(search.trials)
     assert len(search.trials) == 3
-
-
-def test_a_rung_is_judged_in_trial_order_not_in_the_order_values_arrive(tmp_path, monkeypatch):
-    import optuna
-
-    from kilolayer.train import signals
-
-    s = settings()
-    config = S.check_settings(tiny("train.steps=90", "train.eval_every=10"), s)
-    study = S._open_study(optuna, tmp_path, config, s, 10, "minimize")
-    racer = S._Racer(optuna, study, config, s, {}, tmp_path, print)
-    first, second = study.ask(), study.ask()  # two trials running at once
-    assert racer.wait_for_earlier(first, 10) == ""  # nothing before it: never waits
-    assert racer.wait_for_earlier(second, 9) == ""  # not at a rung yet
-    monkeypatch.setattr(signals, "stop_requested", lambda: True)
-    assert racer.wait_for_earlier(second, 10) == "stopped by a signal while waiting at a rung for earlier trials"
-    # the later trial reports its rung first (as a faster trial on another worker would)
-    second.report(0.5, 10)
-    assert not second.should_prune()
-    # the earlier trial competes only with itself at rung 0, as if it had run alone before the other: promoted,
-    # where Optuna's own pruner (every trial that has reached the rung by now) would stop it (0.9 > 0.5)
-    first.report(0.9, 10)
-    assert not first.should_prune()
-    assert "best 1 of the 1 trials" in racer.prune_reason(first, 10, 0.9)
-    plain = optuna.pruners.SuccessiveHalvingPruner(min_resource=10, reduction_factor=3, min_early_stopping_rate=0)
-    third = study.ask()
-    third.report(0.9, 10)
-    assert plain.prune(study, study._storage.get_trial(third._trial_id))  # 0.9 against 0.5 and 0.9: stopped

@@ -10,6 +10,7 @@ not counted, as in the PaLM/nanoGPT MFU convention.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kilolayer.config import ModelConfig, model_config
@@ -158,9 +159,12 @@ def parse_count(text: str, flag: str = "--params") -> int:
     t = text.strip().lower().replace("_", "")
     mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(t[-1:], None)
     try:
-        return int(float(t[:-1]) * mult) if mult else int(float(t))
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected a count such as 86M, 1.3B or 350000") from None
+        value = float(t[:-1]) * mult if mult else float(t)
+        if not math.isfinite(value) or abs(value) > 1e15:
+            raise ValueError
+        return int(value)
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{flag} {text!r}: expected a count such as 86M, 1.3B or 350000 (at most 1e15)") from None
 
 
 def _with(cfg: ModelConfig, layers: int, width: int, head_dim: int, ffn_ratio: float) -> ModelConfig:
@@ -193,6 +197,8 @@ def matched_configs(
     best: dict[int, tuple[float, ModelConfig]] = {}
     candidates = range(lo, cfg.layers * max_depth_factor + 1 if params is None else 257)
     for layers in depths if depths is not None else candidates:
+        if count_parameters(_with(cfg, layers, head_dim, head_dim, ratio)) > target * (1 + tolerance):
+            break  # the narrowest model at this depth is already over budget, and deeper ones more so
         # parameters grow with width; bisect over multiples of head_dim
         a, b = 1, 8192 // head_dim
         while a < b:

@@ -259,17 +259,26 @@ def cmd_search(args) -> int:
     search = run_search(config, Path(args.out), settings, race=race)
     md, html = write_report(search)
     done = [t for t in search.ranked if t.state == "completed"]
+    rc = 0
+    incomplete = f" (search incomplete: {search.stopped_by_budget}; a larger budget continues it)"
+    incomplete = incomplete if search.stopped_by_budget else ""
     if search.best is not None:
         top = done[0]
-        print(f"recommended: {top.shape.name} ({settings.metric} {top.value:.4g}, trial {top.number}): {search.best}")
+        print(
+            f"recommended: {top.shape.name} ({settings.metric} {top.value:.4g}, trial {top.number}): {search.best}"
+            + incomplete
+        )
     elif search.comparison is not None and search.comparison.tied:
         a, b = done[:2]
-        print(f"within noise: {a.shape.name} and {b.shape.name} (the report says why; no pick)")
+        print(f"within noise: {a.shape.name} and {b.shape.name} (the report says why; no pick){incomplete}")
+    elif not any(sc.kept for sc in search.screens):
+        print("the pre-screen dropped every shape: nothing trained, no recommendation (--keep-forecast-failures)")
+        rc = 1
     else:
-        print("no trial completed yet: no recommendation")
+        print(f"no trial completed yet: no recommendation{incomplete}")
     print(f"report: {html}")
     print(f"        {md}")
-    return 0
+    return rc
 
 
 def register_search(sub) -> None:
@@ -278,7 +287,8 @@ def register_search(sub) -> None:
         help="search the best depth and width for a config's objective at a parameter budget, and write a report",
         description="From CONFIG (its objective, data and training settings): generate parameter-matched shapes "
         "across a depth range (the config's head size held, widths multiples of it), drop those the doctor "
-        "forecasts to diverge or stall, and race the rest with Optuna's successive-halving pruner; each trial "
+        "forecasts to diverge (or to stall behind another shape), and race the rest by successive halving judged "
+        "synchronously (a rung decided once every trial in the race has reached it); each trial "
         "is an ordinary run directory under DIR/trials/. Writes DIR/report.md, DIR/report.html and the "
         "recommended config DIR/best.yaml (unless the top two are within noise). Re-running continues the "
         "search. Trials run one at a time in this process, or at once as Ray tasks (--executor ray), with the "

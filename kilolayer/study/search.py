@@ -7,15 +7,20 @@ objective instead of inheriting 12 x 768. From the user's config (objective, dat
    the config's head size held, widths multiples of it, parameters within a tolerance), with their FLOPs per
    token;
 2. :func:`prescreen`: each shape forecast by the doctor (:func:`kilolayer.doctor.forecast`); those forecast to
-   diverge or stall are dropped with its reason, unless kept on purpose;
-3. :func:`run_search`: the rest raced under Optuna's successive-halving pruner in trial order (a trial goes on
-   past a rung only if its metric is among the best 1/eta of the trials numbered before it that reached that
-   rung, and itself: :func:`in_order_pruner`), optionally with the learning rate searched jointly (log-uniform
-   around the config's, Optuna's TPE sampler). Each trial is an ordinary run directory trained by
-   :func:`kilolayer.train.run.train`, which reports every evaluation to the trial; a pruned trial stops there
-   with a checkpoint (status ``interrupted``: resumable, and diagnosable by ``kilolayer doctor``). The trials
-   run one after another in this process (:func:`race_here`), or at once as Ray tasks
-   (:mod:`kilolayer.study.search_ray`), with the same leaderboard.
+   diverge, or to stall while another shape is forecast clearly better, are dropped with its reason, unless
+   kept on purpose;
+3. :func:`run_search`: the rest raced by successive halving judged synchronously over the fixed set of
+   planned trials (:class:`_Racer`): every trial still in the race trains to a rung and pauses there with a
+   checkpoint; once all of them have reached it (or diverged, failed, or finished early), the best
+   max(n // eta, 1) go on and the rest are pruned (:func:`promote`, the arithmetic of Optuna's
+   SuccessiveHalvingPruner; ties go by shape name, never by trial order), so the recommendation does not depend
+   on the order of the shapes. The rungs are the first rung times eta^i (:func:`rung_steps`). Optionally the
+   learning rate is searched jointly (log-uniform around the config's, drawn up front by Optuna's TPE sampler).
+   The trials, their reported evaluations and states live in Optuna's storage; the rung decisions are recorded
+   in the study. Each trial is an ordinary run directory trained by :func:`kilolayer.train.run.train`, which
+   reports every evaluation; a pruned trial stays at its rung's checkpoint (status ``interrupted``: resumable,
+   and diagnosable by ``kilolayer doctor``). A rung's trials train one after another in this process
+   (:func:`race_here`), or at once as Ray tasks (:mod:`kilolayer.study.search_ray`), with the same leaderboard.
 
 The search lives in its directory: ``search.json`` (its settings), ``prescreen.json`` (the forecasts),
 ``optuna.journal`` (Optuna's journal storage: every trial, its state and reported values) and ``trials/``. A
@@ -45,6 +50,7 @@ PRESCREEN = "prescreen.json"
 JOURNAL = "optuna.journal"
 LOCK = "search.lock"
 TRIALS = "trials"
+CHOICE = "choice.json"  # the config files the search wrote (name: sha256), the only ones it replaces
 DROPPED = ("diverges", "stalls")  # forecast verdicts the pre-screen drops
 
 
@@ -120,18 +126,37 @@ class Screen:
     reason: str
     kept: bool
     seconds: float = 0.0
+    score: float | None = None  # the forecast's evaluation loss at train.steps (projected), in units of chance
+    steps: int = 0  # the training steps the forecast replayed
+    note: str = ""  # why a stall was raced anyway
 
 
-def doctor_forecast(config: Config, steps: int | None = None) -> tuple[str, str]:
-    """(verdict, reason) of :func:`kilolayer.doctor.forecast` for ``config``."""
+STALL_MARGIN = 0.1  # a stall is dropped only if another shape is forecast at least this much (x chance) lower
+
+
+def doctor_forecast(config: Config, steps: int | None = None) -> tuple[str, str, dict]:
+    """(verdict, reason, {"score", "steps"}) of :func:`kilolayer.doctor.forecast` for ``config``: ``score`` the
+    evaluation loss it projects for train.steps (else its last), in units of chance; ``steps`` replayed."""
     from kilolayer.doctor.forecast import forecast
 
     f = forecast(config, steps=steps)
-    return f.verdict, f.reason
+    n, m = f.numbers, f.measurements
+    level = n.get("chance")
+    loss = n.get("projected", n.get("eval_loss_last"))
+    score = max(loss, 0.0) / level if level and loss is not None and math.isfinite(loss / level) else None
+    return f.verdict, f.reason, {"score": score, "steps": int(m.get("steps_run", 0) or 0)}
 
 
 def _key(config: Config) -> str:
     return hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _clearly_better(other: Screen, me: Screen) -> bool:
+    if other.verdict == "diverges":
+        return False
+    if other.score is not None and me.score is not None:
+        return other.score <= me.score - STALL_MARGIN
+    return other.verdict == "trains"
 
 
 def prescreen(
@@ -139,11 +164,14 @@ def prescreen(
     found: list[Shape],
     out: Path,
     keep_all: bool = False,
-    forecaster: Callable[[Config], tuple[str, str]] | None = None,
+    forecaster: Callable[[Config], tuple] | None = None,
     log=print,
 ) -> list[Screen]:
     """Each shape's forecast (``forecaster``, default :func:`doctor_forecast`), read from ``prescreen.json`` when
-    that config's forecast is saved there; shapes forecast to diverge or stall are not kept unless ``keep_all``."""
+    that config's forecast is saved there. A shape forecast to diverge is not raced; one forecast to stall only
+    when another shape is forecast clearly better (its projected loss at least :data:`STALL_MARGIN` x chance
+    lower, or, without numbers, forecast to train): a stall verdict depends on the step budget, and when every
+    shape is forecast near chance it says nothing about which is best. ``keep_all`` races every shape."""
     forecaster = forecaster or doctor_forecast
     saved = rundir.read_json(out / PRESCREEN, {}) or {}
     screens = []
@@ -153,13 +181,39 @@ def prescreen(
         entry = saved.get(s.name)
         if not entry or entry.get("key") != key:
             t0 = time.perf_counter()
-            verdict, reason = forecaster(cfg)
-            entry = {"key": key, "verdict": verdict, "reason": reason, "seconds": time.perf_counter() - t0}
+            verdict, reason, *extra = forecaster(cfg)
+            extra = extra[0] if extra else {}
+            entry = {
+                "key": key,
+                "verdict": verdict,
+                "reason": reason,
+                "seconds": time.perf_counter() - t0,
+                "score": extra.get("score"),
+                "steps": extra.get("steps", 0),
+            }
             saved[s.name] = entry
             rundir.write_json(out / PRESCREEN, saved)
             log(f"[search] forecast {s.name}: {verdict} — {reason}")
-        kept = keep_all or entry["verdict"] not in DROPPED
-        screens.append(Screen(s.name, entry["verdict"], entry["reason"], kept, entry.get("seconds", 0.0)))
+        screens.append(
+            Screen(
+                s.name,
+                entry["verdict"],
+                entry["reason"],
+                True,
+                entry.get("seconds", 0.0),
+                entry.get("score"),
+                int(entry.get("steps") or 0),
+            )
+        )
+    for sc in screens:
+        if keep_all or sc.verdict not in DROPPED:
+            continue
+        if sc.verdict == "diverges":
+            sc.kept = False
+        elif any(_clearly_better(o, sc) for o in screens if o is not sc):
+            sc.kept = False
+        else:
+            sc.note = "raced: no other shape is forecast clearly better"
     return screens
 
 
@@ -256,6 +310,7 @@ class TrialResult:
     reason: str
     curve: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
+    continued: bool = False  # pruned, then continued by hand past its rung: value and step are its run's own
 
 
 STATE_ORDER = {"completed": 0, "pruned": 1, "unfinished": 2, "diverged": 3, "failed": 4}
@@ -274,6 +329,9 @@ class Comparison:
     stderr: float
     bound: float
     tied: bool
+    agrees: bool = (
+        True  # the difference has the sign of the ranking (False: the re-evaluation ranks them the other way)
+    )
 
 
 @dataclass
@@ -293,6 +351,8 @@ class Search:
     best: Path | None = None
     notes: list[str] = field(default_factory=list)
     stopped_by_budget: str = ""
+    decisions: list[dict] = field(default_factory=list)  # each rung's judgement (:meth:`_Racer.judge`)
+    rungs: list[int] = field(default_factory=list)
 
     @property
     def ranked(self) -> list[TrialResult]:
@@ -318,6 +378,9 @@ def _import_optuna():
 
 
 def _open_study(optuna, out: Path, config: Config, settings: Settings, rung: int, dirn: str):
+    """The search's Optuna study on its journal file. Optuna keeps the trials (their shape and lr, drawn by its
+    TPE sampler, the evaluations each reported, their states); the race itself is decided by
+    :meth:`_Racer.judge` (synchronous successive halving), so the study has no pruner of its own."""
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
@@ -328,43 +391,39 @@ def _open_study(optuna, out: Path, config: Config, settings: Settings, rung: int
         load_if_exists=True,
         direction=dirn,
         sampler=optuna.samplers.TPESampler(seed=config.train.seed),
-        pruner=in_order_pruner(optuna, rung, settings.reduction_factor),
+        pruner=optuna.pruners.NopPruner(),
     )
 
 
-def in_order_pruner(optuna, rung: int, eta: int):
-    """Optuna's successive-halving pruner (first rung ``rung``, reduction factor ``eta``) in which the trials a
-    trial competes with at a rung are fixed by trial order: those numbered below it that reached the rung, and
-    itself, never a later one. Trials trained one after another meet exactly Optuna's own rule; trials trained
-    at once (``--executor ray``) each wait at a rung for every earlier trial to reach it or stop
-    (:meth:`_Racer.wait_for_earlier`), so no decision depends on how many run at once or which is faster."""
-    inner = optuna.pruners.SuccessiveHalvingPruner(min_resource=rung, reduction_factor=eta, min_early_stopping_rate=0)
-
-    class InOrderSuccessiveHalving(optuna.pruners.BasePruner):
-        def prune(self, study, trial) -> bool:
-            return inner.prune(_Earlier(study, trial.number), trial)
-
-    return InOrderSuccessiveHalving()
-
-
-class _Earlier:
-    """The study as trial ``number`` sees it at a rung: the trials numbered below it (what the pruner reads)."""
-
-    def __init__(self, study, number: int):
-        self.study, self.number = study, number
-        self._storage = study._storage
-        self.direction = study.direction
-
-    def get_trials(self, deepcopy: bool = True, states=None) -> list:
-        return [t for t in self.study.get_trials(deepcopy=deepcopy, states=states) if t.number < self.number]
+def rung_steps(config: Config, settings: Settings) -> list[int]:
+    """The rungs' steps: the first rung (:func:`first_rung`) times eta^i, each moved to the first evaluation at
+    or after it (the value a trial is judged by), those before train.steps."""
+    every = config.train.eval_every or 1
+    steps, found = config.train.steps, []
+    r = first_rung(config, settings)
+    while r < steps:
+        at = math.ceil(r / every) * every
+        if at < steps and at not in found:
+            found.append(at)
+        r *= settings.reduction_factor
+    return found
 
 
-def rung_of(frozen) -> int:
-    """The rung a trial is at: how many rungs it has passed (Optuna's ``completed_rung_<i>`` attributes)."""
-    rung = 0
-    while f"completed_rung_{rung}" in frozen.system_attrs:
-        rung += 1
-    return rung
+def promote(entries: list[tuple[float, str, int]], eta: int, maximize: bool) -> tuple[list[int], list[int]]:
+    """Successive halving's cut at one rung, judged once for every competitor: ``entries`` are (value, a
+    tie-break that names the trial's shape and lr, trial number); the best ``max(n // eta, 1)`` go on (Optuna's
+    SuccessiveHalvingPruner's arithmetic: of fewer than eta, the best). Returns (kept, pruned) trial numbers.
+    The result does not depend on the order of ``entries``: a non-finite value ranks last, ties go by the
+    tie-break, never by trial number."""
+    sign = -1.0 if maximize else 1.0
+
+    def key(e):
+        value = sign * e[0] if math.isfinite(e[0]) else math.inf
+        return value, e[1]
+
+    ranked = sorted(entries, key=key)
+    keep = max(len(ranked) // eta, 1) if ranked else 0
+    return [e[2] for e in ranked[:keep]], [e[2] for e in ranked[keep:]]
 
 
 def _check_same_search(out: Path, config: Config, settings: Settings) -> None:
@@ -397,18 +456,24 @@ def _steps_of(run: Path) -> int:
     return rundir.RunDir(run).step if run.is_dir() else 0
 
 
+RESUME_HINT = "re-run the same kilolayer search command (it continues this trial)"
+
+
 class _Racer:
     """Runs trials: each an ordinary run directory trained in this process by :func:`kilolayer.train.run.train`,
-    its evaluations reported to its Optuna trial. The local executor runs them one at a time here; the Ray
-    executor (:mod:`kilolayer.study.search_ray`) makes one in each task, on the same study's journal."""
-
-    POLL_S = 0.5  # how often a trial waiting at a rung looks at the earlier trials again
+    its evaluations reported to its Optuna trial. The race is synchronous successive halving over the fixed set
+    of planned trials: every trial still in the race trains to a rung (it pauses there with a checkpoint), and
+    once all of them have reached it or stopped, :meth:`judge` keeps the best 1/eta and prunes the rest. The
+    local executor trains a rung's trials one at a time here; the Ray executor (:mod:`kilolayer.study.search_ray`)
+    trains them at once, one per task, on the same study's journal. Either way no decision depends on the order
+    of the trials or on which finished first."""
 
     def __init__(self, optuna, study, config, settings, kept: dict[str, Shape], out: Path, log):
         self.optuna, self.study, self.config, self.settings = optuna, study, config, settings
         self.kept, self.out, self.log = kept, out, log
         self.lr = config.train.lr
         self.rung = first_rung(config, settings)
+        self.rungs = rung_steps(config, settings)
 
     # -- what has been spent
 
@@ -429,28 +494,19 @@ class _Racer:
             return f"the search's budget of {s.minutes:g} minutes of training is spent"
         return ""
 
-    # -- the next trial
+    # -- the trials
 
-    def next_trial(self, planned: int, busy: frozenset[int] = frozenset()):
-        """The lowest-numbered trial an interruption left running and no one is training now (``busy``: trial
-        numbers; continued: the search holds the directory, so its process is gone), else a new one while fewer
-        than ``planned`` exist, else None. Its shape and lr are chosen here (:meth:`assign`)."""
+    def create(self, planned: int) -> None:
+        """Every planned trial, asked of the study (and its shape and lr drawn) before any trains, once per
+        search: the set of trials the race halves is fixed from the start."""
         from optuna.trial import Trial, TrialState
 
-        trial = None
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t.number not in busy:
-                trial = Trial(self.study, t._trial_id)
-                break
-        if trial is None:
-            started = self.study.get_trials(
-                deepcopy=False, states=tuple(s for s in TrialState if s != TrialState.WAITING)
-            )
-            if len(started) >= planned:
-                return None
-            trial = self.study.ask()
-        self.assign(trial)
-        return trial
+            if "run" not in t.user_attrs:  # asked by a run that stopped before assigning it
+                self.assign(Trial(self.study, t._trial_id))
+        started = self.study.get_trials(deepcopy=False, states=tuple(s for s in TrialState if s != TrialState.WAITING))
+        for _ in range(planned - len(started)):
+            self.assign(self.study.ask())
 
     def assign(self, trial) -> tuple[str, float, str]:
         """The trial's (shape, lr, run directory relative to the search): sampled once, by the process that asked
@@ -466,38 +522,130 @@ class _Racer:
             trial.set_user_attr("run", rel)
         return name, lr, rel
 
-    def wait_for_earlier(self, trial, step: int) -> str:
-        """At a rung's step, wait until every earlier trial has reached that rung or stopped (in-order successive
-        halving: :func:`in_order_pruner`); returns why it must stop instead ("" to go on): the budget is spent,
-        or a signal asked training to stop. Trials run one after another never wait here."""
+    def alive(self, level: int) -> list:
+        """The trials racing at ``level`` (a rung's index; ``len(rungs)``: the last leg, to train.steps), by
+        number: at level 0 every trial still running; after, those the previous rung kept that still run."""
         from optuna.trial import TrialState
 
-        from kilolayer.train.signals import stop_requested
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if level == 0:
+            return running
+        kept = set(self.study.user_attrs.get(f"decision_{level - 1}", {}).get("kept", []))
+        return [t for t in running if t.number in kept]
 
-        rung = rung_of(self.study._storage.get_trial(trial._trial_id))
-        if step < self.rung * self.settings.reduction_factor**rung:
-            return ""
-        key = f"completed_rung_{rung}"
-        while True:
-            waiting_for = [
-                t.number
-                for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                if t.number < trial.number and key not in t.system_attrs
-            ]
-            if not waiting_for:
-                return ""
-            stop = self.over_budget(*self.spent())
-            if stop:
-                return stop
-            if stop_requested():
-                return "stopped by a signal while waiting at a rung for earlier trials"
-            time.sleep(self.POLL_S)
+    def todo(self, level: int) -> list:
+        """The trials that still have to train at ``level``: racing there and not yet at its rung."""
+        from optuna.trial import Trial
+
+        return [
+            Trial(self.study, t._trial_id)
+            for t in self.alive(level)
+            if level >= len(self.rungs) or f"rung_{level}" not in t.user_attrs
+        ]
+
+    def decisions(self) -> list[dict]:
+        return [self.study.user_attrs[k] for k in sorted(self._decision_keys(), key=lambda k: int(k.split("_")[1]))]
+
+    def _decision_keys(self) -> list[str]:
+        return [k for k in self.study.user_attrs if k.startswith("decision_")]
+
+    def judge(self, level: int) -> dict:
+        """Successive halving at rung ``level``, once every trial racing there has reached it or stopped: the
+        best 1/eta of those at the rung go on (:func:`promote`), the others are pruned (their runs stay paused
+        at the rung with a checkpoint). The decision is recorded in the study before it is applied, so an
+        interrupted judgement is finished, not re-made, by a re-run. Whether the cut between the last trial
+        kept and the best one pruned is inside the evaluation-batch noise is measured and recorded too."""
+        from optuna.trial import Trial, TrialState
+
+        key = f"decision_{level}"
+        decision = self.study.user_attrs.get(key)
+        racing = self.alive(level)
+        if decision is None:
+            at = [t for t in racing if f"rung_{level}" in t.user_attrs]
+            entries = [(float(t.user_attrs[f"rung_{level}"][1]), self._tiebreak(t), t.number) for t in at]
+            maximize = self.study.direction == self.optuna.study.StudyDirection.MAXIMIZE
+            kept, pruned = promote(entries, self.settings.reduction_factor, maximize)
+            values = {str(n): v for v, _, n in entries}
+            decision = {
+                "level": level,
+                "step": self.rungs[level],
+                "kept": kept,
+                "pruned": pruned,
+                "values": values,
+                "margin": self._margin(at, kept, pruned) if kept and pruned else None,
+            }
+            self.study.set_user_attr(key, decision)
+        for t in racing:
+            if t.number in decision["pruned"] and t.state == TrialState.RUNNING:
+                self._prune(Trial(self.study, t._trial_id), t, decision)
+        return decision
+
+    @staticmethod
+    def _tiebreak(frozen) -> str:
+        return f"{frozen.params.get('shape', '')}|{float(frozen.params.get('lr', 0.0)):.17g}"
+
+    def _margin(self, at: list, kept: list[int], pruned: list[int]) -> dict | None:
+        """The last trial kept against the best one pruned, on the same evaluation batches at the rung's
+        checkpoints (:func:`compare_runs`); None where it cannot be measured."""
+        runs = {t.number: self.out / t.user_attrs["run"] for t in at}
+        try:
+            c = compare_runs(runs[kept[-1]], runs[pruned[0]], self.settings.metric)
+        except Exception:  # a measurement for the report only: never stop the search for it
+            return None
+        if c is None:
+            return None
+        difference, stderr, bound, batches = c
+        return {
+            "kept": kept[-1],
+            "pruned": pruned[0],
+            "difference": difference,
+            "bound": bound,
+            "batches": batches,
+            "within_noise": abs(difference) <= bound,
+        }
+
+    def _prune(self, trial, frozen, decision: dict) -> None:
+        level, step = decision["level"], decision["step"]
+        values = sorted(decision["values"].values())
+        maximize = self.study.direction == self.optuna.study.StudyDirection.MAXIMIZE
+        keep = len(decision["kept"])
+        cut = [decision["values"][str(n)] for n in decision["kept"]][-1]
+        value = decision["values"][str(frozen.number)]
+        reason = (
+            f"successive halving, rung {level} (step {step}): {self.settings.metric} {value:.6g} is not among the "
+            f"best {keep} of the {len(values)} trials at this rung (cut-off {cut:.6g}, "
+            f"{'higher' if maximize else 'lower'} is better; judged once every trial in the race had reached it)"
+        )
+        m = decision.get("margin")
+        if m and m["within_noise"] and m["pruned"] == frozen.number:
+            reason += (
+                f"; the margin to the last trial kept ({m['difference']:+.3g} on {m['batches']} evaluation batches) "
+                f"is within evaluation-batch noise, one seed (+/-{m['bound']:.3g})"
+            )
+        trial.set_user_attr("ended", "pruned")
+        trial.set_user_attr("reason", reason)
+        trial.set_user_attr("pruned_step", int(frozen.user_attrs[f"rung_{level}"][0]))
+        self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+        run = self.out / frozen.user_attrs["run"]
+        status = rundir.read_status(run)
+        if status.get("status") == "interrupted":  # the run says why it stopped, for kilolayer doctor and ls
+            extra = {k: v for k, v in status.items() if k not in ("status", "step", "reason")}
+            rundir.write_status(
+                run,
+                "interrupted",
+                status.get("step", 0),
+                f"pruned by kilolayer search: {reason}; kilolayer train --resume --out {run} continues it "
+                f"outside the search",
+                **extra,
+            )
+        self.log(f"[search] trial {frozen.number}: pruned at step {step}")
 
     # -- one trial
 
-    def run(self, trial) -> str:
-        """Train ``trial`` until it completes, is pruned, diverges or fails (each recorded in the study); returns
-        why the search must stop ("" to go on)."""
+    def run(self, trial, level: int) -> str:
+        """Train ``trial`` to rung ``level`` (where it pauses with a checkpoint; ``len(rungs)``: to the end), or
+        until it completes, diverges or fails (each recorded in the study); returns why the search must stop
+        ("" to go on)."""
         from kilolayer.train.run import Halted, train
         from kilolayer.train.signals import Interrupted
 
@@ -506,27 +654,13 @@ class _Racer:
         shape = self.kept[name]
         run = self.out / rel
         frozen = self.study._storage.get_trial(trial._trial_id)
+        until = self.rungs[level] if level < len(self.rungs) else None
+        if until is not None and f"rung_{level}" in frozen.user_attrs:
+            return ""
         reported = set(frozen.intermediate_values)
         seconds0 = float(frozen.user_attrs.get("seconds", 0.0))
         t0 = time.perf_counter()
-        verdict = {"pruned": "", "budget": ""}
-
-        def judge(step: int, value: float) -> str:
-            """Report ``value`` at ``step`` (after the earlier trials reached this rung); why to stop, or ""."""
-            waited = self.wait_for_earlier(trial, step)
-            if waited:
-                # not reported: the re-run that continues this trial judges it here first (``pending``)
-                trial.set_user_attr("pending", [step, value])
-                verdict["budget"] = waited
-                return waited
-            trial.report(value, step)
-            reported.add(step)
-            if "pending" in trial.user_attrs:
-                trial.set_user_attr("pending", None)
-            if trial.should_prune():
-                verdict["pruned"] = self.prune_reason(trial, step, value)
-                return f"pruned by kilolayer search: {verdict['pruned']}"
-            return ""
+        verdict = {"paused": False, "budget": ""}
 
         def on_eval(step: int, metrics: dict) -> str:
             if s.metric not in metrics:
@@ -536,29 +670,27 @@ class _Racer:
                 )
             elapsed = seconds0 + time.perf_counter() - t0
             trial.set_user_attr("seconds", elapsed)
+            value = float(metrics[s.metric])
             if step not in reported:
-                stop = judge(step, float(metrics[s.metric]))
-                if stop:
-                    return stop if verdict["pruned"] else f"stopped by kilolayer search: {stop}"
+                trial.report(value, step)
+                reported.add(step)
+            if until is not None and step >= until:
+                trial.set_user_attr(f"rung_{level}", [step, value])
+                verdict["paused"] = True
+                return f"paused by kilolayer search at rung {level} (step {until}) until every trial has reached it"
             steps_others, seconds_others = self.spent(exclude=trial.number)  # others may be training at once
             verdict["budget"] = self.over_budget(steps_others + step, seconds_others + elapsed)
             return f"stopped by kilolayer search: {verdict['budget']}" if verdict["budget"] else ""
 
-        pending = frozen.user_attrs.get("pending")
-        if pending and pending[0] not in reported and judge(*pending):
-            if verdict["pruned"]:
-                return self._pruned(trial, run, verdict["pruned"])
-            return verdict["budget"]
-
-        self.log(f"[search] trial {trial.number}: {name} (lr {lr:.3g}) -> {run}")
+        self.log(
+            f"[search] trial {trial.number}: {name} (lr {lr:.3g}) -> {run}" + (f" to step {until}" if until else "")
+        )
         cfg = trial_config(self.config, shape, lr)
         try:
-            train(cfg, run, resume=True, quiet=True, on_eval=on_eval)
+            train(cfg, run, resume=True, quiet=True, on_eval=on_eval, resume_hint=RESUME_HINT)
         except Halted:
             trial.set_user_attr("seconds", seconds0 + time.perf_counter() - t0)
-            if verdict["pruned"]:
-                return self._pruned(trial, run, verdict["pruned"])
-            return verdict["budget"]  # left running: a larger budget continues it
+            return "" if verdict["paused"] else verdict["budget"]  # left running: a re-run continues it
         except DivergedError as err:
             trial.set_user_attr("ended", "diverged")
             trial.set_user_attr("reason", str(err))
@@ -582,13 +714,6 @@ class _Racer:
         self.log(f"[search] trial {trial.number}: completed, {s.metric} {value:.4g}")
         return ""
 
-    def _pruned(self, trial, run: Path, reason: str) -> str:
-        trial.set_user_attr("ended", "pruned")
-        trial.set_user_attr("reason", reason)
-        self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
-        self.log(f"[search] trial {trial.number}: pruned at step {_steps_of(run)}")
-        return ""
-
     def failed(self, trial, err: BaseException | str, seconds: float) -> None:
         """Record ``trial`` failed with ``err`` (one line) after ``seconds`` of training; the search goes on."""
         if not isinstance(err, str):
@@ -602,36 +727,14 @@ class _Racer:
 
     def final_value(self, run: Path) -> float:
         """The metric of the evaluation that stands for a completed run (with early stopping: its best)."""
-        r = rundir.RunDir(run)
-        evals = [e for e in r.metrics() if e.get("split") == "eval"]
-        record = r.final_eval(evals, on_damaged=lambda _: None)
-        return float(record.get(self.settings.metric, math.nan))
+        return _final_value(run, self.settings.metric)
 
-    def prune_reason(self, trial, step: int, value: float) -> str:
-        """Which rung's rule stopped ``trial`` at ``step``, in words: the competing values at that rung and the
-        cut-off (the pruner's own arithmetic: the best 1/eta of them go on; of fewer than eta, the best)."""
-        frozen = self.study._storage.get_trial(trial._trial_id)
-        rung = max(
-            (int(k.rsplit("_", 1)[1]) for k in frozen.system_attrs if k.startswith("completed_rung_")), default=0
-        )
-        key = f"completed_rung_{rung}"
-        values = sorted(
-            t.system_attrs[key]
-            for t in self.study.get_trials(deepcopy=False)
-            if key in t.system_attrs and t.number <= trial.number  # the pruner's field (in_order_pruner)
-        )
-        eta = self.settings.reduction_factor
-        keep = max(len(values) // eta, 1)
-        maximize = self.study.direction == self.optuna.study.StudyDirection.MAXIMIZE
-        cutoff = values[-keep] if maximize else values[keep - 1]
-        better = "higher" if maximize else "lower"
-        where = self.rung * eta**rung
-        return (
-            f"successive halving, rung {rung} (step >= {where}): {self.settings.metric} {value:.6g} at step {step} is "
-            f"not among the best {keep} of the {len(values)} trials that reached this rung, this one and those before "
-            f"it (cut-off {cutoff:.6g}, "
-            f"{better} is better)"
-        )
+
+def _final_value(run: Path, metric: str) -> float:
+    r = rundir.RunDir(run)
+    evals = [e for e in r.metrics() if e.get("split") == "eval"]
+    record = r.final_eval(evals, on_damaged=lambda _: None)
+    return float(record.get(metric, math.nan))
 
 
 def _enqueue(study, kept: list[str], lr: float | None) -> None:
@@ -644,7 +747,9 @@ def _enqueue(study, kept: list[str], lr: float | None) -> None:
 
 
 def collect(study, found: dict[str, Shape], out: Path, metric: str) -> list[TrialResult]:
-    """Every started trial, from the study and its run directory."""
+    """Every started trial, from the study and its run directory. A pruned trial that was continued by hand
+    (``kilolayer train --resume``) past the rung it was pruned at shows its run's own final evaluation, flagged
+    as continued outside the search."""
     from optuna.trial import TrialState
 
     results = []
@@ -663,12 +768,25 @@ def collect(study, found: dict[str, Shape], out: Path, metric: str) -> list[Tria
             except KilolayerError:
                 curve = []
         ended = t.user_attrs.get("ended", "")
+        step = r.step if run.is_dir() else 0
+        continued = False
         if t.state == TrialState.COMPLETE:
             state, value, reason = "completed", t.value, status.get("reason", "")
         elif t.state == TrialState.PRUNED:
             state = "diverged" if ended == "diverged" else "pruned"
             value = t.intermediate_values[t.last_step] if t.last_step is not None else None
             reason = t.user_attrs.get("reason", "")
+            stopped = t.user_attrs.get("pruned_step")
+            if state == "pruned" and stopped is not None and step > stopped:
+                continued = True
+                try:
+                    value = _final_value(run, metric)
+                except KilolayerError:
+                    pass
+                reason = (
+                    f"{reason}; then continued outside the search (kilolayer train --resume) to step {step} "
+                    f"({status.get('status', '?')}): its own final evaluation is shown"
+                )
         elif t.state == TrialState.FAIL:
             state, value, reason = "failed", None, t.user_attrs.get("reason", status.get("reason", ""))
         else:
@@ -682,11 +800,12 @@ def collect(study, found: dict[str, Shape], out: Path, metric: str) -> list[Tria
                 lr=float(t.params.get("lr", study.user_attrs.get("lr", math.nan))),
                 run=run,
                 state=state,
-                step=r.step if run.is_dir() else 0,
+                step=step,
                 value=value,
                 reason=reason,
                 curve=curve,
                 seconds=float(t.user_attrs.get("seconds", 0.0)),
+                continued=continued,
             )
         )
     return results
@@ -715,59 +834,122 @@ def per_batch_metric(run: Path, metric: str) -> list[float]:
     return values
 
 
-def compare_top(ranked: list[TrialResult], metric: str) -> Comparison | None:
-    """The top two completed trials compared batch by batch (:class:`Comparison`); None with fewer than two or a
-    single evaluation batch (no spread to measure)."""
+def compare_runs(a: Path, b: Path, metric: str) -> tuple[float, float, float, int] | None:
+    """``a``'s metric minus ``b``'s on the same evaluation batches (:func:`per_batch_metric`): (mean difference,
+    its standard error over batches, the two-sided 95% Student-t bound, batches); None with one batch."""
     import statistics
 
     from kilolayer.study.findings import t_quantile
 
-    done = [t for t in ranked if t.state == "completed"][:2]
-    if len(done) < 2:
-        return None
-    a, b = (per_batch_metric(t.run, metric) for t in done)
-    diffs = [x - y for x, y in zip(a, b)]
+    diffs = [x - y for x, y in zip(per_batch_metric(a, metric), per_batch_metric(b, metric))]
     if len(diffs) < 2:
         return None
     mean = statistics.fmean(diffs)
     se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    bound = t_quantile(len(diffs) - 1, 0.975) * se
-    return Comparison(done[0].number, done[1].number, metric, len(diffs), mean, se, bound, abs(mean) <= bound)
+    return mean, se, t_quantile(len(diffs) - 1, 0.975) * se, len(diffs)
+
+
+def compare_top(ranked: list[TrialResult], metric: str, maximize: bool = False) -> Comparison | None:
+    """The top two completed trials compared batch by batch (:class:`Comparison`); None with fewer than two or a
+    single evaluation batch (no spread to measure)."""
+    done = [t for t in ranked if t.state == "completed"][:2]
+    if len(done) < 2:
+        return None
+    found = compare_runs(done[0].run, done[1].run, metric)
+    if found is None:
+        return None
+    mean, se, bound, n = found
+    agrees = mean > 0 if maximize else mean < 0  # the re-evaluation ranks them as the leaderboard does
+    return Comparison(done[0].number, done[1].number, metric, n, mean, se, bound, abs(mean) <= bound, agrees)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _write_choice(search: Search) -> None:
     """best.yaml: the recommended trial's config; when the top two are within noise, tied-<shape>.yaml for each
-    of them instead (the report says so rather than pick)."""
+    of them instead (the report says so rather than pick). Only files the search wrote itself are replaced or
+    removed (their names and hashes are in ``choice.json``): one edited since is kept as ``NAME.edited`` (a
+    note in the report says so), and a file the search never wrote is left alone."""
     from kilolayer.config import dump_yaml
     from kilolayer.files import write_atomic
 
     out = search.out
-    for old in [out / "best.yaml", *out.glob("tied-*.yaml")]:
-        old.unlink(missing_ok=True)
+    written: dict = rundir.read_json(out / CHOICE, {}) or {}
+
+    def release(path: Path) -> None:
+        """Make way for the search's own ``path``: remove it if the search wrote it as it is, keep an edited
+        copy otherwise."""
+        if not path.is_file():
+            return
+        if written.get(path.name) == _sha(path):
+            path.unlink()
+            return
+        kept = path.with_name(path.name + ".edited")
+        path.replace(kept)
+        search.notes.append(f"{path.name} was not as the search wrote it: kept as {kept.name}")
+
+    for name in list(written):
+        release(out / name)
+        written.pop(name)
     done = [t for t in search.ranked if t.state == "completed"]
-    if not done:
-        return
+    new: dict[str, Path] = {}
     c = search.comparison
-    if c is not None and c.tied:
-        for t in done[:2]:
-            write_atomic(out / f"tied-{t.shape.name}.yaml", dump_yaml(load_config(t.run / rundir.CONFIG)))
-        return
-    search.best = out / "best.yaml"
-    write_atomic(search.best, dump_yaml(load_config(done[0].run / rundir.CONFIG)))
+    if done and c is not None and c.tied:
+        new = {f"tied-{t.shape.name}.yaml": t.run for t in done[:2]}
+    elif done:
+        new = {"best.yaml": done[0].run}
+    for name, run in new.items():
+        path = out / name
+        release(path)
+        write_atomic(path, dump_yaml(load_config(run / rundir.CONFIG)))
+        written[name] = _sha(path)
+    if "best.yaml" in new:
+        search.best = out / "best.yaml"
+    rundir.write_json(out / CHOICE, written)
 
 
 def race_here(racer: _Racer, planned: int) -> str:
-    """The local executor: the trials one after another in this process; returns why a budget stopped them."""
-    while True:
-        stop = racer.over_budget(*racer.spent())
-        if stop:
-            return stop
-        trial = racer.next_trial(planned)
-        if trial is None:
-            return ""
-        stop = racer.run(trial)
-        if stop:
-            return stop
+    """The local executor: synchronous successive halving, the trials racing at each rung trained one after
+    another in this process, then the rung judged; returns why a budget stopped them."""
+    racer.create(planned)
+    for level in range(len(racer.rungs) + 1):
+        for trial in racer.todo(level):
+            stop = racer.over_budget(*racer.spent())
+            if stop:
+                return stop
+            stop = racer.run(trial, level)
+            if stop:
+                return stop
+        if level < len(racer.rungs):
+            racer.judge(level)
+    return ""
+
+
+def percent(x: float) -> str:
+    """A fraction as a percentage with the digits it needs (0.0001 -> 0.01%, 0.03 -> 3%)."""
+    return f"{x * 100:.3g}%"
+
+
+def check_metric(config: Config, shape: Shape, metric: str) -> None:
+    """One line unless ``metric`` is an evaluation metric of the config's objective: one evaluation batch of
+    ``shape`` at initialisation, in memory, before the search writes anything."""
+    import torch
+
+    from kilolayer.train.engine import Engine, to_device
+
+    cfg = trial_config(config, shape, config.train.lr)
+    engine = Engine(cfg)
+    with engine.evaluating():
+        torch.manual_seed(cfg.train.seed)
+        batch = next(iter(engine.eval_data(1)))
+        found = engine.objective.evaluate(engine.task.backbone, [to_device(batch, engine.env.device)])
+    if metric not in found:
+        raise ConfigError(
+            f"--metric {metric}: not an evaluation metric of {config.objective.name} (it reports "
+            f"{', '.join(sorted(found))})"
+        )
 
 
 def run_search(
@@ -775,13 +957,13 @@ def run_search(
     out: str | Path,
     settings: Settings,
     log=print,
-    forecaster: Callable[[Config], tuple[str, str]] | None = None,
+    forecaster: Callable[[Config], tuple] | None = None,
     race: Callable[[_Racer, int], str] | None = None,
 ) -> Search:
     """The whole search (module docstring) into ``out``; returns what the report shows. ``forecaster(config)``
-    gives (verdict, reason) for the pre-screen (default: the doctor's forecast); ``race(racer, planned)`` runs
-    the trials and says why a budget stopped them (default :func:`race_here`; Ray's:
-    :class:`kilolayer.study.search_ray.RayRace`)."""
+    gives (verdict, reason[, {"score", "steps"}]) for the pre-screen (default: the doctor's forecast);
+    ``race(racer, planned)`` runs the trials and says why a budget stopped them (default :func:`race_here`;
+    Ray's: :class:`kilolayer.study.search_ray.RayRace`)."""
     race = race or race_here
     out = Path(out)
     config = check_settings(config, settings)
@@ -791,9 +973,12 @@ def run_search(
         span = f" at depths {settings.depths[0]}..{settings.depths[1]}" if settings.depths else ""
         raise ConfigError(
             f"--params {settings.params:,}: no shape of head size {config.model.width // config.model.heads}{span} "
-            f"is within {settings.tolerance:.0%} of it; widen --tolerance or --depths"
+            f"is within {percent(settings.tolerance)} of it; widen --tolerance or --depths"
         )
     _check_out(out)
+    saved = rundir.read_json(out / SETTINGS, None) if out.is_dir() else None
+    if settings.metric != config.train.early_stop_metric and (saved or {}).get("metric") != settings.metric:
+        check_metric(config, found[0], settings.metric)  # before search.json records it
     out.mkdir(parents=True, exist_ok=True)
     with rundir.RunLock(out, LOCK, "kilolayer search"):
         _check_same_search(out, config, settings)
@@ -809,7 +994,13 @@ def run_search(
         rung = first_rung(config, settings)
         dirn = direction(config, settings.metric)
         search = Search(config, settings, out, found, screens, [], 0, dirn, rung)
+        search.rungs = rung_steps(config, settings)
         if kept:
+            if len(kept) == 1 and len(found) > 1:
+                search.notes.append(
+                    f"the pre-screen left only {next(iter(kept))} of the {len(found)} shapes: nothing was raced "
+                    f"against it; --keep-forecast-failures races them all"
+                )
             planned = len(kept) if settings.lr_factor is None else settings.trials or 2 * len(kept)
             search.planned = planned
             study = _open_study(optuna, out, config, settings, rung, dirn)
@@ -818,11 +1009,12 @@ def run_search(
             racer = _Racer(optuna, study, config, settings, kept, out, log)
             search.stopped_by_budget = race(racer, planned)
             search.trials = collect(study, kept, out, settings.metric)
+            search.decisions = racer.decisions()
         else:
             search.notes.append(
-                "every shape was forecast to diverge or stall, so none was trained; --keep-forecast-failures "
-                "races them anyway"
+                "the pre-screen dropped every shape (each forecast to diverge, or to stall behind another), so none "
+                "was trained; --keep-forecast-failures races them anyway"
             )
-        search.comparison = compare_top(search.ranked, settings.metric)
+        search.comparison = compare_top(search.ranked, settings.metric, dirn == "maximize")
         _write_choice(search)
     return search

@@ -7,10 +7,11 @@ worker exactly as the local executor does (:meth:`kilolayer.study.search._Racer.
 directory, its evaluations reported to its trial. As many trials run at once as the cluster has room for
 (``--cpus-per-run``, ``--gpus-per-run``); they are submitted in trial order, each as soon as a slot frees.
 
-Pruning is successive halving in trial order (:func:`kilolayer.study.search.in_order_pruner`): at a rung a
-trial waits until every earlier trial has reached that rung or stopped, and then competes with those, so the
-leaderboard is the local executor's whatever the number of trials at once. The cost is the wait: a trial that
-reaches a rung before an earlier one idles on its reservation until the earlier one gets there.
+Pruning is successive halving judged synchronously (:class:`kilolayer.study.search._Racer`): the trials racing
+at a rung train at once, each pausing at the rung with a checkpoint; when every one has returned, the driver
+keeps the best 1/eta and prunes the rest, so the leaderboard is the local executor's whatever the number of
+trials at once or which finished first. The cost is the barrier: a slot idles when a rung has fewer trials
+left than slots.
 
 The cluster side is the study's (:mod:`kilolayer.study.ray_executor`): the same preflight, loopback-only Ray
 when no ``--address`` is given, and the check that every node sees ``--out`` (one shared file system). A task
@@ -30,9 +31,9 @@ from kilolayer.study import ray_executor as RE
 from kilolayer.study.search import _import_optuna, _open_study, _Racer, direction, first_rung
 
 
-def trial_task(racer_args: tuple, trial_id: int, threads: int) -> dict:
-    """Task: train one trial (the search's ``_Racer.run`` in this worker); returns why the search must stop
-    ("" to go on) and the lines it logged."""
+def trial_task(racer_args: tuple, trial_id: int, level: int, threads: int) -> dict:
+    """Task: train one trial to rung ``level`` (the search's ``_Racer.run`` in this worker); returns why the
+    search must stop ("" to go on) and the lines it logged."""
     import ray
 
     if not ray.get_runtime_context().get_accelerator_ids().get("GPU"):
@@ -52,7 +53,7 @@ def trial_task(racer_args: tuple, trial_id: int, threads: int) -> dict:
     # stop signals see it (a checkpoint, the trial left running)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        stop = racer.run(Trial(study, trial_id))
+        stop = racer.run(Trial(study, trial_id), level)
     finally:
         signal.signal(signal.SIGINT, previous)
     return {"stop": stop, "log": lines}
@@ -89,22 +90,35 @@ class RayRace:
             ray.shutdown()
 
     def _drive(self, ray, racer: _Racer, planned: int, root: Path, slots: int) -> str:
+        """Synchronous successive halving: the trials racing at a rung trained at once (as many as there are
+        slots), then the rung judged here once all have returned (:meth:`_Racer.judge`)."""
         task = ray.remote(trial_task).options(
             num_cpus=self.cpus_per_run, num_gpus=self.gpus_per_run, max_retries=RE.MAX_RETRIES
         )
         args = ray.put((racer.config, racer.settings, racer.kept, root))
         threads = max(1, int(self.cpus_per_run))
+        racer.create(planned)
+        stop = ""
+        for level in range(len(racer.rungs) + 1):
+            stop = self._rung(ray, task, args, threads, racer, level, slots)
+            if stop:
+                return stop
+            if level < len(racer.rungs):
+                racer.judge(level)
+        return ""
+
+    def _rung(self, ray, task, args, threads: int, racer: _Racer, level: int, slots: int) -> str:
+        queue = racer.todo(level)
         pending: dict = {}  # ObjectRef -> trial
         stop = ""
         try:
             while True:
-                while not stop and len(pending) < slots:
+                while not stop and queue and len(pending) < slots:
                     stop = racer.over_budget(*racer.spent())
-                    busy = frozenset(t.number for t in pending.values())
-                    trial = None if stop else racer.next_trial(planned, busy)
-                    if trial is None:
+                    if stop:
                         break
-                    pending[task.remote(args, trial._trial_id, threads)] = trial
+                    trial = queue.pop(0)
+                    pending[task.remote(args, trial._trial_id, level, threads)] = trial
                 if not pending:
                     return stop
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from kilolayer.study.report import _fenced, _table, _text, machine, render_html, versions
-from kilolayer.study.search import Search, TrialResult
+from kilolayer.study.search import Search, TrialResult, percent
 
 
 def _count(n: float) -> str:
@@ -55,23 +55,48 @@ def curves_plot(search: Search, path: Path) -> bool:
     return True
 
 
+NOISE = "evaluation-batch noise, one seed"
+
+
+def _margins(search: Search) -> list[str]:
+    """A line for each rung whose cut between the last trial kept and the best one pruned was inside the noise."""
+    names = {t.number: t.shape.name for t in search.trials}
+    out = []
+    for d in search.decisions:
+        m = d.get("margin")
+        if m and m["within_noise"]:
+            out.append(
+                f"At rung {d['level']} (step {d['step']}) the cut between {_text(names.get(m['kept'], '?'))} "
+                f"(trial {m['kept']}, kept) and {_text(names.get(m['pruned'], '?'))} (trial {m['pruned']}, pruned) "
+                f"was within the noise: {m['difference']:+.3g} on {m['batches']} evaluation batches, bound "
+                f"+/-{m['bound']:.3g} ({NOISE}); the pruned shape may be as good."
+            )
+    return out
+
+
 def _recommendation(search: Search) -> list[str]:
     done = [t for t in search.ranked if t.state == "completed"]
     metric = search.settings.metric
+    incomplete = _continue_hint(search)
     if not done:
-        return ["No trial completed, so there is no recommendation yet." + _continue_hint(search), ""]
+        if not any(sc.kept for sc in search.screens):
+            return ["The pre-screen dropped every shape, so nothing was trained and there is no recommendation.", ""]
+        return ["No trial completed, so there is no recommendation yet." + incomplete, ""]
     c = search.comparison
     top = done[0]
+    margins = _margins(search)
     if c is not None and c.tied:
         a, b = done[:2]
         return [
             f"**Within noise: no pick.** The top two, {_text(a.shape.name)} (trial {a.number}, {metric} "
             f"{_value(a.value)}) and {_text(b.shape.name)} (trial {b.number}, {_value(b.value)}), differ by "
             f"{c.difference:+.4g} on the same {c.batches} evaluation batches, within the noise bound +/-"
-            f"{c.bound:.3g} (two-sided 95% Student-t on the per-batch differences, standard error {c.stderr:.3g}). "
-            f"Both configs are written out (`tied-{a.shape.name}.yaml`, `tied-{b.shape.name}.yaml`); more "
-            f"evaluation batches (`train.eval_batches`), more steps or other seeds would separate them.",
+            f"{c.bound:.3g} ({NOISE}: two-sided 95% Student-t on the per-batch differences, standard error "
+            f"{c.stderr:.3g}; other seeds were not run). Both configs are written out (`tied-{a.shape.name}.yaml`, "
+            f"`tied-{b.shape.name}.yaml`); more evaluation batches (`train.eval_batches`), more steps or other "
+            f"seeds would separate them.",
             "",
+            *[line for m in margins for line in (m, "")],
         ]
     m = top.shape.model
     layers = f"{m.layers} layer{'s' * (m.layers != 1)}"
@@ -82,18 +107,42 @@ def _recommendation(search: Search) -> list[str]:
         f"is written to `best.yaml`: `kilolayer train best.yaml --out RUN` trains it.",
         "",
     ]
+    if search.stopped_by_budget:
+        lines += [f"**The search is incomplete**:{incomplete} This is the best of the trials completed so far.", ""]
     if c is not None:
         b = done[1]
+        if c.agrees:
+            lines += [
+                f"It beats the runner-up {_text(b.shape.name)} (trial {b.number}, {_value(b.value)}) by "
+                f"{abs(c.difference):.4g} on the same {c.batches} evaluation batches, beyond the noise bound "
+                f"+/-{c.bound:.3g} ({NOISE}: two-sided 95% Student-t on the per-batch differences; other seeds "
+                f"were not run).",
+                "",
+            ]
+        else:
+            lines += [
+                f"**The re-evaluation disagrees with the ranking**: on the same {c.batches} evaluation batches the "
+                f"runner-up {_text(b.shape.name)} (trial {b.number}, {_value(b.value)}) scores better by "
+                f"{abs(c.difference):.4g} (noise bound +/-{c.bound:.3g}, {NOISE}), so this pick is not reliable; "
+                f"treat the two as undecided and train both with other seeds.",
+                "",
+            ]
+    elif len(done) < 2:
         lines += [
-            f"It beats the runner-up {_text(b.shape.name)} (trial {b.number}, {_value(b.value)}) by "
-            f"{abs(c.difference):.4g} on the same {c.batches} evaluation batches, beyond the noise bound "
-            f"+/-{c.bound:.3g} (two-sided 95% Student-t on the per-batch differences).",
+            "**Only one trial completed**: successive halving kept one trial to the end, so the recommendation "
+            "rests on the rung decisions below, judged at partial training (each on one seed), and was not "
+            "compared with another shape at full length.",
             "",
         ]
-    elif len(done) < 2:
-        lines += ["Only one trial completed: nothing to compare it with.", ""]
     else:
         lines += ["One evaluation batch: the noise between the top two was not measured (train.eval_batches >= 2).", ""]
+    for line in margins:
+        lines += [line, ""]
+    if not margins and len(done) < 2 and any(d.get("pruned") for d in search.decisions):
+        if any(d.get("margin") is None and d.get("pruned") for d in search.decisions):
+            lines += ["The noise at the rung cuts was not measured (one evaluation batch, or no checkpoint).", ""]
+        else:
+            lines += [f"Every rung's cut was beyond the noise ({NOISE}).", ""]
     return lines
 
 
@@ -109,21 +158,37 @@ def _compute(search: Search) -> list[str]:
     kept = [s for s, sc in zip(search.shapes, search.screens) if sc.kept]
     spent_steps = sum(t.step for t in search.trials)
     spent_flops = sum(t.step * t.shape.step_flops(bs) for t in search.trials)
+    screen_steps = sum(sc.steps for sc in search.screens)
+    screen_flops = sum(sc.steps * sh.step_flops(bs) for sh, sc in zip(search.shapes, search.screens))
     per_trial = search.planned / max(1, len(kept))  # trials per shape in a full grid of the planned trials
     grid_steps = search.planned * steps
     grid_flops = per_trial * sum(steps * s.step_flops(bs) for s in kept)
     minutes = sum(t.seconds for t in search.trials) / 60
     forecast_s = sum(sc.seconds for sc in search.screens)
+    total_flops = spent_flops + screen_flops
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.0%}" if b else "-"
+
     rows = [
-        ["optimizer steps", f"{spent_steps:,}", f"{grid_steps:,}", f"{spent_steps / max(1, grid_steps):.0%}"],
-        ["model FLOPs", _count(spent_flops), _count(grid_flops), f"{spent_flops / max(1.0, grid_flops):.0%}"],
+        [
+            "**total model FLOPs** (race + pre-screen)",
+            _count(total_flops),
+            _count(grid_flops),
+            ratio(total_flops, grid_flops),
+        ],
+        ["race: optimizer steps", f"{spent_steps:,}", f"{grid_steps:,}", ratio(spent_steps, grid_steps)],
+        ["race: model FLOPs", _count(spent_flops), _count(grid_flops), ratio(spent_flops, grid_flops)],
+        ["pre-screen: replayed steps", f"{screen_steps:,}", "-", "-"],
+        ["pre-screen: model FLOPs", _count(screen_flops), "-", ratio(screen_flops, grid_flops)],
     ]
     return [
-        f"A full grid trains each of the {search.planned} planned trials for all {steps:,} steps. Model FLOPs: "
-        f"each shape's training FLOPs per sample at full length (docs/bamboo.md#model-flops-and-mfu) x batch "
-        f"size {bs} x steps.",
+        f"A full grid trains each of the {search.planned} planned trials for all {steps:,} steps, with no "
+        f"pre-screen. Model FLOPs: each shape's training FLOPs per sample at full length "
+        f"(docs/bamboo.md#model-flops-and-mfu) x batch size {bs} x steps; the pre-screen's are those of the steps "
+        f"its forecasts replayed (their evaluations not counted).",
         "",
-        _table(["", "spent", "full grid", "spent / grid"], rows),
+        _table(["", "search", "full grid", "search / grid"], rows),
         f"Training time: {minutes:.1f} min over all trials; the pre-screen's forecasts took {forecast_s:.0f} s.",
         "",
     ]
@@ -141,7 +206,7 @@ def _trial_row(rank: int, t: TrialResult, lr_searched: bool) -> list:
         *([f"{t.lr:.3g}"] if lr_searched else []),
         t.step,
         _value(t.value),
-        t.state,
+        "pruned, continued outside the search" if t.continued else t.state,
     ]
 
 
@@ -151,12 +216,7 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
     metric = s.metric
     better = "higher" if search.direction == "maximize" else "lower"
     kept = sum(sc.kept for sc in search.screens)
-    eta, rung = s.reduction_factor, search.rung
-    rungs = []
-    r = rung
-    while r < tc.steps:
-        rungs.append(r)
-        r *= eta
+    eta = s.reduction_factor
     span = f"{s.depths[0]}..{s.depths[1]}" if s.depths else "any"
     lr_text = (
         f"searched jointly, log-uniform in [{tc.lr / s.lr_factor:.3g}, {tc.lr * s.lr_factor:.3g}] (Optuna's TPE "
@@ -172,15 +232,15 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
         f"- **versions**: {versions()}",
         f"- **objective**: {_text(metric)} on the evaluation split, {better} is better; each trial up to {tc.steps:,} "
         f"steps, evaluated every {tc.eval_every}, seed {tc.seed}",
-        f"- **shapes**: {len(search.shapes)} within {s.tolerance:.0%} of {s.params:,} parameters (head size "
+        f"- **shapes**: {len(search.shapes)} within {percent(s.tolerance)} of {s.params:,} parameters (head size "
         f"{cfg.model.width // cfg.model.heads} held, depths {span}); {kept} raced after the pre-screen",
         f"- **learning rate**: {lr_text}",
         f"- **trials**: {len(search.trials)} started of {search.planned} planned",
-        f"- **race**: Optuna's successive halving (reduction factor {eta}; rungs at steps "
-        f"{', '.join(map(str, rungs)) or '-'}): at each rung a trial goes on only if its {_text(metric)} is among "
-        f"the best 1/{eta} of the trials numbered before it that reached that rung, and itself (of fewer than {eta}, "
-        f"the best): the earlier trials set the bar for the later, whether the trials ran one after another or at "
-        f"once",
+        f"- **race**: successive halving judged synchronously (reduction factor {eta}; rungs at steps "
+        f"{', '.join(map(str, search.rungs)) or '-'}): every trial still in the race trains to a rung and waits "
+        f"there; once all have reached it, the best max(n // {eta}, 1) by {_text(metric)} go on and the rest are "
+        f"pruned (Optuna's successive-halving arithmetic on Optuna's trial records; ties by shape name), so no "
+        f"decision depends on the order of the trials",
         "",
         "## Recommendation",
         "",
@@ -188,8 +248,6 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
         *[f"- {_text(n)}" for n in search.notes],
         *([""] if search.notes else []),
     ]
-    if search.stopped_by_budget:
-        lines += [f"The search stopped because {_text(search.stopped_by_budget)}; a larger budget continues it.", ""]
     lr_searched = bool(s.lr_factor)
     headers = ["rank", "trial", "shape", "heads", "params", "FLOPs/token", *(["lr"] if lr_searched else [])]
     headers += ["steps", _text(metric), "status"]
@@ -217,7 +275,9 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
         "## Pre-screen",
         "",
         "Each shape's first steps replayed in memory by `kilolayer doctor CONFIG --forecast` (rule: docs/doctor.md); "
-        "shapes forecast to diverge or stall are not raced"
+        "a shape forecast to diverge is not raced, nor one forecast to stall when another shape is forecast "
+        "clearly better (its projected evaluation loss at least 0.1 x chance lower): a stall depends on the step "
+        "budget, and when every shape is forecast near chance it does not rank them"
         + (" (kept here: --keep-forecast-failures)" if s.keep_forecast_failures else "")
         + ".",
         "",
@@ -232,7 +292,7 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
                     _count(sh.flops_per_token),
                     sc.verdict,
                     "yes" if sc.kept else "**dropped**",
-                    sc.reason,
+                    sc.reason + (f" ({sc.note})" if sc.note else ""),
                 ]
                 for sh, sc in zip(search.shapes, search.screens)
             ],

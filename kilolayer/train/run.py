@@ -77,10 +77,13 @@ class Run:
         signals: StopSignals | None = None,
         threads: T.Threads | None = None,
         on_eval: Callable[[int, dict], str] | None = None,
+        resume_hint: str = "",
     ):
         self.config, self.out, self.resume, self.quiet = config, Path(out_dir), resume, quiet
         self.signals = signals
         self.on_eval = on_eval
+        # how to continue after a stop, in the stop's message (a caller such as kilolayer search gives its own)
+        self.resume_hint = resume_hint or f"kilolayer train --resume --out {self.out}"
         self.halt = ""  # why on_eval asked the run to stop ("" while it has not)
         self.announce = threads is not None  # the run's first line says the count and why
         self.threads = T.Adapter(threads or T.Threads(torch.get_num_threads(), "this process's setting"))
@@ -362,16 +365,14 @@ class Run:
         if self._agree(bool(self.halt)):
             if not saved:
                 self.save(step)
-            raise Halted(
-                f"{self.halt} (checkpoint step {step} saved); continue with: kilolayer train --resume --out {self.out}"
-            )
+            raise Halted(f"{self.halt} (checkpoint step {step} saved); continue with: {self.resume_hint}")
         signum = self._stop_signal() if step < self.config.train.steps else 0
         if signum:
             if not saved:
                 self.save(step)
             raise Interrupted(
                 f"interrupted by {signal.Signals(signum).name} at step {step} (checkpoint step {step} "
-                f"saved); continue with: kilolayer train --resume --out {self.out}",
+                f"saved); continue with: {self.resume_hint}",
                 signum,
             )
 
@@ -558,6 +559,7 @@ def train(
     overwrite: bool = False,
     auto_threads: bool = False,
     on_eval: Callable[[int, dict], str] | None = None,
+    resume_hint: str = "",
 ) -> dict:
     """Train a config into ``out_dir`` (see module docstring), holding the directory's lock meanwhile.
 
@@ -568,7 +570,8 @@ def train(
     memory exceeds what the device has free is refused in one line before anything is allocated
     (:func:`kilolayer.train.memory.check_memory`). SIGINT and SIGTERM stop at the next step boundary with a
     checkpoint. ``auto_threads`` (the CLI's) applies :mod:`kilolayer.train.threads`' whole policy; otherwise a
-    count given or recorded is used, else the process's own setting. ``on_eval``: see the module docstring.
+    count given or recorded is used, else the process's own setting. ``on_eval``: see the module docstring;
+    ``resume_hint``: what a stop's message says to continue with (default: this command with ``--resume``).
     """
     out = Path(out_dir)
     if resume and overwrite:
@@ -606,6 +609,7 @@ def train(
             signals=signals,
             threads=threads,
             on_eval=on_eval,
+            resume_hint=resume_hint,
         )
         return run.run()
     finally:
