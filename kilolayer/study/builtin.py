@@ -794,8 +794,9 @@ def deepnet_mt_depth() -> dict:
         "name": "deepnet_mt_depth",
         "description": (
             "DeepNet's depth contrast on real data (its section 3 setting, 18L-18L translation): Post-LN and "
-            "DeepNorm encoder-decoders (width 64) at 6L-6L and 18L-18L translate German to English (de_en) at "
-            "one learning rate (2e-3) and warm-up (400 steps), batches of 32 pairs, 2 seeds, until the "
+            "DeepNorm encoder-decoders (width 64) at 18L-18L, 2 seeds, and at 6L-6L, one seed (the control), "
+            "translate German to English (de_en) at one learning rate (2e-3) and warm-up (400 steps), batches of "
+            "32 pairs, until the "
             "validation loss plateaus (2 evaluations 150 steps apart without a 0.01-nat gain) or 600 steps. "
             "Validation loss on the first 128 pairs decides (a run learned when it ends at most 0.9 x the chance "
             "loss). A study of early training: no model here is meant to translate, so evaluations do not decode "
@@ -806,14 +807,18 @@ def deepnet_mt_depth() -> dict:
         "groups": [
             {
                 "name": "deepnet",
-                "description": "Post-LN vs DeepNorm at 6L-6L and 18L-18L on de_en, same lr/warm-up",
+                "description": "Post-LN vs DeepNorm at 18L-18L on de_en, same lr/warm-up",
                 "base": base,
-                "grid": {
-                    "model.scheme": ["post_ln", "deepnorm"],
-                    "model.layers,model.decoder_layers": [[6, 6], [18, 18]],
-                },
+                "grid": {"model.scheme": ["post_ln", "deepnorm"], "model.layers,model.decoder_layers": [[18, 18]]},
                 "seeds": [0, 1],
-            }
+            },
+            {
+                "name": "shallow_control",
+                "description": "the same at 6L-6L, one seed: does Post-LN train at this lr without the depth?",
+                "base": base,
+                "grid": {"model.scheme": ["post_ln", "deepnorm"], "model.layers,model.decoder_layers": [[6, 6]]},
+                "seeds": [0],
+            },
         ],
         "findings": ["deepnet_postln", "deepnet_update"],
     }
