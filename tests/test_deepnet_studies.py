@@ -356,7 +356,7 @@ def test_deepnet_robust_raises_one_setting_at_a_time():
                 assert p.setting(key) == value, (p.key, key)
     values = {g: sorted({p.setting(raised[g]) for p in points if p.group == g}) for g in raised}
     assert values == {"robust_lr": [1e-3, 3e-3, 1e-2], "robust_batch": [32, 64, 128], "robust_width": [64, 128, 256]}
-    assert spec.expected_minutes <= 90 and spec.expected_basis.startswith("estimated, not measured")
+    assert spec.expected_minutes <= 90 and spec.expected_basis.startswith("measured with --jobs 2")
 
 
 def test_deepnet_compares_table_1_and_branchnorm():
@@ -387,7 +387,7 @@ def test_study_list_shows_the_new_studies(capsys):
     lines = capsys.readouterr().out.splitlines()
     first = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
     assert " 30 runs, ~38 min on 2 CPU cores (measured with --jobs 2" in first["deepnet_analysis"]
-    assert " 72 runs, ~40 min on 2 CPU cores (estimated, not measured" in first["deepnet_robust"]
+    assert " 72 runs, ~59 min on 2 CPU cores (measured with --jobs 2" in first["deepnet_robust"]
     assert " 89 runs, ~9.0 h on 2 CPU cores (estimated" in first["deepnet"]
     described = lines[lines.index(first["deepnet_robust"]) + 1]
     assert described.strip().startswith("DeepNet's robustness sweep at CPU scale")
