@@ -635,7 +635,7 @@ def test_deepnet_mt_depth_compares_post_ln_and_deepnorm_at_two_depths_one_lr_and
     # 18L-18L decides (2 seeds); 6L-6L is the control: a failure at 18L-18L that 6L-6L does not share is depth's
     deep = {(c.model.layers, c.model.decoder_layers, c.train.seed) for c in cfgs}
     assert deep == {(18, 18, 0), (18, 18, 1), (6, 6, 0)}
-    assert {(c.train.lr, c.train.warmup, c.train.steps, c.train.batch_size) for c in cfgs} == {(2e-3, 400, 600, 32)}
+    assert {(c.train.lr, c.train.warmup, c.train.steps, c.train.batch_size) for c in cfgs} == {(2e-3, 400, 800, 32)}
     assert all(c.data.name == "de_en" and c.train.patience > 0 for c in cfgs)
     # the loss verdict and the first-update verdict: the depth contrast on real data
     assert spec.findings == ["deepnet_postln", "deepnet_update"]

@@ -783,7 +783,7 @@ def deepnet_mt_depth() -> dict:
     # a learning rate at which a shallow model learns quickly (configs/de_en_translate.yaml trains 2L-2L Pre-LN at
     # 2e-3 after 400 warm-up steps); 6L-6L is the control that attributes an 18L-18L failure to depth
     base = _deepnet_mt_base(
-        width=64, batch_size=32, steps=600, warmup=400, eval_every=150, patience=2, eval_batches=4, lr=2e-3
+        width=64, batch_size=32, steps=800, warmup=400, eval_every=150, patience=2, eval_batches=4, lr=2e-3
     )
     # the verdicts read the loss; greedy decoding, the costly part of an evaluation, is left to
     # `kilolayer evaluate RUN`
@@ -795,13 +795,13 @@ def deepnet_mt_depth() -> dict:
             "DeepNorm encoder-decoders (width 64) at 18L-18L, 2 seeds, and at 6L-6L, one seed (the control), "
             "translate German to English (de_en) at one learning rate (2e-3) and warm-up (400 steps), batches of "
             "32 pairs, until the "
-            "validation loss plateaus (2 evaluations 150 steps apart without a 0.01-nat gain) or 600 steps. "
+            "validation loss plateaus (2 evaluations 150 steps apart without a 0.01-nat gain) or 800 steps. "
             "Validation loss on the first 128 pairs decides (a run learned when it ends at most 0.9 x the chance "
             "loss). A study of early training: no model here is meant to translate, so evaluations do not decode "
             "(kilolayer evaluate RUN scores a run's BLEU and chrF beside the baselines)."
         ),
-        "expected_minutes": None,
-        "expected_basis": "",
+        "expected_minutes": 40,
+        "expected_basis": "measured with --jobs 2 on a shared machine",
         "groups": [
             {
                 "name": "deepnet",
