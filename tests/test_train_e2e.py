@@ -96,6 +96,8 @@ def test_two_processes_train_as_one(tmp_path, name, parallel, scheme):
     p = subprocess.run(
         [
             str(torchrun),
+            # a free rendezvous port: two of these under pytest-xdist must not meet on torchrun's default one
+            "--standalone",
             "--nproc-per-node",
             "2",
             "-m",

@@ -362,7 +362,8 @@ class Run:
     def _stop_on_signal(self, step: int, saved: bool) -> None:
         """A SIGINT/SIGTERM arrived, or ``on_eval`` asked to stop: finish the step with a checkpoint, so a resume
         replays nothing, and stop."""
-        if self._agree(bool(self.halt)):
+        # agreed only where a caller watches the evaluations: plain training adds no collective per step
+        if self.on_eval is not None and self._agree(bool(self.halt)):
             if not saved:
                 self.save(step)
             raise Halted(f"{self.halt} (checkpoint step {step} saved); continue with: {self.resume_hint}")
