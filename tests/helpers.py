@@ -1,5 +1,5 @@
-"""What several test modules need: the ``kilolayer`` command in a fresh interpreter, and study results made up
-for the verdict tests."""
+"""What several test modules need: the ``kilolayer`` command in a fresh interpreter, study results made up
+for the verdict tests, and help pages in the format of the LibreOffice package the lo_help source reads."""
 
 from __future__ import annotations
 
@@ -47,3 +47,44 @@ def study_results(study: str, outcome, seeds=(0, 1)) -> list:
         r.chance = dict(CHANCE)
         results.append(r)
     return results
+
+
+# ------------------------------------------------------------------ LibreOffice help pages (lo_help)
+
+PAGE = """<!DOCTYPE html>
+<html lang="en-US"><head><meta charset="utf-8"><title>t</title></head>
+<body><div id="DisplayArea">
+<h1 id="hd_id1">Example</h1>
+{paragraphs}
+</div></body></html>
+"""
+# module -> pages; each page's paragraphs are distinct sentences naming the module's application
+FIXTURE = {"swriter": 10, "scalc": 10, "simpress": 5, "shared": 4}
+REPEATED = "Press Enter to apply the change to the document."  # on two Writer pages: kept once
+AMBIGUOUS = "Choose Tools - Options to change this setting."  # on a Calc page and a shared page: dropped
+SHORT_HEADINGS = sum(FIXTURE.values())  # every page's "Example" heading is too short
+
+
+def sentences(module: str, page: int) -> list[str]:
+    from kilolayer.data import lo_help as L
+
+    name = L.MODULES[module]
+    return [f"{name} page {page} shows feature {k} of %PRODUCTNAME {name}." for k in range(3)]
+
+
+def build_fixture(root: Path) -> None:
+    """LibreOffice help pages in the package's format under ``root`` (what ``data.options.root`` of lo_help
+    reads): :data:`FIXTURE` pages per module, with one repeated and one ambiguous text."""
+    from kilolayer.data import lo_help as L
+
+    for module, n in FIXTURE.items():
+        for page in range(n):
+            texts = sentences(module, page)
+            if (module, page) in (("swriter", 1), ("swriter", 7)):
+                texts.append(REPEATED)
+            if (module, page) in (("scalc", 2), ("shared", 0)):
+                texts.append(AMBIGUOUS)
+            body = "\n".join(f'<p id="par_id{k}" class="paragraph">{t}</p>' for k, t in enumerate(texts))
+            path = root / L.TEXT / module / "01" / f"{page:04d}.html"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(PAGE.format(paragraphs=body), encoding="utf-8")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from kilolayer.data.options import parse_options
-from kilolayer.data.ptb import PTBOptions, _window_len
 from kilolayer.data.vocab import BYTE_VOCAB
 from kilolayer.nn.budget import count_parameters
 from kilolayer.study.builtin import BUILTIN
@@ -36,8 +34,8 @@ def test_registered_and_sized():
     assert all(name in BUILTIN for name in STUDIES)
     cpu = load_spec("bamboo_cpu")
     assert cpu.expected_minutes is not None and cpu.expected_minutes <= 90
-    # measured when it was run here, with the estimate it replaced
-    assert "measured" in cpu.expected_basis and "estimated beforehand" in cpu.expected_basis
+    # measured when it was run here
+    assert "measured" in cpu.expected_basis
     assert "estimated" in load_spec("bamboo").expected_basis
 
 
@@ -49,7 +47,8 @@ def test_every_finding_finds_its_groups(study):
         mine = [p for p in points if p.group == group]
         shapes = {_shape(p) for p in mine}
         seeds = {p.values["train.seed"] for p in mine}
-        assert len(shapes) >= 4, (spec.name, group, shapes)
+        # the GPU study spans four depths; the CPU slice a shallow-wide and a deep-narrow one
+        assert len(shapes) >= (4 if spec.name == "bamboo" else 2), (spec.name, group, shapes)
         if group not in UNTRAINED.values():
             assert len(seeds) >= 2, (spec.name, group, seeds)
             # every shape is trained with every seed: the findings pair runs by depth and seed
@@ -64,7 +63,8 @@ def test_shapes_are_parameter_matched_with_one_head_size(study):
     for group in {p.group for p in points}:
         mine = {_shape(p): p.config.model for p in points if p.group == group}
         counts = [count_parameters(m) for m in mine.values()]
-        assert max(counts) / min(counts) < 1.05, (spec.name, group, counts)
+        # the blocks' parameters match (layers x width^2); the rest is mostly the byte embedding, 262 x width
+        assert max(counts) / min(counts) < 1.06, (spec.name, group, counts)
         assert all(m.width % m.heads == 0 for m in mine.values())
         assert len({m.width // m.heads for m in mine.values()}) == 1, (spec.name, group, mine.keys())
         assert len({m.layers for m in mine.values()}) == len(mine)  # depth is what varies
@@ -83,20 +83,23 @@ def test_finetuning_starts_from_the_same_shape_and_seed(study):
             assert src.config.model.max_len == p.config.model.max_len
 
 
-def test_text_is_penn_treebank_bytes_and_fits_the_model(study):
+def test_text_is_one_labelled_set_of_paragraphs_read_as_bytes(study):
+    """Every text group reads the same LibreOffice help paragraphs (classification, MLM, next byte), as bytes that
+    fit the model, and is measured on them; images are MNIST at 28x28."""
     spec, points = study
     for p in points:
         cfg = p.config
-        if p.group in ("mlm", "next_token"):
-            assert cfg.data.name == "ptb"
-            opts = parse_options(PTBOptions, cfg.data.options, "data.options")
-            assert opts.level == "bytes" and cfg.model.vocab_size >= BYTE_VOCAB
-            _window_len(cfg, opts)  # raises if the objective reads more than model.max_len
-        if p.group in ("text_classify", "mlm_finetune", "text_untrained"):
-            assert cfg.data.name == "stdlib_packages"
-            assert cfg.data.options["seq_len"] <= cfg.model.max_len
-        if p.group in ("supervised", "finetune", "mae", "contrastive", "untrained"):
+        if cfg.model.input == "tokens":
+            assert cfg.data.name == "lo_help" and cfg.data.options == {}, p.key
+            assert cfg.model.vocab_size >= BYTE_VOCAB and cfg.model.max_len == points[-1].config.model.max_len
+            assert p.analysis_data == {"name": "lo_help", "options": {}}, p.key
+        else:
             assert cfg.data.name in ("mnist", "mnist_captions") and cfg.model.image_size == 28
+    assert {p.config.objective.name for p in points if p.config.model.input == "tokens"} == {
+        "classification",
+        "mlm",
+        "causal_lm",
+    }
 
 
 def test_every_trained_point_stops_at_its_plateau_within_its_budget(study):
@@ -110,8 +113,5 @@ def test_every_trained_point_stops_at_its_plateau_within_its_budget(study):
         # room for the plateau to show up before the budget ends
         assert tc.patience * tc.eval_every <= tc.steps // 2, p.key
         assert tc.schedule != "cosine", p.key  # a budget-shaped schedule would make stopping early unfair
-        metric = tc.early_stop_metric
-        if p.config.objective.name == "classification":
-            assert metric == "accuracy", p.key  # what bamboo_depth compares
-        else:
-            assert metric == "loss", p.key
+        # the loss, by which the findings judge convergence
+        assert tc.early_stop_metric == "loss", p.key

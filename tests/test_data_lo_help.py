@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import AMBIGUOUS, REPEATED, SHORT_HEADINGS, build_fixture
 
 from kilolayer.analysis.chance import chance_level
 from kilolayer.config import load_config
@@ -19,38 +20,6 @@ from kilolayer.data import load_source
 from kilolayer.data import parallel as P
 from kilolayer.errors import ConfigError
 from kilolayer.objectives import build_task
-
-PAGE = """<!DOCTYPE html>
-<html lang="en-US"><head><meta charset="utf-8"><title>t</title></head>
-<body><div id="DisplayArea">
-<h1 id="hd_id1">Example</h1>
-{paragraphs}
-</div></body></html>
-"""
-# module -> pages; each page's paragraphs are distinct sentences naming the module's application
-FIXTURE = {"swriter": 10, "scalc": 10, "simpress": 5, "shared": 4}
-REPEATED = "Press Enter to apply the change to the document."  # on two Writer pages: kept once
-AMBIGUOUS = "Choose Tools - Options to change this setting."  # on a Calc page and a shared page: dropped
-SHORT_HEADINGS = sum(FIXTURE.values())  # every page's "Example" heading is too short
-
-
-def sentences(module: str, page: int) -> list[str]:
-    name = L.MODULES[module]
-    return [f"{name} page {page} shows feature {k} of %PRODUCTNAME {name}." for k in range(3)]
-
-
-def build_fixture(root: Path) -> None:
-    for module, n in FIXTURE.items():
-        for page in range(n):
-            texts = sentences(module, page)
-            if (module, page) in (("swriter", 1), ("swriter", 7)):
-                texts.append(REPEATED)
-            if (module, page) in (("scalc", 2), ("shared", 0)):
-                texts.append(AMBIGUOUS)
-            body = "\n".join(f'<p id="par_id{k}" class="paragraph">{t}</p>' for k, t in enumerate(texts))
-            path = root / L.TEXT / module / "01" / f"{page:04d}.html"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(PAGE.format(paragraphs=body), encoding="utf-8")
 
 
 @pytest.fixture

@@ -521,6 +521,25 @@ def test_depth_absolute_and_relative_are_separate_verdicts(tmp_path):
     assert relative.verdict.verdict == HELD and relative.verdict.mean == pytest.approx(0.03, abs=1e-9)
 
 
+def test_depth_is_not_decided_on_pretraining_that_was_still_improving(tmp_path):
+    """A fine-tuned trend that would hold is inconclusive when the MAE runs it started from were still lowering
+    their loss by more than 2% over their last quarter of steps; the MLM side, whose pre-training plateaued,
+    stays decided."""
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    results = _bamboo(accuracy=acc, out=tmp_path)
+    for r in results:
+        losses = {"mae": [0.50, 0.45, 0.40, 0.36], "mlm": [2.0, 1.8, 1.70, 1.69]}.get(r.point.group)
+        if losses:
+            r.evals = [{"step": 100 * (i + 1), "loss": x} for i, x in enumerate(losses)]
+    found = bamboo_depth(results, tmp_path)
+    images = _by_title(found, "pays off after token-level pre-training (images")
+    text = _by_title(found, "pays off after token-level pre-training (text")
+    assert images.verdict.verdict == INCONCLUSIVE
+    assert "12 of 12 pre-training runs were still improving loss" in images.verdict.reason
+    assert "it would have read 'held'" in images.verdict.reason
+    assert text.verdict.verdict == HELD
+
+
 def test_depth_trend_in_the_middle_shapes_only(tmp_path):
     # the fine-tuned accuracy steps up between the middle shapes (11 -> 24 layers) and is flat at either end
     step = {6: 0.80, 11: 0.80, 24: 0.90, 43: 0.90}

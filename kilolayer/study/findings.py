@@ -1078,10 +1078,16 @@ def still_improving(r, key: str, tol: float, lower_is_better: bool = False, rela
 
 
 def require_convergence(
-    v: Verdict, runs: list, key: str, tol: float, lower_is_better: bool = False, relative: bool = False
+    v: Verdict,
+    runs: list,
+    key: str,
+    tol: float,
+    lower_is_better: bool = False,
+    relative: bool = False,
+    what: str = "runs",
 ) -> Verdict:
     """Bamboo compares models at convergence: if any of ``runs`` was :func:`still_improving`, a held or did not
-    hold becomes inconclusive and the reason says how many runs had not converged. Returns ``v``, changed."""
+    hold becomes inconclusive and the reason says how many ``what`` had not converged. Returns ``v``, changed."""
     runs = list({r.point.key: r for r in runs if r is not None and r.ok}.values())
     moving = [r for r in runs if still_improving(r, key, tol, lower_is_better, relative)]
     if not moving:
@@ -1089,7 +1095,7 @@ def require_convergence(
     by = f"{tol:.0%}" if relative else f"{tol:g}"
     decided = v.verdict in (HELD, NOT_HELD)
     v.reason += (
-        f"; {len(moving)} of {len(runs)} runs were still improving {key} by more than {by} over their last "
+        f"; {len(moving)} of {len(runs)} {what} were still improving {key} by more than {by} over their last "
         "quarter of steps, so they had not converged"
         + (f" (it would have read '{v.verdict}'), and the claim is about converged models" if decided else "")
         + ": train longer before trusting this comparison"
@@ -1194,11 +1200,19 @@ def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding
                     _status_cell(b, _fmt(_last(b, "cosine"))),
                     _fmt(_last(a, "cosine_centred")),
                     _fmt(_last(b, "cosine_centred")),
+                    _fmt(_last(a, "cosine_same_minus_different")),
+                    _fmt(_last(b, "cosine_same_minus_different")),
                 ]
             )
     v = require_convergence(level.decide(0.05), a_rs + b_rs, "loss", 0.02, lower_is_better=True, relative=True)
     shapes = ", ".join(_shape(r) for r in sorted({_depth(r): r for r in a_rs + b_rs}.values(), key=_depth))
-    notes = _measurement_note(a_rs + b_rs + base) + _chance_note(
+    notes = [
+        "Last-layer token similarity three ways: raw cosine (the verdict's), centred (after subtracting the "
+        "evaluated set's mean token, so a direction shared by every token does not count) and same - other sample "
+        "(the mean cosine of tokens of one sample minus that of tokens of different samples: how much of the "
+        "similarity is the sample's own); docs/analysis.md gives the formulas."
+    ]
+    notes += _measurement_note(a_rs + b_rs + base) + _chance_note(
         [next((r for r in g if r.ok), None) for g in (a_rs, b_rs)], out, ""
     )
     return Finding(
@@ -1220,6 +1234,8 @@ def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding
             f"cosine {tok}",
             f"centred {seq}",
             f"centred {tok}",
+            f"same - other sample {seq}",
+            f"same - other sample {tok}",
         ],
         rows,
         notes=notes,
@@ -1361,8 +1377,13 @@ def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str)
             absolute.add(seed, slope(depths, acc_f))
             if None not in acc_s:
                 relative.add(seed, slope(depths, acc_f) - slope(depths, acc_s))
-    v_abs = require_convergence(absolute.decide(0.005), sup + ft, "accuracy", 0.01)
-    v_rel = require_convergence(relative.decide(0.005), sup + ft, "accuracy", 0.01)
+    # the pre-training behind the fine-tuned runs is held to the convergence rule of the token-level losses
+    keys = {getattr(r.point, "init_from_point", None) for r in ft}
+    pre_runs = [r for r in results if r.point.key in keys]
+    v_abs, v_rel = absolute.decide(0.005), relative.decide(0.005)
+    for v in (v_abs, v_rel):
+        require_convergence(v, sup + ft, "accuracy", 0.01)
+        require_convergence(v, pre_runs, "loss", 0.02, lower_is_better=True, relative=True, what="pre-training runs")
     if len(depths) < 2:
         v_abs = v_rel = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
     shape_of = {_depth(r): _shape(r) for r in sup + ft}
