@@ -33,9 +33,8 @@ def _shape(p) -> tuple[int, int, int]:
 def test_registered_and_sized():
     assert all(name in BUILTIN for name in STUDIES)
     cpu = load_spec("bamboo_cpu")
-    assert cpu.expected_minutes is not None and cpu.expected_minutes <= 90
-    # measured when it was run here
-    assert "measured" in cpu.expected_basis
+    # the time --list gives is what a run here measured, not a target
+    assert cpu.expected_minutes is not None and "measured with --jobs 2" in cpu.expected_basis
     assert "estimated" in load_spec("bamboo").expected_basis
 
 

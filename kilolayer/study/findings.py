@@ -1145,9 +1145,10 @@ def _measurement_note(runs) -> list[str]:
             "(`kilolayer analyze smoothness --include-special / --after-final-norm` switch these)."
         )
     if blank:
+        low, high = f"{min(blank):.0%}", f"{max(blank):.0%}"
         notes.append(
-            f"Tokens of blank patches (every pixel equal) are left out of the token metrics: "
-            f"{min(blank):.0%}-{max(blank):.0%} of the patch tokens here (`--include-blank` keeps them)."
+            "Tokens of blank patches (every pixel equal) are left out of the token metrics: "
+            f"{low if low == high else f'{low}-{high}'} of the patch tokens here (`--include-blank` keeps them)."
         )
     if len(inputs) == 1:
         notes.append(f"Every run above was measured on the same inputs: the validation split of {inputs.pop()}.")

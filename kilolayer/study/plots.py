@@ -194,6 +194,11 @@ def smoothness_curves(results, path: Path) -> bool:
     for row, kind in zip(axes, kinds):
         mine = [r for r in rs if r.point.config.model.input == kind]
         groups = sorted({r.point.group for r in mine})
+        # one colour per group in every panel of the row, and every group in the row's legend
+        colour = {g: f"C{i}" for i, g in enumerate(groups)}
+        for g in groups:
+            style = ":" if "untrained" in g else "-"
+            row[-1].plot([], [], style, marker="o", ms=3, color=colour[g], label=g)
         for ax, (layers, width) in zip(row, shapes):
             for g in groups:
                 curves = [
@@ -207,10 +212,7 @@ def smoothness_curves(results, path: Path) -> bool:
                 n = min(len(c) for c in curves)
                 mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
                 x = [i / (n - 1) if n > 1 else 0 for i in range(n)]
-                style = ":" if "untrained" in g else "-"
-                ax.plot(
-                    x, mean, style, marker="o", ms=3, label=f"{g} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
-                )
+                ax.plot(x, mean, ":" if "untrained" in g else "-", marker="o", ms=3, color=colour[g])
             ax.set_title(f"{'images' if kind == 'patches' else 'text'}: {layers} layers x {width}")
             ax.set_xlabel("layer / depth (0 = embeddings)")
             ax.grid(alpha=0.3)
