@@ -129,8 +129,7 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) 
     else:
         verdict = "worse"
     grid_flops = sum(steps * s.step_flops(bs) for s in shapes)
-    trial_flops = sum(t.step * t.shape.step_flops(bs) for t in search.trials)
-    forecast_flops = sum(sc.steps * s.step_flops(bs) for s, sc in zip(search.shapes, search.screens))
+    spent = search.compute()
     # the trivial baseline: train only the shallowest shape (the first), one seed
     shallow = shapes[0]
     if means[shallow.name] == means[best]:
@@ -156,8 +155,7 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) 
         "search_trials": {t.shape.name: {"state": t.state, "step": t.step, "value": t.value} for t in search.trials},
         "verdict": verdict,
         "grid_flops_one_seed": grid_flops,
-        "search_training_flops": trial_flops,
-        "search_forecast_flops": forecast_flops,
+        "search_compute": spent,
         "search_rung_decisions": search.decisions,
         "shallowest": shallow.name,
         "shallowest_verdict": shallow_verdict,
@@ -175,15 +173,16 @@ def table(rows: list[dict], threads: int) -> str:
 
     lines = [
         "| objective | grid best (mean loss, seeds 0 / 1) | runner-up, gap vs seed noise | search pick (its grid "
-        "mean) | pick is | search FLOPs / grid: total (race; pre-screen) | shallowest only: shape, is, FLOPs / grid "
-        "| grid time, one seed | search time |",
+        "mean) | pick is | search FLOPs / grid: total (race; pre-screen's other steps) | shallowest only: shape, "
+        "is, FLOPs / grid | grid time, one seed | search time |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         best, pick = r["grid_best"], r["search_pick"]
         b = r["grid"][best]
         g = r["grid_flops_one_seed"]
-        race, screen = r["search_training_flops"] / g, r["search_forecast_flops"] / g
+        c = r["search_compute"]
+        total, race, extra = (c[k]["flops"] / g for k in ("total", "race", "extra"))
         pick_text = f"{pick} ({r['grid'][pick]['mean']:.4f})" if pick else "-"
         if r["search_tied_with"]:
             pick_text += f", within noise of {r['search_tied_with']} (no pick written)"
@@ -196,7 +195,7 @@ def table(rows: list[dict], threads: int) -> str:
         shallow = f"{r['shallowest']}, {r['shallowest_verdict']}, {r['shallowest_flops'] / g:.0%}"
         lines.append(
             f"| {r['objective']} | {best} ({b['mean']:.4f}: {b['losses'][0]:.4f} / {b['losses'][1]:.4f}) | "
-            f"{gap} | {pick_text} | {r['verdict']} | **{race + screen:.0%}** ({race:.0%}; {screen:.0%}) | "
+            f"{gap} | {pick_text} | {r['verdict']} | **{total:.0%}** ({race:.0%}; {extra:.0%}) | "
             f"{shallow} | {cs(r['times']['grid_seed0'])} | {cs(r['times']['search'])} |"
         )
     lines += ["", f"CPU: {cpu_model()}; {threads} torch thread; shapes per objective and every loss: the JSON."]
@@ -217,6 +216,59 @@ def grid_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def differ(rows: list[dict]) -> list[dict]:
+    """For each two objectives: does each one's grid best do worse on the other's grid than that grid's best, by
+    more than its seed noise? Their best shapes differ beyond noise when it does on both grids; a shape the
+    other grid lacks is compared by depth (the other grid's shape of the same depth, if one)."""
+
+    def on(row: dict, shape: str) -> str | None:
+        if shape in row["grid"]:
+            return shape
+        depth = shape.split("x")[0]
+        return next((s for s in row["shapes"] if s.split("x")[0] == depth), None)
+
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            sides = []
+            for mine, other in ((a, b), (b, a)):
+                shape = on(other, mine["grid_best"])
+                gap = other["grid"][shape]["mean"] - other["grid"][other["grid_best"]]["mean"] if shape else math.nan
+                sides.append(
+                    {
+                        "best_of": mine["objective"],
+                        "on": other["objective"],
+                        "as": shape,
+                        "gap": gap,
+                        "noise": other["seed_noise"],
+                        "beyond_noise": bool(gap > other["seed_noise"]),
+                    }
+                )
+            out.append(
+                {
+                    "objectives": [a["objective"], b["objective"]],
+                    "bests": [a["grid_best"], b["grid_best"]],
+                    "sides": sides,
+                    "differ_beyond_noise": all(x["beyond_noise"] for x in sides),
+                }
+            )
+    return out
+
+
+def differ_lines(pairs: list[dict]) -> str:
+    lines = []
+    for p in pairs:
+        parts = [
+            f"{x['best_of']}'s best as {x['as'] or '-'} on {x['on']}: {x['gap']:+.4f} vs noise {x['noise']:.4f} "
+            f"({'beyond' if x['beyond_noise'] else 'within'})"
+            for x in p["sides"]
+        ]
+        verdict = "differ beyond seed noise" if p["differ_beyond_noise"] else "do not differ beyond seed noise on both"
+        head = f"- {' vs '.join(p['objectives'])}: bests {' / '.join(p['bests'])}, {verdict}; "
+        lines.append(head + "; ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/search_vs_grid", help="where the runs and the table go")
@@ -227,9 +279,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     t0, c0 = time.perf_counter(), time.process_time()
     rows = [compare(name, path, sets, out) for name, path, sets in OBJECTIVES]
-    md = table(rows, torch.get_num_threads()) + "\n" + grid_table(rows)
+    pairs = differ(rows)
+    md = table(rows, torch.get_num_threads()) + "\n" + grid_table(rows) + "\n" + differ_lines(pairs)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "search_vs_grid.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "search_vs_grid.json").write_text(json.dumps({"objectives": rows, "pairs": pairs}, indent=2) + "\n")
     (out / "search_vs_grid.md").write_text(md)
     print(md)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
