@@ -12,10 +12,16 @@ For each objective (MAE and classification on the bundled digits, one torch thre
    pre-screen and successive halving (reduction factor 3).
 
 The search's pick is *the grid's best* when it is that shape, *within noise* when its grid mean is no further
-from the best's than the grid's seed-to-seed noise, else *worse*. Compute: model FLOPs (each shape's training
-FLOPs per sample at full length x batch size x steps) of the search's trials, and of the pre-screen's replays,
-against one seed of the full grid. Writes ``OUT/search_vs_grid.json`` and ``OUT/search_vs_grid.md``; finished
-runs are kept and a re-run only reads them back (its times are then those of the first run, as recorded).
+from the best's than the grid's seed-to-seed noise, else *worse*. Compute
+(:meth:`kilolayer.study.search.Search.compute`): model FLOPs (each shape's training FLOPs per sample at full
+length x batch size x steps) of the search's trials (the pre-screen's replays they start from included) plus
+the pre-screen's other steps, against one seed of the full grid. For each two objectives it says whether their
+best shapes differ beyond seed noise: whether each one's best does worse on the other's grid than that grid's
+best by more than its noise. Writes ``OUT/search_vs_grid.json`` and ``OUT/search_vs_grid.md``; finished runs
+are kept and a re-run only reads them back (its times are then those of the first run, as recorded).
+``--grid-from JSON`` reads the grids from an earlier output with the same settings and runs only the searches
+(the grid's training is deterministic on one thread: a completed trial must reproduce its shape's seed-0 loss
+bit for bit, recorded as ``search_reproduces_grid``).
 """
 
 from __future__ import annotations
@@ -102,12 +108,29 @@ def grid(config, shapes, out: Path, times: dict, log) -> dict:
     return losses
 
 
-def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) -> dict:
+def recorded_grid(path: Path, name: str, sets: list[str], shapes) -> tuple[dict, dict]:
+    """({shape: [loss per seed]}, the grid's times) of objective ``name`` in a JSON this benchmark wrote, which
+    must have measured the same settings and shapes."""
+    data = json.loads(Path(path).read_text())
+    rows = data["objectives"] if isinstance(data, dict) else data
+    row = next((r for r in rows if r["objective"] == name), None)
+    if row is None or row["sets"] != sets or row["shapes"] != [s.name for s in shapes]:
+        raise SystemExit(f"{path}: no grid of {name} with these settings and shapes")
+    times = {k: v for k, v in row["times"].items() if k.startswith("grid_")}
+    return {k: v["losses"] for k, v in row["grid"].items()}, times
+
+
+def compare(name: str, config_path: str, sets: list[str], out: Path, log=print, grid_from: Path | None = None) -> dict:
     config = load_config(config_path, [*COMMON, *sets])
     shapes = S.shapes(config, PARAMS, DEPTHS, TOLERANCE)
     record_path = out / name / "times.json"
+    record_path.parent.mkdir(parents=True, exist_ok=True)
     times = rundir.read_json(record_path, {}) or {}
-    losses = grid(config, shapes, out / name / "grid", times, log)
+    if grid_from is not None:
+        losses, grid_times = recorded_grid(grid_from, name, [*COMMON, *sets], shapes)
+        times.update(grid_times)
+    else:
+        losses = grid(config, shapes, out / name / "grid", times, log)
     rundir.write_json(record_path, times)
     settings = S.Settings(params=PARAMS, depths=DEPTHS, tolerance=TOLERANCE, reduction_factor=ETA)
     search = timed(times, "search", lambda: S.run_search(config, out / name / "search", settings, log=log))
@@ -157,6 +180,11 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) 
         "grid_flops_one_seed": grid_flops,
         "search_compute": spent,
         "search_rung_decisions": search.decisions,
+        # a completed trial is trained as the grid's seed 0 is: its loss must be that run's, bit for bit
+        "search_reproduces_grid": all(
+            t.value == losses[t.shape.name][0] for t in search.trials if t.state == "completed"
+        ),
+        "grid_from": str(grid_from) if grid_from is not None else None,
         "shallowest": shallow.name,
         "shallowest_verdict": shallow_verdict,
         "shallowest_flops": steps * shallow.step_flops(bs),
@@ -272,13 +300,19 @@ def differ_lines(pairs: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/search_vs_grid", help="where the runs and the table go")
+    p.add_argument(
+        "--grid-from",
+        type=Path,
+        help="read the grids' losses and times from a JSON this benchmark wrote with the same settings instead of "
+        "training them again (the search's completed trials are checked to reproduce them bit for bit)",
+    )
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     out = Path(args.out)
     t0, c0 = time.perf_counter(), time.process_time()
-    rows = [compare(name, path, sets, out) for name, path, sets in OBJECTIVES]
+    rows = [compare(name, path, sets, out, grid_from=args.grid_from) for name, path, sets in OBJECTIVES]
     pairs = differ(rows)
     md = table(rows, torch.get_num_threads()) + "\n" + grid_table(rows) + "\n" + differ_lines(pairs)
     out.mkdir(parents=True, exist_ok=True)
