@@ -176,6 +176,9 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print, 
         "search_pick": pick,
         "search_tied_with": done[1].shape.name if tied else None,
         "search_trials": {t.shape.name: {"state": t.state, "step": t.step, "value": t.value} for t in search.trials},
+        "search_prescreen": {
+            sc.shape: {"verdict": sc.verdict, "raced": sc.kept, "reason": sc.reason} for sc in search.screens
+        },
         "verdict": verdict,
         "grid_flops_one_seed": grid_flops,
         "search_compute": spent,
@@ -223,7 +226,7 @@ def table(rows: list[dict], threads: int) -> str:
         shallow = f"{r['shallowest']}, {r['shallowest_verdict']}, {r['shallowest_flops'] / g:.0%}"
         lines.append(
             f"| {r['objective']} | {best} ({b['mean']:.4f}: {b['losses'][0]:.4f} / {b['losses'][1]:.4f}) | "
-            f"{gap} | {pick_text} | {r['verdict']} | **{total:.0%}** ({race:.0%}; {extra:.0%}) | "
+            f"{gap} | {pick_text} | {r['verdict']} | **{total:.1%}** ({race:.1%}; {extra:.1%}) | "
             f"{shallow} | {cs(r['times']['grid_seed0'])} | {cs(r['times']['search'])} |"
         )
     lines += ["", f"CPU: {cpu_model()}; {threads} torch thread; shapes per objective and every loss: the JSON."]
@@ -239,6 +242,8 @@ def grid_table(rows: list[dict]) -> str:
             cell = f"{g['mean']:.4f}" if g else "-"
             if t and t["state"] != "completed":
                 cell += f" ({t['state']} at {t['step']})"
+            elif not t and s in r.get("search_prescreen", {}):
+                cell += f" (dropped: forecast to {r['search_prescreen'][s]['verdict'].removesuffix('s')})"
             cells.append(f"**{cell}**" if s == r["grid_best"] else cell)
         lines.append(f"| {r['objective']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
