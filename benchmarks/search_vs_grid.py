@@ -12,10 +12,16 @@ For each objective (MAE and classification on the bundled digits, one torch thre
    pre-screen and successive halving (reduction factor 3).
 
 The search's pick is *the grid's best* when it is that shape, *within noise* when its grid mean is no further
-from the best's than the grid's seed-to-seed noise, else *worse*. Compute: model FLOPs (each shape's training
-FLOPs per sample at full length x batch size x steps) of the search's trials, and of the pre-screen's replays,
-against one seed of the full grid. Writes ``OUT/search_vs_grid.json`` and ``OUT/search_vs_grid.md``; finished
-runs are kept and a re-run only reads them back (its times are then those of the first run, as recorded).
+from the best's than the grid's seed-to-seed noise, else *worse*. Compute
+(:meth:`kilolayer.study.search.Search.compute`): model FLOPs (each shape's training FLOPs per sample at full
+length x batch size x steps) of the search's trials (the pre-screen's replays they start from included) plus
+the pre-screen's other steps, against one seed of the full grid. For each two objectives it says whether their
+best shapes differ beyond seed noise: whether each one's best does worse on the other's grid than that grid's
+best by more than its noise. Writes ``OUT/search_vs_grid.json`` and ``OUT/search_vs_grid.md``; finished runs
+are kept and a re-run only reads them back (its times are then those of the first run, as recorded).
+``--grid-from JSON`` reads the grids from an earlier output with the same settings and runs only the searches
+(the grid's training is deterministic on one thread: a completed trial must reproduce its shape's seed-0 loss
+bit for bit, recorded as ``search_reproduces_grid``).
 """
 
 from __future__ import annotations
@@ -102,12 +108,29 @@ def grid(config, shapes, out: Path, times: dict, log) -> dict:
     return losses
 
 
-def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) -> dict:
+def recorded_grid(path: Path, name: str, sets: list[str], shapes) -> tuple[dict, dict]:
+    """({shape: [loss per seed]}, the grid's times) of objective ``name`` in a JSON this benchmark wrote, which
+    must have measured the same settings and shapes."""
+    data = json.loads(Path(path).read_text())
+    rows = data["objectives"] if isinstance(data, dict) else data
+    row = next((r for r in rows if r["objective"] == name), None)
+    if row is None or row["sets"] != sets or row["shapes"] != [s.name for s in shapes]:
+        raise SystemExit(f"{path}: no grid of {name} with these settings and shapes")
+    times = {k: v for k, v in row["times"].items() if k.startswith("grid_")}
+    return {k: v["losses"] for k, v in row["grid"].items()}, times
+
+
+def compare(name: str, config_path: str, sets: list[str], out: Path, log=print, grid_from: Path | None = None) -> dict:
     config = load_config(config_path, [*COMMON, *sets])
     shapes = S.shapes(config, PARAMS, DEPTHS, TOLERANCE)
     record_path = out / name / "times.json"
+    record_path.parent.mkdir(parents=True, exist_ok=True)
     times = rundir.read_json(record_path, {}) or {}
-    losses = grid(config, shapes, out / name / "grid", times, log)
+    if grid_from is not None:
+        losses, grid_times = recorded_grid(grid_from, name, [*COMMON, *sets], shapes)
+        times.update(grid_times)
+    else:
+        losses = grid(config, shapes, out / name / "grid", times, log)
     rundir.write_json(record_path, times)
     settings = S.Settings(params=PARAMS, depths=DEPTHS, tolerance=TOLERANCE, reduction_factor=ETA)
     search = timed(times, "search", lambda: S.run_search(config, out / name / "search", settings, log=log))
@@ -129,8 +152,7 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) 
     else:
         verdict = "worse"
     grid_flops = sum(steps * s.step_flops(bs) for s in shapes)
-    trial_flops = sum(t.step * t.shape.step_flops(bs) for t in search.trials)
-    forecast_flops = sum(sc.steps * s.step_flops(bs) for s, sc in zip(search.shapes, search.screens))
+    spent = search.compute()
     # the trivial baseline: train only the shallowest shape (the first), one seed
     shallow = shapes[0]
     if means[shallow.name] == means[best]:
@@ -154,11 +176,18 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print) 
         "search_pick": pick,
         "search_tied_with": done[1].shape.name if tied else None,
         "search_trials": {t.shape.name: {"state": t.state, "step": t.step, "value": t.value} for t in search.trials},
+        "search_prescreen": {
+            sc.shape: {"verdict": sc.verdict, "raced": sc.kept, "reason": sc.reason} for sc in search.screens
+        },
         "verdict": verdict,
         "grid_flops_one_seed": grid_flops,
-        "search_training_flops": trial_flops,
-        "search_forecast_flops": forecast_flops,
+        "search_compute": spent,
         "search_rung_decisions": search.decisions,
+        # a completed trial is trained as the grid's seed 0 is: its loss must be that run's, bit for bit
+        "search_reproduces_grid": all(
+            t.value == losses[t.shape.name][0] for t in search.trials if t.state == "completed"
+        ),
+        "grid_from": str(grid_from) if grid_from is not None else None,
         "shallowest": shallow.name,
         "shallowest_verdict": shallow_verdict,
         "shallowest_flops": steps * shallow.step_flops(bs),
@@ -175,15 +204,16 @@ def table(rows: list[dict], threads: int) -> str:
 
     lines = [
         "| objective | grid best (mean loss, seeds 0 / 1) | runner-up, gap vs seed noise | search pick (its grid "
-        "mean) | pick is | search FLOPs / grid: total (race; pre-screen) | shallowest only: shape, is, FLOPs / grid "
-        "| grid time, one seed | search time |",
+        "mean) | pick is | search FLOPs / grid: total (race; pre-screen's other steps) | shallowest only: shape, "
+        "is, FLOPs / grid | grid time, one seed | search time |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         best, pick = r["grid_best"], r["search_pick"]
         b = r["grid"][best]
         g = r["grid_flops_one_seed"]
-        race, screen = r["search_training_flops"] / g, r["search_forecast_flops"] / g
+        c = r["search_compute"]
+        total, race, extra = (c[k]["flops"] / g for k in ("total", "race", "extra"))
         pick_text = f"{pick} ({r['grid'][pick]['mean']:.4f})" if pick else "-"
         if r["search_tied_with"]:
             pick_text += f", within noise of {r['search_tied_with']} (no pick written)"
@@ -196,7 +226,7 @@ def table(rows: list[dict], threads: int) -> str:
         shallow = f"{r['shallowest']}, {r['shallowest_verdict']}, {r['shallowest_flops'] / g:.0%}"
         lines.append(
             f"| {r['objective']} | {best} ({b['mean']:.4f}: {b['losses'][0]:.4f} / {b['losses'][1]:.4f}) | "
-            f"{gap} | {pick_text} | {r['verdict']} | **{race + screen:.0%}** ({race:.0%}; {screen:.0%}) | "
+            f"{gap} | {pick_text} | {r['verdict']} | **{total:.1%}** ({race:.1%}; {extra:.1%}) | "
             f"{shallow} | {cs(r['times']['grid_seed0'])} | {cs(r['times']['search'])} |"
         )
     lines += ["", f"CPU: {cpu_model()}; {threads} torch thread; shapes per objective and every loss: the JSON."]
@@ -212,24 +242,86 @@ def grid_table(rows: list[dict]) -> str:
             cell = f"{g['mean']:.4f}" if g else "-"
             if t and t["state"] != "completed":
                 cell += f" ({t['state']} at {t['step']})"
+            elif not t and s in r.get("search_prescreen", {}):
+                cell += f" (dropped: forecast to {r['search_prescreen'][s]['verdict'].removesuffix('s')})"
             cells.append(f"**{cell}**" if s == r["grid_best"] else cell)
         lines.append(f"| {r['objective']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def differ(rows: list[dict]) -> list[dict]:
+    """For each two objectives: does each one's grid best do worse on the other's grid than that grid's best, by
+    more than its seed noise? Their best shapes differ beyond noise when it does on both grids; a shape the
+    other grid lacks is compared by depth (the other grid's shape of the same depth, if one)."""
+
+    def on(row: dict, shape: str) -> str | None:
+        if shape in row["grid"]:
+            return shape
+        depth = shape.split("x")[0]
+        return next((s for s in row["shapes"] if s.split("x")[0] == depth), None)
+
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            sides = []
+            for mine, other in ((a, b), (b, a)):
+                shape = on(other, mine["grid_best"])
+                gap = other["grid"][shape]["mean"] - other["grid"][other["grid_best"]]["mean"] if shape else math.nan
+                sides.append(
+                    {
+                        "best_of": mine["objective"],
+                        "on": other["objective"],
+                        "as": shape,
+                        "gap": gap,
+                        "noise": other["seed_noise"],
+                        "beyond_noise": bool(gap > other["seed_noise"]),
+                    }
+                )
+            out.append(
+                {
+                    "objectives": [a["objective"], b["objective"]],
+                    "bests": [a["grid_best"], b["grid_best"]],
+                    "sides": sides,
+                    "differ_beyond_noise": all(x["beyond_noise"] for x in sides),
+                }
+            )
+    return out
+
+
+def differ_lines(pairs: list[dict]) -> str:
+    lines = []
+    for p in pairs:
+        parts = [
+            f"{x['best_of']}'s best as {x['as'] or '-'} on {x['on']}: {x['gap']:+.4f} vs noise {x['noise']:.4f} "
+            f"({'beyond' if x['beyond_noise'] else 'within'})"
+            for x in p["sides"]
+        ]
+        verdict = "differ beyond seed noise" if p["differ_beyond_noise"] else "do not differ beyond seed noise on both"
+        head = f"- {' vs '.join(p['objectives'])}: bests {' / '.join(p['bests'])}, {verdict}; "
+        lines.append(head + "; ".join(parts))
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/search_vs_grid", help="where the runs and the table go")
+    p.add_argument(
+        "--grid-from",
+        type=Path,
+        help="read the grids' losses and times from a JSON this benchmark wrote with the same settings instead of "
+        "training them again (the search's completed trials are checked to reproduce them bit for bit)",
+    )
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     out = Path(args.out)
     t0, c0 = time.perf_counter(), time.process_time()
-    rows = [compare(name, path, sets, out) for name, path, sets in OBJECTIVES]
-    md = table(rows, torch.get_num_threads()) + "\n" + grid_table(rows)
+    rows = [compare(name, path, sets, out, grid_from=args.grid_from) for name, path, sets in OBJECTIVES]
+    pairs = differ(rows)
+    md = table(rows, torch.get_num_threads()) + "\n" + grid_table(rows) + "\n" + differ_lines(pairs)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "search_vs_grid.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "search_vs_grid.json").write_text(json.dumps({"objectives": rows, "pairs": pairs}, indent=2) + "\n")
     (out / "search_vs_grid.md").write_text(md)
     print(md)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -157,8 +157,8 @@ def test_a_search_races_shapes_in_run_directories_and_recommends_one(tmp_path):
     md, html = write_report(search)
     text = md.read_text()
     assert f"**Recommended: {winner}**" in text and "**Only one trial completed**" in text
-    assert "## Pre-screen" in text and "| race: optimizer steps | 18 | 36 | 50% |" in text
-    assert "**total model FLOPs** (race + pre-screen)" in text
+    assert "## Pre-screen" in text and "| race (the trials' steps) | 18 |" in text and "| full grid | 36 |" in text
+    assert "| **total** (race + the pre-screen's other steps) | 18 |" in text  # the stub forecast replays nothing
     assert (out / "report_files" / "curves.png").is_file() and "data:image/png;base64" in html.read_text()
 
 
@@ -272,6 +272,40 @@ def test_the_doctor_drops_every_shape_of_a_config_that_diverges(tmp_path):
     assert search.screens and all(sc.verdict in S.DROPPED and not sc.kept for sc in search.screens)
     assert search.trials == [] and not (tmp_path / "s" / "trials").exists()
     assert "none was trained" in search.notes[0]
+
+
+def test_the_trials_start_from_the_pre_screens_replays_and_count_them_once(tmp_path):
+    # first rung at step 9: the doctor replays each shape's first 8 steps (capped below the rung) and its trial
+    # continues from them, reaching every evaluation the race judges with the losses of a trial trained from
+    # scratch, bit for bit (same process, same thread count)
+    s = settings(min_steps=9, keep_forecast_failures=True)
+    assert S.forecast_steps(tiny(), s) == 8 and S.starts_from_prescreen(tiny(), s)
+    search = S.run_search(tiny(), tmp_path / "reused", s, log=lambda _: None)
+    scratch = S.run_search(tiny(), tmp_path / "scratch", s, forecaster=trains, log=lambda _: None)
+    assert len(search.trials) == 3
+    assert all(sc.steps == 8 + 1 for sc in search.screens)  # and one step of the DeepNorm twin
+    for t, u in zip(search.trials, scratch.trials):
+        assert t.shape == u.shape and t.from_prescreen == 8 and u.from_prescreen == 0
+        assert (t.state, t.step, t.value) == (u.state, u.step, u.value)
+        assert t.curve == [p for p in u.curve if p[0] > 8]  # the replay's steps have no evaluations of the run
+        assert rundir.read_resume_history(t.run)[0]["step"] == 8
+    assert not (tmp_path / "reused" / S.STARTS).exists() or not any((tmp_path / "reused" / S.STARTS).iterdir())
+    c = search.compute()
+    race = sum(t.step for t in search.trials)
+    assert c["race"]["steps"] == race == scratch.compute()["race"]["steps"]
+    assert c["prescreen"]["steps"] == 3 * 9 and c["reused"]["steps"] == 3 * 8
+    assert c["extra"]["steps"] == 3 and c["total"]["steps"] == race + 3  # the twins' steps: all it adds
+    flops = {sh.name: sh.step_flops(16) for sh in search.shapes}
+    assert c["total"]["flops"] == pytest.approx(sum((t.step + 1) * flops[t.shape.name] for t in search.trials))
+    text = write_report(search)[0].read_text()
+    assert f"| **total** (race + the pre-screen's other steps) | {race + 3} |" in text
+    assert "| of which the trials' first steps (in the race) | 24 |" in text
+
+    # the forecast is read back on a re-run, and the finished search trains nothing again
+    again = S.run_search(tiny(), tmp_path / "reused", s, log=lambda _: None)
+    assert [(t.state, t.step, t.from_prescreen) for t in again.trials] == [
+        (t.state, t.step, t.from_prescreen) for t in search.trials
+    ]
 
 
 def test_an_interrupted_search_continues_without_training_a_finished_trial_again(tmp_path, monkeypatch):

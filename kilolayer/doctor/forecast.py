@@ -37,6 +37,12 @@ def lr_sum(config: Config, first: int, last: int) -> float:
 def measure(config: Config, steps: int | None = None, device: str = "cpu") -> dict:
     """Replay ``steps`` steps (default :func:`auto_steps`) and return every measurement :func:`decide`
     reads, as plain JSON-able data."""
+    return _measure(config, steps, device)[0]
+
+
+def _measure(config: Config, steps: int | None, device: str, keep_state: bool = False) -> tuple[dict, dict | None]:
+    """(:func:`measure`'s measurements, the replay's state after its last step when ``keep_state`` and it ran
+    every step, else None)."""
     from kilolayer.doctor.diagnose import ln_growth, side_ratios
     from kilolayer.doctor.measure import deepnorm_first_update, replay
     from kilolayer.doctor.outcome import chance
@@ -48,7 +54,7 @@ def measure(config: Config, steps: int | None = None, device: str = "cpu") -> di
     t0 = time.perf_counter()
     k = min(steps or auto_steps(config), config.train.steps)
     every = max(1, k // 20)
-    r = replay(config, k, device, eval_every=every)
+    r = replay(config, k, device, eval_every=every, keep_state=keep_state)
     tc = config.train
     ran = len(r.steps)
     ok = [s for s in r.steps if math.isfinite(s.update)]
@@ -88,17 +94,19 @@ def measure(config: Config, steps: int | None = None, device: str = "cpu") -> di
             "deepnorm_coefficient": update_coefficient(config.model, "deepnorm"),
         },
     }
+    m["steps_twin"] = 0  # steps replayed of the DeepNorm twin (its first update)
     if config.model.scheme == "deepnorm":
         m["deepnorm_update1"] = m["update1"]
     else:
         m["deepnorm_update1"] = deepnorm_first_update(config, device)
+        m["steps_twin"] = 0 if config.train.init_from else 1
     try:
         level = chance(config)
     except NotImplementedError:
         level = {}
     m["chance"] = level.get("loss", math.nan)
     m["seconds"] = time.perf_counter() - t0
-    return m
+    return m, r.state
 
 
 # ---------------------------------------------------------------- the rule
@@ -278,6 +286,7 @@ class Forecast:
     numbers: dict
     measurements: dict
     notes: list[str] = field(default_factory=list)
+    state: dict | None = None  # with keep_state: the replay's state after its last step (never in to_dict)
 
     @property
     def lines(self) -> list[str]:
@@ -344,10 +353,14 @@ def evidence_lines(m: dict) -> list[str]:
     return out
 
 
-def forecast(config: Config, steps: int | None = None, device: str = "cpu", name: str = "") -> Forecast:
+def forecast(
+    config: Config, steps: int | None = None, device: str = "cpu", name: str = "", keep_state: bool = False
+) -> Forecast:
     """Forecast ``config`` (see module docstring): replay ``steps`` steps (default :func:`auto_steps`)
-    and decide trains / stalls / diverges by :func:`decide`."""
-    m = measure(config, steps, device)
+    and decide trains / stalls / diverges by :func:`decide`. With ``keep_state``, :attr:`Forecast.state` is the
+    replay's state after its last step (a run of ``config`` can continue from it: ``kilolayer search`` starts
+    its trials there)."""
+    m, state = _measure(config, steps, device, keep_state)
     verdict, reason, numbers = decide(m)
     mc = config.model
     shape = (
@@ -366,4 +379,4 @@ def forecast(config: Config, steps: int | None = None, device: str = "cpu", name
             f"the replay ended before the peak learning rate ({m['schedule']['lr_seen_max']:.2g} of "
             f"{m['schedule']['lr']:.2g}): give --steps {config.train.warmup + 10} to see it"
         )
-    return Forecast(title, verdict, reason, numbers, m, notes)
+    return Forecast(title, verdict, reason, numbers, m, notes, state)

@@ -56,6 +56,7 @@ class Replay:
     probe_batch: dict | None = None
     eval_loss0: float = math.nan  # the loss on the fixed evaluation batch at initialisation
     ungated: int | None = None  # first step the divergence ratio test held during warm-up (not applied there)
+    state: dict | None = None  # with ``keep_state``: the engine's state after the last step, as a checkpoint holds it
 
     def losses(self) -> list[float]:
         return [s.loss for s in self.steps]
@@ -85,10 +86,12 @@ def _in_memory(config: Config) -> Config:
     return load_config(data)
 
 
-def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0) -> Replay:
+def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0, keep_state: bool = False) -> Replay:
     """Train ``config`` for ``steps`` steps in memory on the training engine, measuring after every step (see
     module docstring); with ``eval_every``, also the loss on a fixed evaluation batch (up to 64 samples) before
-    training and every ``eval_every`` steps. Stops where the divergence rule stops a run.
+    training and every ``eval_every`` steps. Stops where the divergence rule stops a run. With ``keep_state``,
+    a replay that ran every step keeps the engine's state after the last one (:meth:`Engine.state`: weights,
+    optimizer, schedule, the rules' state and the random streams): what the run's checkpoint of that step holds.
 
     Writes nothing and leaves the global random state as it found it."""
     t0 = time.perf_counter()
@@ -130,6 +133,8 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
             if not math.isfinite(record.update):
                 stopped = f"non-finite output after step {step}"
                 break
+        # inside the replay's random stream: the state the run's own streams are in after its step
+        state = engine.state() if keep_state and not stopped and len(out) == steps else None
     return Replay(
         out,
         output_norm,
@@ -141,6 +146,7 @@ def replay(config: Config, steps: int, device: str = "cpu", eval_every: int = 0)
         probe_batch,
         eval_loss0 if eval_loss0 is not None else math.nan,
         engine.divergence.ungated,
+        state,
     )
 
 

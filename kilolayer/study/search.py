@@ -8,7 +8,9 @@ objective instead of inheriting 12 x 768. From the user's config (objective, dat
    token;
 2. :func:`prescreen`: each shape forecast by the doctor (:func:`kilolayer.doctor.forecast`); those forecast to
    diverge, or to stall while another shape is forecast clearly better, are dropped with its reason, unless
-   kept on purpose;
+   kept on purpose. The forecast's replay of the shape's first steps ends below the first rung
+   (:func:`forecast_steps`) and is saved, and the shape's trial at the config's lr starts from it
+   (:meth:`_Racer.start`): the race does not train those steps again;
 3. :func:`run_search`: the rest raced by successive halving judged synchronously over the fixed set of
    planned trials (:class:`_Racer`): every trial still in the race trains to a rung and pauses there with a
    checkpoint; once all of them have reached it (or diverged, failed, or finished early), the best
@@ -23,9 +25,10 @@ objective instead of inheriting 12 x 768. From the user's config (objective, dat
    (:func:`race_here`), or at once as Ray tasks (:mod:`kilolayer.study.search_ray`), with the same leaderboard.
 
 The search lives in its directory: ``search.json`` (its settings), ``prescreen.json`` (the forecasts),
-``optuna.journal`` (Optuna's journal storage: every trial, its state and reported values) and ``trials/``. A
-re-run continues it: finished trials are read back, a trial left running by an interruption continues from its
-newest checkpoint, and the rest start. One search at a time writes a directory (``search.lock``).
+``starts/`` (the replays the trials start from, until they do), ``optuna.journal`` (Optuna's journal storage:
+every trial, its state and reported values) and ``trials/``. A re-run continues it: finished trials are read
+back, a trial left running by an interruption continues from its newest checkpoint, and the rest start. One
+search at a time writes a directory (``search.lock``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +55,7 @@ JOURNAL = "optuna.journal"
 LOCK = "search.lock"
 TRIALS = "trials"
 CHOICE = "choice.json"  # the config files the search wrote (name: sha256), the only ones it replaces
+STARTS = "starts"  # the pre-screen's replays saved as checkpoints, one folder per trial config (its hash)
 DROPPED = ("diverges", "stalls")  # forecast verdicts the pre-screen drops
 
 
@@ -127,24 +132,54 @@ class Screen:
     kept: bool
     seconds: float = 0.0
     score: float | None = None  # the forecast's evaluation loss at train.steps (projected), in units of chance
-    steps: int = 0  # the training steps the forecast replayed
+    steps: int = 0  # the training steps the forecast replayed (with the DeepNorm twin's)
     note: str = ""  # why a stall was raced anyway
 
 
 STALL_MARGIN = 0.1  # a stall is dropped only if another shape is forecast at least this much (x chance) lower
 
 
-def doctor_forecast(config: Config, steps: int | None = None) -> tuple[str, str, dict]:
-    """(verdict, reason, {"score", "steps"}) of :func:`kilolayer.doctor.forecast` for ``config``: ``score`` the
-    evaluation loss it projects for train.steps (else its last), in units of chance; ``steps`` replayed."""
+def doctor_forecast(config: Config, steps: int | None = None, save_to: Path | None = None) -> tuple[str, str, dict]:
+    """(verdict, reason, {"score", "steps", "start"}) of :func:`kilolayer.doctor.forecast` for ``config``:
+    ``score`` the evaluation loss it projects for train.steps (else its last), in units of chance; ``steps``
+    replayed (the DeepNorm twin's too). With ``save_to``, the replay's state after its last step is saved there
+    as a checkpoint of that step (``start``: the step; 0 when the replay stopped early), for
+    :meth:`_Racer.start` to begin the trial of ``config`` from."""
     from kilolayer.doctor.forecast import forecast
 
-    f = forecast(config, steps=steps)
+    f = forecast(config, steps=steps, keep_state=save_to is not None)
     n, m = f.numbers, f.measurements
     level = n.get("chance")
     loss = n.get("projected", n.get("eval_loss_last"))
     score = max(loss, 0.0) / level if level and loss is not None and math.isfinite(loss / level) else None
-    return f.verdict, f.reason, {"score": score, "steps": int(m.get("steps_run", 0) or 0)}
+    start = 0
+    if f.state is not None:
+        from kilolayer.train.checkpoint import save_checkpoint
+
+        st = f.state
+        start = int(st["state"]["step"])
+        save_checkpoint(save_to, start, st["model"], st["optimizer"], st["rng"], st["state"], st["extra"], keep=1)
+    ran = int(m.get("steps_run", 0) or 0) + int(m.get("steps_twin", 0) or 0)
+    return f.verdict, f.reason, {"score": score, "steps": ran, "start": start}
+
+
+def forecast_steps(config: Config, settings: Settings) -> int:
+    """The steps the pre-screen replays: ``--forecast-steps``, else the doctor's default
+    (:func:`kilolayer.doctor.forecast.auto_steps`) capped below the first rung, so that the replay is the first
+    steps of the shape's trial at the config's lr (:func:`starts_from_prescreen`), which the race then continues
+    instead of training them again."""
+    from kilolayer.doctor.forecast import auto_steps
+
+    if settings.forecast_steps is not None:
+        return settings.forecast_steps
+    return max(1, min(auto_steps(config), first_rung(config, settings) - 1))
+
+
+def starts_from_prescreen(config: Config, settings: Settings) -> bool:
+    """Whether the pre-screen's replays are saved for the trials to start from: when they end before the first
+    rung (a trial is judged there on an evaluation of its own), and without early stopping (it tracks every
+    evaluation, and the replay makes none of the run's)."""
+    return config.train.patience == 0 and forecast_steps(config, settings) < first_rung(config, settings)
 
 
 def _key(config: Config) -> str:
@@ -190,6 +225,7 @@ def prescreen(
                 "seconds": time.perf_counter() - t0,
                 "score": extra.get("score"),
                 "steps": extra.get("steps", 0),
+                "start": extra.get("start", 0),
             }
             saved[s.name] = entry
             rundir.write_json(out / PRESCREEN, saved)
@@ -214,6 +250,9 @@ def prescreen(
             sc.kept = False
         else:
             sc.note = "raced: no other shape is forecast clearly better"
+    for s, sc in zip(found, screens):  # a shape not raced needs no start
+        if not sc.kept:
+            shutil.rmtree(out / STARTS / _key(trial_config(config, s, config.train.lr)), ignore_errors=True)
     return screens
 
 
@@ -311,6 +350,7 @@ class TrialResult:
     curve: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
     continued: bool = False  # pruned, then continued by hand past its rung: value and step are its run's own
+    from_prescreen: int = 0  # its first steps: the pre-screen's replay of its config (counted in ``step``)
 
 
 STATE_ORDER = {"completed": 0, "pruned": 1, "unfinished": 2, "diverged": 3, "failed": 4}
@@ -353,6 +393,29 @@ class Search:
     stopped_by_budget: str = ""
     decisions: list[dict] = field(default_factory=list)  # each rung's judgement (:meth:`_Racer.judge`)
     rungs: list[int] = field(default_factory=list)
+
+    def compute(self) -> dict:
+        """What the search spent against a full grid of the planned trials (each trained for all train.steps,
+        no pre-screen), in optimizer steps and model FLOPs (each shape's training FLOPs per sample at full
+        length x batch size x steps): ``race`` (the trials' steps, those they started from the pre-screen
+        included), ``prescreen`` (every step the forecasts replayed), ``reused`` (the replayed steps trials
+        started from), ``extra`` (the pre-screen's other steps) and ``total`` = race + extra; ``grid``."""
+        bs, steps = self.config.train.batch_size, self.config.train.steps
+        flops = {s.name: s.step_flops(bs) for s in self.shapes}
+        kept = [s for s, sc in zip(self.shapes, self.screens) if sc.kept]
+        per_trial = self.planned / max(1, len(kept))  # trials per shape in a full grid of the planned trials
+        out = {
+            "race": (sum(t.step for t in self.trials), sum(t.step * flops[t.shape.name] for t in self.trials)),
+            "prescreen": (sum(sc.steps for sc in self.screens), sum(sc.steps * flops[sc.shape] for sc in self.screens)),
+            "reused": (
+                sum(t.from_prescreen for t in self.trials),
+                sum(t.from_prescreen * flops[t.shape.name] for t in self.trials),
+            ),
+            "grid": (self.planned * steps, per_trial * sum(steps * flops[s.name] for s in kept)),
+        }
+        out["extra"] = tuple(a - b for a, b in zip(out["prescreen"], out["reused"]))
+        out["total"] = tuple(a + b for a, b in zip(out["race"], out["extra"]))
+        return {k: {"steps": v[0], "flops": v[1]} for k, v in out.items()}
 
     @property
     def ranked(self) -> list[TrialResult]:
@@ -686,6 +749,10 @@ class _Racer:
             f"[search] trial {trial.number}: {name} (lr {lr:.3g}) -> {run}" + (f" to step {until}" if until else "")
         )
         cfg = trial_config(self.config, shape, lr)
+        if not run.exists():
+            start = self.start(cfg, run)
+            if start:
+                trial.set_user_attr("from_prescreen", start)
         try:
             train(cfg, run, resume=True, quiet=True, on_eval=on_eval, resume_hint=RESUME_HINT)
         except Halted:
@@ -713,6 +780,30 @@ class _Racer:
         self.study.tell(trial, value)
         self.log(f"[search] trial {trial.number}: completed, {s.metric} {value:.4g}")
         return ""
+
+    def start(self, config: Config, run: Path) -> int:
+        """Begin the run of ``config`` at ``run`` from the pre-screen's replay of the same config, if one is saved
+        (``starts/<its hash>``, :func:`doctor_forecast`) and ends before the first rung: its checkpoint is moved
+        into the new run directory with the config, and training resumes from it, the steps the replay trained
+        not trained again (the same steps, bit for bit at the same thread count: :mod:`kilolayer.doctor.measure`).
+        Returns that step (0: the run starts from scratch)."""
+        from kilolayer.config import dump_yaml
+        from kilolayer.files import atomic_folder, write_atomic
+
+        saved = rundir.complete_checkpoints(self.out / STARTS / _key(config))
+        if not saved or not starts_from_prescreen(self.config, self.settings):
+            return 0
+        step = rundir.checkpoint_step(saved[-1])
+        if not 0 < step < (self.rungs[0] if self.rungs else config.train.steps):
+            return 0
+        run.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_folder(run) as tmp:
+            write_atomic(tmp / rundir.CONFIG, dump_yaml(config))
+            rundir.checkpoint_dir(tmp, step).parent.mkdir()
+            saved[-1].rename(rundir.checkpoint_dir(tmp, step))
+        shutil.rmtree(self.out / STARTS / _key(config), ignore_errors=True)
+        self.log(f"[search] {run.name}: starts at step {step}, from the pre-screen's replay")
+        return step
 
     def failed(self, trial, err: BaseException | str, seconds: float) -> None:
         """Record ``trial`` failed with ``err`` (one line) after ``seconds`` of training; the search goes on."""
@@ -806,6 +897,7 @@ def collect(study, found: dict[str, Shape], out: Path, metric: str) -> list[Tria
                 curve=curve,
                 seconds=float(t.user_attrs.get("seconds", 0.0)),
                 continued=continued,
+                from_prescreen=int(t.user_attrs.get("from_prescreen", 0)),
             )
         )
     return results
@@ -982,12 +1074,13 @@ def run_search(
     out.mkdir(parents=True, exist_ok=True)
     with rundir.RunLock(out, LOCK, "kilolayer search"):
         _check_same_search(out, config, settings)
+        steps, keep = forecast_steps(config, settings), starts_from_prescreen(config, settings)
         screens = prescreen(
             config,
             found,
             out,
             settings.keep_forecast_failures,
-            forecaster or (lambda c: doctor_forecast(c, settings.forecast_steps)),
+            forecaster or (lambda c: doctor_forecast(c, steps, out / STARTS / _key(c) if keep else None)),
             log,
         )
         kept = {s.name: s for s, sc in zip(found, screens) if sc.kept}

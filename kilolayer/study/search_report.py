@@ -155,40 +155,34 @@ def _continue_hint(search: Search) -> str:
 def _compute(search: Search) -> list[str]:
     bs = search.config.train.batch_size
     steps = search.config.train.steps
-    kept = [s for s, sc in zip(search.shapes, search.screens) if sc.kept]
-    spent_steps = sum(t.step for t in search.trials)
-    spent_flops = sum(t.step * t.shape.step_flops(bs) for t in search.trials)
-    screen_steps = sum(sc.steps for sc in search.screens)
-    screen_flops = sum(sc.steps * sh.step_flops(bs) for sh, sc in zip(search.shapes, search.screens))
-    per_trial = search.planned / max(1, len(kept))  # trials per shape in a full grid of the planned trials
-    grid_steps = search.planned * steps
-    grid_flops = per_trial * sum(steps * s.step_flops(bs) for s in kept)
+    c = search.compute()
+    grid = c["grid"]
     minutes = sum(t.seconds for t in search.trials) / 60
     forecast_s = sum(sc.seconds for sc in search.screens)
-    total_flops = spent_flops + screen_flops
 
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.0%}" if b else "-"
 
+    def row(label: str, key: str) -> list:
+        steps_, flops = c[key]["steps"], c[key]["flops"]
+        return [label, f"{steps_:,}", _count(flops), ratio(flops, grid["flops"])]
+
     rows = [
-        [
-            "**total model FLOPs** (race + pre-screen)",
-            _count(total_flops),
-            _count(grid_flops),
-            ratio(total_flops, grid_flops),
-        ],
-        ["race: optimizer steps", f"{spent_steps:,}", f"{grid_steps:,}", ratio(spent_steps, grid_steps)],
-        ["race: model FLOPs", _count(spent_flops), _count(grid_flops), ratio(spent_flops, grid_flops)],
-        ["pre-screen: replayed steps", f"{screen_steps:,}", "-", "-"],
-        ["pre-screen: model FLOPs", _count(screen_flops), "-", ratio(screen_flops, grid_flops)],
+        row("**total** (race + the pre-screen's other steps)", "total"),
+        row("race (the trials' steps)", "race"),
+        row("pre-screen: steps replayed", "prescreen"),
+        row("of which the trials' first steps (in the race)", "reused"),
+        row("pre-screen: other steps", "extra"),
+        ["full grid", f"{grid['steps']:,}", _count(grid["flops"]), "100%"],
     ]
     return [
         f"A full grid trains each of the {search.planned} planned trials for all {steps:,} steps, with no "
         f"pre-screen. Model FLOPs: each shape's training FLOPs per sample at full length "
-        f"(docs/bamboo.md#model-flops-and-mfu) x batch size {bs} x steps; the pre-screen's are those of the steps "
-        f"its forecasts replayed (their evaluations not counted).",
+        f"(docs/bamboo.md#model-flops-and-mfu) x batch size {bs} x steps (evaluations not counted). A shape's "
+        f"trial at the config's lr starts from the pre-screen's replay of it, where that ends before the first "
+        f"rung: those steps are counted once, in the race.",
         "",
-        _table(["", "search", "full grid", "search / grid"], rows),
+        _table(["", "optimizer steps", "model FLOPs", "FLOPs / full grid"], rows),
         f"Training time: {minutes:.1f} min over all trials; the pre-screen's forecasts took {forecast_s:.0f} s.",
         "",
     ]
