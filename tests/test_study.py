@@ -365,9 +365,9 @@ def _bounds(ds: list[float]) -> tuple[float, float, float]:
 @pytest.mark.slow
 def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path, monkeypatch):
     """bamboo_cpu's groups, recipes unchanged but at toy size (1- and 2-layer width-32 models, 256 MNIST training
-    images, help pages made up in the package's format): every trained run stops on its plateau, before its
-    step cap; every analysis and finding runs; and two verdicts' numbers recomputed by hand from the run
-    directories (standing evaluations, smoothness files) equal the report's."""
+    images, help pages made up in the package's format): every trained run but MAE's and MLM's stops on its
+    plateau, before its step cap; every analysis and finding runs; and two verdicts' numbers recomputed by hand
+    from the run directories (standing evaluations, smoothness files) equal the report's."""
     from helpers import build_fixture
 
     from kilolayer.data import lo_help
@@ -391,8 +391,11 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
         else:
             base["data"]["options"]["train_size"] = 256
         if base["train"]["steps"]:
-            base["train"].update(eval_every=10, eval_batches=2, checkpoint_every=base["train"]["steps"], warmup=5)
-            caps[g["name"]] = base["train"]["steps"]
+            # MAE and MLM run to their caps at full size too (docs/results.md, "Bamboo on real data"): they are
+            # cut to 600 steps here and only the other recipes are held to stopping on a plateau
+            steps = 600 if g["name"] in ("mae", "mlm") else base["train"]["steps"]
+            base["train"].update(steps=steps, eval_every=10, eval_batches=2, checkpoint_every=steps, warmup=5)
+            caps[g["name"]] = steps
     path = tmp_path / "bamboo_toy.yaml"
     path.write_text(yaml.safe_dump(data))
     spec = load_spec(path)
@@ -402,7 +405,7 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
     assert not bad, bad
     assert all(r.smoothness and len(r.smoothness["cosine"]) == r.point.config.model.layers + 1 for r in results)
     for r in results:
-        if r.point.group in caps:
+        if r.point.group in caps and r.point.group not in ("mae", "mlm"):
             status = json.loads((r.point.run_dir(out) / "status.json").read_text())
             assert status["stopped_early"] and status["step"] < caps[r.point.group], (r.point.key, status)
     md, _, findings = write_report(spec, results, out, 1.0)
