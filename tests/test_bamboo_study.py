@@ -114,3 +114,32 @@ def test_every_trained_point_stops_at_its_plateau_within_its_budget(study):
         assert tc.schedule != "cosine", p.key  # a budget-shaped schedule would make stopping early unfair
         # the loss, by which the findings judge convergence
         assert tc.early_stop_metric == "loss", p.key
+
+
+def test_the_side_studies_behind_the_recipe_are_valid_specs(tmp_path):
+    """benchmarks.bamboo_cpu_probes: the learning-rate probe is every probed objective at the deep shape on a seed
+    the study does not use, at both learning rates; the mean-pooled classifier is the supervised group but for
+    its pooling."""
+    import yaml
+
+    from benchmarks.bamboo_cpu_probes import PROBED, lr_probe, mean_pool
+
+    study_seeds = {s for g in load_spec("bamboo_cpu").groups for s in g.seeds}
+    for full in (False, True):
+        path = tmp_path / f"lr_{full}.yaml"
+        path.write_text(yaml.safe_dump(lr_probe(full)))
+        points = expand(load_spec(path))
+        assert sorted({p.group for p in points}) == sorted(PROBED) and len(points) == 2 * len(PROBED)
+        assert {_shape(p) for p in points} == {(8, 48, 3)} and {p.config.train.lr for p in points} == {1e-3, 3e-3}
+        assert not {p.values["train.seed"] for p in points} & study_seeds
+        images = [p for p in points if p.config.data.name.startswith("mnist")]
+        assert all(("train_size" in p.config.data.options) != full for p in images)
+    path = tmp_path / "mean.yaml"
+    path.write_text(yaml.safe_dump(mean_pool()))
+    points = expand(load_spec(path))
+    cls = {
+        _shape(p): p for p in expand(load_spec("bamboo_cpu")) if p.group == "supervised" and p.values["train.seed"] == 0
+    }
+    for p in points:
+        assert p.config.objective.options["pool"] == "mean" and not p.config.model.cls_token
+        assert p.config.train == cls[_shape(p)].config.train and p.config.data == cls[_shape(p)].config.data

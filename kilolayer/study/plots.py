@@ -194,11 +194,11 @@ def smoothness_curves(results, path: Path) -> bool:
     for row, kind in zip(axes, kinds):
         mine = [r for r in rs if r.point.config.model.input == kind]
         groups = sorted({r.point.group for r in mine})
-        # one colour per group in every panel of the row, and every group in the row's legend
-        colour = {g: f"C{i}" for i, g in enumerate(groups)}
+        # one colour and style per group in every panel of the row, every group in the row's legend
+        look = {g: dict(ls=":" if "untrained" in g else "-", color=f"C{i}") for i, g in enumerate(groups)}
         for g in groups:
-            style = ":" if "untrained" in g else "-"
-            row[-1].plot([], [], style, marker="o", ms=3, color=colour[g], label=g)
+            seeds = len({r.point.values.get("train.seed") for r in mine if r.point.group == g})
+            row[-1].plot([], [], marker="o", ms=3, label=f"{g} ({seeds} seed{'s' if seeds > 1 else ''})", **look[g])
         for ax, (layers, width) in zip(row, shapes):
             for g in groups:
                 curves = [
@@ -212,7 +212,7 @@ def smoothness_curves(results, path: Path) -> bool:
                 n = min(len(c) for c in curves)
                 mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
                 x = [i / (n - 1) if n > 1 else 0 for i in range(n)]
-                ax.plot(x, mean, ":" if "untrained" in g else "-", marker="o", ms=3, color=colour[g])
+                ax.plot(x, mean, marker="o", ms=3, **look[g])
             ax.set_title(f"{'images' if kind == 'patches' else 'text'}: {layers} layers x {width}")
             ax.set_xlabel("layer / depth (0 = embeddings)")
             ax.grid(alpha=0.3)
