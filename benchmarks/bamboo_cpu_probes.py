@@ -1,12 +1,15 @@
 """The side studies behind ``bamboo_cpu``'s recipe and its measurements (docs/results.md, "Bamboo on real data"):
 
-    OMP_NUM_THREADS=1 python -m benchmarks.bamboo_cpu_probes lr --out runs/bamboo_cpu_lr
+    OMP_NUM_THREADS=1 python -m benchmarks.bamboo_cpu_probes recipe --out runs/bamboo_cpu_recipe
     OMP_NUM_THREADS=1 python -m benchmarks.bamboo_cpu_probes mean_pool --out runs/bamboo_cpu_mean_pool
 
-``lr``: each trained group of ``bamboo_cpu`` but the fine-tuning ones, at its deep shape (8 x 48) on seed 7 (a
-seed the study does not use), learning rate 1e-3 and 3e-3, 600 steps, no analyses: the learning rates of
-``BAMBOO_CPU_LR`` are the better of the two by the last validation loss. ``--full-mnist`` drops the study's
-5,000-image subset (the probe behind ``BAMBOO_CPU_LR`` ran on the full training split).
+``recipe``: the candidate settings the recipe was chosen from, each at the deep shape (8 x 48) on seed 7 (a seed
+the study does not use), trained without early stopping for a fixed number of steps so that whole validation
+curves compare: MAE at 64 images a step and lr 3e-3 against 256 at 1e-2 (BAMBOO_CPU_BATCHES, BAMBOO_CPU_LR); the
+text classifier on all eight modules' training paragraphs, on the four largest modules' (BAMBOO_CPU_MODULES), and
+on a stratified 5,000 of those (the study's); next-byte prediction and MLM on those same two text sets. When the
+study has run, ``summary`` prints each probe's best validation loss and step, its loss change over the last
+quarter of the steps it ran (the convergence rule's measure) and its seconds of training per 100 steps.
 
 ``mean_pool``: the study's supervised group, seed 0, with its tokens mean-pooled instead of a CLS token, and the
 same smoothness analysis, beside the CLS-pooled classifier.
@@ -18,32 +21,48 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 from pathlib import Path
 
 import yaml
 
-from kilolayer.study.builtin import bamboo_cpu
+from kilolayer.study.builtin import BAMBOO_CPU_MODULES, bamboo_cpu
 
-PROBED = ("supervised", "contrastive", "mae", "text_classify", "mlm", "next_token")
 DEEP = [8, 48, 3, 192]  # the study's deep shape, as its grid key's values
 SHAPES = "model.layers,model.width,model.heads,model.ffn"
+SEED = 7
+# group -> (steps, grid key, the candidate values of that key)
+RECIPE = {
+    "mae": (3000, "train.batch_size,train.lr", [[64, 3e-3], [256, 1e-2]]),
+    "text_classify": (
+        2000,
+        "data.options.modules,data.options.train_size",
+        [[None, None], [BAMBOO_CPU_MODULES, None], [BAMBOO_CPU_MODULES, 5000]],
+    ),
+    "next_token": (3000, "data.options.modules,data.options.train_size", [[None, None], [BAMBOO_CPU_MODULES, 5000]]),
+    "mlm": (3000, "data.options.modules,data.options.train_size", [[None, None], [BAMBOO_CPU_MODULES, 5000]]),
+}
 
 
-def lr_probe(full_mnist: bool = False) -> dict:
+def recipe() -> dict:
     groups = []
     for g in bamboo_cpu()["groups"]:
-        if g["name"] not in PROBED:
+        if g["name"] not in RECIPE:
             continue
+        steps, key, values = RECIPE[g["name"]]
         g = copy.deepcopy(g)
-        g["grid"] = {SHAPES: [list(DEEP)], "train.lr": [1e-3, 3e-3]}
-        g["seeds"], g["analyses"] = [7], []
-        g["base"]["train"]["steps"] = 600
-        if full_mnist:
-            g["base"]["data"]["options"].pop("train_size", None)
+        g["grid"] = {SHAPES: [list(DEEP)], key: copy.deepcopy(values)}
+        g["seeds"], g["analyses"] = [SEED], []
+        g["base"]["train"].update(steps=steps, patience=0, checkpoint_every=steps)
+        if g["name"] == "mae":  # the same 2,048 validation images at either batch size
+            g["base"]["train"]["eval_batches"] = 2048 // 64
+        else:  # the study's text options are what the grid sets
+            g["base"]["data"]["options"] = {}
+            g.pop("analysis_data", None)
         groups.append(g)
     return {
-        "name": "bamboo_cpu_lr",
-        "description": "learning-rate probe of bamboo_cpu's objectives: 8 x 48, seed 7, lr 1e-3 and 3e-3, 600 steps",
+        "name": "bamboo_cpu_recipe",
+        "description": "the candidate settings behind bamboo_cpu's recipe: 8 x 48, seed 7, fixed steps, whole curves",
         "groups": groups,
         "findings": [],
     }
@@ -64,19 +83,55 @@ def mean_pool() -> dict:
     }
 
 
+def curve_summary(metrics: Path) -> dict:
+    """Best validation loss and its step, the last evaluation's loss change over the last quarter of the steps
+    run (relative to the earlier value; negative is a fall), and training seconds per 100 steps."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    evals = [r for r in records if r.get("split") == "eval" and "loss" in r]
+    train = [r for r in records if r.get("split") == "train" and "train_s" in r]
+    best = min(evals, key=lambda r: r["loss"])
+    last = evals[-1]
+    before = [r for r in evals if r["step"] <= 0.75 * last["step"]] or evals[:1]
+    per_step = sum(r["train_s"] for r in train) / max(1, train[-1]["step"]) if train else float("nan")
+    return {
+        "best_loss": best["loss"],
+        "best_step": best["step"],
+        "last_step": last["step"],
+        "last_quarter": (last["loss"] - before[-1]["loss"]) / abs(before[-1]["loss"]),
+        "s_per_100_steps": 100 * per_step,
+    }
+
+
+def summary(out: Path) -> str:
+    lines = ["| run | best val. loss (step) | last-quarter change | s / 100 steps |", "|---|---|---|---|"]
+    for metrics in sorted(out.glob("runs/*/*/metrics.jsonl")):
+        s = curve_summary(metrics)
+        name = f"{metrics.parent.parent.name} {metrics.parent.name}"
+        lines.append(
+            f"| {name} | {s['best_loss']:.3f} ({s['best_step']}) | {s['last_quarter']:+.1%} to step "
+            f"{s['last_step']} | {s['s_per_100_steps']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     from kilolayer.cli import main as kilolayer
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.bamboo_cpu_probes", description=__doc__.split("\n\n")[0])
-    p.add_argument("probe", choices=("lr", "mean_pool"))
+    p.add_argument("probe", choices=("recipe", "mean_pool", "summary"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--full-mnist", action="store_true", help="lr: the full MNIST training split")
     a = p.parse_args(argv)
-    spec = lr_probe(a.full_mnist) if a.probe == "lr" else mean_pool()
+    if a.probe == "summary":
+        print(summary(a.out))
+        return 0
+    spec = recipe() if a.probe == "recipe" else mean_pool()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    return kilolayer(["study", str(a.out / "spec.yaml"), "--out", str(a.out), "--jobs", str(a.jobs)])
+    rc = kilolayer(["study", str(a.out / "spec.yaml"), "--out", str(a.out), "--jobs", str(a.jobs)])
+    if a.probe == "recipe" and rc == 0:
+        print(summary(a.out))
+    return rc
 
 
 if __name__ == "__main__":

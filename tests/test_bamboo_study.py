@@ -86,14 +86,18 @@ def test_text_is_one_labelled_set_of_paragraphs_read_as_bytes(study):
     """Every text group reads the same LibreOffice help paragraphs (classification, MLM, next byte), as bytes that
     fit the model, and is measured on them; images are MNIST at 28x28."""
     spec, points = study
+    text = [p for p in points if p.config.model.input == "tokens"]
+    options = text[0].config.data.options
     for p in points:
         cfg = p.config
         if cfg.model.input == "tokens":
-            assert cfg.data.name == "lo_help" and cfg.data.options == {}, p.key
+            assert cfg.data.name == "lo_help" and cfg.data.options == options, p.key
             assert cfg.model.vocab_size >= BYTE_VOCAB and cfg.model.max_len == points[-1].config.model.max_len
-            assert p.analysis_data == {"name": "lo_help", "options": {}}, p.key
+            assert p.analysis_data == {"name": "lo_help", "options": options}, p.key
         else:
             assert cfg.data.name in ("mnist", "mnist_captions") and cfg.model.image_size == 28
+    if spec.name == "bamboo_cpu":  # four modules, one stratified subset of their training paragraphs
+        assert options == {"modules": ["sbasic", "scalc", "swriter", "simpress"], "train_size": 5000}
     assert {p.config.objective.name for p in points if p.config.model.input == "tokens"} == {
         "classification",
         "mlm",
@@ -117,29 +121,56 @@ def test_every_trained_point_stops_at_its_plateau_within_its_budget(study):
 
 
 def test_the_side_studies_behind_the_recipe_are_valid_specs(tmp_path):
-    """benchmarks.bamboo_cpu_probes: the learning-rate probe is every probed objective at the deep shape on a seed
-    the study does not use, at both learning rates; the mean-pooled classifier is the supervised group but for
-    its pooling."""
+    """benchmarks.bamboo_cpu_probes: the recipe probe is each probed objective at the deep shape on a seed the
+    study does not use, its candidates differing only in the probed setting and one of them the study's; the
+    mean-pooled classifier is the supervised group but for its pooling."""
     import yaml
 
-    from benchmarks.bamboo_cpu_probes import PROBED, lr_probe, mean_pool
+    from benchmarks.bamboo_cpu_probes import RECIPE, mean_pool, recipe
 
-    study_seeds = {s for g in load_spec("bamboo_cpu").groups for s in g.seeds}
-    for full in (False, True):
-        path = tmp_path / f"lr_{full}.yaml"
-        path.write_text(yaml.safe_dump(lr_probe(full)))
-        points = expand(load_spec(path))
-        assert sorted({p.group for p in points}) == sorted(PROBED) and len(points) == 2 * len(PROBED)
-        assert {_shape(p) for p in points} == {(8, 48, 3)} and {p.config.train.lr for p in points} == {1e-3, 3e-3}
-        assert not {p.values["train.seed"] for p in points} & study_seeds
-        images = [p for p in points if p.config.data.name.startswith("mnist")]
-        assert all(("train_size" in p.config.data.options) != full for p in images)
+    study = expand(load_spec("bamboo_cpu"))
+    study_seeds = {p.values["train.seed"] for p in study}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe()))
+    points = expand(load_spec(path))
+    assert sorted({p.group for p in points}) == sorted(RECIPE)
+    assert {_shape(p) for p in points} == {(8, 48, 3)} and not {p.values["train.seed"] for p in points} & study_seeds
+    for group, (steps, key, values) in RECIPE.items():
+        mine = [p for p in points if p.group == group]
+        assert len(mine) == len(values) and all(p.config.train.steps == steps for p in mine)
+        assert all(p.config.train.patience == 0 for p in mine)  # whole curves, no early stop
+        ours = next(p for p in study if p.group == group and _shape(p) == (8, 48, 3))
+        keys = key.split(",")
+
+        def setting(p):
+            return [p.values[k] for k in keys]
+
+        # the study's own setting is among the candidates
+        assert [ours.config.train.batch_size, ours.config.train.lr] in [setting(p) for p in mine] or [
+            ours.config.data.options.get("modules"),
+            ours.config.data.options.get("train_size"),
+        ] in [setting(p) for p in mine], group
     path = tmp_path / "mean.yaml"
     path.write_text(yaml.safe_dump(mean_pool()))
     points = expand(load_spec(path))
-    cls = {
-        _shape(p): p for p in expand(load_spec("bamboo_cpu")) if p.group == "supervised" and p.values["train.seed"] == 0
-    }
+    cls = {_shape(p): p for p in study if p.group == "supervised" and p.values["train.seed"] == 0}
     for p in points:
         assert p.config.objective.options["pool"] == "mean" and not p.config.model.cls_token
         assert p.config.train == cls[_shape(p)].config.train and p.config.data == cls[_shape(p)].config.data
+
+
+def test_probe_summary_reads_a_curve(tmp_path):
+    """The recipe probe's summary: best loss and step, the last quarter's relative change (the convergence rule's
+    measure), seconds per 100 steps, from a constructed metrics file."""
+    import json
+
+    from benchmarks.bamboo_cpu_probes import curve_summary
+
+    rows = [{"step": s, "split": "eval", "loss": loss} for s, loss in ((100, 2.0), (200, 1.5), (300, 1.2), (400, 1.25))]
+    rows += [{"step": 200, "split": "train", "train_s": 3.0}, {"step": 400, "split": "train", "train_s": 3.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    s = curve_summary(path)
+    assert (s["best_loss"], s["best_step"], s["last_step"]) == (1.2, 300, 400)
+    assert s["last_quarter"] == pytest.approx((1.25 - 1.2) / 1.2)  # step 300 is the last at <= 0.75 x 400
+    assert s["s_per_100_steps"] == pytest.approx(1.5)

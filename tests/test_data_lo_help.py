@@ -98,6 +98,26 @@ def test_same_split_at_every_call_and_no_text_in_two_splits(root):
     assert not keys["validation"] & keys["test"]
 
 
+def test_train_size_is_a_stratified_subset_of_train_and_leaves_evaluation_alone(root):
+    full = load_source(config(root))
+    texts = split_texts(full)
+    y = full.columns["labels"][full.examples("train")]
+    size = len(texts["train"]) // 2
+    sub = load_source(config(root, train_size=size))
+    again = load_source(config(root, train_size=size, seed=3))
+    kept = split_texts(sub)
+    assert kept == split_texts(again)  # the subset depends on split_seed, not the training seed
+    assert kept["validation"] == texts["validation"] and kept["test"] == texts["test"]
+    assert len(kept["train"]) == size and set(kept["train"]) <= set(texts["train"])
+    counts = torch.bincount(sub.columns["labels"][sub.examples("train")], minlength=3)
+    share = torch.bincount(y, minlength=3).double() * size / len(y)
+    assert ((counts - share).abs() < 1).all()  # each module in proportion (largest remainders)
+    other = split_texts(load_source(config(root, train_size=size, split_seed=1)))["train"]
+    assert other != kept["train"]
+    with pytest.raises(ConfigError, match=rf"^data.options.train_size={len(y) + 1}: the training split has {len(y)} texts$"):
+        load_source(config(root, train_size=len(y) + 1))
+
+
 def test_texts_cut_to_the_same_ids_stay_in_the_first_split(root):
     # cut at 12 bytes, every Writer text reads "Writer page " (and Impress ones "Impress page"): those of test
     # stay, the others leave validation and train; Calc's keep their page number and stay

@@ -19,7 +19,8 @@ split.
 
 Tokens are UTF-8 bytes with the special ids of :mod:`kilolayer.data.vocab` (``model.vocab_size`` at least 262),
 ``[CLS]`` first with ``add_cls``, cut at ``max_len`` ids (default ``model.max_len``); a sample whose cut ids equal
-those of a sample of a split ranked before its own (test, then validation, then train) is left out. Batches:
+those of a sample of a split ranked before its own (test, then validation, then train) is left out. ``train_size``
+keeps a stratified subset of the training texts (each module in proportion; drawn with ``split_seed``). Batches:
 ``{"tokens", "padding_mask", "labels"}``. See docs/data.md.
 """
 
@@ -39,7 +40,7 @@ from kilolayer.config import Config
 from kilolayer.data import parallel
 from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cached
-from kilolayer.data.memory import SPLITS, MemorySource, SplitOptions
+from kilolayer.data.memory import SPLITS, MemorySource, SplitOptions, stratified_subset
 from kilolayer.data.options import parse_options
 from kilolayer.data.packages import package_versions
 from kilolayer.data.text import ByteTokenizer, check_vocab, encode_all
@@ -72,6 +73,7 @@ class LOHelpOptions(SplitOptions):
     min_chars: int = Field(20, ge=1, description="shorter texts (most are headings such as 'Example') are dropped")
     max_len: int | None = Field(None, ge=2, description="ids per sample, [CLS] included; default model.max_len")
     add_cls: bool = False
+    train_size: int | None = Field(None, ge=1, description="a stratified subset of the training texts")
 
 
 # ------------------------------------------------------------------ the corpus
@@ -197,7 +199,7 @@ def read_pages(root: Path) -> dict[str, list[str]]:
 def fingerprint(root: Path, opts: LOHelpOptions, version: str) -> str:
     """A short hash of what a build depends on: the pages read (path, size, time), the version and the options."""
     h = hashlib.sha256(f"{FORMAT}|{version}".encode())
-    h.update(json.dumps(opts.model_dump(exclude={"root", "max_len", "add_cls", "eval_split"}), sort_keys=True).encode())
+    h.update(json.dumps(opts.model_dump(exclude={"root", "max_len", "add_cls", "eval_split", "train_size"}), sort_keys=True).encode())
     base = root / TEXT
     for path in sorted(base.rglob("*.html")):
         st = path.stat()
@@ -263,6 +265,12 @@ def lo_help(config: Config) -> MemorySource:
     root = parallel.resolve_root(opts.root)
     corpus, record = load_corpus(str(root), opts.model_dump_json())
     splits, repeated = encode_splits(corpus, max_len, opts.add_cls)
+    if opts.train_size is not None:
+        ids, y = splits["train"]
+        if opts.train_size > len(ids):
+            raise ConfigError(f"data.options.train_size={opts.train_size}: the training split has {len(ids)} texts")
+        keep = stratified_subset(torch.arange(len(ids)), y, opts.train_size, opts.split_seed + 1)
+        splits["train"] = ([ids[i] for i in keep.tolist()], y[keep])
     empty = [s for s in ("train", opts.eval_split) if not len(splits[s][0])]
     if empty:
         raise InputError(f"{root / TEXT}: data.name='lo_help' found no {empty[0]} texts of {', '.join(opts.modules)}")

@@ -33,6 +33,24 @@ class SplitOptions(NumbersNotBools):
     eval_split: Literal["validation", "test"] = "validation"
 
 
+def stratified_subset(rows: torch.Tensor, labels: torch.Tensor, size: int, seed: int) -> torch.Tensor:
+    """Exactly ``size`` of ``rows`` (sorted), each class in proportion (largest remainders get the rest)."""
+    if size >= len(rows):
+        return rows
+    y = labels[rows]
+    classes, counts = torch.unique(y, return_counts=True)
+    share = counts.double() * size / len(rows)
+    quota = share.floor().long()
+    extra = size - int(quota.sum())
+    quota[torch.argsort(share - quota, descending=True, stable=True)[:extra]] += 1
+    g = torch.Generator().manual_seed(seed)
+    picked = []
+    for c, q in zip(classes, quota):
+        members = rows[y == c]
+        picked.append(members[torch.randperm(len(members), generator=g)[: int(q)]])
+    return torch.cat(picked).sort().values
+
+
 def split_indices(
     n: int, seed: int, val_fraction: float, test_fraction: float, labels: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:

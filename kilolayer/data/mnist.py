@@ -31,7 +31,7 @@ from kilolayer.config import Config, NumbersNotBools
 from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.digits import WORDS
-from kilolayer.data.memory import MemorySource, split_indices
+from kilolayer.data.memory import MemorySource, split_indices, stratified_subset
 from kilolayer.data.options import parse_options
 from kilolayer.data.vocab import BYTE_VOCAB, PAD, encode
 from kilolayer.errors import ConfigError, InputError
@@ -281,24 +281,6 @@ def load_arrays(config: Config, kind: str) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ splits and the source
-
-
-def stratified_subset(rows: torch.Tensor, labels: torch.Tensor, size: int, seed: int) -> torch.Tensor:
-    """Exactly ``size`` of ``rows`` (sorted), each class in proportion (largest remainders get the rest)."""
-    if size >= len(rows):
-        return rows
-    y = labels[rows]
-    classes, counts = torch.unique(y, return_counts=True)
-    share = counts.double() * size / len(rows)
-    quota = share.floor().long()
-    extra = size - int(quota.sum())
-    quota[torch.argsort(share - quota, descending=True, stable=True)[:extra]] += 1
-    g = torch.Generator().manual_seed(seed)
-    picked = []
-    for c, q in zip(classes, quota):
-        members = rows[y == c]
-        picked.append(members[torch.randperm(len(members), generator=g)[: int(q)]])
-    return torch.cat(picked).sort().values
 
 
 def make_splits(labels: torch.Tensor, n_train: int, opts: IdxOptions) -> dict[str, torch.Tensor]:

@@ -129,11 +129,12 @@ PLATEAU_METRIC = {
 
 
 def _until_plateau(groups: list[dict], stop: dict | None) -> list[dict]:
-    """``stop`` = {eval_every, patience, warmup, eval_batches}: every trained group evaluates every
-    ``eval_every`` steps on ``eval_batches`` fixed validation batches and stops once ``patience`` evaluations in
-    a row have not improved its :data:`PLATEAU_METRIC` by its min_delta (keeping the best checkpoint, which the
-    analyses and findings read), else at its budget. The learning rate follows an inverse square root after
-    ``warmup`` steps: the schedule does not depend on the budget, so where a run stops changes nothing before it."""
+    """``stop`` = {eval_every, patience, warmup, eval_samples}: every trained group evaluates every
+    ``eval_every`` steps on the first ``eval_samples`` validation samples (whole batches of its own batch size) and
+    stops once ``patience`` evaluations in a row have not improved its :data:`PLATEAU_METRIC` by its min_delta
+    (keeping the best checkpoint, which the analyses and findings read), else at its budget. The learning rate
+    follows an inverse square root after ``warmup`` steps: the schedule does not depend on the budget, so where a
+    run stops changes nothing before it."""
     if stop is None:
         return groups
     for g in groups:
@@ -145,7 +146,7 @@ def _until_plateau(groups: list[dict], stop: dict | None) -> list[dict]:
             schedule="inverse_sqrt",
             warmup=stop["warmup"],
             eval_every=stop["eval_every"],
-            eval_batches=stop["eval_batches"],
+            eval_batches=-(-stop["eval_samples"] // train["batch_size"]),
             patience=stop["patience"],
             early_stop_metric=metric,
             min_delta=delta,
@@ -176,21 +177,24 @@ def _bamboo_image_groups(
     batch_size: int = 64,
     lrs: dict | None = None,
     train_size: int | None = None,
+    batches: dict | None = None,
 ) -> list[dict]:
     """Supervised ViT (sequence-level), CLIP (sequence-level), MAE then fine-tuning (token-level) on
     ``images`` (:data:`DIGITS`, :data:`MNIST` or :data:`MNIST_16`; ``train_size``: every group trains on the
     same stratified subset of its training split); each to its plateau given ``stop`` (:func:`_until_plateau`),
-    at the learning rates ``lrs`` (group -> lr; :data:`IMAGE_LR` otherwise)."""
+    at the learning rates ``lrs`` (group -> lr; :data:`IMAGE_LR` otherwise) and batch sizes ``batches`` (group
+    -> images per step; ``batch_size`` otherwise)."""
     lrs = {**IMAGE_LR, **(lrs or {})}
+    batches = batches or {}
     l0, w0, h0 = shapes[0]
     classify_data, caption_data, image_size, patch_size, norm_pix = images
 
-    def base(objective: dict, data: str, n: int, lr: float) -> dict:
+    def base(objective: dict, data: str, group: str) -> dict:
         return {
             "model": _image_model(l0, w0, h0, image_size, patch_size),
             "objective": objective,
             "data": {"name": data, "options": {} if train_size is None else {"train_size": train_size}},
-            "train": _train(n, lr, batch_size),
+            "train": _train(steps[group], lrs[group], batches.get(group, batch_size)),
         }
 
     grid = _shape_grid(shapes)
@@ -199,7 +203,7 @@ def _bamboo_image_groups(
         {
             "name": "untrained",
             "description": "the image encoders before training: the smoothness baseline",
-            "base": _untrained(base(classify, classify_data, 1, lrs["supervised"])),
+            "base": _untrained(base(classify, classify_data, "supervised")),
             "grid": grid,
             "seeds": seeds[:1],
             "analyses": ["smoothness"],
@@ -207,7 +211,7 @@ def _bamboo_image_groups(
         {
             "name": "supervised",
             "description": "sequence-level: classification from scratch (ViT)",
-            "base": base(classify, classify_data, steps["supervised"], lrs["supervised"]),
+            "base": base(classify, classify_data, "supervised"),
             "grid": grid,
             "seeds": seeds,
             "analyses": ["smoothness"],
@@ -225,7 +229,7 @@ def _bamboo_image_groups(
             {
                 "name": "contrastive",
                 "description": "sequence-level: CLIP on the images and generated captions",
-                "base": base(clip, caption_data, steps["contrastive"], lrs["contrastive"]),
+                "base": base(clip, caption_data, "contrastive"),
                 "grid": grid,
                 "seeds": seeds,
                 "analyses": ["smoothness"],
@@ -247,8 +251,7 @@ def _bamboo_image_groups(
                     },
                 },
                 classify_data,
-                steps["mae"],
-                lrs["mae"],
+                "mae",
             ),
             "grid": grid,
             "seeds": seeds,
@@ -259,7 +262,7 @@ def _bamboo_image_groups(
             "description": "the MAE encoders fine-tuned for classification",
             "after": "mae",
             "init_from": "mae",
-            "base": base(classify, classify_data, steps["finetune"], lrs["finetune"]),
+            "base": base(classify, classify_data, "finetune"),
             "grid": grid,
             "seeds": seeds,
             "analyses": ["smoothness"],
@@ -269,18 +272,29 @@ def _bamboo_image_groups(
 
 
 def _bamboo_text_groups(
-    shapes, seeds, steps: dict, seq_len: int = 128, stop: dict | None = None, batch_size: int = 32, lrs=None
+    shapes,
+    seeds,
+    steps: dict,
+    seq_len: int = 128,
+    stop: dict | None = None,
+    batch_size: int = 32,
+    lrs=None,
+    modules: list[str] | None = None,
+    train_size: int | None = None,
 ) -> list[dict]:
     """Text as bytes, the first ``seq_len`` of each paragraph of LibreOffice's English help (``lo_help``): which
     module a paragraph documents (sequence-level), masked-byte MLM on the same paragraphs then fine-tuning on
     that classification, and next-byte prediction on them with a causal decoder (token-level). One data set, so
     a difference between objectives is not a difference between corpora; every text model's token similarity is
     measured on the same validation paragraphs. Each to its plateau with a ``stop`` setting
-    (:func:`_until_plateau`), at the learning rates ``lrs`` (group -> lr; :data:`TEXT_LR` otherwise)."""
+    (:func:`_until_plateau`), at the learning rates ``lrs`` (group -> lr; :data:`TEXT_LR` otherwise); ``modules``:
+    the modules told apart (``lo_help``'s default, every module but ``shared``, otherwise); ``train_size``: every
+    group trains on the same stratified subset of the training paragraphs."""
     lrs = {**TEXT_LR, **(lrs or {})}
     l0, w0, h0 = shapes[0]
     grid = _shape_grid(shapes)
-    paragraphs = {"name": "lo_help", "options": {}}
+    options = {"modules": modules, "train_size": train_size}
+    paragraphs = {"name": "lo_help", "options": {k: v for k, v in options.items() if v is not None}}
 
     def base(arch: str, objective: dict, group: str) -> dict:
         return {
@@ -582,6 +596,9 @@ def _bamboo(
     mask_ratio: float = 0.75,
     lrs: dict | None = None,
     train_size: int | None = None,
+    batches: dict | None = None,
+    modules: list[str] | None = None,
+    text_size: int | None = None,
 ) -> dict:
     return {
         "name": name,
@@ -600,8 +617,13 @@ def _bamboo(
                 batch_size=image_batch,
                 lrs=lrs,
                 train_size=train_size,
+                batches=batches,
             ),
-            *_bamboo_text_groups(shapes, seeds=seeds, steps=text_steps, seq_len=seq_len, stop=text_stop, lrs=lrs),
+            *_bamboo_text_groups(
+                shapes, seeds=seeds, steps=text_steps, seq_len=seq_len, stop=text_stop, lrs=lrs,
+                modules=modules,
+                train_size=text_size,
+            ),
         ],
         "findings": ["bamboo_smoothing", "bamboo_depth", "bamboo_depth_tokens"],
     }
@@ -614,8 +636,8 @@ def bamboo() -> dict:
         seeds=[0, 1, 2],
         image_steps={"supervised": 6000, "contrastive": 4000, "mae": 10000, "finetune": 4000},
         text_steps={"text_classify": 4000, "mlm": 10000, "mlm_finetune": 4000, "next_token": 10000},
-        image_stop={"eval_every": 250, "patience": 5, "warmup": 200, "eval_batches": 32},
-        text_stop={"eval_every": 250, "patience": 5, "warmup": 200, "eval_batches": 25},
+        image_stop={"eval_every": 250, "patience": 5, "warmup": 200, "eval_samples": 2048},
+        text_stop={"eval_every": 250, "patience": 5, "warmup": 200, "eval_samples": 800},
         seq_len=128,
         description=(
             "Bamboo's depth-vs-width question at matched parameters for five objectives, 3 seeds, each point trained "
@@ -641,18 +663,28 @@ def bamboo() -> dict:
 # within 0.4% on images and 5.5% on text, where the wide model's byte embedding is larger; about 0.23M) and one
 # head size (16)
 BAMBOO_CPU_SHAPES = [(2, 96, 6), (8, 48, 3)]
-# each objective's learning rate, chosen on a held-out seed (7) at the deep shape: the better of 1e-3 and 3e-3
-# by validation loss after 600 steps (docs/results.md, "Bamboo on real data"); fine-tuning at 1e-3
+# the recipe, chosen on seed 7 (which the study does not use) at the deep shape by the probes of
+# benchmarks/bamboo_cpu_probes.py (docs/results.md, "Bamboo on real data"): each objective's learning rate, MAE's
+# batch, the text task's modules and both data subsets
 BAMBOO_CPU_LR = {
     "supervised": 3e-3,
     "contrastive": 3e-3,
-    "mae": 3e-3,
+    "mae": 1e-2,
     "finetune": 1e-3,
-    "text_classify": 3e-3,
+    "text_classify": 1e-3,
     "mlm": 1e-3,
     "mlm_finetune": 1e-3,
     "next_token": 3e-3,
 }
+# MAE learns from only the visible half of each image: 256 images a step reach a given loss in a third less time
+# than 64 (the other image groups' batch) on two cores
+BAMBOO_CPU_BATCHES = {"mae": 256}
+# Basic, Calc, Writer and Impress: the four modules with over 1,000 training paragraphs
+BAMBOO_CPU_MODULES = ["sbasic", "scalc", "swriter", "simpress"]
+# evaluations without a min_delta gain before a run stops: 8 x 100 steps covers the last quarter of a run of up to
+# 3,200 steps, the window in which findings.require_convergence judges it, so a run stopped on its plateau is
+# judged flat over that window
+BAMBOO_CPU_STOP = {"eval_every": 100, "patience": 8, "warmup": 100}
 
 
 def bamboo_cpu() -> dict:
@@ -663,12 +695,15 @@ def bamboo_cpu() -> dict:
         images=MNIST_16,
         mask_ratio=0.5,
         image_batch=64,
+        batches=BAMBOO_CPU_BATCHES,
         train_size=5000,
+        text_size=5000,
+        modules=BAMBOO_CPU_MODULES,
         lrs=BAMBOO_CPU_LR,
-        image_steps={"supervised": 2500, "contrastive": 2500, "mae": 2500, "finetune": 2000},
-        text_steps={"text_classify": 1500, "mlm": 2500, "mlm_finetune": 1500, "next_token": 2500},
-        image_stop={"eval_every": 100, "patience": 4, "warmup": 100, "eval_batches": 32},
-        text_stop={"eval_every": 100, "patience": 4, "warmup": 100, "eval_batches": 25},
+        image_steps={"supervised": 2500, "contrastive": 2500, "mae": 3000, "finetune": 2500},
+        text_steps={"text_classify": 2500, "mlm": 3000, "mlm_finetune": 2500, "next_token": 3000},
+        image_stop={**BAMBOO_CPU_STOP, "eval_samples": 2048},
+        text_stop={**BAMBOO_CPU_STOP, "eval_samples": 800},
         seq_len=64,
         description=(
             "Bamboo's questions at the scale two CPU cores answer: the ten groups and findings of bamboo at a "
@@ -676,22 +711,21 @@ def bamboo_cpu() -> dict:
             "within 0.4% on images and 5.5% on text, where the wide model's byte embedding is the larger; about "
             "0.23M; head size 16), 3 seeds. "
             + bamboo_data(MNIST_16, 0.5)
-            + "Every image group trains on the same stratified 5,000 of MNIST's training images, a data-limited "
-            "regime in which each model can reach its validation minimum within the budget (Bamboo's is "
-            "data-rich pre-training); each evaluation reads 2,048 of the 6,000 held-out training images. Batches "
-            "of 64 images or 32 paragraphs (their first 64 bytes). Learning rates per objective (BAMBOO_CPU_LR). "
-            "Every trained point evaluates every 100 steps and stops once 4 evaluations in a row have not lowered "
-            "its validation loss by its min_delta (PLATEAU_METRIC, under 1% of its level), keeping its best "
-            "checkpoint, within caps of 1,500-2,500 steps; inverse-square-root learning rate after 100 warm-up "
-            "steps. 7x7-pixel patches (16 tokens) cost a third of 4x4's per image. MAE hides half of them: about 9% "
-            "of hidden patches then have no visible edge neighbour, against 37% at the usual 0.75, so its task "
-            "leans to in-painting (local), which by itself keeps tokens distinct."
+            + "Data-limited on purpose, so that each model can reach its validation minimum within the budget "
+            "(Bamboo's is data-rich pre-training): every image group trains on the same stratified 5,000 of "
+            "MNIST's training images, every text group on the same stratified 5,000 training paragraphs of four "
+            "modules (Basic, Calc, Writer, Impress), their first 64 bytes; each evaluation reads 2,048 of the "
+            "6,000 held-out training images or 800 validation paragraphs. Batches of 64 images (MAE: 256) or 32 "
+            "paragraphs; learning rates per objective (BAMBOO_CPU_LR). Every trained point evaluates every 100 "
+            "steps and stops once 8 evaluations in a row have not lowered its validation loss by its min_delta "
+            "(PLATEAU_METRIC, under 1% of its level), keeping its best checkpoint, within caps of 2,500-3,000 "
+            "steps; inverse-square-root learning rate after 100 warm-up steps. 7x7-pixel patches (16 tokens) "
+            "cost a third of 4x4's per image. MAE hides half of them: about 9% of hidden patches then have no "
+            "visible edge neighbour, against 37% at the usual 0.75, so its task leans to in-painting (local), "
+            "which by itself keeps tokens distinct."
         ),
-        minutes=115,
-        basis=(
-            "measured with --jobs 2 on a shared machine through the MLM group (37 of 52 runs, 64 min); the MLM "
-            "fine-tuning and next-byte groups estimated at the MLM runs' pace"
-        ),
+        minutes=90,
+        basis="to be measured",
     )
 
 
