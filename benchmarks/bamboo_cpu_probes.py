@@ -3,13 +3,15 @@
     OMP_NUM_THREADS=1 python -m benchmarks.bamboo_cpu_probes recipe --out runs/bamboo_cpu_recipe
     OMP_NUM_THREADS=1 python -m benchmarks.bamboo_cpu_probes mean_pool --out runs/bamboo_cpu_mean_pool
 
-``recipe``: the candidate settings the recipe was chosen from, each at the deep shape (8 x 48) on seed 7 (a seed
-the study does not use), trained without early stopping for a fixed number of steps so that whole validation
-curves compare: MAE at 64 images a step and lr 3e-3 against 256 at 1e-2 (BAMBOO_CPU_BATCHES, BAMBOO_CPU_LR); the
-text classifier on all eight modules' training paragraphs, on the four largest modules' (BAMBOO_CPU_MODULES), and
-on a stratified 5,000 of those (the study's); next-byte prediction and MLM on those same two text sets. When the
-study has run, ``summary`` prints each probe's best validation loss and step, its loss change over the last
-quarter of the steps it ran (the convergence rule's measure) and its seconds of training per 100 steps.
+``recipe``: the candidate settings the recipe was chosen from, on seed 7 (a seed the study does not use), trained
+without early stopping for a fixed number of steps so that whole validation curves compare: MAE at 64 images a
+step and lr 3e-3, at 256 and 3e-3, and at 256 and 1e-2 (BAMBOO_CPU_BATCHES, BAMBOO_CPU_LR), at both shapes; at
+the deep shape (8 x 48), the text classifier on all eight modules' training paragraphs, on the four largest
+modules' (BAMBOO_CPU_MODULES) and on a stratified 5,000 of those (the study's) at lr 1e-3, and on the study's at
+3e-3; next-byte prediction and MLM on the first and last of those text sets. ``summary`` prints each probe's best
+validation loss and step, its best loss's change over the last quarter of the steps it ran (the convergence
+rule's measure: the quarter's best against the best of as many evaluations before it) and its seconds of
+training per 100 steps.
 
 ``mean_pool``: the study's supervised group, seed 0, with its tokens mean-pooled instead of a CLS token, and the
 same smoothness analysis, beside the CLS-pooled classifier.
@@ -26,21 +28,33 @@ from pathlib import Path
 
 import yaml
 
+from kilolayer.data.lo_help import DEFAULT_MODULES
 from kilolayer.study.builtin import BAMBOO_CPU_MODULES, bamboo_cpu
 
-DEEP = [8, 48, 3, 192]  # the study's deep shape, as its grid key's values
+DEEP = [8, 48, 3, 192]  # the study's shapes, as its grid key's values
+WIDE = [2, 96, 6, 384]
 SHAPES = "model.layers,model.width,model.heads,model.ffn"
 SEED = 7
-# group -> (steps, grid key, the candidate values of that key)
+TEXT = "data.options.modules,data.options.train_size"
+ALL_TEXT = [list(DEFAULT_MODULES), None]  # every module but shared, every training paragraph
+STUDY_TEXT = [list(BAMBOO_CPU_MODULES), 5000]
+# group -> (steps, grid key, the candidate values of that key, shapes); 2,048 validation images per MAE
+# evaluation at either batch size
 RECIPE = {
-    "mae": (3000, "train.batch_size,train.lr", [[64, 3e-3], [256, 1e-2]]),
-    "text_classify": (
-        2000,
-        "data.options.modules,data.options.train_size",
-        [[None, None], [BAMBOO_CPU_MODULES, None], [BAMBOO_CPU_MODULES, 5000]],
+    "mae": (
+        1500,
+        "train.batch_size,train.lr,train.eval_batches",
+        [[64, 3e-3, 32], [256, 3e-3, 8], [256, 1e-2, 8]],
+        [DEEP, WIDE],
     ),
-    "next_token": (3000, "data.options.modules,data.options.train_size", [[None, None], [BAMBOO_CPU_MODULES, 5000]]),
-    "mlm": (3000, "data.options.modules,data.options.train_size", [[None, None], [BAMBOO_CPU_MODULES, 5000]]),
+    "text_classify": (
+        1500,
+        f"{TEXT},train.lr",
+        [[*ALL_TEXT, 1e-3], [list(BAMBOO_CPU_MODULES), None, 1e-3], [*STUDY_TEXT, 1e-3], [*STUDY_TEXT, 3e-3]],
+        [DEEP],
+    ),
+    "next_token": (2500, TEXT, [ALL_TEXT, STUDY_TEXT], [DEEP]),
+    "mlm": (2500, TEXT, [ALL_TEXT, STUDY_TEXT], [DEEP]),
 }
 
 
@@ -49,20 +63,18 @@ def recipe() -> dict:
     for g in bamboo_cpu()["groups"]:
         if g["name"] not in RECIPE:
             continue
-        steps, key, values = RECIPE[g["name"]]
+        steps, key, values, shapes = RECIPE[g["name"]]
         g = copy.deepcopy(g)
-        g["grid"] = {SHAPES: [list(DEEP)], key: copy.deepcopy(values)}
+        g["grid"] = {SHAPES: [list(s) for s in shapes], key: copy.deepcopy(values)}
         g["seeds"], g["analyses"] = [SEED], []
         g["base"]["train"].update(steps=steps, patience=0, checkpoint_every=steps)
-        if g["name"] == "mae":  # the same 2,048 validation images at either batch size
-            g["base"]["train"]["eval_batches"] = 2048 // 64
-        else:  # the study's text options are what the grid sets
+        if g["base"]["data"]["name"] == "lo_help":  # the study's text options are what the grid sets
             g["base"]["data"]["options"] = {}
             g.pop("analysis_data", None)
         groups.append(g)
     return {
         "name": "bamboo_cpu_recipe",
-        "description": "the candidate settings behind bamboo_cpu's recipe: 8 x 48, seed 7, fixed steps, whole curves",
+        "description": "the candidate settings behind bamboo_cpu's recipe: seed 7, fixed steps, whole curves",
         "groups": groups,
         "findings": [],
     }
@@ -84,20 +96,23 @@ def mean_pool() -> dict:
 
 
 def curve_summary(metrics: Path) -> dict:
-    """Best validation loss and its step, the last evaluation's loss change over the last quarter of the steps
-    run (relative to the earlier value; negative is a fall), and training seconds per 100 steps."""
+    """Best validation loss and its step; the change of the best loss over the last quarter of the steps run
+    (the best after 0.75 x the last step against the best of as many evaluations up to it, relative; negative
+    is a new best), the measure of the convergence rule (findings.still_improving); and training seconds per
+    100 steps."""
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     evals = [r for r in records if r.get("split") == "eval" and "loss" in r]
     train = [r for r in records if r.get("split") == "train" and "train_s" in r]
     best = min(evals, key=lambda r: r["loss"])
-    last = evals[-1]
-    before = [r for r in evals if r["step"] <= 0.75 * last["step"]] or evals[:1]
+    last = evals[-1]["step"]
+    after = [r["loss"] for r in evals if r["step"] > 0.75 * last]
+    before = [r["loss"] for r in evals if r["step"] <= 0.75 * last][-len(after) :] or [evals[0]["loss"]]
     per_step = sum(r["train_s"] for r in train) / max(1, train[-1]["step"]) if train else float("nan")
     return {
         "best_loss": best["loss"],
         "best_step": best["step"],
-        "last_step": last["step"],
-        "last_quarter": (last["loss"] - before[-1]["loss"]) / abs(before[-1]["loss"]),
+        "last_step": last,
+        "last_quarter": (min(after) - min(before)) / abs(min(before)),
         "s_per_100_steps": 100 * per_step,
     }
 

@@ -121,12 +121,15 @@ def test_every_trained_point_stops_at_its_plateau_within_its_budget(study):
 
 
 def test_the_side_studies_behind_the_recipe_are_valid_specs(tmp_path):
-    """benchmarks.bamboo_cpu_probes: the recipe probe is each probed objective at the deep shape on a seed the
-    study does not use, its candidates differing only in the probed setting and one of them the study's; the
-    mean-pooled classifier is the supervised group but for its pooling."""
+    """benchmarks.bamboo_cpu_probes: the recipe probe is each probed objective on a seed the study does not use,
+    its candidates differing only in the probed setting, one of them the study's, every data option one the
+    source accepts; MAE's at both of the study's shapes and on the same 2,048 validation images at either batch
+    size; the mean-pooled classifier is the supervised group but for its pooling."""
     import yaml
 
     from benchmarks.bamboo_cpu_probes import RECIPE, mean_pool, recipe
+    from kilolayer.data.lo_help import LOHelpOptions
+    from kilolayer.data.options import parse_options
 
     study = expand(load_spec("bamboo_cpu"))
     study_seeds = {p.values["train.seed"] for p in study}
@@ -134,22 +137,23 @@ def test_the_side_studies_behind_the_recipe_are_valid_specs(tmp_path):
     path.write_text(yaml.safe_dump(recipe()))
     points = expand(load_spec(path))
     assert sorted({p.group for p in points}) == sorted(RECIPE)
-    assert {_shape(p) for p in points} == {(8, 48, 3)} and not {p.values["train.seed"] for p in points} & study_seeds
-    for group, (steps, key, values) in RECIPE.items():
+    assert not {p.values["train.seed"] for p in points} & study_seeds
+    for group, (steps, key, values, shapes) in RECIPE.items():
         mine = [p for p in points if p.group == group]
-        assert len(mine) == len(values) and all(p.config.train.steps == steps for p in mine)
+        assert {_shape(p) for p in mine} == {tuple(s[:3]) for s in shapes}
+        assert len(mine) == len(values) * len(shapes) and all(p.config.train.steps == steps for p in mine)
         assert all(p.config.train.patience == 0 for p in mine)  # whole curves, no early stop
-        ours = next(p for p in study if p.group == group and _shape(p) == (8, 48, 3))
         keys = key.split(",")
-
-        def setting(p):
-            return [p.values[k] for k in keys]
-
-        # the study's own setting is among the candidates
-        assert [ours.config.train.batch_size, ours.config.train.lr] in [setting(p) for p in mine] or [
-            ours.config.data.options.get("modules"),
-            ours.config.data.options.get("train_size"),
-        ] in [setting(p) for p in mine], group
+        candidates = [[p.values[k] for k in keys] for p in mine]
+        ours = next(p for p in study if p.group == group and _shape(p) == (8, 48, 3))
+        assert [
+            ours.setting(k) if k.startswith("train.") else ours.config.data.options.get(k.split(".")[-1]) for k in keys
+        ] in candidates, group
+        for p in mine:
+            if p.config.data.name == "lo_help":
+                parse_options(LOHelpOptions, p.config.data.options, "data.options")
+            else:
+                assert p.config.train.eval_batches * p.config.train.batch_size == 2048
     path = tmp_path / "mean.yaml"
     path.write_text(yaml.safe_dump(mean_pool()))
     points = expand(load_spec(path))
@@ -160,8 +164,8 @@ def test_the_side_studies_behind_the_recipe_are_valid_specs(tmp_path):
 
 
 def test_probe_summary_reads_a_curve(tmp_path):
-    """The recipe probe's summary: best loss and step, the last quarter's relative change (the convergence rule's
-    measure), seconds per 100 steps, from a constructed metrics file."""
+    """The recipe probe's summary: best loss and step, the best loss's relative change over the last quarter (the
+    convergence rule's measure), seconds per 100 steps, from constructed metrics files."""
     import json
 
     from benchmarks.bamboo_cpu_probes import curve_summary
@@ -172,5 +176,8 @@ def test_probe_summary_reads_a_curve(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     s = curve_summary(path)
     assert (s["best_loss"], s["best_step"], s["last_step"]) == (1.2, 300, 400)
-    assert s["last_quarter"] == pytest.approx((1.25 - 1.2) / 1.2)  # step 300 is the last at <= 0.75 x 400
+    assert s["last_quarter"] == pytest.approx((1.25 - 1.2) / 1.2)  # no new best after step 300 = 0.75 x 400
     assert s["s_per_100_steps"] == pytest.approx(1.5)
+    rows[3]["loss"] = 0.9  # a new best in the last quarter
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert curve_summary(path)["last_quarter"] == pytest.approx((0.9 - 1.2) / 1.2)

@@ -114,8 +114,12 @@ def test_train_size_is_a_stratified_subset_of_train_and_leaves_evaluation_alone(
     assert ((counts - share).abs() < 1).all()  # each module in proportion (largest remainders)
     other = split_texts(load_source(config(root, train_size=size, split_seed=1)))["train"]
     assert other != kept["train"]
-    with pytest.raises(ConfigError, match=rf"^data.options.train_size={len(y) + 1}: the training split has {len(y)} texts$"):
+    with pytest.raises(
+        ConfigError, match=rf"^data.options.train_size={len(y) + 1}: the training split has {len(y)} texts$"
+    ):
         load_source(config(root, train_size=len(y) + 1))
+    with pytest.raises(ConfigError, match=r"^data.options.train_size=2: too few texts to keep every module"):
+        load_source(config(root, train_size=2))  # three modules
 
 
 def test_texts_cut_to_the_same_ids_stay_in_the_first_split(root):

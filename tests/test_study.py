@@ -339,6 +339,46 @@ def test_still_improving_flags_unconverged_runs():
     assert still_improving(run([3.0, 2.0, 1.5, 1.4], "loss"), "loss", 0.02, lower_is_better=True, relative=True)
     assert not still_improving(run([3.0, 2.0, 1.5, 1.49], "loss"), "loss", 0.02, lower_is_better=True, relative=True)
     assert not still_improving(run([0.9]), "accuracy", 0.01)  # one evaluation: nothing to compare
+    loss = {"lower_is_better": True, "relative": True}
+    # early-stopped: best 1.00 at step 200, one noisy spike at step 600 (the quarter's start), flat after; the
+    # last evaluation is 3.8% below the spike but above the best, so nothing improved in the last quarter
+    stopped = run([1.2, 1.0, 1.03, 1.02, 1.04, 1.08, 1.03, 1.039], "loss")
+    assert not still_improving(stopped, "loss", 0.02, **loss)
+    # a new best inside the last quarter (0.90 at step 700 against 1.00 before), hidden by a last evaluation
+    # that spiked back up: still improving
+    assert still_improving(run([1.2, 1.0, 1.01, 1.0, 1.0, 1.0, 0.90, 1.0], "loss"), "loss", 0.02, **loss)
+    # a new best within the tolerance is not flagged; beyond it it is
+    assert not still_improving(run([1.0, 1.0, 1.0, 0.985], "loss"), "loss", 0.02, **loss)
+    assert still_improving(run([1.0, 1.0, 1.0, 0.975], "loss"), "loss", 0.02, **loss)
+    assert still_improving(run([0.80, 0.85, 0.84, 0.90, 0.86], "accuracy"), "accuracy", 0.01)  # best 0.90 > 0.85
+    # recovering after an early best: 0.84 in the last quarter against 1.00 in as many evaluations before it,
+    # though the run's best (0.80 at step 200) is older: still improving
+    recovering = [1.0, 0.80, 0.82, 0.9, 1.0, 1.02, 1.05, 1.03, 1.0, 1.02, 1.02, 1.01, 0.95, 0.90, 0.86, 0.84]
+    assert still_improving(run(recovering, "loss"), "loss", 0.02, **loss)
+    # flat with noise: the quarter's best against as many evaluations' best before it (not all of them), so
+    # the earlier side does not get more draws of the noise
+    flat = [1.0, 0.99, 1.01, 1.0, 0.98, 1.02, 1.0, 1.01, 0.99, 1.0, 1.01, 1.0]
+    assert not still_improving(run(flat, "loss"), "loss", 0.02, **loss)
+    # stopped on its loss at step 300 while its accuracy rose on: 0.95 at step 500 against the standing 0.90
+    evals = [
+        {"step": 100 * (i + 1), "loss": x, "accuracy": a}
+        for i, (x, a) in enumerate(
+            [
+                (0.5, 0.85),
+                (0.4, 0.88),
+                (0.35, 0.90),
+                (0.37, 0.93),
+                (0.38, 0.95),
+                (0.40, 0.95),
+                (0.42, 0.95),
+                (0.43, 0.95),
+            ]
+        )
+    ]
+    rising = Result(point=p, status="completed", evals=evals, eval=evals[2])
+    assert still_improving(rising, "accuracy", 0.01)  # the quarter itself is flat at 0.95
+    assert not still_improving(rising, "loss", 0.02, **loss)
+    assert not still_improving(Result(point=p, status="completed", evals=evals, eval=evals[4]), "accuracy", 0.01)
 
 
 def _standing_eval(run: Path) -> dict:
@@ -392,8 +432,9 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
             base["data"]["options"]["train_size"] = 256
         if base["train"]["steps"]:
             # MAE and MLM run to their caps at full size too (docs/results.md, "Bamboo on real data"): they are
-            # cut to 600 steps here and only the other recipes are held to stopping on a plateau
-            steps = 600 if g["name"] in ("mae", "mlm") else base["train"]["steps"]
+            # cut short here (MAE to 100 steps of its 256 images, MLM to 600 steps) and only the other recipes
+            # are held to stopping on a plateau
+            steps = {"mae": 100, "mlm": 600}.get(g["name"], base["train"]["steps"])
             base["train"].update(steps=steps, eval_every=10, eval_batches=2, checkpoint_every=steps, warmup=5)
             caps[g["name"]] = steps
     path = tmp_path / "bamboo_toy.yaml"
@@ -621,3 +662,32 @@ def test_a_bad_spec_is_one_line_and_leaves_no_out_directory(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "groups.g point seed=0: train." in err, err
         assert not out.exists()
+
+
+def test_missing_data_is_one_line_before_any_run(tmp_path, capsys, monkeypatch):
+    """A data set a point needs is loaded before --out is made: a help package that is not extracted is one
+    line naming the point and the fetch command, not a failed run per point an hour into the study."""
+    from kilolayer.cli import main
+    from kilolayer.data import lo_help
+
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+    lo_help.load_corpus.cache_clear()
+    model = {"arch": "encoder", "input": "tokens", "layers": 1, "width": 32, "heads": 2, "vocab_size": 262}
+    base = {
+        "model": {**model, "max_len": 32},
+        "objective": {"name": "classification"},
+        "data": {"name": "lo_help", "options": {"root": str(tmp_path / "empty")}},
+        "train": {"steps": 2},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "groups": [{"name": "text", "base": base}]}))
+    out = tmp_path / "out"
+    assert main(["study", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith(
+        "python -m kilolayer.data.debian fetch lo_help --root "
+        + str(tmp_path / "empty")
+        + " (apt-get download libreoffice-help-en-us, then dpkg -x the .deb into that folder)"
+    ), err
+    assert "groups.text point seed=0: data.name='lo_help'" in err
+    assert not out.exists()

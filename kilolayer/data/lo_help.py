@@ -199,7 +199,11 @@ def read_pages(root: Path) -> dict[str, list[str]]:
 def fingerprint(root: Path, opts: LOHelpOptions, version: str) -> str:
     """A short hash of what a build depends on: the pages read (path, size, time), the version and the options."""
     h = hashlib.sha256(f"{FORMAT}|{version}".encode())
-    h.update(json.dumps(opts.model_dump(exclude={"root", "max_len", "add_cls", "eval_split", "train_size"}), sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            opts.model_dump(exclude={"root", "max_len", "add_cls", "eval_split", "train_size"}), sort_keys=True
+        ).encode()
+    )
     base = root / TEXT
     for path in sorted(base.rglob("*.html")):
         st = path.stat()
@@ -270,6 +274,10 @@ def lo_help(config: Config) -> MemorySource:
         if opts.train_size > len(ids):
             raise ConfigError(f"data.options.train_size={opts.train_size}: the training split has {len(ids)} texts")
         keep = stratified_subset(torch.arange(len(ids)), y, opts.train_size, opts.split_seed + 1)
+        if len(torch.unique(y[keep])) < len(torch.unique(y)):
+            raise ConfigError(
+                f"data.options.train_size={opts.train_size}: too few texts to keep every module in proportion"
+            )
         splits["train"] = ([ids[i] for i in keep.tolist()], y[keep])
     empty = [s for s in ("train", opts.eval_split) if not len(splits[s][0])]
     if empty:

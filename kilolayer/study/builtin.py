@@ -111,11 +111,12 @@ def _untrained(base: dict) -> dict:
 
 
 # Bamboo compares models at convergence: with a ``stop`` setting each trained group runs until its validation
-# loss plateaus, within its step budget. (train.early_stop_metric, train.min_delta) per group: the loss, the
-# measure by which the findings judge convergence (findings.require_convergence: a run whose loss still fell more
-# than 2% over its last quarter is not converged), with a min_delta below 1% of the loss each group plateaus at
-# (nats; MAE: mean squared error of the hidden patches' pixels). The findings read the evaluations, not how a run
-# ended, so a run that stops on a noisy plateau can still be judged unconverged.
+# loss plateaus, within its step budget. (train.early_stop_metric, train.min_delta) per group: the loss, a measure
+# by which the findings judge convergence (findings.still_improving: a run whose best loss over its last quarter
+# beat the best before it by more than 2% is not converged), with a min_delta below 1% of the loss each group
+# plateaus at (nats; MAE: mean squared error of the hidden patches' pixels). The findings read the evaluations,
+# not how a run ended: a classifier stopped on its loss whose accuracy rose after its best checkpoint is judged
+# unconverged in accuracy.
 PLATEAU_METRIC = {
     "supervised": ("loss", 0.001),
     "contrastive": ("loss", 0.01),
@@ -620,7 +621,12 @@ def _bamboo(
                 batches=batches,
             ),
             *_bamboo_text_groups(
-                shapes, seeds=seeds, steps=text_steps, seq_len=seq_len, stop=text_stop, lrs=lrs,
+                shapes,
+                seeds=seeds,
+                steps=text_steps,
+                seq_len=seq_len,
+                stop=text_stop,
+                lrs=lrs,
                 modules=modules,
                 train_size=text_size,
             ),

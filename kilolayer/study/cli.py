@@ -38,10 +38,12 @@ def cmd_study(args) -> int:
     if not args.spec or not args.out:
         raise ConfigError("study: give NAME|SPEC.yaml and --out DIR (or --list, or --estimate)")
     from kilolayer.study.report import write_report
-    from kilolayer.study.spec import expand, load_spec
+    from kilolayer.study.spec import check_data, expand, load_spec
 
     spec = load_spec(args.spec)
-    expand(spec)  # every point's config checked before --out is touched
+    points = expand(spec)  # every point's config checked before --out is touched
+    if args.executor != "ray":  # a cluster's nodes may hold data the driver does not
+        check_data(points)
     t0 = time.perf_counter()
     with study_lock(Path(args.out)):
         results = _run(spec, args)

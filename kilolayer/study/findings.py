@@ -1064,17 +1064,37 @@ def _last(r, metric: str) -> float | None:
 
 
 def still_improving(r, key: str, tol: float, lower_is_better: bool = False, relative: bool = False) -> bool:
-    """Whether a run's evaluation ``key`` moved by more than ``tol`` (a fraction of its earlier value if
-    ``relative``) in its good direction over the last quarter of training: a sign it had not converged, so
-    comparisons at this step count are premature."""
+    """Whether a run had not converged in ``key`` by the end of its training, by either of two signs (a margin
+    of ``tol``, a fraction of the earlier value if ``relative``):
+
+    * over the last quarter of its steps: the best of its evaluations in that quarter beats the best of as many
+      evaluations just before it (one against one when the quarter holds one evaluation). Windows of equal size,
+      so a single noisy evaluation at either end neither flags a flat run nor hides a gain, and neither side is
+      favoured by holding more draws of the noise;
+    * after the evaluation that stands for it (its best checkpoint under early stopping): a later evaluation
+      beats the standing one, so what the run reports is below what it went on to reach (a run stopped on its
+      loss while its accuracy still rose).
+
+    Comparisons at this step count are then premature."""
     evs = [e for e in (r.evals if r is not None else []) if key in e]
     if len(evs) < 2:
         return False
-    last = evs[-1]
-    earlier = [e for e in evs if e["step"] <= 0.75 * last["step"]] or evs[:1]
-    before = float(earlier[-1][key])
-    gain = before - float(last[key]) if lower_is_better else float(last[key]) - before
-    return gain > (tol * abs(before) if relative else tol)
+    pick = min if lower_is_better else max
+
+    def beats(new: float, old: float) -> bool:
+        gain = old - new if lower_is_better else new - old
+        return gain > (tol * abs(old) if relative else tol)
+
+    last = evs[-1]["step"]
+    later = [float(e[key]) for e in evs if e["step"] > 0.75 * last]
+    earlier = [float(e[key]) for e in evs if e["step"] <= 0.75 * last][-len(later) :] or [float(evs[0][key])]
+    if beats(pick(later), pick(earlier)):
+        return True
+    standing = r.eval if isinstance(r.eval, dict) else {}
+    if key in standing and "step" in standing:
+        after = [float(e[key]) for e in evs if e["step"] > standing["step"]]
+        return bool(after) and beats(pick(after), float(standing[key]))
+    return False
 
 
 def require_convergence(

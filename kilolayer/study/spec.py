@@ -33,7 +33,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kilolayer.config import Config, apply_sets, format_validation_error, load_config
-from kilolayer.errors import ConfigError
+from kilolayer.errors import ConfigError, InputError
 from kilolayer.study.analyses import ANALYSES
 from kilolayer.train.run import check_early_stopping
 
@@ -176,6 +176,29 @@ def expand(spec: StudySpec) -> list[Point]:
         by_group[g.name] = mine
         points += mine
     return points
+
+
+def check_data(points: list[Point]) -> None:
+    """Every data set the points train on, and every one their analyses read, is there: each distinct data
+    section is loaded once with the first point that names it, so a package or file that is missing is one
+    line naming that point before any run starts, not a failure per run an hour into a study. A check of
+    availability: a setting that fits one point's data but not another's model still fails at that run."""
+    from kilolayer.data import load_source
+
+    seen: set[tuple[str, str]] = set()
+    for p in points:
+        configs = [p.config]
+        if p.analysis_data is not None:
+            configs.append(load_config({**p.config.model_dump(), "data": p.analysis_data}))
+        for cfg in configs:
+            key = (cfg.data.model_dump_json(), cfg.model.input)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                load_source(cfg)
+            except (ConfigError, InputError) as err:
+                raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
 
 
 def _match(p: Point, candidates: list[Point], group: str) -> str:
