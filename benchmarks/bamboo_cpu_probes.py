@@ -117,14 +117,32 @@ def curve_summary(metrics: Path) -> dict:
     }
 
 
+def setting(values: dict) -> str:
+    """A probe point's grid values, short: ``8 x 48, batch_size 256, lr 0.01`` (a module list as its count)."""
+    parts = [f"{values['model.layers']} x {values['model.width']}"]
+    for key, value in values.items():
+        name = key.rsplit(".", 1)[-1]
+        if name in ("layers", "width", "heads", "ffn", "seed", "eval_batches"):
+            continue
+        parts.append(f"{name} {len(value) if isinstance(value, list) else 'all' if value is None else value}")
+    return ", ".join(parts)
+
+
 def summary(out: Path) -> str:
-    lines = ["| run | best val. loss (step) | last-quarter change | s / 100 steps |", "|---|---|---|---|"]
-    for metrics in sorted(out.glob("runs/*/*/metrics.jsonl")):
+    lines = [
+        "| group | setting | best val. loss (step) | best's change over the last quarter | s / 100 steps |",
+        "|---|---|---|---|---|",
+    ]
+    from kilolayer.study.spec import expand, load_spec
+
+    for p in expand(load_spec(out / "spec.yaml")):
+        metrics = p.run_dir(out) / "metrics.jsonl"
+        if not metrics.exists():
+            continue
         s = curve_summary(metrics)
-        name = f"{metrics.parent.parent.name} {metrics.parent.name}"
         lines.append(
-            f"| {name} | {s['best_loss']:.3f} ({s['best_step']}) | {s['last_quarter']:+.1%} to step "
-            f"{s['last_step']} | {s['s_per_100_steps']:.1f} |"
+            f"| {p.group} | {setting(p.values)} | {s['best_loss']:.3f} ({s['best_step']}) "
+            f"| {s['last_quarter']:+.1%} to step {s['last_step']} | {s['s_per_100_steps']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -168,7 +168,7 @@ def test_probe_summary_reads_a_curve(tmp_path):
     convergence rule's measure), seconds per 100 steps, from constructed metrics files."""
     import json
 
-    from benchmarks.bamboo_cpu_probes import curve_summary
+    from benchmarks.bamboo_cpu_probes import curve_summary, setting
 
     rows = [{"step": s, "split": "eval", "loss": loss} for s, loss in ((100, 2.0), (200, 1.5), (300, 1.2), (400, 1.25))]
     rows += [{"step": 200, "split": "train", "train_s": 3.0}, {"step": 400, "split": "train", "train_s": 3.0}]
@@ -181,3 +181,6 @@ def test_probe_summary_reads_a_curve(tmp_path):
     rows[3]["loss"] = 0.9  # a new best in the last quarter
     path.write_text("\n".join(json.dumps(r) for r in rows))
     assert curve_summary(path)["last_quarter"] == pytest.approx((0.9 - 1.2) / 1.2)
+    values = {"model.layers": 8, "model.width": 48, "model.heads": 3, "model.ffn": 192, "train.batch_size": 256}
+    values |= {"train.lr": 0.01, "train.eval_batches": 8, "data.options.modules": ["a", "b"], "train.seed": 7}
+    assert setting(values) == "8 x 48, batch_size 256, lr 0.01, modules 2"

@@ -1115,8 +1115,8 @@ def require_convergence(
     by = f"{tol:.0%}" if relative else f"{tol:g}"
     decided = v.verdict in (HELD, NOT_HELD)
     v.reason += (
-        f"; {len(moving)} of {len(runs)} {what} were still improving {key} by more than {by} over their last "
-        "quarter of steps, so they had not converged"
+        f"; {len(moving)} of {len(runs)} {what} were still improving {key} by more than {by} (in their last "
+        "quarter of steps, or after the evaluation that stands for them), so they had not converged"
         + (f" (it would have read '{v.verdict}'), and the claim is about converged models" if decided else "")
         + ": train longer before trusting this comparison"
     )
