@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -156,6 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     a = p.parse_args(argv)
     if a.probe == "summary":
+        if not (a.out / "spec.yaml").is_file():
+            print(f"--out {a.out}: no spec.yaml there; run the recipe probe into it first", file=sys.stderr)
+            return 2
         print(summary(a.out))
         return 0
     spec = recipe() if a.probe == "recipe" else mean_pool()

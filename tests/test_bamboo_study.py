@@ -184,3 +184,11 @@ def test_probe_summary_reads_a_curve(tmp_path):
     values = {"model.layers": 8, "model.width": 48, "model.heads": 3, "model.ffn": 192, "train.batch_size": 256}
     values |= {"train.lr": 0.01, "train.eval_batches": 8, "data.options.modules": ["a", "b"], "train.seed": 7}
     assert setting(values) == "8 x 48, batch_size 256, lr 0.01, modules 2"
+
+
+def test_probe_summary_of_a_folder_without_a_probe_is_one_line(tmp_path, capsys):
+    from benchmarks.bamboo_cpu_probes import main
+
+    assert main(["summary", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"--out {tmp_path}: no spec.yaml there; run the recipe probe into it first"
