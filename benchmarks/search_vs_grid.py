@@ -1,10 +1,10 @@
-"""``kilolayer search`` against the full grid it replaces, on two objectives whose best shapes may differ.
+"""``kilolayer search`` against the full grid it replaces, on five objectives whose best shapes may differ.
 
     OMP_NUM_THREADS=1 python -m benchmarks.search_vs_grid --out runs/search_vs_grid
 
-For each objective (MAE and classification on the bundled digits, one torch thread, the settings in
-:data:`COMMON`), the same parameter-matched shapes that ``kilolayer search`` generates
-(:func:`kilolayer.study.search.shapes`) are
+For each objective (:data:`OBJECTIVES`: MAE, classification and CLIP on the bundled digits, next-byte and
+masked-byte prediction on the standard-library corpus; one torch thread, the settings in :data:`COMMON`), the
+same parameter-matched shapes that ``kilolayer search`` generates (:func:`kilolayer.study.search.shapes`) are
 
 1. trained to the full budget for two seeds: the grid's best shape (lowest mean final evaluation loss) and its
    seed-to-seed noise (the mean over shapes of |seed 0 - seed 1|);
@@ -19,9 +19,9 @@ the pre-screen's other steps, against one seed of the full grid. For each two ob
 best shapes differ beyond seed noise: whether each one's best does worse on the other's grid than that grid's
 best by more than its noise. Writes ``OUT/search_vs_grid.json`` and ``OUT/search_vs_grid.md``; finished runs
 are kept and a re-run only reads them back (its times are then those of the first run, as recorded).
-``--grid-from JSON`` reads the grids from an earlier output with the same settings and runs only the searches
-(the grid's training is deterministic on one thread: a completed trial must reproduce its shape's seed-0 loss
-bit for bit, recorded as ``search_reproduces_grid``).
+``--grid-from JSON`` reads the grids it holds from an earlier output with the same settings (an objective it
+lacks is trained) and runs only the searches (the grid's training is deterministic on one thread: a completed
+trial must reproduce its shape's seed-0 loss bit for bit, recorded as ``search_reproduces_grid``).
 """
 
 from __future__ import annotations
@@ -40,12 +40,17 @@ from kilolayer import rundir
 from kilolayer.config import load_config
 from kilolayer.study import search as S
 
-#: the two objectives: (name, config, --set overrides of their own)
+#: byte windows of 64: the text objectives' sequences in the same range as the images' tokens
+TEXT = ["model.width=64", "model.max_len=64", "data.options.seq_len=63"]
+#: the objectives: (name, config, --set overrides of their own)
 OBJECTIVES = (
     ("mae", "configs/digits_mae.yaml", []),
     ("classification", "configs/digits_vit.yaml", []),
+    ("contrastive", "configs/digits_clip.yaml", []),
+    ("next_token", "configs/stdlib_gpt.yaml", TEXT),
+    ("mlm", "configs/stdlib_mlm.yaml", TEXT),
 )
-#: both objectives: head size 4 (widths in steps of 4: ten shapes fit the budget), a short budget on one thread
+#: every objective: head size 4 (widths in steps of 4: ten shapes fit the budget), a short budget on one thread
 COMMON = [
     "model.heads=16",
     "train.steps=360",
@@ -108,13 +113,15 @@ def grid(config, shapes, out: Path, times: dict, log) -> dict:
     return losses
 
 
-def recorded_grid(path: Path, name: str, sets: list[str], shapes) -> tuple[dict, dict]:
+def recorded_grid(path: Path, name: str, sets: list[str], shapes) -> tuple[dict, dict] | None:
     """({shape: [loss per seed]}, the grid's times) of objective ``name`` in a JSON this benchmark wrote, which
-    must have measured the same settings and shapes."""
+    must have measured the same settings and shapes; None if it has no grid of ``name``."""
     data = json.loads(Path(path).read_text())
     rows = data["objectives"] if isinstance(data, dict) else data
     row = next((r for r in rows if r["objective"] == name), None)
-    if row is None or row["sets"] != sets or row["shapes"] != [s.name for s in shapes]:
+    if row is None:
+        return None
+    if row["sets"] != sets or row["shapes"] != [s.name for s in shapes]:
         raise SystemExit(f"{path}: no grid of {name} with these settings and shapes")
     times = {k: v for k, v in row["times"].items() if k.startswith("grid_")}
     return {k: v["losses"] for k, v in row["grid"].items()}, times
@@ -126,8 +133,9 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print, 
     record_path = out / name / "times.json"
     record_path.parent.mkdir(parents=True, exist_ok=True)
     times = rundir.read_json(record_path, {}) or {}
-    if grid_from is not None:
-        losses, grid_times = recorded_grid(grid_from, name, [*COMMON, *sets], shapes)
+    recorded = recorded_grid(grid_from, name, [*COMMON, *sets], shapes) if grid_from is not None else None
+    if recorded is not None:
+        losses, grid_times = recorded
         times.update(grid_times)
     else:
         losses = grid(config, shapes, out / name / "grid", times, log)
@@ -187,7 +195,7 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print, 
         "search_reproduces_grid": all(
             t.value == losses[t.shape.name][0] for t in search.trials if t.state == "completed"
         ),
-        "grid_from": str(grid_from) if grid_from is not None else None,
+        "grid_from": str(grid_from) if recorded is not None else None,
         "shallowest": shallow.name,
         "shallowest_verdict": shallow_verdict,
         "shallowest_flops": steps * shallow.step_flops(bs),
