@@ -40,7 +40,7 @@ from kilolayer import rundir
 from kilolayer.config import load_config
 from kilolayer.study import search as S
 
-#: byte windows of 64: the text objectives' sequences in the same range as the images' tokens
+#: the byte objectives: 64-byte windows at width 64, so a byte grid costs about what a digits grid does
 TEXT = ["model.width=64", "model.max_len=64", "data.options.seq_len=63"]
 #: the objectives: (name, config, --set overrides of their own)
 OBJECTIVES = (
@@ -50,7 +50,8 @@ OBJECTIVES = (
     ("next_token", "configs/stdlib_gpt.yaml", TEXT),
     ("mlm", "configs/stdlib_mlm.yaml", TEXT),
 )
-#: every objective: head size 4 (widths in steps of 4: ten shapes fit the budget), a short budget on one thread
+#: every objective: head size 4 (widths in steps of 4: ten shapes on digits, seven on bytes, whose embedding
+#: takes its share), a short budget on one thread
 COMMON = [
     "model.heads=16",
     "train.steps=360",
@@ -116,7 +117,10 @@ def grid(config, shapes, out: Path, times: dict, log) -> dict:
 def recorded_grid(path: Path, name: str, sets: list[str], shapes) -> tuple[dict, dict] | None:
     """({shape: [loss per seed]}, the grid's times) of objective ``name`` in a JSON this benchmark wrote, which
     must have measured the same settings and shapes; None if it has no grid of ``name``."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--grid-from {path}: expected a search_vs_grid.json this benchmark wrote ({e})") from None
     rows = data["objectives"] if isinstance(data, dict) else data
     row = next((r for r in rows if r["objective"] == name), None)
     if row is None:

@@ -760,3 +760,40 @@ def test_run_all_writes_the_page_again_from_its_results_alone(train_result, memo
     assert run_all.main(["--from-json", str(path), "--out", str(tmp_path / "page.md")]) == 0
     expected = run_all.markdown(train_result, memory_result, profile_result, commands, 2.0)
     assert (tmp_path / "page.md").read_text() == expected
+
+
+def test_search_vs_grid_reads_back_only_a_grid_of_the_same_settings(tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks import search_vs_grid as B
+    from kilolayer.study import search as S
+
+    shapes = [SimpleNamespace(name="1x72"), SimpleNamespace(name="2x48")]
+    row = {
+        "objective": "mae",
+        "sets": ["a=1"],
+        "shapes": ["1x72", "2x48"],
+        "grid": {"1x72": {"losses": [0.4, 0.41]}, "2x48": {"losses": [0.39, 0.38]}},
+        "times": {"grid_seed0": {"wall_s": 1.0, "cpu_s": 1.0}, "search": {"wall_s": 2.0, "cpu_s": 2.0}},
+    }
+    path = tmp_path / "svg.json"
+    path.write_text(json.dumps({"objectives": [row]}))
+    losses, times = B.recorded_grid(path, "mae", ["a=1"], shapes)
+    assert losses == {"1x72": [0.4, 0.41], "2x48": [0.39, 0.38]}
+    assert times == {"grid_seed0": {"wall_s": 1.0, "cpu_s": 1.0}}  # the search's own time is not the grid's
+    assert B.recorded_grid(path, "mlm", ["a=1"], shapes) is None  # an objective the file lacks is trained
+    with pytest.raises(SystemExit, match="no grid of mae with these settings"):
+        B.recorded_grid(path, "mae", ["a=2"], shapes)
+    with pytest.raises(SystemExit, match=r"--grid-from .*missing\.json: expected a search_vs_grid\.json"):
+        B.recorded_grid(tmp_path / "missing.json", "mae", ["a=1"], shapes)
+    # every objective's config and settings give the shapes the measured JSON holds
+    measured = {
+        r["objective"]: r
+        for r in json.loads((Path(__file__).resolve().parent.parent / "docs/data/search_vs_grid.json").read_text())[
+            "objectives"
+        ]
+    }
+    for name, config, sets in B.OBJECTIVES:
+        got = S.shapes(load_config(config, [*B.COMMON, *sets]), B.PARAMS, B.DEPTHS, B.TOLERANCE)
+        assert [s.name for s in got] == measured[name]["shapes"]
+        assert measured[name]["sets"] == [*B.COMMON, *sets]
