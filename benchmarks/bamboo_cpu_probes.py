@@ -2,19 +2,29 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.bamboo_cpu_probes recipe --out runs/bamboo_cpu_recipe
     OMP_NUM_THREADS=1 python -m benchmarks.bamboo_cpu_probes mean_pool --out runs/bamboo_cpu_mean_pool
+    OMP_NUM_THREADS=1 python -m benchmarks.bamboo_cpu_probes by_loss --out runs/bamboo_cpu_by_loss \
+        --study runs/bamboo_cpu
 
 ``recipe``: the candidate settings the recipe was chosen from, on seed 7 (a seed the study does not use), trained
 without early stopping for a fixed number of steps so that whole validation curves compare: MAE at 64 images a
 step and lr 3e-3, at 256 and 3e-3, and at 256 and 1e-2 (BAMBOO_CPU_BATCHES, BAMBOO_CPU_LR), at both shapes; at
 the deep shape (8 x 48), the text classifier on all eight modules' training paragraphs, on the four largest
-modules' (BAMBOO_CPU_MODULES) and on a stratified 5,000 of those (the study's) at lr 1e-3, and on the study's at
-3e-3; next-byte prediction and MLM on the first and last of those text sets. ``summary`` prints each probe's best
+modules' and on a stratified 5,000 of those at lr 1e-3 and 3e-3, and on Basic's and Writer's (the study's,
+BAMBOO_CPU_MODULES) at 1e-3; next-byte prediction and MLM on the eight modules, the four modules' 5,000 and the
+study's two (MLM at lr 1e-3, 1e-3 and the study's 2e-3). ``summary`` prints each probe's best
 validation loss and step, its best loss's change over the last quarter of the steps it ran (the convergence
 rule's measure: the quarter's best against the best of as many evaluations before it) and its seconds of
 training per 100 steps.
 
 ``mean_pool``: the study's supervised group, seed 0, with its tokens mean-pooled instead of a CLS token, and the
 same smoothness analysis, beside the CLS-pooled classifier.
+
+``by_loss``: the study's sequence-level classifiers (supervised, text_classify), every shape and seed, stopped
+on their validation loss instead of their accuracy. Training does not depend on the stopping measure, so each
+is its study twin up to the step it stops, and its checkpoint is the twin's at the lowest validation loss: it
+measures how much of the classifiers' token similarity is the later, accuracy-chosen checkpoint's rather than
+the objective's. With ``--study`` it prints, per shape, both checkpoints' steps and last-layer cosines and the
+over-smoothing difference against MAE or MLM at either.
 
 Each writes its spec to ``OUT/spec.yaml`` and runs it as an ordinary study (``kilolayer study``) with ``--jobs``.
 """
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,7 +49,9 @@ SHAPES = "model.layers,model.width,model.heads,model.ffn"
 SEED = 7
 TEXT = "data.options.modules,data.options.train_size"
 ALL_TEXT = [list(DEFAULT_MODULES), None]  # every module but shared, every training paragraph
-STUDY_TEXT = [list(BAMBOO_CPU_MODULES), 5000]
+FOUR = ["sbasic", "scalc", "swriter", "simpress"]  # the four modules with over 1,000 training paragraphs
+FOUR_TEXT = [FOUR, 5000]  # a stratified 5,000 of their training paragraphs
+STUDY_TEXT = [list(BAMBOO_CPU_MODULES), None]  # Basic and Writer, every training paragraph
 # group -> (steps, grid key, the candidate values of that key, shapes); 2,048 validation images per MAE
 # evaluation at either batch size
 RECIPE = {
@@ -51,11 +64,11 @@ RECIPE = {
     "text_classify": (
         1500,
         f"{TEXT},train.lr",
-        [[*ALL_TEXT, 1e-3], [list(BAMBOO_CPU_MODULES), None, 1e-3], [*STUDY_TEXT, 1e-3], [*STUDY_TEXT, 3e-3]],
+        [[*ALL_TEXT, 1e-3], [FOUR, None, 1e-3], [*FOUR_TEXT, 1e-3], [*FOUR_TEXT, 3e-3], [*STUDY_TEXT, 1e-3]],
         [DEEP],
     ),
-    "next_token": (2500, TEXT, [ALL_TEXT, STUDY_TEXT], [DEEP]),
-    "mlm": (2500, TEXT, [ALL_TEXT, STUDY_TEXT], [DEEP]),
+    "next_token": (2500, TEXT, [ALL_TEXT, FOUR_TEXT, STUDY_TEXT], [DEEP]),
+    "mlm": (2500, f"{TEXT},train.lr", [[*ALL_TEXT, 1e-3], [*FOUR_TEXT, 1e-3], [*STUDY_TEXT, 2e-3]], [DEEP]),
 }
 
 
@@ -94,6 +107,69 @@ def mean_pool() -> dict:
         "groups": [g],
         "findings": [],
     }
+
+
+# the sequence-level classifier groups and the loss min_delta each stops on in ``by_loss`` (under 1% of the
+# loss each plateaus at), with the token-level group its token similarity is compared with
+BY_LOSS = {"supervised": (0.001, "mae"), "text_classify": (0.01, "mlm")}
+
+
+def by_loss() -> dict:
+    groups = []
+    for g in bamboo_cpu()["groups"]:
+        if g["name"] not in BY_LOSS:
+            continue
+        g = copy.deepcopy(g)
+        g["description"] = f"bamboo_cpu's {g['name']} group stopped on its validation loss"
+        g["name"] = f"{g['name']}_by_loss"
+        g["base"]["train"].update(early_stop_metric="loss", min_delta=BY_LOSS[g["name"].removesuffix("_by_loss")][0])
+        groups.append(g)
+    return {
+        "name": "bamboo_cpu_by_loss",
+        "description": "bamboo_cpu's classifiers stopped on their validation loss: their lowest-loss checkpoints",
+        "groups": groups,
+        "findings": [],
+    }
+
+
+def _standing(run: Path) -> tuple[int, float] | None:
+    """(standing step, last-layer token cosine) of a finished run, or None."""
+    try:
+        status = json.loads((run / "status.json").read_text())
+        cosine = json.loads((run / "analysis" / "smoothness" / "smoothness.json").read_text())["cosine"][-1]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    return int(status.get("best_step") or status["step"]), float(cosine)
+
+
+def by_loss_summary(out: Path, study: Path) -> str:
+    """Per group and shape, means over the seeds both runs of which finished: the accuracy-chosen checkpoint's
+    step and last-layer cosine (the study's run), the loss-chosen one's (this probe's), and the over-smoothing
+    difference (classifier minus the token-level model of the same shape and seed) at either."""
+    from kilolayer.study.spec import expand, load_spec
+
+    lines = [
+        "| group | shape | seeds | step: by accuracy / by loss | cosine: by accuracy / by loss "
+        "| d against the token-level model: by accuracy / by loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows: dict[tuple[str, str], list] = {}
+    for p in expand(load_spec(out / "spec.yaml")):
+        group = p.group.removesuffix("_by_loss")
+        twin = study / "runs" / group / p.name
+        token = study / "runs" / BY_LOSS[group][1] / p.name
+        a, b, t = _standing(twin), _standing(p.run_dir(out)), _standing(token)
+        if a is None or b is None or t is None:
+            continue
+        shape = f"{p.config.model.layers} x {p.config.model.width}"
+        rows.setdefault((group, shape), []).append((a, b, t))
+    for (group, shape), xs in rows.items():
+        (step_a, cos_a), (step_b, cos_b), (_, cos_t) = ([statistics.fmean(v) for v in zip(*side)] for side in zip(*xs))
+        lines.append(
+            f"| {group} | {shape} | {len(xs)} | {step_a:.0f} / {step_b:.0f} | {cos_a:.3f} / {cos_b:.3f} "
+            f"| {cos_a - cos_t:+.3f} / {cos_b - cos_t:+.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def curve_summary(metrics: Path) -> dict:
@@ -152,8 +228,9 @@ def main(argv=None) -> int:
     from kilolayer.cli import main as kilolayer
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.bamboo_cpu_probes", description=__doc__.split("\n\n")[0])
-    p.add_argument("probe", choices=("recipe", "mean_pool", "summary"))
+    p.add_argument("probe", choices=("recipe", "mean_pool", "by_loss", "summary"))
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--study", type=Path, help="by_loss: the bamboo_cpu study folder whose runs it compares with")
     p.add_argument("--jobs", type=int, default=2)
     a = p.parse_args(argv)
     if a.probe == "summary":
@@ -162,12 +239,14 @@ def main(argv=None) -> int:
             return 2
         print(summary(a.out))
         return 0
-    spec = recipe() if a.probe == "recipe" else mean_pool()
+    spec = {"recipe": recipe, "mean_pool": mean_pool, "by_loss": by_loss}[a.probe]()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     rc = kilolayer(["study", str(a.out / "spec.yaml"), "--out", str(a.out), "--jobs", str(a.jobs)])
     if a.probe == "recipe" and rc == 0:
         print(summary(a.out))
+    if a.probe == "by_loss" and rc == 0 and a.study is not None:
+        print(by_loss_summary(a.out, a.study))
     return rc
 
 

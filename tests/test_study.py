@@ -339,6 +339,9 @@ def test_still_improving_flags_unconverged_runs():
     assert still_improving(run([3.0, 2.0, 1.5, 1.4], "loss"), "loss", 0.02, lower_is_better=True, relative=True)
     assert not still_improving(run([3.0, 2.0, 1.5, 1.49], "loss"), "loss", 0.02, lower_is_better=True, relative=True)
     assert not still_improving(run([0.9]), "accuracy", 0.01)  # one evaluation: nothing to compare
+    # a non-finite evaluation is no evaluation: a NaN at the window's edge does not hide a falling loss
+    nan_edge = [1.5, 1.4, 1.3, 1.2, math.nan, 1.0, 0.8, 0.7]
+    assert still_improving(run(nan_edge, "loss"), "loss", 0.02, lower_is_better=True, relative=True)
     loss = {"lower_is_better": True, "relative": True}
     # early-stopped: best 1.00 at step 200, one noisy spike at step 600 (the quarter's start), flat after; the
     # last evaluation is 3.8% below the spike but above the best, so nothing improved in the last quarter
@@ -379,6 +382,78 @@ def test_still_improving_flags_unconverged_runs():
     assert still_improving(rising, "accuracy", 0.01)  # the quarter itself is flat at 0.95
     assert not still_improving(rising, "loss", 0.02, **loss)
     assert not still_improving(Result(point=p, status="completed", evals=evals, eval=evals[4]), "accuracy", 0.01)
+
+
+def test_a_finding_on_token_similarity_judges_each_run_on_the_measure_that_chose_its_checkpoint():
+    """require_convergence_as_selected: a classifier stopped on its accuracy stands past its loss minimum, where a
+    noisy later loss below the standing one is no sign of a loss still falling; it is judged on its accuracy
+    (0.01), a run stopped on its loss (or not stopped early: the default) on its loss (2%), by the same rule."""
+    from kilolayer.study.findings import Verdict, require_convergence_as_selected
+    from kilolayer.study.runner import Result
+
+    p = expand(load_spec(tiny_spec(Path(tempfile.mkdtemp()))))[0]
+
+    def on(metric: str):
+        cfg = p.config.model_copy(update={"train": p.config.train.model_copy(update={"early_stop_metric": metric})})
+        return dataclasses.replace(p, config=cfg)
+
+    # loss at its lowest at step 300, then rising with noise; accuracy flat at 0.95 from step 500 (standing)
+    rows = [(0.5, 0.85), (0.4, 0.88), (0.35, 0.90), (0.37, 0.93), (0.40, 0.95), (0.43, 0.95), (0.38, 0.95)]
+    rows += [(0.45, 0.95)] * 3
+    evals = [{"step": 100 * (i + 1), "loss": x, "accuracy": a} for i, (x, a) in enumerate(rows)]
+    by_acc = Result(point=on("accuracy"), status="completed", evals=evals, eval=evals[4])
+    by_loss = Result(point=on("loss"), status="completed", evals=evals, eval=evals[4])
+
+    def verdict(run) -> Verdict:
+        return require_convergence_as_selected(Verdict(HELD, reason="bounds clear"), [run])
+
+    assert verdict(by_acc).verdict == HELD
+    flagged = verdict(by_loss)  # 0.38 at step 700 is 5% below the standing 0.40
+    assert flagged.verdict == INCONCLUSIVE and "still improving loss by more than 2%" in flagged.reason
+    # the accuracy rule still bites on a classifier whose accuracy rose after its checkpoint
+    rising = [*evals[:8], {**evals[8], "accuracy": 0.97}, evals[9]]
+    assert verdict(Result(point=on("accuracy"), status="completed", evals=rising, eval=evals[4])).verdict == (
+        INCONCLUSIVE
+    )
+
+
+def test_a_wait_of_a_quarter_of_the_cap_lets_a_slow_run_stop_converged():
+    """A slowly falling validation loss (an MAE's: about 0.6% per 100 steps near its end, flat from step 4,000),
+    stopped by the trainer's own early stopping (its last gain of min_delta at step 3,900): waiting 8 evaluations
+    ends it at step 4,700 with its last quarter (after step 3,525) holding a 3% gain, which the convergence rule
+    counts against it; the wait of builtin.plateau_patience (a quarter of a 6,000-step cap: 15 evaluations) ends
+    it at 5,400, flat over its last quarter, so the rule judges it converged."""
+    from types import SimpleNamespace
+
+    from kilolayer.study.builtin import plateau_patience
+    from kilolayer.study.findings import still_improving
+    from kilolayer.study.runner import Result
+    from kilolayer.train.policies import EarlyStopping
+
+    p = expand(load_spec(tiny_spec(Path(tempfile.mkdtemp()))))[0]
+    # 0.374 at step 100 falling by 0.0019 every 100 steps (0.5-0.6%, under min_delta) to 0.300 at step 4,000,
+    # then within 0.3% of it
+    curve = [0.30 + 0.0019 * (4000 - s) / 100 for s in range(100, 4001, 100)]
+    curve += [0.3 + 0.0009 * ((i * 7) % 3) for i in range(1, 30)]
+
+    def stopped(patience: int) -> Result:
+        tc = SimpleNamespace(patience=patience, early_stop_metric="loss", early_stop_mode="auto", min_delta=0.002)
+        rule, evals = EarlyStopping(tc), []
+        for i, x in enumerate(curve):
+            evals.append({"step": 100 * (i + 1), "loss": x})
+            rule.track(evals[-1]["step"], evals[-1])
+            if rule.plateaued:
+                break
+        assert rule.plateaued
+        standing = next(e for e in evals if e["step"] == rule.best_step)
+        return Result(point=p, status="completed", evals=evals, eval=standing)
+
+    short, long = stopped(8), stopped(plateau_patience(6000, 100, 8))
+    assert plateau_patience(6000, 100, 8) == 15 and plateau_patience(2500, 100, 8) == 8
+    assert (short.evals[-1]["step"], long.evals[-1]["step"]) == (4700, 5400)
+    loss = {"lower_is_better": True, "relative": True}
+    assert still_improving(short, "loss", 0.02, **loss)
+    assert not still_improving(long, "loss", 0.02, **loss)
 
 
 def _standing_eval(run: Path) -> dict:

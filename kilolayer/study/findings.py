@@ -1063,6 +1063,10 @@ def _last(r, metric: str) -> float | None:
     return float(r.smoothness[metric][-1])
 
 
+def _finite_value(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def still_improving(r, key: str, tol: float, lower_is_better: bool = False, relative: bool = False) -> bool:
     """Whether a run had not converged in ``key`` by the end of its training, by either of two signs (a margin
     of ``tol``, a fraction of the earlier value if ``relative``):
@@ -1076,7 +1080,8 @@ def still_improving(r, key: str, tol: float, lower_is_better: bool = False, rela
       loss while its accuracy still rose).
 
     Comparisons at this step count are then premature."""
-    evs = [e for e in (r.evals if r is not None else []) if key in e]
+    # a missing or non-finite value is no evaluation of ``key`` (a NaN would decide min and max by its place)
+    evs = [e for e in (r.evals if r is not None else []) if _finite_value(e.get(key))]
     if len(evs) < 2:
         return False
     pick = min if lower_is_better else max
@@ -1091,7 +1096,7 @@ def still_improving(r, key: str, tol: float, lower_is_better: bool = False, rela
     if beats(pick(later), pick(earlier)):
         return True
     standing = r.eval if isinstance(r.eval, dict) else {}
-    if key in standing and "step" in standing:
+    if _finite_value(standing.get(key)) and "step" in standing:
         after = [float(e[key]) for e in evs if e["step"] > standing["step"]]
         return bool(after) and beats(pick(after), float(standing[key]))
     return False
@@ -1122,6 +1127,27 @@ def require_convergence(
     )
     if decided:
         v.verdict = INCONCLUSIVE
+    return v
+
+
+# the convergence rule's margin per measure: (tolerance, lower is better, relative)
+CONVERGENCE_TOLERANCE = {"loss": (0.02, True, True), "accuracy": (0.01, False, False)}
+
+
+def require_convergence_as_selected(v: Verdict, runs: list) -> Verdict:
+    """:func:`require_convergence` on the measure that chose each run's standing checkpoint (its
+    ``train.early_stop_metric``: a pre-training loss, a classifier's accuracy), for a finding that compares
+    something else, such as token similarity. A classifier stopped on its accuracy stands past its loss minimum
+    (its loss turns up while its accuracy still rises), so its loss is not the measure that says whether it
+    converged. Returns ``v``, changed."""
+    by_metric: dict[str, list] = {}
+    for r in runs:
+        if r is not None:
+            metric = r.point.config.train.early_stop_metric
+            by_metric.setdefault(metric if metric in CONVERGENCE_TOLERANCE else "loss", []).append(r)
+    for metric, rs in sorted(by_metric.items()):
+        tol, lower, relative = CONVERGENCE_TOLERANCE[metric]
+        require_convergence(v, rs, metric, tol, lower_is_better=lower, relative=relative)
     return v
 
 
@@ -1225,7 +1251,7 @@ def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding
                     _fmt(_last(b, "cosine_same_minus_different")),
                 ]
             )
-    v = require_convergence(level.decide(0.05), a_rs + b_rs, "loss", 0.02, lower_is_better=True, relative=True)
+    v = require_convergence_as_selected(level.decide(0.05), a_rs + b_rs)
     shapes = ", ".join(_shape(r) for r in sorted({_depth(r): r for r in a_rs + b_rs}.values(), key=_depth))
     notes = [
         "Last-layer token similarity three ways: raw cosine (the verdict's), centred (after subtracting the "
@@ -1300,7 +1326,7 @@ def _smoothing_trend(results, out, seq: str, toks: list[str], modality: str) -> 
             context.append(f"{tok}: {statistics.fmean(t_slopes.values()):+.3g} per doubling")
     if context:
         v.reason += "; for comparison, token-level " + ", ".join(context)
-    require_convergence(v, _group(results, seq), "loss", 0.02, lower_is_better=True, relative=True)
+    require_convergence_as_selected(v, _group(results, seq))
     shape_of = {_depth(r): _shape(r) for r in _group(results, seq)}
     return Finding(
         f"bamboo_smoothing_trend:{seq}",
