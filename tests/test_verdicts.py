@@ -521,6 +521,24 @@ def test_depth_absolute_and_relative_are_separate_verdicts(tmp_path):
     assert relative.verdict.verdict == HELD and relative.verdict.mean == pytest.approx(0.03, abs=1e-9)
 
 
+def test_depth_reads_test_accuracy_only_when_every_classifier_compared_has_it(tmp_path):
+    """Validation accuracy says depth pays off (+0.05 per doubling, the checkpoints chosen on it); the test split,
+    scored whole, is flat (within the margin). With every classifier scored on test the verdict reads test; with one
+    of them unscored, every run is read on validation (a test score beside a validation one measures nothing)."""
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    results = _bamboo(accuracy=acc, out=tmp_path)
+    classifiers = [r for r in results if r.point.group in _acc(0, 0)]
+    for r in classifiers:
+        r.test = {"split": "test", "metrics": {"loss": 0.5, "accuracy": 0.8 + NOISE[r.point.values["train.seed"]] / 10}}
+    on_test = _by_title(bamboo_depth(results, tmp_path), "pays off after token-level pre-training (images")
+    assert on_test.verdict.verdict == INCONCLUSIVE and on_test.verdict.mean == pytest.approx(0.0, abs=1e-9)
+    assert "on its test split scored whole" in on_test.rule
+    next(r for r in classifiers if r.point.group == "finetune").test = None
+    on_val = _by_title(bamboo_depth(results, tmp_path), "pays off after token-level pre-training (images")
+    assert on_val.verdict.verdict == HELD and on_val.verdict.mean == pytest.approx(0.05)
+    assert "on its validation split" in on_val.rule
+
+
 def test_depth_is_not_decided_on_pretraining_that_was_still_improving(tmp_path):
     """A fine-tuned trend that would hold is inconclusive when the MAE runs it started from were still lowering
     their loss by more than 2% over their last quarter of steps; the MLM side, whose pre-training plateaued,
