@@ -118,7 +118,9 @@ def _untrained(base: dict) -> dict:
 # mean squared error of the hidden patches' pixels). Classifiers stop on their accuracy, the measure their
 # findings compare: a classifier's validation loss turns up as it grows confident on the examples it gets
 # wrong while its accuracy still rises, so a checkpoint chosen by loss stands below what the run went on to
-# reach, and the findings judge it unconverged in accuracy (a gain of more than 0.01 after it).
+# reach, and the findings judge it unconverged in accuracy (a gain of more than 0.01 after it). Their min_delta
+# is a fraction of the convergence rule's 0.01: about 4 images of the 2,048 an evaluation reads, 4 paragraphs of
+# 800.
 PLATEAU_METRIC = {
     "supervised": ("accuracy", 0.002),
     "contrastive": ("loss", 0.01),
@@ -702,7 +704,7 @@ BAMBOO_CPU_LR = {
 # validation loss of the probed settings in 1,500 steps at both shapes (64 images is the other image groups' batch)
 BAMBOO_CPU_BATCHES = {"mae": 256}
 # Basic and Writer, two of the three modules with over 3,000 training paragraphs: a 0.23M-parameter classifier of
-# their first 64 bytes ends well below chance (Basic, Calc, Writer and Impress together stay near it)
+# their first 64 bytes ends with a loss well below chance (Basic, Calc, Writer and Impress together stay near it)
 BAMBOO_CPU_MODULES = ["sbasic", "swriter"]
 # evaluations without a min_delta gain before a run stops: at least 8, and a quarter of the group's cap
 # (plateau_patience)
