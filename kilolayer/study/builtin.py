@@ -120,7 +120,7 @@ def _untrained(base: dict) -> dict:
 # wrong while its accuracy still rises, so a checkpoint chosen by loss stands below what the run went on to
 # reach, and the findings judge it unconverged in accuracy (a gain of more than 0.01 after it). Their min_delta
 # is a fraction of the convergence rule's 0.01: about 4 images of the 2,048 an evaluation reads, 4 paragraphs of
-# 800.
+# bamboo_cpu's 736.
 PLATEAU_METRIC = {
     "supervised": ("accuracy", 0.002),
     "contrastive": ("loss", 0.01),
@@ -738,7 +738,7 @@ def bamboo_cpu() -> dict:
             "(Bamboo's is data-rich pre-training): every image group trains on the same stratified 5,000 of "
             "MNIST's training images, every text group on every training paragraph of two modules (Basic and "
             "Writer, 6,979), their first 64 bytes; each evaluation reads 2,048 of the 6,000 held-out training "
-            "images or 800 validation paragraphs. Batches of 64 images (MAE: 256) or 32 paragraphs; learning "
+            "images or all 736 validation paragraphs. Batches of 64 images (MAE: 256) or 32 paragraphs; learning "
             "rates per objective (BAMBOO_CPU_LR). Every trained point evaluates every 100 steps and stops once its "
             "validation measure (PLATEAU_METRIC: a classifier's accuracy, a pre-training loss) has not improved by "
             "its min_delta for 8 evaluations and a quarter of its cap (plateau_patience: the window in which the "
