@@ -135,9 +135,9 @@ PLATEAU_METRIC = {
 
 def plateau_patience(steps: int, eval_every: int, floor: int) -> int:
     """Evaluations a run waits for a gain before it stops: at least ``floor``, and enough to span a quarter of its
-    ``steps``. findings.still_improving judges a run over its last quarter of steps; a run that stopped after a
-    quarter of its length without a gain is flat over that window, so one stopped on its plateau is judged
-    converged."""
+    ``steps``. findings.still_improving judges a run over its last quarter of steps; in a run that stopped after
+    waiting a quarter of its length, no evaluation of that quarter beat its best by min_delta, so a gain there
+    is not what flags it (a noisy stretch just before the quarter still can)."""
     return max(floor, math.ceil(steps / (4 * eval_every)))
 
 
@@ -745,8 +745,8 @@ def bamboo_cpu() -> dict:
             "convergence rule judges a run), keeping its best checkpoint, within caps of 2,500-6,000 steps; "
             "inverse-square-root learning rate after 100 warm-up steps. 7x7-pixel patches (16 tokens) cost a "
             "third of 4x4's per image. MAE hides half of them: about 9% of hidden patches then have no visible "
-            "edge neighbour, against 37% at the usual 0.75, so its task leans to in-painting (local), which by "
-            "itself keeps tokens distinct."
+            "edge neighbour, against 37% at the usual 0.75, so its task leans to in-painting (local), which could "
+            "by itself keep tokens distinct."
         ),
         minutes=91,
         basis="measured with --jobs 2, alone on the machine",
