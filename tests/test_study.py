@@ -111,6 +111,18 @@ def test_tiny_study_end_to_end_and_rerun(tmp_path):
     third = run_study(spec, out, log=lambda *_: None)
     assert [r.ran for r in third] == [True, False]
     assert third[0].eval == results[0].eval  # same seed, same data: the same result
+    # a changed spec re-run into the same folder trains its points again, each old run kept beside it
+    data = yaml.safe_load(tiny_spec(tmp_path).read_text())
+    data["groups"][0]["base"]["train"]["steps"] = 6
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    lines = []
+    fourth = run_study(load_spec(changed), out, log=lines.append)
+    assert [(r.ran, r.step) for r in fourth] == [(True, 6), (True, 6)]
+    assert sum("its config changed since it ran (train.steps: 4 -> 6)" in line for line in lines) == 2
+    for r in fourth:
+        old = r.point.run_dir(out).with_name(r.point.run_dir(out).name + ".stale-1")
+        assert json.loads((old / "status.json").read_text())["step"] == 4
 
 
 @pytest.mark.slow
@@ -320,6 +332,33 @@ def test_estimate_probes_points_that_differ_only_in_their_analyses_apart(tmp_pat
     monkeypatch.setattr(E, "run_analysis", lambda name, run_dir, data=None: ran.append((name, data)))
     real_probe(variants[3], 1)
     assert ran == [("smoothness", {"name": "ptb"})]
+
+
+def test_a_finished_run_launched_with_another_config_is_named_and_its_location_is_not_a_change(tmp_path):
+    """changed_config: the launch config (OUT/configs/GROUP/NAME.yaml) against the point's config now; a run not
+    finished, or without a recorded launch config, is never called changed; train.init_from (where a source run
+    lies) is left out."""
+    from kilolayer.config import dump_yaml
+    from kilolayer.rundir import write_status
+    from kilolayer.study.runner import changed_config
+
+    out = tmp_path / "study"
+    p = expand(load_spec(tiny_spec(tmp_path)))[0]
+    launch = out / "configs" / p.group / f"{p.name}.yaml"
+    launch.parent.mkdir(parents=True)
+    p.run_dir(out).mkdir(parents=True)
+    write_status(p.run_dir(out), "completed", 4)
+    assert changed_config(p, out) is None  # no launch config recorded: nothing to compare
+    launch.write_text(dump_yaml(p.config))
+    assert changed_config(p, out) is None
+    moved = p.config.model_copy(update={"train": p.config.train.model_copy(update={"init_from": "/elsewhere"})})
+    launch.write_text(dump_yaml(moved))
+    assert changed_config(p, out) is None
+    other = p.config.model_copy(update={"train": p.config.train.model_copy(update={"lr": 5e-4})})
+    launch.write_text(dump_yaml(other))
+    assert changed_config(p, out) == "its config changed since it ran (train.lr: 0.0005 -> 0.001)"
+    write_status(p.run_dir(out), "interrupted", 2)
+    assert changed_config(p, out) is None  # an unfinished run is resumed, not judged
 
 
 def test_still_improving_flags_unconverged_runs():

@@ -2,10 +2,13 @@
 process that has imported kilolayer once: :mod:`kilolayer.study.forked`).
 
 Finished points (completed or diverged: both are results) are skipped on a
-re-run; failed, interrupted or unfinished ones are resumed (``--resume``) from
-their newest intact checkpoint. The training process records its own status;
-the runner writes one only when the process could not (killed, or stopped
-before it started training), or when it did not start a point.
+re-run, unless the config a point was launched with differs from its config now
+(a changed spec re-run into the same folder): that run is kept beside it as
+``<run>.stale-<n>`` and the point trains again from scratch. Failed, interrupted
+or unfinished ones are resumed (``--resume``) from their newest intact
+checkpoint. The training process records its own status; the runner writes one
+only when the process could not (killed, or stopped before it started
+training), or when it did not start a point.
 
 A point initialised from another point's run (``init_from``) starts only once
 that source point has completed (until then it is recorded ``failed``, with the
@@ -135,6 +138,37 @@ def stale_init(point: Point, out: Path) -> str | None:
     return f"it started from step {used['step']} of {point.init_from_point}, whose chosen checkpoint is now step {now}"
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_config(point: Point, out: Path) -> str | None:
+    """Why ``point``'s finished run is not its result any more: the config it was launched with
+    (``OUT/configs/GROUP/NAME.yaml``) differs from the point's now (a study whose spec changed, re-run into
+    the same folder). None when they agree, the run has not finished, or no launch config is recorded.
+    ``train.init_from`` is left out: where a source run lies is :func:`stale_init`'s question."""
+    path = Path(out) / "configs" / point.group / f"{point.name}.yaml"
+    if not path.is_file() or not RunDir(point.run_dir(out)).finished:
+        return None
+    try:
+        launched = _flat(load_config(path).model_dump())
+    except (KilolayerError, OSError, ValueError):
+        return None  # a launch config this version cannot read: nothing to compare
+    now = _flat(point.config.model_dump())
+    keys = sorted(k for k in set(launched) | set(now) if k != "train.init_from" and launched.get(k) != now.get(k))
+    if not keys:
+        return None
+    shown = ", ".join(f"{k}: {launched.get(k)!r} -> {now.get(k)!r}" for k in keys[:3])
+    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return f"its config changed since it ran ({shown}{more})"
+
+
 def _set_aside(run_dir: Path) -> Path:
     """Move a run directory to ``<run>.stale-<n>`` (the first free n); nothing in it is lost."""
     n = 1
@@ -244,7 +278,7 @@ def train_point(
     run_dir = point.run_dir(out)
     run = RunDir(run_dir)
     waiting = source_not_ready(point, out)
-    stale = stale_init(point, out) if waiting is None else None
+    stale = (stale_init(point, out) or changed_config(point, out)) if waiting is None else None
     if stale is not None:
         try:
             moved = _set_aside(run_dir)
