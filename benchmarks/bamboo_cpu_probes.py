@@ -239,6 +239,12 @@ def main(argv=None) -> int:
             return 2
         print(summary(a.out))
         return 0
+    if a.study is not None and not (a.study / "runs").is_dir():
+        print(
+            f"--study {a.study}: no bamboo_cpu study there (no runs/ folder); run the study into it first",
+            file=sys.stderr,
+        )
+        return 2
     spec = {"recipe": recipe, "mean_pool": mean_pool, "by_loss": by_loss}[a.probe]()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))

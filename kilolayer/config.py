@@ -440,5 +440,29 @@ def load_config(source: str | Path | dict | None = None, sets: list[str] | None 
     return _validate(Config, data, "")
 
 
+def flatten(data: dict, prefix: str = "") -> dict:
+    """A nested dict as dotted keys: ``{"train": {"lr": 1e-3}}`` -> ``{"train.lr": 1e-3}`` (tuples as lists)."""
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def differences(old: dict, new: dict) -> dict:
+    """``{"train.lr": [old, new], ...}`` for every dotted key whose value differs between two nested dicts."""
+    a, b = flatten(old), flatten(new)
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def config_changes(old: Config | None, new: Config) -> dict:
+    """:func:`differences` of two configs (none against no config)."""
+    if old is None:
+        return {}
+    return differences(old.model_dump(mode="json"), new.model_dump(mode="json"))
+
+
 def dump_yaml(cfg: BaseModel) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

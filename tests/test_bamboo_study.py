@@ -237,3 +237,15 @@ def test_by_loss_summary_sets_each_twin_beside_its_study_run(tmp_path):
     table = by_loss_summary(out, study).splitlines()
     assert len(table) == 3
     assert table[2] == "| supervised | 8 x 48 | 2 | 2000 / 600 | 0.650 / 0.550 | +0.400 / +0.300 |"
+
+
+def test_by_loss_against_a_folder_without_a_study_is_one_line(tmp_path, capsys):
+    from benchmarks.bamboo_cpu_probes import main
+
+    assert main(["by_loss", "--out", str(tmp_path / "probe"), "--study", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"--study {tmp_path / 'nowhere'}: no bamboo_cpu study there (no runs/ folder); run the study into it first"
+    )
+    assert not (tmp_path / "probe").exists()  # nothing trained, nothing written

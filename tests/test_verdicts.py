@@ -481,6 +481,34 @@ def test_smoothing_diverged_or_unlearned_models_cannot_hold(tmp_path):
     assert "learned nothing" in level.verdict.reason
 
 
+def test_judging_by_the_selection_measure_keeps_failed_runs_one_seed_and_modalities_apart(tmp_path):
+    """The smoothing finding with accuracy-stopped classifiers (the built-in bamboo's) whose losses rise with
+    noise after their minimum, as an overfitting classifier's do: the images pair holds (a loss dip after the
+    standing checkpoint is not counted), the text pair, whose numbers contradict the images', does not hold;
+    a failed supervised run is named and leaves the images verdict inconclusive; one seed decides nothing."""
+    cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.4}
+    cos |= {"text_classify": lambda l, s: 0.2 + NOISE[s], "mlm": lambda l, s: 0.6}
+    results = _bamboo(cos)
+    for r in results:
+        if r.point.group in ("supervised", "text_classify"):
+            assert r.point.config.train.early_stop_metric == "accuracy"
+            rows = [(0.40, 0.85), (0.35, 0.90), (0.45, 0.95), (0.43, 0.95), (0.50, 0.95), (0.52, 0.95)]
+            r.evals = [{"step": 100 * (i + 1), "loss": x, "accuracy": a} for i, (x, a) in enumerate(rows)]
+            r.eval = dict(r.evals[2])  # the accuracy-best; step 400's loss is 4% below it
+    found = bamboo_smoothing(results, tmp_path)
+    images = _by_title(found, "more than token-level (images: supervised vs mae)")
+    text = _by_title(found, "more than token-level (text: text_classify vs mlm)")
+    assert images.verdict.verdict == HELD and images.verdict.mean == pytest.approx(0.4)
+    assert text.verdict.verdict == NOT_HELD and text.verdict.mean == pytest.approx(-0.4)
+    failed = next(r for r in results if r.point.group == "supervised" and r.point.values["train.seed"] == 1)
+    failed.status, failed.reason = "failed", "boom"
+    images = _by_title(bamboo_smoothing(results, tmp_path), "more than token-level (images: supervised vs mae)")
+    assert images.verdict.verdict == INCONCLUSIVE and failed.point.key in images.verdict.reason
+    one_seed = [r for r in results if r.point.values.get("train.seed", 0) == 0]
+    text = _by_title(bamboo_smoothing(one_seed, tmp_path), "more than token-level (text: text_classify vs mlm)")
+    assert text.verdict.verdict == INCONCLUSIVE and text.verdict.mean == pytest.approx(-0.39)
+
+
 def test_non_finite_or_missing_metrics_are_named_not_dropped(tmp_path):
     loss = {"next_token": lambda l, s: float("nan") if (l == 6 and s == 2) else 1.5 - 0.05 * math.log2(l)}
     nt = _by_title(bamboo_depth_tokens(_bamboo(loss=loss), tmp_path), "(next_token)")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kilolayer import rundir
-from kilolayer.config import dump_yaml, load_config
+from kilolayer.config import config_changes, dump_yaml, load_config
 from kilolayer.errors import KilolayerError
 from kilolayer.rundir import RunDir
 from kilolayer.study import forked
@@ -138,16 +138,6 @@ def stale_init(point: Point, out: Path) -> str | None:
     return f"it started from step {used['step']} of {point.init_from_point}, whose chosen checkpoint is now step {now}"
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def changed_config(point: Point, out: Path) -> str | None:
     """Why ``point``'s finished run is not its result any more: the config it was launched with
     (``OUT/configs/GROUP/NAME.yaml``) differs from the point's now (a study whose spec changed, re-run into
@@ -157,15 +147,14 @@ def changed_config(point: Point, out: Path) -> str | None:
     if not path.is_file() or not RunDir(point.run_dir(out)).finished:
         return None
     try:
-        launched = _flat(load_config(path).model_dump())
+        launched = load_config(path)
     except (KilolayerError, OSError, ValueError):
         return None  # a launch config this version cannot read: nothing to compare
-    now = _flat(point.config.model_dump())
-    keys = sorted(k for k in set(launched) | set(now) if k != "train.init_from" and launched.get(k) != now.get(k))
-    if not keys:
+    changes = {k: v for k, v in config_changes(launched, point.config).items() if k != "train.init_from"}
+    if not changes:
         return None
-    shown = ", ".join(f"{k}: {launched.get(k)!r} -> {now.get(k)!r}" for k in keys[:3])
-    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changes.items())[:3])
+    more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
     return f"its config changed since it ran ({shown}{more})"
 
 

@@ -497,10 +497,9 @@ def _check_same_search(out: Path, config: Config, settings: Settings) -> None:
         rundir.write_json(out / SETTINGS, mine)
         return
     if saved != mine:
-        from kilolayer.train.run import _flatten
+        from kilolayer.config import differences
 
-        a, b = _flatten(saved), _flatten(mine)
-        keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        keys = list(differences(saved, mine))
         raise ConfigError(
             f"--out {out}: holds a search with other settings ({', '.join(keys[:5])} differ); give the same config "
             f"and options to continue it (only --budget-steps and --minutes may change), or choose another --out"

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from kilolayer import rundir
-from kilolayer.config import Config, dump_yaml, load_config
+from kilolayer.config import Config, config_changes, dump_yaml, load_config
 from kilolayer.errors import ConfigError, DivergedError, KilolayerError
 from kilolayer.files import write_atomic
 from kilolayer.train import checkpoint as ckpt
@@ -205,7 +205,7 @@ class Run:
             self.started = True
             write_atomic(self.out / rundir.CONFIG, dump_yaml(self.config))
             if self.resume:
-                rundir.record_resume(self.out, self.start_step, _changes(previous, self.config))
+                rundir.record_resume(self.out, self.start_step, config_changes(previous, self.config))
         self.started = True
         D.barrier(self.env)
 
@@ -474,24 +474,6 @@ class Run:
 
 def _quiet(message: str) -> None:
     """Ranks other than 0 do not repeat rank 0's warnings."""
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in data.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
-    return out
-
-
-def _changes(old: Config | None, new: Config) -> dict:
-    """``{"train.lr": [old, new], ...}`` for every key whose value differs."""
-    if old is None:
-        return {}
-    a, b = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
-    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 def resolve_config(config, out_dir: Path, resume: bool, sets: list[str] | None = None) -> Config:
