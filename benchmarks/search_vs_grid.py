@@ -1,9 +1,10 @@
-"""``kilolayer search`` against the full grid it replaces, on five objectives whose best shapes may differ.
+"""``kilolayer search`` against the full grid it replaces, on six objectives whose best shapes may differ.
 
     OMP_NUM_THREADS=1 python -m benchmarks.search_vs_grid --out runs/search_vs_grid
 
 For each objective (:data:`OBJECTIVES`: MAE, classification and CLIP on the bundled digits, next-byte and
-masked-byte prediction on the standard-library corpus; one torch thread, the settings in :data:`COMMON`), the
+masked-byte prediction on the standard-library corpus, next-byte prediction of repeated strings, where depth is
+known to pay (:data:`REPEATS`); one torch thread, the settings in :data:`COMMON`), the
 same parameter-matched shapes that ``kilolayer search`` generates (:func:`kilolayer.study.search.shapes`) are
 
 1. trained to the full budget for two seeds: the grid's best shape (lowest mean final evaluation loss) and its
@@ -31,6 +32,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -42,13 +44,28 @@ from kilolayer.study import search as S
 
 #: the byte objectives: 64-byte windows at width 64, so a byte grid costs about what a digits grid does
 TEXT = ["model.width=64", "model.max_len=64", "data.options.seq_len=63"]
-#: the objectives: (name, config, --set overrides of their own)
+#: next-byte prediction of a line that repeats a random string of random length ("qzkfe|qzkfe"): after the "|",
+#: each byte is the one after the previous occurrence of the byte before it, a lookup of two attention steps (an
+#: induction head) that one layer cannot make, so this grid's best is deeper than one layer. Deeper shapes learn
+#: the lookup abruptly, at a step that varies with the seed, so this grid trains 3,000 steps rather than 360.
+#: The corpus is written to OUT by :func:`repeats_corpus`
+REPEATS = [
+    "model.width=64",
+    "model.max_len=32",
+    "data.name=text",
+    "data.path={out}/repeats.txt",
+    "data.options={}",
+    "train.steps=3000",
+    "train.eval_every=50",
+]
+#: the objectives: (name, config, --set overrides of their own; ``{out}`` is the output folder)
 OBJECTIVES = (
     ("mae", "configs/digits_mae.yaml", []),
     ("classification", "configs/digits_vit.yaml", []),
     ("contrastive", "configs/digits_clip.yaml", []),
     ("next_token", "configs/stdlib_gpt.yaml", TEXT),
     ("mlm", "configs/stdlib_mlm.yaml", TEXT),
+    ("next_token_repeats", "configs/stdlib_gpt.yaml", REPEATS),
 )
 #: every objective: head size 4 (widths in steps of 4: ten shapes on digits, seven on bytes, whose embedding
 #: takes its share), a short budget on one thread
@@ -64,6 +81,26 @@ COMMON = [
     "train.threads=1",
 ]
 PARAMS, DEPTHS, TOLERANCE, ETA, SEEDS = 60_000, (1, 24), 0.1, 3, (0, 1)
+
+
+def repeats_corpus(path: Path, lines: int = 20_000, seed: int = 0) -> None:
+    """Write ``lines`` lines ``s|s`` to ``path``, each ``s`` 4-14 random lowercase letters (seeded). A file
+    already there must be that corpus: it is left as it is, and any other file stops the benchmark."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    rows = ("".join(rng.choices(letters, k=rng.randint(4, 14))) for _ in range(lines))
+    text = "".join(f"{s}|{s}\n" for s in rows)
+    if path.exists():
+        if path.read_text(errors="replace") != text:
+            raise SystemExit(f"{path}: exists and is not the repeated-string corpus this benchmark writes; move it")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def objective_sets(sets: list[str], out: Path) -> list[str]:
+    """An objective's overrides with ``{out}`` filled in."""
+    return [s.replace("{out}", str(out)) for s in sets]
 
 
 def cpu_model() -> str:
@@ -132,6 +169,9 @@ def recorded_grid(path: Path, name: str, sets: list[str], shapes) -> tuple[dict,
 
 
 def compare(name: str, config_path: str, sets: list[str], out: Path, log=print, grid_from: Path | None = None) -> dict:
+    sets = objective_sets(sets, out)
+    if any(s == f"data.path={out / 'repeats.txt'}" for s in sets):
+        repeats_corpus(out / "repeats.txt")
     config = load_config(config_path, [*COMMON, *sets])
     shapes = S.shapes(config, PARAMS, DEPTHS, TOLERANCE)
     record_path = out / name / "times.json"

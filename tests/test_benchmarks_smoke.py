@@ -794,6 +794,31 @@ def test_search_vs_grid_reads_back_only_a_grid_of_the_same_settings(tmp_path):
         ]
     }
     for name, config, sets in B.OBJECTIVES:
+        sets = B.objective_sets(sets, Path("runs/search_vs_grid"))  # the documented --out
         got = S.shapes(load_config(config, [*B.COMMON, *sets]), B.PARAMS, B.DEPTHS, B.TOLERANCE)
         assert [s.name for s in got] == measured[name]["shapes"]
         assert measured[name]["sets"] == [*B.COMMON, *sets]
+
+
+def test_search_vs_grid_repeats_corpus(tmp_path):
+    """The repeated-string corpus: seeded, every line a string of 4-14 lowercase letters, "|", the same string;
+    a file of another content in its place stops the benchmark and is kept."""
+    from benchmarks import search_vs_grid as B
+
+    a, b, c = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"
+    B.repeats_corpus(a, lines=500)
+    B.repeats_corpus(b, lines=500)
+    B.repeats_corpus(c, lines=500, seed=1)
+    assert a.read_text() == b.read_text() != c.read_text()
+    rows = a.read_text().splitlines()
+    assert len(rows) == 500
+    for row in rows:
+        left, bar, right = row.partition("|")
+        assert bar and left == right and 4 <= len(left) <= 14 and left.isalpha() and left.islower()
+    assert {len(r.partition("|")[0]) for r in rows} == set(range(4, 15))  # the copy's offset varies
+    B.repeats_corpus(a, lines=500)  # the same corpus again: left as it is
+    a.write_text("mine\n")
+    with pytest.raises(SystemExit, match="a.txt: exists and is not the repeated-string corpus"):
+        B.repeats_corpus(a, lines=500)
+    assert a.read_text() == "mine\n"
+    assert B.objective_sets(["data.path={out}/repeats.txt", "x=1"], Path("o")) == ["data.path=o/repeats.txt", "x=1"]

@@ -519,9 +519,10 @@ def _bounds(ds: list[float]) -> tuple[float, float, float]:
 @pytest.mark.slow
 def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path, monkeypatch):
     """bamboo_cpu's groups, recipes unchanged but at toy size (1- and 2-layer width-32 models, 256 MNIST training
-    images, help pages made up in the package's format): every trained run but MAE's and MLM's stops on its
-    plateau, before its step cap; every analysis and finding runs; and two verdicts' numbers recomputed by hand
-    from the run directories (standing evaluations, smoothness files) equal the report's."""
+    images, help pages made up in the package's format, a quarter of each step cap, so a quarter of each wait):
+    every trained run but MAE's and MLM's stops on its plateau, before its step cap; every analysis and finding
+    runs; and two verdicts' numbers recomputed by hand from the run directories (standing evaluations,
+    smoothness files) equal the report's."""
     from helpers import build_fixture
 
     from kilolayer.data import lo_help
@@ -548,7 +549,7 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
             # MAE and MLM reach their caps at full size too (docs/results.md, "Bamboo on real data": MAE flat by
             # the convergence rule, MLM still improving): they are cut short here (MAE to 40 steps of its 256
             # images, MLM to 600 steps) and only the other recipes are held to stopping on a plateau
-            steps = {"mae": 40, "mlm": 600}.get(g["name"], base["train"]["steps"])
+            steps = {"mae": 40, "mlm": 600}.get(g["name"], base["train"]["steps"] // 4)
             evals = -(-128 // base["train"]["batch_size"])  # about 128 samples per evaluation
             base["train"].update(steps=steps, eval_every=10, eval_batches=evals, checkpoint_every=steps, warmup=5)
             caps[g["name"]] = steps
