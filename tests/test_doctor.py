@@ -484,3 +484,39 @@ def test_calibration_grids_are_valid_configs():
     base = next(g for g in quick()["groups"] if g["name"] == "deepnet")["base"]
     q = next(p for p in points if p.name == "scheme=post_ln_layers=18_decoder_layers=18_seed=1")
     assert q.config["train"] == {**base["train"], "seed": 1} and q.config["model"]["layers"] == 18
+
+
+def test_too_slow_rule_on_a_constructed_replay():
+    """The last lines of the forecast rule on constructed replays (chance 3.0, lr 1e-3 a step, 1,000 steps): a
+    loss falling fast enough is forecast to train, with the share of the learning rate still to come after which
+    a straight line at half its recent pace crosses 0.9 x chance; one falling too slowly stalls."""
+    from kilolayer.doctor.forecast import decide
+
+    def replay_of(losses):
+        steps = list(range(1, len(losses) + 1))
+        return {
+            "chance": 3.0,
+            "stopped": None,
+            "ungated": None,
+            "eval_loss0": 3.0,
+            "per_step": {"step": steps, "eval_loss": losses, "lr": [1e-3] * len(steps), "grad_ratio": []},
+            "schedule": {
+                "steps": 1000,
+                "lr": 1e-3,
+                "lr_seen_max": 1e-3,
+                "lr_sum_seen": 1e-3 * len(steps),
+                "lr_sum_total": 1.0,
+            },
+        }
+
+    # the second half (steps 20-40) falls 0.1: 0.1 / (20 x 1e-3) = 5 a unit of lr; 0.96 of lr still to come
+    fast = [3.0 - 0.005 * max(0, s - 20) for s in range(1, 41)]
+    verdict, reason, numbers = decide(replay_of(fast))
+    assert verdict == "trains"
+    assert numbers["rate"] == pytest.approx(5.0) and numbers["remaining_lr"] == pytest.approx(0.96)
+    # 2.9 must fall to 2.7: 0.2 / (0.5 x 5 x 0.96) = 8.3% of what is to come
+    assert numbers["crossing_share"] == pytest.approx(0.2 / (0.5 * 5 * 0.96))
+    assert "crosses that line after 8% of the learning rate still to come" in reason
+    slow = [3.0 - 0.0001 * max(0, s - 20) for s in range(1, 41)]  # half of 0.1 a unit of lr: 2.998 -> 2.95
+    verdict, reason, numbers = decide(replay_of(slow))
+    assert verdict == "stalls" and "would reach only 0.98 x chance by step 1000" in reason

@@ -243,12 +243,16 @@ def decide(m: dict) -> tuple[str, str, dict]:
             ),
             numbers,
         )
+    # where the straight line at half the recent pace crosses the line, as a share of the learning rate to come
+    # (the line itself runs on past it, below zero on a steep descent: no loss it could reach)
+    share = (last - LEARNED_NOTHING * level) / (SLOW_DOWN * rate * remaining)
+    numbers["crossing_share"] = share
     return (
         "trains",
         (
             f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading below "
-            f"{LEARNED_NOTHING:g} x chance by step {sched['steps']} (projected "
-            f"{max(projected, 0) / level:.2f}, linear at half its recent pace)"
+            f"{LEARNED_NOTHING:g} x chance by step {sched['steps']}: at half its recent pace per unit of learning "
+            f"rate it crosses that line after {share:.0%} of the learning rate still to come"
         ),
         numbers,
     )
