@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python -m benchmarks.search_vs_grid --out runs/search_vs_grid
 
 For each objective (:data:`OBJECTIVES`: MAE, classification and CLIP on the bundled digits, next-byte and
-masked-byte prediction on the standard-library corpus, next-byte prediction of repeated strings, where depth is
-known to pay (:data:`REPEATS`); one torch thread, the settings in :data:`COMMON`), the
+masked-byte prediction on the standard-library corpus; and next-byte prediction of repeated strings, a task two
+layers learn far sooner than one (:data:`REPEATS`); one torch thread, the settings in :data:`COMMON`), the
 same parameter-matched shapes that ``kilolayer search`` generates (:func:`kilolayer.study.search.shapes`) are
 
 1. trained to the full budget for two seeds: the grid's best shape (lowest mean final evaluation loss) and its
@@ -44,21 +44,20 @@ from kilolayer.study import search as S
 
 #: the byte objectives: 64-byte windows at width 64, so a byte grid costs about what a digits grid does
 TEXT = ["model.width=64", "model.max_len=64", "data.options.seq_len=63"]
-#: next-byte prediction of a line that repeats a random string of random length ("qzkfe|qzkfe"): after the "|",
-#: each byte is the one after the previous occurrence of the byte before it, a lookup of two attention steps (an
-#: induction head) that one layer cannot make, so this grid's best is deeper than one layer. Deeper shapes learn
-#: the lookup abruptly, at a step that varies with the seed, so this grid trains 3,000 steps rather than 360.
-#: The corpus is written to OUT by :func:`repeats_corpus`
+#: next-byte prediction of a line that repeats a random string of random length ("qzkfe|qzkfe"): after the bar,
+#: each byte is a copy of the one L + 1 places back, L the string's length. Two layers learn the copy within a few
+#: thousand steps (one head finds the bar, the next copies from the offset it gives); one layer learns it too, from
+#: heads at fixed offsets, but far more slowly. The multi-layer shapes learn it abruptly, at a step that varies with
+#: the seed, so this grid trains 3,000 steps rather than 360. Its corpus (:data:`CORPORA`) is written to OUT.
 REPEATS = [
     "model.width=64",
     "model.max_len=32",
     "data.name=text",
-    "data.path={out}/repeats.txt",
     "data.options={}",
     "train.steps=3000",
     "train.eval_every=50",
 ]
-#: the objectives: (name, config, --set overrides of their own; ``{out}`` is the output folder)
+#: the objectives: (name, config, --set overrides of their own)
 OBJECTIVES = (
     ("mae", "configs/digits_mae.yaml", []),
     ("classification", "configs/digits_vit.yaml", []),
@@ -98,9 +97,19 @@ def repeats_corpus(path: Path, lines: int = 20_000, seed: int = 0) -> None:
     path.write_text(text)
 
 
-def objective_sets(sets: list[str], out: Path) -> list[str]:
-    """An objective's overrides with ``{out}`` filled in."""
-    return [s.replace("{out}", str(out)) for s in sets]
+#: objectives that read a corpus this benchmark writes: name -> (its file under OUT, the function that writes it)
+CORPORA = {"next_token_repeats": ("repeats.txt", repeats_corpus)}
+
+
+def objective_config(name: str, config_path: str, sets: list[str], out: Path):
+    """The objective's config: ``config_path`` with :data:`COMMON` and ``sets``, reading its corpus from OUT (written
+    there first) if it has one. The path is set on the loaded config, never parsed as a --set value."""
+    config = load_config(config_path, [*COMMON, *sets])
+    if name in CORPORA:
+        file, write = CORPORA[name]
+        write(out / file)
+        config = load_config({**config.model_dump(), "data": {**config.data.model_dump(), "path": str(out / file)}})
+    return config
 
 
 def cpu_model() -> str:
@@ -169,10 +178,7 @@ def recorded_grid(path: Path, name: str, sets: list[str], shapes) -> tuple[dict,
 
 
 def compare(name: str, config_path: str, sets: list[str], out: Path, log=print, grid_from: Path | None = None) -> dict:
-    sets = objective_sets(sets, out)
-    if any(s == f"data.path={out / 'repeats.txt'}" for s in sets):
-        repeats_corpus(out / "repeats.txt")
-    config = load_config(config_path, [*COMMON, *sets])
+    config = objective_config(name, config_path, sets, out)
     shapes = S.shapes(config, PARAMS, DEPTHS, TOLERANCE)
     record_path = out / name / "times.json"
     record_path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,6 +227,7 @@ def compare(name: str, config_path: str, sets: list[str], out: Path, log=print, 
         "objective": name,
         "config": config_path,
         "sets": [*COMMON, *sets],
+        "corpus": CORPORA[name][0] if name in CORPORA else None,  # under OUT, read as data.path
         "shapes": [s.name for s in shapes],
         "grid": {k: {"losses": v, "mean": means[k]} for k, v in losses.items()},
         "grid_best": best,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -794,7 +795,6 @@ def test_search_vs_grid_reads_back_only_a_grid_of_the_same_settings(tmp_path):
         ]
     }
     for name, config, sets in B.OBJECTIVES:
-        sets = B.objective_sets(sets, Path("runs/search_vs_grid"))  # the documented --out
         got = S.shapes(load_config(config, [*B.COMMON, *sets]), B.PARAMS, B.DEPTHS, B.TOLERANCE)
         assert [s.name for s in got] == measured[name]["shapes"]
         assert measured[name]["sets"] == [*B.COMMON, *sets]
@@ -802,9 +802,13 @@ def test_search_vs_grid_reads_back_only_a_grid_of_the_same_settings(tmp_path):
 
 def test_search_vs_grid_repeats_corpus(tmp_path):
     """The repeated-string corpus: seeded, every line a string of 4-14 lowercase letters, "|", the same string;
-    a file of another content in its place stops the benchmark and is kept."""
+    written under OUT whatever OUT's name, read from there as data.path (never parsed as a --set value, so '#'
+    and ': ' in a path stay as they are); the same corpus there is left as it is, a file of another content in
+    its place stops the benchmark and is kept; a grid read back with --grid-from does not depend on OUT."""
     from benchmarks import search_vs_grid as B
+    from kilolayer.study import search as S
 
+    root = Path(__file__).resolve().parent.parent
     a, b, c = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"
     B.repeats_corpus(a, lines=500)
     B.repeats_corpus(b, lines=500)
@@ -816,9 +820,22 @@ def test_search_vs_grid_repeats_corpus(tmp_path):
         left, bar, right = row.partition("|")
         assert bar and left == right and 4 <= len(left) <= 14 and left.isalpha() and left.islower()
     assert {len(r.partition("|")[0]) for r in rows} == set(range(4, 15))  # the copy's offset varies
+    os.utime(a, (1, 1))
     B.repeats_corpus(a, lines=500)  # the same corpus again: left as it is
+    assert a.stat().st_mtime == 1
     a.write_text("mine\n")
     with pytest.raises(SystemExit, match="a.txt: exists and is not the repeated-string corpus"):
         B.repeats_corpus(a, lines=500)
     assert a.read_text() == "mine\n"
-    assert B.objective_sets(["data.path={out}/repeats.txt", "x=1"], Path("o")) == ["data.path=o/repeats.txt", "x=1"]
+
+    name, config, sets = next(o for o in B.OBJECTIVES if o[0] in B.CORPORA)
+    out = tmp_path / "runs #1: x"
+    cfg = B.objective_config(name, config, sets, out)
+    assert cfg.data.name == "text" and cfg.data.path == str(out / "repeats.txt")
+    assert (out / "repeats.txt").read_text().count("\n") == 20_000
+    # the measured grid is found from another OUT: its settings hold no path
+    shapes = S.shapes(cfg, B.PARAMS, B.DEPTHS, B.TOLERANCE)
+    losses, _ = B.recorded_grid(root / "docs/data/search_vs_grid.json", name, [*B.COMMON, *sets], shapes)
+    assert set(losses) == {s.name for s in shapes}
+    assert B.objective_config("mae", "configs/digits_mae.yaml", [], tmp_path / "m").data.name == "digits"
+    assert not (tmp_path / "m").exists()  # an objective without a corpus writes nothing

@@ -516,7 +516,10 @@ def test_too_slow_rule_on_a_constructed_replay():
     assert numbers["rate"] == pytest.approx(5.0) and numbers["remaining_lr"] == pytest.approx(0.96)
     # 2.9 must fall to 2.7: 0.2 / (0.5 x 5 x 0.96) = 8.3% of what is to come
     assert numbers["crossing_share"] == pytest.approx(0.2 / (0.5 * 5 * 0.96))
-    assert "crosses that line after 8% of the learning rate still to come" in reason
+    assert "crosses that line after 8% of the summed learning rate still to come" in reason
+    steep = [3.0 - 0.0145 * max(0, s - 20) for s in range(1, 41)]  # 2.71 at step 40: 14.5 a unit of lr
+    verdict, reason, numbers = decide(replay_of(steep))
+    assert verdict == "trains" and "after <1% of the summed" in reason  # not "0%"
     slow = [3.0 - 0.0001 * max(0, s - 20) for s in range(1, 41)]  # half of 0.1 a unit of lr: 2.998 -> 2.95
     verdict, reason, numbers = decide(replay_of(slow))
     assert verdict == "stalls" and "would reach only 0.98 x chance by step 1000" in reason
