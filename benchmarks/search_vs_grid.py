@@ -1,4 +1,4 @@
-"""``kilolayer search`` against the full grid it replaces, on six objectives whose best shapes may differ.
+"""``kilolayer search`` against the full grid it replaces, on six tasks whose best shapes may differ.
 
     OMP_NUM_THREADS=1 python -m benchmarks.search_vs_grid --out runs/search_vs_grid
 
