@@ -44,11 +44,12 @@ from kilolayer.study import search as S
 
 #: the byte objectives: 64-byte windows at width 64, so a byte grid costs about what a digits grid does
 TEXT = ["model.width=64", "model.max_len=64", "data.options.seq_len=63"]
-#: next-byte prediction of a line that repeats a random string of random length ("qzkfe|qzkfe"): after the bar,
-#: each byte is a copy of the one L + 1 places back, L the string's length. Two layers learn the copy within a few
-#: thousand steps (one head finds the bar, the next copies from the offset it gives); one layer learns it too, from
-#: heads at fixed offsets, but far more slowly. The multi-layer shapes learn it abruptly, at a step that varies with
-#: the seed, so this grid trains 3,000 steps rather than 360. Its corpus (:data:`CORPORA`) is written to OUT.
+#: next-byte prediction of a line that repeats a random string of random length ("qzkfe|qzkfe"): after the bar, each
+#: byte is a copy of the one L + 1 places back, L the string's length. Two layers learn the copy within a few thousand
+#: steps (a first-layer head finds the bar, a second-layer head copies from the offset that gives); one layer learns it
+#: too, from heads at fixed offsets, but far more slowly. The multi-layer shapes learn it abruptly, at a step that
+#: varies with the seed, so this grid trains 3,000 steps rather than 360. Its corpus (:data:`CORPORA`) is written to
+#: OUT.
 REPEATS = [
     "model.width=64",
     "model.max_len=32",
