@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.search_vs_grid --out runs/search_vs_grid
 
-For each objective (:data:`OBJECTIVES`: MAE, classification and CLIP on the bundled digits, next-byte and
+For each task (:data:`OBJECTIVES`: MAE, classification and CLIP on the bundled digits, next-byte and
 masked-byte prediction on the standard-library corpus; and next-byte prediction of repeated strings, a task two
 layers learn far sooner than one (:data:`REPEATS`); one torch thread, the settings in :data:`COMMON`), the
 same parameter-matched shapes that ``kilolayer search`` generates (:func:`kilolayer.study.search.shapes`) are
@@ -46,10 +46,10 @@ from kilolayer.study import search as S
 TEXT = ["model.width=64", "model.max_len=64", "data.options.seq_len=63"]
 #: next-byte prediction of a line that repeats a random string of random length ("qzkfe|qzkfe"): after the bar, each
 #: byte is a copy of the one L + 1 places back, L the string's length. Two layers learn the copy within a few thousand
-#: steps (a first-layer head finds the bar, a second-layer head copies from the offset that gives); one layer learns it
-#: too, from heads at fixed offsets, but far more slowly. The multi-layer shapes learn it abruptly, at a step that
-#: varies with the seed, so this grid trains 3,000 steps rather than 360. Its corpus (:data:`CORPORA`) is written to
-#: OUT.
+#: steps (a first-layer head can find the bar, a second-layer head copy from the offset that gives); one layer learns it
+#: too, far more slowly (presumably from heads at fixed offsets). Some of the deeper shapes learn it abruptly, at a step
+#: that varies with the seed, so this grid trains 3,000 steps rather than 360. Its corpus (:data:`CORPORA`) is written
+#: to OUT.
 REPEATS = [
     "model.width=64",
     "model.max_len=32",

@@ -252,7 +252,7 @@ def decide(m: dict) -> tuple[str, str, dict]:
         (
             f"the evaluation loss is {last / level:.2f} x chance at step {last_step} and heading below "
             f"{LEARNED_NOTHING:g} x chance by step {sched['steps']}: at half its recent pace per unit of learning "
-            f"rate it crosses that line after {'<1%' if share < 0.005 else f'{share:.0%}'} of the summed learning "
+            f"rate it crosses that line after {'<1%' if share < 0.01 else f'{share:.0%}'} of the summed learning "
             "rate still to come (a share of the schedule's rate, not of its steps)"
         ),
         numbers,
