@@ -485,7 +485,8 @@ def test_judging_by_the_selection_measure_keeps_failed_runs_one_seed_and_modalit
     """The smoothing finding with accuracy-stopped classifiers (the built-in bamboo's) whose losses rise with
     noise after their minimum, as an overfitting classifier's do: the images pair holds (a loss dip after the
     standing checkpoint is not counted), the text pair, whose numbers contradict the images', does not hold;
-    a failed supervised run is named and leaves the images verdict inconclusive; one seed decides nothing."""
+    a failed supervised run is named and leaves the images verdict inconclusive, a diverged classifier the text
+    one; one seed decides nothing."""
     cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.4}
     cos |= {"text_classify": lambda l, s: 0.2 + NOISE[s], "mlm": lambda l, s: 0.6}
     results = _bamboo(cos)
@@ -504,6 +505,12 @@ def test_judging_by_the_selection_measure_keeps_failed_runs_one_seed_and_modalit
     failed.status, failed.reason = "failed", "boom"
     images = _by_title(bamboo_smoothing(results, tmp_path), "more than token-level (images: supervised vs mae)")
     assert images.verdict.verdict == INCONCLUSIVE and failed.point.key in images.verdict.reason
+    # a diverged classifier, judged on its accuracy like the rest, still decides nothing against the claim
+    diverged = next(r for r in results if r.point.group == "text_classify" and r.point.values["train.seed"] == 2)
+    diverged.status, diverged.reason = "diverged", "loss above 10 x its running minimum"
+    text = _by_title(bamboo_smoothing(results, tmp_path), "more than token-level (text: text_classify vs mlm)")
+    assert text.verdict.verdict == INCONCLUSIVE and "diverged" in text.verdict.reason
+    diverged.status, diverged.reason = "completed", ""
     one_seed = [r for r in results if r.point.values.get("train.seed", 0) == 0]
     text = _by_title(bamboo_smoothing(one_seed, tmp_path), "more than token-level (text: text_classify vs mlm)")
     assert text.verdict.verdict == INCONCLUSIVE and text.verdict.mean == pytest.approx(-0.39)
