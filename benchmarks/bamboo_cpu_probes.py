@@ -7,14 +7,13 @@
 
 ``recipe``: the candidate settings the recipe was chosen from, on seed 7 (a seed the study does not use), trained
 without early stopping for a fixed number of steps so that whole validation curves compare: MAE at 64 images a
-step and lr 3e-3, at 256 and 3e-3, and at 256 and 1e-2 (BAMBOO_CPU_BATCHES, BAMBOO_CPU_LR), at both shapes; at
-the deep shape (8 x 48), the text classifier on all eight modules' training paragraphs, on the four largest
-modules' and on a stratified 5,000 of those at lr 1e-3 and 3e-3, and on Basic's and Writer's (the study's,
-BAMBOO_CPU_MODULES) at 1e-3; next-byte prediction and MLM on the eight modules, the four modules' 5,000 and the
-study's two (MLM at lr 1e-3, 1e-3 and the study's 2e-3). ``summary`` prints each probe's best
-validation loss and step, its best loss's change over the last quarter of the steps it ran (the convergence
-rule's measure: the quarter's best against the best of as many evaluations before it) and its seconds of
-training per 100 steps.
+step and lr 3e-3, at 256 and 3e-3, and at 256 and 1e-2 (the study's, kilolayer/studies/bamboo_cpu.yaml), at
+both shapes; at the deep shape (8 x 48), the text classifier on all eight modules' training paragraphs, on the four
+largest modules' and on a stratified 5,000 of those at lr 1e-3 and 3e-3, and on Basic's and Writer's (the study's) at
+1e-3; next-byte prediction and MLM on the eight modules, the four modules' 5,000 and the study's two (MLM at lr
+1e-3, 1e-3 and the study's 2e-3). ``summary`` prints each probe's best validation loss and step, its best loss's
+change over the last quarter of the steps it ran (the convergence rule's measure: the quarter's best against the
+best of as many evaluations before it) and its seconds of training per 100 steps.
 
 ``mean_pool``: the study's supervised group, seed 0, with its tokens mean-pooled instead of a CLS token, and the
 same smoothness analysis, beside the CLS-pooled classifier.
@@ -41,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from kilolayer.data.lo_help import DEFAULT_MODULES
-from kilolayer.study.builtin import BAMBOO_CPU_MODULES, bamboo_cpu
+from kilolayer.study.builtin import BUILTIN
 
 DEEP = [8, 48, 3, 192]  # the study's shapes, as its grid key's values
 WIDE = [2, 96, 6, 384]
@@ -51,7 +50,9 @@ TEXT = "data.options.modules,data.options.train_size"
 ALL_TEXT = [list(DEFAULT_MODULES), None]  # every module but shared, every training paragraph
 FOUR = ["sbasic", "scalc", "swriter", "simpress"]  # the four modules with over 1,000 training paragraphs
 FOUR_TEXT = [FOUR, 5000]  # a stratified 5,000 of their training paragraphs
-STUDY_TEXT = [list(BAMBOO_CPU_MODULES), None]  # Basic and Writer, every training paragraph
+bamboo_cpu = BUILTIN["bamboo_cpu"]  # the study's spec, a new dict on every call
+STUDY_DATA = next(g for g in bamboo_cpu()["groups"] if g["name"] == "text_classify")["base"]["data"]
+STUDY_TEXT = [STUDY_DATA["options"]["modules"], None]  # Basic and Writer, every training paragraph
 # group -> (steps, grid key, the candidate values of that key, shapes); 2,048 validation images per MAE
 # evaluation at either batch size
 RECIPE = {

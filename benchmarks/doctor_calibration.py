@@ -49,9 +49,9 @@ class Point:
 
 
 def _quick_base() -> dict:
-    from kilolayer.study.builtin import quick
+    from kilolayer.study.builtin import BUILTIN
 
-    group = next(g for g in quick()["groups"] if g["name"] == "deepnet")
+    group = next(g for g in BUILTIN["quick"]()["groups"] if g["name"] == "deepnet")
     return copy.deepcopy(group["base"])
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import CHANCE, study_results
 
-from kilolayer.study.builtin import DEEPNET_SCHEMES, ROBUST_GRID, TABLE_1
+from kilolayer.study.builtin import BUILTIN
 from kilolayer.study.findings import (
     HELD,
     INCONCLUSIVE,
@@ -343,7 +343,7 @@ def test_deepnet_analysis_expands_to_its_panels():
 def test_deepnet_robust_raises_one_setting_at_a_time():
     spec = load_spec("deepnet_robust")
     points = expand(spec)
-    assert len(points) == 72 and [g.name for g in spec.groups] == list(ROBUST_GRID)
+    assert len(points) == 72 and [g.name for g in spec.groups] == ["robust_lr", "robust_batch", "robust_width"]
     base = {"train.lr": 1e-3, "train.batch_size": 32, "model.width": 64}
     raised = {"robust_lr": "train.lr", "robust_batch": "train.batch_size", "robust_width": "model.width"}
     for p in points:
@@ -360,7 +360,9 @@ def test_deepnet_robust_raises_one_setting_at_a_time():
 
 
 def test_deepnet_compares_table_1_and_branchnorm():
-    assert TABLE_1 == [
+    schemes = BUILTIN["deepnet"]()["groups"][0]["grid"]["model.scheme"]
+    # DeepNet's Table 1, row by row, then BranchNorm
+    assert schemes == [
         "post_ln",
         "ds_init",
         "admin",
@@ -371,13 +373,14 @@ def test_deepnet_compares_table_1_and_branchnorm():
         "dlcl",
         "normformer",
         "deepnorm",
+        "branchnorm",
     ]
     spec = load_spec("deepnet")
     points = expand(spec)
     grid = [p for p in points if p.group == "deepnet"]
-    assert {_scheme(p) for p in grid} == set(DEEPNET_SCHEMES) == {*TABLE_1, "branchnorm"}
+    assert {_scheme(p) for p in grid} == set(schemes)
     assert len(grid) == 11 * 4 * 2 and len(points) == len(grid) + 1
-    assert "estimated" in spec.expected_basis and all(s in spec.description for s in DEEPNET_SCHEMES)
+    assert "estimated" in spec.expected_basis and all(s in spec.description for s in schemes)
 
 
 def test_study_list_shows_the_new_studies(capsys):

@@ -475,13 +475,13 @@ def test_forecast_of_real_runs(real_runs, capsys):
 def test_calibration_grids_are_valid_configs():
     """benchmarks/doctor_calibration.py: every point loads, names are unique, quick's match the study's."""
     from benchmarks.doctor_calibration import GRIDS
-    from kilolayer.study.builtin import quick
+    from kilolayer.study.builtin import BUILTIN
 
     points = [p for grid in GRIDS.values() for p in grid()]
     assert len(points) == 18 + 45 + 18 and len({(p.grid, p.name) for p in points}) == len(points)
     for p in points:
         load_config(p.config)
-    base = next(g for g in quick()["groups"] if g["name"] == "deepnet")["base"]
+    base = next(g for g in BUILTIN["quick"]()["groups"] if g["name"] == "deepnet")["base"]
     q = next(p for p in points if p.name == "scheme=post_ln_layers=18_decoder_layers=18_seed=1")
     assert q.config["train"] == {**base["train"], "seed": 1} and q.config["model"]["layers"] == 18
 

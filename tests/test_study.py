@@ -460,11 +460,11 @@ def test_a_wait_of_a_quarter_of_the_cap_lets_a_slow_run_stop_converged():
     """A slowly falling validation loss (an MAE's: about 0.6% per 100 steps near its end, flat from step 4,000),
     stopped by the trainer's own early stopping (its last gain of min_delta at step 3,900): waiting 8 evaluations
     ends it at step 4,700 with its last quarter (after step 3,525) holding a 3% gain, which the convergence rule
-    counts against it; the wait of builtin.plateau_patience (a quarter of a 6,000-step cap: 15 evaluations) ends
+    counts against it; the wait bamboo_cpu gives its MAE group (a quarter of its 6,000-step cap: 15 evaluations) ends
     it at 5,400, flat over its last quarter, so the rule judges it converged."""
     from types import SimpleNamespace
 
-    from kilolayer.study.builtin import plateau_patience
+    from kilolayer.study.builtin import BUILTIN
     from kilolayer.study.findings import still_improving
     from kilolayer.study.runner import Result
     from kilolayer.train.policies import EarlyStopping
@@ -487,8 +487,10 @@ def test_a_wait_of_a_quarter_of_the_cap_lets_a_slow_run_stop_converged():
         standing = next(e for e in evals if e["step"] == rule.best_step)
         return Result(point=p, status="completed", evals=evals, eval=standing)
 
-    short, long = stopped(8), stopped(plateau_patience(6000, 100, 8))
-    assert plateau_patience(6000, 100, 8) == 15 and plateau_patience(2500, 100, 8) == 8
+    train = {g["name"]: g["base"]["train"] for g in BUILTIN["bamboo_cpu"]()["groups"]}
+    # a quarter of a cap, in evaluations, and at least 8: CLIP's 2,500-step cap gives the floor
+    assert (train["mae"]["patience"], train["contrastive"]["patience"]) == (15, 8)
+    short, long = stopped(8), stopped(train["mae"]["patience"])
     assert (short.evals[-1]["step"], long.evals[-1]["step"]) == (4700, 5400)
     loss = {"lower_is_better": True, "relative": True}
     assert still_improving(short, "loss", 0.02, **loss)
@@ -526,14 +528,14 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
     from helpers import build_fixture
 
     from kilolayer.data import lo_help
-    from kilolayer.study.builtin import bamboo_cpu
+    from kilolayer.study.builtin import BUILTIN
 
     monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
     lo_help.load_corpus.cache_clear()
     pages = tmp_path / "pages"
     build_fixture(pages)
     help_data = {"name": "lo_help", "options": {"root": str(pages), "modules": ["swriter", "scalc", "simpress"]}}
-    data = bamboo_cpu()
+    data = BUILTIN["bamboo_cpu"]()
     caps = {}
     for g in data["groups"]:
         g["grid"] = {"model.layers,model.width,model.heads,model.ffn": [[1, 32, 2, 128], [2, 32, 2, 128]]}
