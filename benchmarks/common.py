@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.peers import LM, NotSupported, Spec, batch, build, versions
-from kilolayer.train import metrics, peak
+from kilolayer.train import host, metrics
 from kilolayer.train.engine import apply_update, forward_backward
 
 PRECISIONS = ("fp32", "bf16")
@@ -371,13 +371,13 @@ def format_race(res: dict, columns: list[tuple[str, str]] | None = None) -> str:
 
 def gemm_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, rounds: int = 3) -> float:
     """Best large-GEMM rate (FLOP/s) of ``dtype`` on this CPU: max over ``rounds`` of the mean over ~``seconds``
-    (the trainer's peak measurement, :func:`kilolayer.train.peak.gemm_rate`, at benchmark sizes)."""
-    return peak.gemm_rate(dtype, n=n, seconds=seconds, rounds=rounds)
+    (the trainer's peak measurement, :func:`kilolayer.train.host.gemm_rate`, at benchmark sizes)."""
+    return host.gemm_rate(dtype, n=n, seconds=seconds, rounds=rounds)
 
 
 def gemm_peaks(n: int = 2048, seconds: float = 1.0, precisions: Sequence[str] = PRECISIONS) -> dict[str, float]:
     """:func:`gemm_peak` of each of ``precisions`` (FLOP/s), keyed fp32 / bf16."""
-    return {p: gemm_peak(peak.DTYPES[p], n=n, seconds=seconds) for p in precisions}
+    return {p: gemm_peak(host.DTYPES[p], n=n, seconds=seconds) for p in precisions}
 
 
 #: a quick GEMM of each precision: which one is faster here (a second at most where bf16 is slow)
@@ -482,7 +482,7 @@ def add_fast_precision_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def cpu_model() -> str:
-    return peak.cpu_model()
+    return host.cpu_model()
 
 
 def cpu_flags() -> list[str]:

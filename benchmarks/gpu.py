@@ -11,7 +11,7 @@ otherwise put it first for kilolayer's plain call), and the kernel SDPA picks fo
 torchscale 0.3.0 computes softmax(QK^T)V itself. The variants take turns, one step each per round
 (``benchmarks.common.race``), and ratios are medians of per-round ratios. MFU = tokens/s x model FLOPs per token
 (``kilolayer.training_flops`` + 6 d V for the head) / the vendor's dense bf16 figure for the GPU
-(``kilolayer.train.peak.device_peak``; measured where the GPU is not in its table).
+(``kilolayer.train.host.device_peak``; measured where the GPU is not in its table).
 
 Shapes: seq 1024, batch 8 (8,192 tokens a step), vocabulary 32,768; d=1024 x 24L (16 heads, FFN 4096,
 0.37B parameters) and d=512 x 96L (8 heads, FFN 2048, 0.34B). By arithmetic: at
@@ -40,7 +40,7 @@ import torch
 
 from benchmarks import common, train_step
 from benchmarks.peers import Spec, model_flops_per_token
-from kilolayer.train.peak import DTYPES, device_peak
+from kilolayer.train.host import DTYPES, device_peak
 
 CONFIGS = {
     "d1024x24": Spec(width=1024, layers=24, heads=16, ffn=4096, seq_len=1024, vocab=32768),

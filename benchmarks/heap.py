@@ -1,7 +1,7 @@
 """What ``train.hold_heap`` saves: page faults, system time and step time of a CPU training step.
 
 Each point runs in its own process (an allocator setting lasts for the process's life): build the model,
-then call :func:`kilolayer.train.heap.hold_heap` as the trainer's engine does for an
+then call :func:`kilolayer.train.host.hold_heap` as the trainer's engine does for an
 un-checkpointed CPU run (or not), take two warm-up steps, then time steady-state fp32 training steps
 (forward, LM head, cross-entropy, backward, AdamW: ``benchmarks.common.TrainStep``) and read the process's
 ``getrusage``: minor page faults, system and user CPU seconds, and wall seconds, per step. Held and default
@@ -43,7 +43,7 @@ def run_point(hold: bool, spec: Spec, batch_size: int, steps: int) -> dict:
 
     from benchmarks.common import EAGER, TrainStep, fixed_batch
     from benchmarks.peers import build
-    from kilolayer.train.heap import hold_heap
+    from kilolayer.train.host import hold_heap
 
     torch.manual_seed(0)
     step = TrainStep(build("kilolayer", spec), EAGER)

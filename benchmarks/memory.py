@@ -5,7 +5,7 @@ steps (forward + LM head + cross-entropy + backward + AdamW; the second step
 holds AdamW state and activations at once) and report the process's peak
 resident set size (VmHWM), next to its size right after the imports.
 kilolayer checkpoints through ``kilolayer.train.parallelize`` with
-``kilolayer.train.heap``'s trim (as its trainer does for ``model.checkpoint_activations``), torchscale through its
+``kilolayer.train.host.heap``'s trim (as its trainer does for ``model.checkpoint_activations``), torchscale through its
 ``checkpoint_activations`` flag (fairscale); x-transformers has no
 checkpointing. Also: a 500L-500L width-64 DeepNorm encoder-decoder.
 
@@ -61,7 +61,7 @@ SMOKE_DEPTHS = (2,)
 # points whose extrapolated peak exceeds this are skipped, not run
 DEFAULT_CAP_GIB = 12.0
 # kilolayer's deepest checkpointed points are measured again under each of these environments, to show what
-# the default heap trim (train.trim_heap_every, kilolayer.train.heap.HeapTrimmer) saves against none
+# the default heap trim (train.trim_heap_every, kilolayer.train.host.heap.HeapTrimmer) saves against none
 # ("before") and against the opt-in train.pin_mmap, in memory and in step time
 VARIANTS = {
     "untrimmed": {"KILOLAYER_TRIM_HEAP": "0"},

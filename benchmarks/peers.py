@@ -179,7 +179,7 @@ def build_kilolayer(spec: Spec) -> LM:
     _check(spec)
     backbone = build_model(kilolayer_config(spec))
     if spec.checkpoint:
-        from kilolayer.train.heap import prepare_checkpointing
+        from kilolayer.train.host import prepare_checkpointing
         from kilolayer.train.parallelize import checkpoint_layers
 
         # applied from outside the model with the default heap handling, as the trainer does

@@ -3,8 +3,9 @@
 For each shape, ``kilolayer train`` runs as a user runs it: the command's whole wall time, start-up included,
 with ``OMP_NUM_THREADS`` removed from its environment. Two thread settings race:
 
-* ``policy``: no count given, so :mod:`kilolayer.train.threads` chooses (and re-checks) it;
-* ``every core``: ``--threads`` = the usable CPUs, what each process takes by itself without a policy.
+* ``auto``: ``--threads auto``, the count that follows the load (:mod:`kilolayer.train.host.threads`): the usable
+  CPUs less those other work keeps busy, re-checked every second;
+* ``every core``: ``--threads`` = the usable CPUs, the default count, what each process takes by itself.
 
 Per setting: one run alone, then two started together (each one's wall time); the ratio is the mean of the two
 runs' times over the run alone's. Settings take turns shape by shape, so drift in the machine's load hits both.
@@ -26,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks import common
-from kilolayer.train.threads import usable_cpus
+from kilolayer.train.host import usable_cpus
 
 #: (name, model section): a small and a wider encoder-decoder reversing digit strings
 SHAPES = [
@@ -50,9 +51,9 @@ def _env() -> dict:
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 
-def race(cfg_path: Path, work: Path, runs: int, threads: int | None) -> list[float]:
+def race(cfg_path: Path, work: Path, runs: int, threads: int | str) -> list[float]:
     """Wall seconds of ``runs`` ``kilolayer train`` processes started together."""
-    extra = ["--threads", str(threads)] if threads else []
+    extra = ["--threads", str(threads)]
     procs, t0 = [], time.perf_counter()
     for i in range(runs):
         out = work / f"run{time.monotonic_ns()}_{i}"
@@ -73,7 +74,7 @@ def race(cfg_path: Path, work: Path, runs: int, threads: int | None) -> list[flo
 
 def run(smoke: bool = False) -> dict:
     cpus = usable_cpus()
-    settings = [("policy", None), (f"every core ({cpus} threads)", cpus)]
+    settings = [("auto", "auto"), (f"every core ({cpus} threads)", cpus)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kilolayer-side-by-side-") as tmp:
         for shape, model in SHAPES[:1] if smoke else SHAPES:

@@ -33,7 +33,7 @@ import torch
 from benchmarks import common
 from benchmarks.common import EAGER, PEER_LIBRARIES, StepOptions, TrainStep, Variant, fast_modes, fast_variant
 from benchmarks.peers import Spec, build, model_flops_per_token
-from kilolayer.train import peak
+from kilolayer.train import host
 
 CONFIGS = {
     "d256x12": Spec(width=256, layers=12, heads=4, ffn=1024, seq_len=128, vocab=256),
@@ -196,7 +196,7 @@ def _run(
         row["options"]["precision"] for res in result["configs"].values() for row in res["variants"] if "mfu" in row
     }
     for key in (p for p in common.PRECISIONS if p in used):
-        again = common.gemm_peak(peak.DTYPES[key], n=result["peak_gemm_n"][key], seconds=gemm["seconds"])
+        again = common.gemm_peak(host.DTYPES[key], n=result["peak_gemm_n"][key], seconds=gemm["seconds"])
         if again > result["peak_flops"][key]:
             scale = result["peak_flops"][key] / again
             result["peak_flops"][key] = again

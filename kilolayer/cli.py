@@ -200,20 +200,20 @@ COMPUTING = ("doctor", "analyze", "evaluate", "search")
 
 @contextlib.contextmanager
 def _threads(args):
-    """The thread policy's count (:mod:`kilolayer.train.threads`) while a computing command runs; the doctor of a
+    """The thread policy's count (:mod:`kilolayer.train.host.threads`) while a computing command runs; the doctor of a
     run replays its steps at the count the run recorded, where its losses are the run's bit for bit."""
     if args.command not in COMPUTING:
         yield
         return
     import torch
 
+    from kilolayer.train.host import thread_policy
     from kilolayer.train.run import recorded_threads
-    from kilolayer.train.threads import policy
 
     target = Path(getattr(args, "target", "") or "")
     recorded = recorded_threads(target) if args.command == "doctor" and target.is_dir() else None
     before = torch.get_num_threads()
-    torch.set_num_threads(policy(recorded=recorded).count)
+    torch.set_num_threads(thread_policy(recorded=recorded).count)
     try:
         yield
     finally:

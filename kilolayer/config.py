@@ -32,6 +32,8 @@ from kilolayer.errors import ConfigError
 from kilolayer.registry import OBJECTIVES, SCHEMES, SOURCES
 
 Arch = Literal["encoder", "decoder", "encoder_decoder"]
+#: the most intra-op threads ``train.threads`` may ask for (torch takes a C int; no machine here has more cores)
+MAX_THREADS = 1024
 
 
 def _bool_for_number(value: Any, annotation: Any) -> bool:
@@ -227,25 +229,23 @@ class TrainConfig(_Section):
         ge=0,
         strict=True,  # an integer, not `true` (which would read as 1: a trim after every layer)
         description="with activation checkpointing: hand the heap's free pages back every this many layers; "
-        "0: never (kilolayer.train.heap)",
+        "0: never (kilolayer.train.host.heap)",
     )
     pin_mmap: bool = Field(
         False,
-        description="with activation checkpointing: pin glibc's mmap threshold at 64 KiB (kilolayer.train.heap)",
+        description="with activation checkpointing: pin glibc's mmap threshold at 64 KiB (kilolayer.train.host.heap)",
     )
     hold_heap: bool = Field(
         True,
         description="on the CPU with no layer checkpointed: keep the memory a step frees for the next "
-        "(kilolayer.train.heap)",
+        "(kilolayer.train.host.heap)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int | None = Field(
+    threads: int | Literal["auto"] | None = Field(
         None,
-        ge=1,
-        le=1024,
-        strict=True,
-        description="intra-op threads of the training process (default: kilolayer.train.threads' policy; a resume "
-        "reuses a count its run was given or chose once, since float reductions, and so bit-exact resume, follow it)",
+        description="intra-op threads of the training process, fixed for the run (default: every usable core, "
+        "kilolayer.train.host.threads; a resume reuses the count its run recorded, since float reductions, and so "
+        "bit-exact losses, follow it); auto: follow the machine's load during the run (not bit-reproducible)",
     )
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
     diverge_factor: float = Field(
@@ -273,6 +273,13 @@ class TrainConfig(_Section):
         description="early stopping: lower (min) or higher (max) is better; auto: max for accuracy, "
         "exact_match, bleu and chrf (and their intervals' ends), else min",
     )
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> Any:
+        if value is None or value == "auto" or (type(value) is int and 1 <= value <= MAX_THREADS):
+            return value
+        raise ValueError(f"train.threads={value!r}: expected a thread count from 1 to {MAX_THREADS}, or auto")
 
     @field_validator("compile", mode="before")
     @classmethod

@@ -27,7 +27,7 @@ import kilolayer
 from kilolayer import build_model
 from kilolayer.config import load_config
 from kilolayer.errors import ConfigError
-from kilolayer.train import heap as H
+from kilolayer.train.host import heap as H
 from kilolayer.train.parallelize import checkpoint_layers, transformer_layers
 
 # benchmarks/ sits next to tests/ and is not an installed package: make it importable under any runner
@@ -731,13 +731,13 @@ def test_activation_checkpointing_gives_identical_gradients(arch, scheme):
         assert torch.equal(g1[n], g2[n]), n
 
 
-def test_the_side_by_side_targets_read_the_policy_rows():
-    """Constructed rows: the policy's pair at 1.2x its run alone meets the 1.3x goal; its run alone at 1.05x the
+def test_the_side_by_side_targets_read_the_auto_rows():
+    """Constructed rows: the auto pair at 1.2x its run alone meets the 1.3x goal; its run alone at 1.05x the
     every-core run alone is within noise; the second shape misses both."""
     rows = [
-        {"shape": "a", "threads": "policy", "alone_s": 10.5, "side_by_side_s": 12.6, "ratio": 1.2},
+        {"shape": "a", "threads": "auto", "alone_s": 10.5, "side_by_side_s": 12.6, "ratio": 1.2},
         {"shape": "a", "threads": "every core (2 threads)", "alone_s": 10.0, "side_by_side_s": 50.0, "ratio": 5.0},
-        {"shape": "b", "threads": "policy", "alone_s": 12.0, "side_by_side_s": 18.0, "ratio": 1.5},
+        {"shape": "b", "threads": "auto", "alone_s": 12.0, "side_by_side_s": 18.0, "ratio": 1.5},
         {"shape": "b", "threads": "every core (2 threads)", "alone_s": 10.0, "side_by_side_s": 40.0, "ratio": 4.0},
     ]
     got = run_all.side_by_side_targets({"rows": rows, "steps": 60})
@@ -748,7 +748,7 @@ def test_the_side_by_side_targets_read_the_policy_rows():
         ("1.20x", False),
     ]
     text = "\n".join(run_all._side_by_side_section({"rows": rows, "steps": 60}))
-    assert "| a | policy | 10.5 | 12.6 | 1.20x |" in text and "60 steps" in text
+    assert "| a | auto | 10.5 | 12.6 | 1.20x |" in text and "60 steps" in text
     assert run_all.side_by_side_targets(None) == []
 
 

@@ -1,5 +1,5 @@
 """Activation checkpointing hands the heap's free pages back every ``train.trim_heap_every`` layers
-(kilolayer.train.heap.HeapTrimmer): when it trims, that it changes no number, and that it lowers the
+(kilolayer.train.host.heap.HeapTrimmer): when it trims, that it changes no number, and that it lowers the
 peak of a deep checkpointed step (measured in fresh interpreters, since a process's peak only grows)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 
 from kilolayer.config import ModelConfig, load_config
 from kilolayer.nn.transformer import build_model
-from kilolayer.train import heap as H
 from kilolayer.train import parallelize as P
+from kilolayer.train.host import heap as H
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"arch": "encoder", "layers": 6, "width": 16, "heads": 2, "ffn": 32, "vocab_size": 16, "max_len": 8}

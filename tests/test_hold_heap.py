@@ -1,4 +1,4 @@
-"""``train.hold_heap`` (kilolayer.train.heap.hold_heap): what it asks of glibc, when the trainer asks it,
+"""``train.hold_heap`` (kilolayer.train.host.heap.hold_heap): what it asks of glibc, when the trainer asks it,
 and that it stops a training step from faulting in the pages of the last one (in fresh interpreters: a
 process's allocator settings last for its life)."""
 
@@ -16,7 +16,7 @@ import torch
 from helpers import cli
 
 from kilolayer.config import load_config
-from kilolayer.train import heap as H
+from kilolayer.train.host import heap as H
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"arch": "encoder", "layers": 2, "width": 16, "heads": 2, "ffn": 32, "vocab_size": 16, "max_len": 8}
@@ -137,7 +137,7 @@ def test_hold_heap_is_a_boolean():
 
 FAULTS = r"""
 import resource, sys, torch
-from kilolayer.train import heap as H
+from kilolayer.train.host import heap as H
 from benchmarks.common import EAGER, TrainStep, fixed_batch
 from benchmarks.peers import Spec, build
 torch.set_num_threads(1)

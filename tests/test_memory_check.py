@@ -17,8 +17,8 @@ from kilolayer.config import load_config
 from kilolayer.data import load_source
 from kilolayer.errors import ConfigError
 from kilolayer.objectives import build_task
-from kilolayer.train import memory
-from kilolayer.train.memory import GIB, available_memory, check_memory, estimate_memory
+from kilolayer.train.host import memory
+from kilolayer.train.host.memory import GIB, available_memory, check_memory, estimate_memory
 
 DEC = {"arch": "decoder", "layers": 2, "width": 64, "heads": 4, "ffn": 256, "max_len": 64, "vocab_size": 300}
 ENC = {**DEC, "arch": "encoder"}
@@ -199,9 +199,9 @@ RSS_SCRIPT = textwrap.dedent("""
     from kilolayer.config import load_config
     from kilolayer.objectives import build_task
     from kilolayer.train.engine import split_batch
-    from kilolayer.train.memory import estimate_memory
+    from kilolayer.train.host.memory import estimate_memory
     from kilolayer.train.optim import build_optimizer
-    from kilolayer.train.heap import apply as apply_heap
+    from kilolayer.train.host.heap import apply as apply_heap
     from kilolayer.train.parallelize import apply_checkpointing
     torch.set_num_threads(1)
 
@@ -321,7 +321,7 @@ OVERSIZED = textwrap.dedent("""
     import json, time
     from kilolayer.config import load_config
     from kilolayer.errors import ConfigError
-    from kilolayer.train.memory import check_memory
+    from kilolayer.train.host.memory import check_memory
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -422,7 +422,7 @@ def test_available_cpu_memory_is_at_most_memavailable():
 
 
 if __name__ == "__main__":
-    # the measurement behind the module docstring of kilolayer/train/memory.py (about 30 min on 2 busy cores)
+    # the measurement behind the module docstring of kilolayer/train/host/memory.py (about 30 min on 2 busy cores)
     for name, cfg in MATRIX.items():
         for mmap_threshold in (False, True):
             r = peak_rss(cfg, mmap_threshold=mmap_threshold)

@@ -1,5 +1,5 @@
 """The efficiency component (kilolayer.train.metrics): FLOPs from the formula, rates over a known time, MFU,
-the device peak (kilolayer.train.peak: given, vendor table, measured once and cached), peak memory, and a real
+the device peak (kilolayer.train.host.peak: given, vendor table, measured once and cached), peak memory, and a real
 run's records."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kilolayer.data import load_source
 from kilolayer.objectives import build_task
 from kilolayer.objectives.base import head_weights
 from kilolayer.train import metrics as M
-from kilolayer.train import peak as P
+from kilolayer.train.host import peak as P
 from kilolayer.train.run import train
 
 LM = tiny_lm(steps=6, batch_size=4, lr=1e-3, log_every=2)
@@ -364,7 +364,7 @@ def test_given_peak_is_used_and_recorded(tmp_path):
 
 
 def test_train_refuses_a_config_that_cannot_fit_before_touching_the_directory(tmp_path):
-    """The trainer calls kilolayer.train.memory.check_memory after the directory checks and before the lock:
+    """The trainer calls kilolayer.train.host.memory.check_memory after the directory checks and before the lock:
     a fresh run leaves no directory, a resumed one keeps its status and files; the override trains."""
     from kilolayer.errors import ConfigError
 

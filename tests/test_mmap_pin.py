@@ -1,5 +1,5 @@
 """``train.pin_mmap``: activation checkpointing pins glibc's mmap threshold
-(kilolayer.train.heap.pin_mmap_threshold); off by default, since it slows each step (docs in config).
+(kilolayer.train.host.heap.pin_mmap_threshold); off by default, since it slows each step (docs in config).
 
 glibc has no getter for the threshold, so each check reproduces what the pin prevents: a 16 MiB block is
 mapped and freed, which makes glibc's dynamic threshold rise to 16 MiB; a 4 MiB block then comes from the heap
@@ -25,7 +25,7 @@ import ctypes, ctypes.util, json, sys
 import torch
 from kilolayer.config import ModelConfig
 from kilolayer.nn.transformer import build_model
-from kilolayer.train.heap import prepare_checkpointing
+from kilolayer.train.host.heap import prepare_checkpointing
 from kilolayer.train.parallelize import checkpoint_layers
 
 class MallInfo2(ctypes.Structure):
@@ -55,7 +55,7 @@ elif sys.argv[1] == "checkpoint_pinned":
 elif sys.argv[1] == "config_pinned":
     from types import SimpleNamespace
     from kilolayer.config import load_config
-    from kilolayer.train.heap import apply
+    from kilolayer.train.host.heap import apply
     from kilolayer.train.parallelize import apply_checkpointing
     cfg = load_config({"model": {"arch": "encoder", "layers": 2, "width": 16, "heads": 2, "ffn": 32,
                                  "checkpoint_activations": True, "vocab_size": 16, "max_len": 8},
@@ -108,7 +108,7 @@ def test_the_pin_can_be_turned_off_and_glibc_setting_wins():
 
 
 def test_pin_reports_whether_it_took_effect(monkeypatch):
-    from kilolayer.train import heap as H
+    from kilolayer.train.host import heap as H
 
     monkeypatch.setenv("KILOLAYER_PIN_MMAP", "0")
     assert H.pin_mmap_threshold() is False

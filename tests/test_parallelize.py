@@ -15,7 +15,7 @@ from kilolayer.errors import InputError
 from kilolayer.objectives import Objective, build_task
 from kilolayer.train import distributed as D
 from kilolayer.train.engine import split_batch
-from kilolayer.train.memory import estimate_memory
+from kilolayer.train.host.memory import estimate_memory
 from kilolayer.train.parallelize import compile_model, parallelize, transformer_layers
 
 S2S = {"arch": "encoder_decoder", "layers": 3, "decoder_layers": 3, "width": 32, "heads": 4, "ffn": 64}

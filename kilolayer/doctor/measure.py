@@ -184,8 +184,8 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
     which holds F(x, theta_0)); None if the run has no complete checkpoint."""
     from kilolayer.data import load_source
     from kilolayer.rundir import checkpoint_step, intact_checkpoint
-    from kilolayer.train import heap
     from kilolayer.train.checkpoint import load_run
+    from kilolayer.train.host import apply_heap
     from kilolayer.train.parallelize import apply_checkpointing
 
     ckpt = intact_checkpoint(run_dir)
@@ -199,7 +199,7 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
         update = diag.update_size(current, start.reference)
         source = load_source(config)
         # the gradients below take what training takes, no more
-        apply_checkpointing(task, config, heap.apply(task, config, dev))
+        apply_checkpointing(task, config, apply_heap(task, config, dev))
         task.train()
         tc = config.train
         micro = [to_device(mb, dev) for mb in split_batch(source.train_batch(step, tc.batch_size, 0, 1), tc.accumulate)]

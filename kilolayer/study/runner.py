@@ -43,7 +43,7 @@ from kilolayer.rundir import RunDir
 from kilolayer.study import forked
 from kilolayer.study.analyses import STAMP, analysis_stamp, run_analysis
 from kilolayer.study.spec import Point, StudySpec, expand
-from kilolayer.train.threads import usable_cpus
+from kilolayer.train.host import usable_cpus
 
 
 @dataclass

@@ -24,7 +24,7 @@ def cmd_train(args) -> int:
         sets=sets,
         quiet=args.quiet,
         overwrite=args.overwrite,
-        auto_threads=True,
+        choose_threads=True,
     )
     if os.environ.get("RANK", "0") == "0":
         print(f"{result['status']} at step {result['step']}: {args.out}")
@@ -76,9 +76,9 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
-        metavar="N",
-        help="intra-op threads (train.threads); a resume reuses the count its run recorded unless given",
+        metavar="N|auto",
+        help="intra-op threads (train.threads), fixed for the run; default: every usable core, and a resume "
+        "reuses the count its run recorded; auto: follow the machine's load (not bit-reproducible)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_train)

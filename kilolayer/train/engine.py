@@ -2,7 +2,7 @@
 
 :class:`Engine` builds everything a step needs from a config (data source, seeded initialisation, the task on
 its device with :func:`~kilolayer.train.parallelize.parallelize` applied and the heap handled as
-:mod:`kilolayer.train.heap` says, AdamW and the learning-rate
+:mod:`kilolayer.train.host.heap` says, AdamW and the learning-rate
 schedule) and runs steps and evaluations; it applies the divergence and early-stopping rules of
 :mod:`kilolayer.train.policies`. It reads and writes no files and handles no signals: ``kilolayer train``
 gives it a run directory (:class:`kilolayer.train.run.Run`); the doctor's replay, the study's cost
@@ -28,7 +28,7 @@ from kilolayer.nn.transformer import set_training_step
 from kilolayer.objectives import build_task
 from kilolayer.train import diagnostics as diag
 from kilolayer.train import distributed as D
-from kilolayer.train import heap
+from kilolayer.train import host
 from kilolayer.train.optim import build_optimizer, build_scheduler
 from kilolayer.train.parallelize import parallelize
 from kilolayer.train.policies import DivergenceRule, EarlyStopping
@@ -156,7 +156,7 @@ class Engine:
         if fresh:
             self._initialise()
         self.task.to(self.env.device)
-        trim = heap.apply(self.task, config, self.env.device)  # glibc's heap: before the layers are wrapped
+        trim = host.apply_heap(self.task, config, self.env.device)  # glibc's heap: before the layers are wrapped
         self.model = parallelize(self.task, config, self.env, after_layer=trim)
         if not any(p.requires_grad for p in self.task.parameters()):
             raise ConfigError("train: nothing to train (every parameter is frozen)")

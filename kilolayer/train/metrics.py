@@ -2,7 +2,7 @@
 
 Anything that times training steps can use it (the training loop, ``benchmarks/``)::
 
-    peak = device_peak(device, "fp32")                    # kilolayer.train.peak: FLOP/s, and whence
+    peak = device_peak(device, "fp32")                    # kilolayer.train.host.peak: FLOP/s, and whence
     meter = Efficiency(peak, device)
     meter.add(tokens, flops)                              # after each step: its tokens and model FLOPs
     with meter.paused():                                  # evaluation, checkpoints: not training time
@@ -16,7 +16,7 @@ Anything that times training steps can use it (the training loop, ``benchmarks/`
   is not counted. With a frozen backbone (a linear probe) the backbone only runs forward: a third of its
   training FLOPs.
 * **MFU** = model FLOP/s / (peak FLOP/s x processes).
-* **Peak FLOP/s**: a :class:`Peak` given from outside: the run's is :func:`kilolayer.train.peak.device_peak`'s
+* **Peak FLOP/s**: a :class:`Peak` given from outside: the run's is :func:`kilolayer.train.host.peak.device_peak`'s
   (``train.peak_flops``, a vendor's figure, or a measured and cached GEMM rate).
 * **Peak memory**: on CPU the process's peak resident set (VmHWM, else
   ``ru_maxrss``); on CUDA ``torch.cuda.max_memory_allocated``.
@@ -46,7 +46,7 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, processe
     return tokens_per_s * flops_per_token / (peak_flops * processes)
 
 
-# ---------------------------------------------------------------- peak FLOP/s (kilolayer.train.peak)
+# ---------------------------------------------------------------- peak FLOP/s (kilolayer.train.host.peak)
 
 
 @dataclass(frozen=True)

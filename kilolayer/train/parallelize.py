@@ -9,7 +9,7 @@ DDP or FSDP2. The model (``kilolayer.nn``) knows nothing of any of them.
   backbone that an objective builds from a model section of its own (the contrastive objective's text tower,
   ``objective.options.text_model``) is checkpointed when that section sets ``checkpoint_activations``
   (:func:`apply_checkpointing`). An ``after_layer`` callback, if given, sees each checkpointed layer's output
-  in eager code (the trainer's: :mod:`kilolayer.train.heap`'s trim).
+  in eager code (the trainer's: :mod:`kilolayer.train.host.heap`'s trim).
 * ``train.compile``: ``layers`` (``true`` means the same) runs ``torch.compile`` on each Transformer layer, the
   backbone's and those of the objective's own towers (:func:`compile_layers`; the stack's Python loop,
   embeddings, heads and loss stay eager, and layers of one shape share one compiled graph, so compile time

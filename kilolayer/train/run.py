@@ -24,10 +24,12 @@ A caller may watch the evaluations: ``on_eval(step, metrics)`` is called after e
 returns stops the run at that step with a checkpoint, recorded ``interrupted`` with that line as its reason (a
 resume continues it), by raising :class:`Halted`. ``kilolayer search`` races its trials this way.
 
-Its intra-op thread count follows :mod:`kilolayer.train.threads`; ``status.json`` records it (``threads``,
-``threads_reason``), every train record carries the count it ran at, and a resume reuses the recorded count
-unless ``train.threads`` says otherwise (float reductions are ordered by the thread count, so a resume is
-bit-exact only at the same count).
+Its intra-op thread count is one count for the whole run (:mod:`kilolayer.train.host.threads`; only
+``train.threads: auto`` follows the machine's load); ``status.json`` records it (``threads``,
+``threads_reason``, ``threads_adaptive``), every train record carries the count it ran at, and a resume reuses
+the recorded count unless ``train.threads`` says otherwise (float reductions are ordered by the thread count, so
+a resume is bit-exact only at the same count). While it trains, :func:`train` marks the process as a kilolayer
+run on this machine, so that a run started beside it sees it.
 """
 
 from __future__ import annotations
@@ -47,13 +49,10 @@ from kilolayer.errors import ConfigError, DivergedError, KilolayerError
 from kilolayer.files import write_atomic
 from kilolayer.train import checkpoint as ckpt
 from kilolayer.train import distributed as D
+from kilolayer.train import host
 from kilolayer.train import metrics as M
-from kilolayer.train import threads as T
 from kilolayer.train.engine import Engine, StepStats
-from kilolayer.train.heap import heap_held
 from kilolayer.train.logging import MetricsLog, Progress, eval_line
-from kilolayer.train.memory import check_memory
-from kilolayer.train.peak import cpu_bf16_warning, device_peak, peak_too_low
 from kilolayer.train.signals import Interrupted, StopSignals
 
 
@@ -75,9 +74,10 @@ class Run:
         quiet: bool = False,
         overwrite: bool = False,
         signals: StopSignals | None = None,
-        threads: T.Threads | None = None,
+        threads: host.Threads | None = None,
         on_eval: Callable[[int, dict], str] | None = None,
         resume_hint: str = "",
+        crowded: str = "",
     ):
         self.config, self.out, self.resume, self.quiet = config, Path(out_dir), resume, quiet
         self.signals = signals
@@ -86,7 +86,9 @@ class Run:
         self.resume_hint = resume_hint or f"kilolayer train --resume --out {self.out}"
         self.halt = ""  # why on_eval asked the run to stop ("" while it has not)
         self.announce = threads is not None  # the run's first line says the count and why
-        self.threads = T.Adapter(threads or T.Threads(torch.get_num_threads(), "this process's setting"))
+        self.crowded = crowded  # the line that says other runs train here too ("" if none need saying)
+        own = host.Threads(torch.get_num_threads(), "this process's setting", source="process")
+        self.threads = host.Adapter(threads or own)
         tc = config.train
         self.env = D.setup(tc.device)
         if tc.batch_size % (self.env.world * tc.accumulate):
@@ -282,12 +284,13 @@ class Run:
     def run(self) -> dict:
         """Train from the start step to ``train.steps``; every way out is recorded in status.json."""
         tc, engine = self.config.train, self.engine
+        if self.env.main and not self.quiet and self.announce:
+            print(self.threads.threads.line(), file=sys.stderr, flush=True)
+            if self.crowded:
+                rundir.warn(self.crowded)
         with self._recorded(), self._logs():
             if self.signals is not None:
                 self.signals.armed = True  # from here a signal waits for the step boundary
-            if self.env.main and not self.quiet and self.announce:
-                n = self.threads.count
-                print(f"kilolayer: {n} thread{'s' * (n > 1)} ({self.threads.threads.reason})", file=sys.stderr)
             if engine.early_stopping.plateaued:
                 return self._complete(self.start_step)  # resumed after an early stop: nothing left to do
             engine.model.train()
@@ -432,7 +435,7 @@ class Run:
         eff = self.meter.report()
         if eff.get("mfu", 0) > 1 and not self.peak_warned:
             self.peak_warned = True
-            rundir.warn(peak_too_low(self.peak, eff["mfu"], step))
+            rundir.warn(host.peak_too_low(self.peak, eff["mfu"], step))
         lr = self.engine.lr()
         record = {"step": step, "split": "train", "loss": stats.loss, "lr": lr, "grad_norm": float(stats.grad_norm)}
         data = self.engine.source.log_fields(self.last_record, step)
@@ -444,13 +447,13 @@ class Run:
         )
 
     def _meter(self) -> M.Efficiency:
-        """Rank 0's efficiency meter, with the device's peak from :mod:`kilolayer.train.peak` (given, a vendor
+        """Rank 0's efficiency meter, with the device's peak from :mod:`kilolayer.train.host.peak` (given, a vendor
         figure, or measured once per machine, before any step is timed)."""
         tc = self.config.train
-        slow = cpu_bf16_warning(tc.precision, self.env.device)
+        slow = host.cpu_bf16_warning(tc.precision, self.env.device)
         if slow:
             rundir.warn(slow)
-        self.peak = device_peak(self.env.device, tc.precision, tc.peak_flops)
+        self.peak = host.device_peak(self.env.device, tc.precision, tc.peak_flops)
         self.peak_warned = False
         return M.Efficiency(self.peak, self.env.device, processes=self.env.world)
 
@@ -467,7 +470,7 @@ class Run:
             if tc.patience:
                 fields.update(best_step=stopping.best_step, best=stopping.best, early_stop_metric=tc.early_stop_metric)
             fields.update(M.summarize(rundir.read_metrics(self.out)))
-            fields.update(peak_flops=self.peak.flops, peak_flops_source=self.peak.source, heap_held=heap_held())
+            fields.update(peak_flops=self.peak.flops, peak_flops_source=self.peak.source, heap_held=host.heap_held())
             self.life.finish("completed", step, stopping.reason() if plateau else "step budget", **fields)
         return result
 
@@ -520,14 +523,14 @@ def check_early_stopping(config: Config) -> None:
 
 
 def recorded_threads(out_dir: Path) -> int | None:
-    """The intra-op thread count a run recorded, if it chose or was given one (an adaptive count is not kept: it
+    """The intra-op thread count a run recorded, if it chose or was given one (an ``auto`` count is not kept: it
     followed the machine's load, so no count reproduces the run). A value that is not a count is said once and
     passed over."""
     status = rundir.read_status(out_dir)
     value = status.get("threads")
     if value is None or status.get("threads_adaptive"):
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= T.MAX_THREADS:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= host.MAX_THREADS:
         rundir.warn(f"{Path(out_dir) / rundir.STATUS}: threads={value!r} is not a thread count; the policy chooses")
         return None
     return value
@@ -540,7 +543,7 @@ def train(
     sets: list[str] | None = None,
     quiet: bool = False,
     overwrite: bool = False,
-    auto_threads: bool = False,
+    choose_threads: bool = False,
     on_eval: Callable[[int, dict], str] | None = None,
     resume_hint: str = "",
 ) -> dict:
@@ -551,10 +554,12 @@ def train(
     Without it, a directory that already holds a run is refused unless ``overwrite=True`` (which removes only
     what a run writes); a non-empty directory that is not a run is always refused. A config whose estimated
     memory exceeds what the device has free is refused in one line before anything is allocated
-    (:func:`kilolayer.train.memory.check_memory`). SIGINT and SIGTERM stop at the next step boundary with a
-    checkpoint. ``auto_threads`` (the CLI's) applies :mod:`kilolayer.train.threads`' whole policy; otherwise a
-    count given or recorded is used, else the process's own setting. ``on_eval``: see the module docstring;
-    ``resume_hint``: what a stop's message says to continue with (default: this command with ``--resume``).
+    (:func:`kilolayer.train.host.check_memory`). SIGINT and SIGTERM stop at the next step boundary with a
+    checkpoint. ``choose_threads`` (the CLI's) applies :mod:`kilolayer.train.host.threads`' whole policy (by
+    default every usable core, fixed for the run; a default run that finds other kilolayer runs training on this
+    machine says so in one line); otherwise a count (or ``auto``) given or recorded is used, else the process's
+    own setting. ``on_eval``: see the module docstring; ``resume_hint``: what a stop's message says to continue
+    with (default: this command with ``--resume``).
     """
     out = Path(out_dir)
     if resume and overwrite:
@@ -567,14 +572,14 @@ def train(
     # a config that cannot fit is refused before anything is allocated or written (train.memory_check: false
     # skips it): after the directory checks, before the lock, so the directory stays as it was (and before the
     # data is loaded: a classifier whose classes only the data knows is counted with 2, a small head)
-    check_memory(config, config.train.device)
+    host.check_memory(config, config.train.device)
     tc = config.train
     recorded = recorded_threads(out) if resume else None
-    if auto_threads:
+    if choose_threads:
         device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
-        threads = T.policy(tc.threads, recorded, device)
-    elif tc.threads or recorded:
-        threads = T.policy(tc.threads, recorded)
+        threads = host.thread_policy(tc.threads, recorded, device)
+    elif tc.threads is not None or recorded:
+        threads = host.thread_policy(tc.threads, recorded)
     else:
         threads = None  # the process's own setting, unannounced
     before = torch.get_num_threads()
@@ -583,18 +588,21 @@ def train(
     signals = StopSignals().install()
     run = None
     try:
-        run = Run(
-            config,
-            out,
-            resume=resume,
-            quiet=quiet,
-            overwrite=overwrite,
-            signals=signals,
-            threads=threads,
-            on_eval=on_eval,
-            resume_hint=resume_hint,
-        )
-        return run.run()
+        with host.Training():  # marked before looking, so two runs started together see each other
+            crowded = host.crowded(threads)
+            run = Run(
+                config,
+                out,
+                resume=resume,
+                quiet=quiet,
+                overwrite=overwrite,
+                signals=signals,
+                threads=threads,
+                on_eval=on_eval,
+                resume_hint=resume_hint,
+                crowded=crowded,
+            )
+            return run.run()
     finally:
         signals.restore()
         if run is not None:

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from kilolayer.files import write_atomic
+from kilolayer.train.host.threads import usable_cpus
 from kilolayer.train.metrics import Peak, finite_positive
-from kilolayer.train.threads import usable_cpus
 
 CACHE_FILE = "peak_flops.json"
 
