@@ -30,11 +30,12 @@ from kilolayer.errors import ConfigError
 from kilolayer.nn.residual import SCHEMES, Depth, make_scheme
 from kilolayer.objectives import OBJECTIVES, build_task
 from kilolayer.registry import Registry
-from kilolayer.study.findings import FINDINGS, HELD, INCONCLUSIVE, evaluate_findings
+from kilolayer.study.findings import FINDINGS, evaluate_findings
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import Point, load_spec
 from kilolayer.train.engine import seed_everything
 from kilolayer.train.run import train
+from kilolayer.verdicts.rule import HELD, INCONCLUSIVE
 
 GUIDE = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 MARKED = re.compile(r"<!-- example: (\w+) -->\n```python\n(.*?)```", re.S)

@@ -13,12 +13,9 @@ from types import SimpleNamespace
 import pytest
 from helpers import CHANCE, study_results
 
+from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.study.builtin import BUILTIN
 from kilolayer.study.findings import (
-    HELD,
-    INCONCLUSIVE,
-    LEARNED_NOTHING,
-    NOT_HELD,
     deepnet_init_gradient,
     deepnet_init_gradient_depth,
     deepnet_init_loss,
@@ -27,6 +24,7 @@ from kilolayer.study.findings import (
     evaluate_findings,
 )
 from kilolayer.study.spec import expand, load_spec
+from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD
 
 STEPS = [1, *range(5, 201, 5)]  # the analysis study's diagnostics steps: every 5 for the first 200
 
@@ -110,9 +108,11 @@ def test_top_layer_gradient_did_not_hold_when_smaller(tmp_path):
 
 
 def test_top_layer_gradient_inconclusive_below_the_margin_with_one_seed_or_a_failed_run(tmp_path):
-    # 1.1x is in the claim's direction but inside the ln 1.25 margin
+    # 1.1x in every seed is in the claim's direction but inside the ln 1.25 margin (and of zero variance: the
+    # sign test decides, and finds no seed beyond the margin)
     v = deepnet_init_gradient(_analysis(grad=_top_larger(1.1, noise=0.0)), tmp_path).verdict
-    assert v.verdict == INCONCLUSIVE and v.lower == pytest.approx(math.log(1.1))
+    assert v.verdict == INCONCLUSIVE and v.test == "sign" and v.mean == pytest.approx(math.log(1.1))
+    assert "0 of 2 seeds beyond +margin" in v.reason
     v = deepnet_init_gradient(_analysis(grad=_top_larger(2.0), seeds=(0,)), tmp_path).verdict
     assert v.verdict == INCONCLUSIVE and "one seed" in v.reason
     failed = {"post_ln": lambda p: "failed" if _seed(p) == 1 else "completed"}
@@ -125,11 +125,11 @@ def test_top_layer_gradient_reads_only_the_steps_both_runs_logged(tmp_path):
     diverged = {"post_ln": lambda p: "diverged"}
     steps = {"post_ln": lambda p: [1, 5, 10]}
     g = {
-        "post_ln_init": lambda stack, i, M, step, seed: 3.0 if step <= 10 else 300.0,
+        "post_ln_init": lambda stack, i, M, step, seed: 3.0 * (1 + 0.1 * seed) if step <= 10 else 300.0,
         "post_ln": lambda *a: 1.0,
     }
     f = deepnet_init_gradient(_analysis(grad=g, status=diverged, steps=steps), tmp_path)
-    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(math.log(3.0))
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx((math.log(3.0) + math.log(3.3)) / 2)
     assert f.rows[0][1] == "steps 1-10 (3 lines)"
 
 
@@ -258,7 +258,9 @@ def test_robust_held_where_post_ln_fails_and_deepnorm_does_not(tmp_path):
     assert set(found) == {"robust_lr", "robust_batch", "robust_width"}  # one verdict per axis, never pooled
     for axis in ("robust_lr", "robust_width"):
         v = found[axis].verdict
-        assert v.verdict == HELD and v.per_seed == {0: 1.0, 1: 1.0}, axis
+        # two seeds that each survived one more setting: count data, a sign test at p = 0.25 decides nothing
+        assert v.verdict == INCONCLUSIVE and v.per_seed == {0: 1.0, 1: 1.0}, axis
+        assert v.test == "sign" and v.p == pytest.approx(0.25), axis
     lr = found["robust_lr"]
     assert lr.headers == ["scheme", "learning rate 0.001", "learning rate 0.003", "learning rate 0.01"]
     assert lr.rows[0] == ["deepnorm", "0.100 (stable) / 0.110 (stable)", *["0.100 (stable) / 0.110 (stable)"] * 2]

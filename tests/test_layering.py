@@ -1,5 +1,5 @@
-"""Imports flow one way: study -> doctor -> analysis -> train -> rundir -> objectives -> data | nn -> config ->
-registry -> errors, and no two modules import each other, directly or around a loop.
+"""Imports flow one way: study -> verdicts -> doctor -> analysis -> train -> rundir -> objectives -> data | nn ->
+config -> registry -> errors, and no two modules import each other, directly or around a loop.
 
 Every ``import`` statement in the package, at module level or inside a function, is read with ``ast``; an
 import of a higher layer (or of a sibling of the same layer) fails this test unless ``EXCEPTIONS`` lists it
@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"train"},
     {"analysis"},
     {"doctor"},  # diagnoses runs with analysis; a study's report quotes its diagnoses
+    {"verdicts"},  # the rule, measures, contrasts and claims: read runs, decide
     {"study"},
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

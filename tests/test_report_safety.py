@@ -11,10 +11,11 @@ import pytest
 import yaml
 from PIL import Image
 
-from kilolayer.study.findings import FINDINGS, HELD, Finding, Verdict
+from kilolayer.study.findings import FINDINGS
 from kilolayer.study.report import embeddable_image, render_html, write_report
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import expand, load_spec
+from kilolayer.verdicts.rule import HELD, Finding, Verdict
 
 CHROMIUM = Path("/usr/bin/chromium")
 

@@ -15,25 +15,21 @@ from helpers import CHANCE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.study.findings import (
-    HELD,
-    INCONCLUSIVE,
-    LEARNED_NOTHING,
-    NOT_HELD,
     bamboo_depth,
     bamboo_depth_tokens,
     bamboo_smoothing,
-    decide,
     deepnet_postln,
     deepnet_postln_bleu,
     deepnet_preln,
     deepnet_preln_bleu,
     deepnet_update,
     slope,
-    t_quantile,
 )
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import expand, load_spec
+from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, decide, t_quantile
 
 # ---------------------------------------------------------------- the rule itself
 
@@ -124,18 +120,18 @@ def _deepnet(loss: dict, status: dict | None = None, update: dict | None = None,
     return results
 
 
-GOOD = {"post_ln": lambda l, s: 1.9 + 0.01 * s, "pre_ln": lambda l, s: 1.4, "deepnorm": lambda l, s: 0.05 + 0.01 * s}
+GOOD = {"post_ln": lambda l, s: 2.25 + 0.02 * s, "pre_ln": lambda l, s: 1.4, "deepnorm": lambda l, s: 0.05 + 0.01 * s}
 
 
 def test_deepnet_held_with_two_seeds(tmp_path):
     f = deepnet_postln(_deepnet(GOOD), tmp_path)
-    assert f.verdict.verdict == HELD and f.verdict.n == 2 and f.verdict.mean == pytest.approx(1.85)
+    assert f.verdict.verdict == HELD and f.verdict.n == 2 and f.verdict.mean == pytest.approx(2.205)
     assert any("Chance level" in n and "2.400" in n for n in f.notes)
 
 
 def test_deepnet_one_seed_is_inconclusive(tmp_path):
     f = deepnet_postln(_deepnet(GOOD, seeds=(0,)), tmp_path)
-    assert f.verdict.verdict == INCONCLUSIVE and "one seed" in f.verdict.reason and "+1.85" in f.verdict.reason
+    assert f.verdict.verdict == INCONCLUSIVE and "one seed" in f.verdict.reason and "+2.2" in f.verdict.reason
 
 
 @pytest.mark.parametrize("side", ["post_ln", "deepnorm"])
@@ -171,8 +167,8 @@ def test_deepnet_diverged_post_ln_counts_as_chance(tmp_path):
 def test_deepnet_diverged_deepnorm_is_evidence_against(tmp_path):
     status = {"deepnorm": lambda l, s: "diverged" if l == 18 else "completed"}
     f = deepnet_postln(_deepnet(GOOD, status), tmp_path)
-    # d = Post-LN's loss - chance: about -0.495 in both seeds
-    assert f.verdict.verdict == NOT_HELD and f.verdict.mean == pytest.approx(1.905 - 2.4)
+    # d = Post-LN's loss - chance: -0.15 and -0.13
+    assert f.verdict.verdict == NOT_HELD and f.verdict.mean == pytest.approx(2.26 - 2.4)
 
 
 def test_deepnet_winner_that_learned_nothing_cannot_hold(tmp_path):
@@ -256,8 +252,8 @@ def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_deci
         assert "mean d" not in f.verdict.reason, f.verdict.reason  # nor their description, in the report
     post = next(r for r in deepnet_postln(results, tmp_path).rows if r[0] == "post_ln")
     assert post[-1] == (
-        "seed 0 train.lr=0.001: 1.900, seed 0 train.lr=0.003: 3.800, "
-        "seed 1 train.lr=0.001: 1.910, seed 1 train.lr=0.003: 3.820"
+        "seed 0 train.lr=0.001: 2.250, seed 0 train.lr=0.003: 4.500, "
+        "seed 1 train.lr=0.001: 2.270, seed 1 train.lr=0.003: 4.540"
     )
     rows = deepnet_update(results, tmp_path).rows
     assert {r[0] for r in rows} == {
@@ -322,11 +318,11 @@ def test_scheme_depth_table_lists_each_seed_and_a_missing_run(tmp_path):
     ]
     f = deepnet_postln(results, tmp_path)
     post = next(r for r in f.rows if r[0] == "post_ln")
-    assert post[1:] == ["1.900 / missing"] * 3, post
+    assert post[1:] == ["2.250 / missing"] * 3, post
     assert f.notes[0] == "Each cell: seed 0 / 1, in that order (missing: that seed has no run there)."
     assert f.verdict.verdict == INCONCLUSIVE, f.verdict
     one = deepnet_postln(_deepnet(GOOD, seeds=(0,)), tmp_path)
-    assert [r[1:] for r in one.rows] == [["0.050"] * 3, ["1.900"] * 3, ["1.400"] * 3], one.rows
+    assert [r[1:] for r in one.rows] == [["0.050"] * 3, ["2.250"] * 3, ["1.400"] * 3], one.rows
     assert not one.notes[0].startswith("Each cell")
     one = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, seeds=(0,)), BLEU), tmp_path)
     assert one.verdict.verdict == INCONCLUSIVE and "one seed" in one.verdict.reason  # one seed is never decided
@@ -440,7 +436,7 @@ def test_smoothing_images_and_text_disagreeing_are_reported_separately(tmp_path)
 def test_smoothing_trend_over_every_shape(tmp_path):
     # the supervised - MAE gap grows by 0.05 per doubling of depth (measured from the untrained model's level)
     cos = {
-        "supervised": lambda l, s: 0.5 + 0.05 * math.log2(l) + NOISE[s] / 10,
+        "supervised": lambda l, s: 0.5 + (0.05 + NOISE[s] / 10) * math.log2(l),
         "mae": lambda l, s: 0.3,
         "untrained": lambda l, s: 0.6,
     }
@@ -547,7 +543,9 @@ def _acc(scratch, tuned):
 
 def test_depth_absolute_and_relative_are_separate_verdicts(tmp_path):
     # depth hurts both models, but hurts the fine-tuned one less: relative held, absolute did not hold
-    acc = _acc(lambda l, s: 0.9 - 0.05 * math.log2(l) + NOISE[s] / 10, lambda l, s: 0.9 - 0.02 * math.log2(l))
+    acc = _acc(
+        lambda l, s: 0.9 - 0.05 * math.log2(l) + NOISE[s] / 10, lambda l, s: 0.9 - (0.02 + NOISE[s] / 10) * math.log2(l)
+    )
     found = bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path)
     assert len(found) == 4  # (images, text) x (absolute, relative)
     absolute = _by_title(found, "pays off after token-level pre-training (images")
@@ -560,7 +558,7 @@ def test_depth_reads_test_accuracy_only_when_every_classifier_compared_has_it(tm
     """Validation accuracy says depth pays off (+0.05 per doubling, the checkpoints chosen on it); the test split,
     scored whole, is flat (within the margin). With every classifier scored on test the verdict reads test; with one
     of them unscored, every run is read on validation (a test score beside a validation one measures nothing)."""
-    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     results = _bamboo(accuracy=acc, out=tmp_path)
     classifiers = [r for r in results if r.point.group in _acc(0, 0)]
     for r in classifiers:
@@ -574,11 +572,11 @@ def test_depth_reads_test_accuracy_only_when_every_classifier_compared_has_it(tm
     assert "on its validation split" in on_val.rule
 
 
-def test_depth_is_not_decided_on_pretraining_that_was_still_improving(tmp_path):
-    """A fine-tuned trend that would hold is inconclusive when the MAE runs it started from were still lowering
-    their loss by more than 2% over their last quarter of steps; the MLM side, whose pre-training plateaued,
-    stays decided."""
-    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+def test_depth_is_decided_at_the_budget_and_reports_pretraining_still_improving(tmp_path):
+    """A fine-tuned trend is decided at the budget the study gave it; that the MAE runs it started from were still
+    lowering their loss by more than 2% over their last quarter of steps is reported beside it, and the MLM side,
+    whose pre-training plateaued, reports nothing."""
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     results = _bamboo(accuracy=acc, out=tmp_path)
     for r in results:
         losses = {"mae": [0.50, 0.45, 0.40, 0.36], "mlm": [2.0, 1.8, 1.70, 1.69]}.get(r.point.group)
@@ -587,16 +585,15 @@ def test_depth_is_not_decided_on_pretraining_that_was_still_improving(tmp_path):
     found = bamboo_depth(results, tmp_path)
     images = _by_title(found, "pays off after token-level pre-training (images")
     text = _by_title(found, "pays off after token-level pre-training (text")
-    assert images.verdict.verdict == INCONCLUSIVE
+    assert images.verdict.verdict == HELD
     assert "12 of 12 pre-training runs were still improving loss" in images.verdict.reason
-    assert "it would have read 'held'" in images.verdict.reason
-    assert text.verdict.verdict == HELD
+    assert text.verdict.verdict == HELD and "pre-training runs were still improving" not in text.verdict.reason
 
 
 def test_depth_trend_in_the_middle_shapes_only(tmp_path):
     # the fine-tuned accuracy steps up between the middle shapes (11 -> 24 layers) and is flat at either end
     step = {6: 0.80, 11: 0.80, 24: 0.90, 43: 0.90}
-    acc = _acc(lambda l, s: 0.8, lambda l, s: step[l] + NOISE[s] / 10)
+    acc = _acc(lambda l, s: 0.8, lambda l, s: step[l] * (1 + NOISE[s]))
     found = bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path)
     absolute = _by_title(found, "pays off after token-level pre-training (images")
     expected = slope([6, 11, 24, 43], [0.8, 0.8, 0.9, 0.9])
@@ -626,7 +623,7 @@ def test_depth_failed_run_is_inconclusive_and_named(tmp_path):
 
 @pytest.mark.slow
 def test_depth_needs_finished_pretraining_before_fine_tuning(tmp_path):
-    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     held = _by_title(
         bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "pays off after token-level pre-training (images"
     )
@@ -652,7 +649,7 @@ def test_depth_needs_finished_pretraining_before_fine_tuning(tmp_path):
 def test_depth_fine_tuning_from_a_stale_pretraining_checkpoint_is_no_evidence(tmp_path, monkeypatch):
     from kilolayer import rundir
 
-    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     results = _bamboo(accuracy=acc, out=tmp_path)
     for r in results:
         if r.point.init_from_point:
@@ -676,37 +673,34 @@ def _evals(final: float, earlier: float, key: str = "loss") -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_comparison_of_runs_that_had_not_converged_is_inconclusive(tmp_path):
+def test_runs_still_improving_are_reported_and_compared_at_their_budget(tmp_path):
     cos = {g: (lambda l, s: 0.8 + NOISE[s]) for g in SEQ}
     cos.update({g: (lambda l, s: 0.4) for g in TOK + ("untrained", "text_untrained")})
     results = _bamboo(cos)
     for r in results:  # every run ends flat at its budget (within 2% over its last quarter): converged
         r.evals = _evals(0.50, 0.505)
     level = _by_title(bamboo_smoothing(results, tmp_path), "(images: supervised vs mae)")
-    assert level.verdict.verdict == HELD
+    assert level.verdict.verdict == HELD and "still improving" not in level.verdict.reason
     moving = [r for r in results if r.point.group == "mae" and r.point.config.model.layers == 43]
     for r in moving:  # the deepest MAE runs still gaining 10% in their last quarter
         r.evals = _evals(0.45, 0.50)
     level = _by_title(bamboo_smoothing(results, tmp_path), "(images: supervised vs mae)")
-    assert level.verdict.verdict == INCONCLUSIVE
+    assert level.verdict.verdict == HELD  # the papers compare at matched budgets; the count is reported
     # the 12 runs judged on their loss (MAE's; the supervised runs stand by their accuracy)
     assert f"{len(moving)} of 12 runs were still improving loss by more than 2%" in level.verdict.reason
-    assert "it would have read 'held'" in level.verdict.reason
-    # accuracy for the depth findings: +0.02 in the last quarter is not converged
-    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l) + NOISE[s] / 10)
+    # accuracy for the depth findings: +0.02 in the last quarter is reported too
+    acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     results = _bamboo(accuracy=acc, out=tmp_path / "d")
     for r in results:
         if r.point.group == "finetune":
             a = r.eval["accuracy"]
             r.evals = [{"step": 300, "accuracy": a - 0.02}, {"step": 400, "accuracy": a}]
     absolute = _by_title(bamboo_depth(results, tmp_path / "d"), "pays off after token-level pre-training (images")
-    assert absolute.verdict.verdict == INCONCLUSIVE and "still improving accuracy by more than 0.01" in (
-        absolute.verdict.reason
-    )
+    assert "still improving accuracy by more than 0.01" in absolute.verdict.reason
 
 
 def test_depth_tokens_per_objective(tmp_path):
-    loss = {"next_token": lambda l, s: 1.5 - 0.05 * math.log2(l) + NOISE[s] / 10, "mlm": lambda l, s: 1.5}
+    loss = {"next_token": lambda l, s: 1.5 - (0.05 + NOISE[s] / 10) * math.log2(l), "mlm": lambda l, s: 1.5}
     found = bamboo_depth_tokens(_bamboo(loss=loss), tmp_path)
     nt = _by_title(found, "(next_token)")
     mlm = _by_title(found, "(mlm)")
@@ -747,15 +741,55 @@ def test_report_md_and_html_give_the_same_decided_verdicts(tmp_path):
 
 
 def test_an_objective_without_a_chance_level_makes_a_diverged_run_not_evidence(tmp_path, monkeypatch):
-    import kilolayer.analysis.chance as chance_module
+    import kilolayer.verdicts.evidence as evidence
 
     def no_chance(*_a, **_k):
         raise NotImplementedError("no categorical evaluation targets")
 
-    monkeypatch.setattr(chance_module, "chance_of_run", no_chance)
+    monkeypatch.setattr(evidence, "chance_of_run", no_chance)
     status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
     results = _deepnet(GOOD, status)
     for r in results:
         r.chance = None  # computed on demand, through the patched function
     f = deepnet_postln(results, tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and "no finite value" in f.verdict.reason
+
+
+def test_trains_where_post_ln_fails_needs_post_ln_to_have_failed_in_every_seed(tmp_path):
+    """Post-LN at 0.79-0.80 x chance learned: "DeepNorm trains where Post-LN fails" is inconclusive and names
+    it, although the loss difference alone is far beyond the margin; one seed that failed is not enough."""
+    learned = {**GOOD, "post_ln": lambda l, s: 1.9 + 0.01 * s}
+    f = deepnet_postln(_deepnet(learned), tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and f.verdict.mean == pytest.approx(1.85)
+    assert "needs post_ln to fail in every seed" in f.verdict.reason and "seed=1" in f.verdict.reason
+    half = {**GOOD, "post_ln": lambda l, s: 2.25 if s == 0 else 1.9}
+    assert deepnet_postln(_deepnet(half), tmp_path).verdict.verdict == INCONCLUSIVE
+    # "matches or beats Pre-LN" is no "fails" claim: a Pre-LN that learned does not stop it
+    assert deepnet_preln(_deepnet({**GOOD, "pre_ln": lambda l, s: 1.4 + 0.02 * s}), tmp_path).verdict.verdict == HELD
+
+
+def test_count_data_and_zero_variance_are_decided_by_the_sign_test():
+    # two seeds that each survived one more setting: p = 0.25, never held
+    v = decide({0: 1, 1: 1}, 0.5, count=True)
+    assert v.verdict == INCONCLUSIVE and v.test == "sign" and v.p == pytest.approx(0.25)
+    assert math.isnan(v.lower) and math.isnan(v.upper)  # no zero-width bounds
+    # five agreeing seeds: p = 1/32 < 5%
+    v = decide(dict.fromkeys(range(5), 1.0), 0.5, count=True)
+    assert v.verdict == HELD and v.p == pytest.approx(1 / 32)
+    assert decide(dict.fromkeys(range(5), -2.0), 0.5, count=True).verdict == NOT_HELD
+    # four of five: p = 6/32, inconclusive; a tie counts for nobody
+    assert decide({0: 1, 1: 1, 2: 1, 3: 1, 4: 0}, 0.5, count=True).verdict == INCONCLUSIVE
+    # a continuous difference that does not vary over seeds is no t-bound either
+    v = decide({0: 0.3, 1: 0.3, 2: 0.3}, 0.1)
+    assert v.verdict == INCONCLUSIVE and v.test == "sign" and "zero-variance" in v.reason
+    v = decide({0: 0.3, 1: 0.31, 2: 0.29}, 0.1)
+    assert v.verdict == HELD and v.test == "t"
+
+
+def test_one_learned_rule_for_doctor_and_verdicts_including_an_unknown_chance():
+    from kilolayer.analysis.chance import learned_something
+
+    assert learned_something(2.0, 2.4) is True and learned_something(2.2, 2.4) is False
+    assert learned_something(float("nan"), 2.4) is False  # a non-finite loss learned nothing
+    assert learned_something(1.0, float("nan")) is None and learned_something(1.0, None) is None
+    assert learned_something(1.0, 0.0) is None

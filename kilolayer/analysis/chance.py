@@ -13,6 +13,7 @@ B pairs (see each objective's ``chance``).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -57,23 +58,42 @@ def data_key(config: Config) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-def chance_of_run(run_dir: str | Path, config: Config) -> dict:
+def _cache_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "analysis" / "chance" / "chance.json"
+
+
+def chance_of_run(run_dir: str | Path | None, config: Config, write: bool = True) -> dict:
     """:func:`chance_level` of a run's config, cached in ``RUN/analysis/chance/chance.json`` (and in memory
-    for configs that differ only in the backbone's shape, which the targets do not depend on)."""
-    path = Path(run_dir) / "analysis" / "chance" / "chance.json"
-    try:
-        cached = json.loads(path.read_text())
-        if isinstance(cached, dict) and cached.get("method") == METHOD:
-            return cached
-    except (OSError, ValueError):
-        pass
+    for configs that differ only in the backbone's shape, which the targets do not depend on). A cached value
+    of another :data:`METHOD` is computed again. ``write=False`` reads the cache but never writes into the run
+    directory (the doctor's way: it only reads runs)."""
+    if run_dir is not None:
+        try:
+            cached = json.loads(_cache_path(run_dir).read_text())
+            if isinstance(cached, dict) and cached.get("method") == METHOD:
+                return cached
+        except (OSError, ValueError):
+            pass
     key = data_key(config)
     if key not in _MEMO:
         _MEMO[key] = chance_level(config)
     result = dict(_MEMO[key])
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(result) + "\n")
-    except OSError:
-        pass  # a read-only study directory: compute again next time
+    if write and run_dir is not None:
+        try:
+            _cache_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(_cache_path(run_dir), json.dumps(result) + "\n")
+        except OSError:
+            pass  # a read-only study directory: compute again next time
     return result
+
+
+def learned_something(final_loss: float, chance_loss: float | None) -> bool | None:
+    """The one "learned nothing" rule: True when a final evaluation loss is at most :data:`LEARNED_NOTHING` x
+    the chance loss, False when it is above (or not finite), None when the chance level is unknown (an
+    objective without one, or a non-positive or non-finite value): then nobody can say, and every reader
+    (doctor, verdicts, report) says so instead of guessing."""
+    if chance_loss is None or not math.isfinite(chance_loss) or chance_loss <= 0:
+        return None
+    if not math.isfinite(final_loss):
+        return False
+    return final_loss <= LEARNED_NOTHING * chance_loss

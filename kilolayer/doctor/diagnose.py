@@ -36,7 +36,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kilolayer.analysis.chance import LEARNED_NOTHING
+from kilolayer.analysis.chance import LEARNED_NOTHING, learned_something
 from kilolayer.analysis.stability import read_diagnostics
 from kilolayer.config import Config, load_config
 from kilolayer.errors import InputError, KilolayerError
@@ -375,7 +375,7 @@ def chance_findings(config: Config, m: Measurements, others: list[Problem]) -> t
                 dict(c),
             )
         ], []
-    if final > LEARNED_NOTHING * level:
+    if learned_something(final, level) is False:
         return [
             Problem(
                 "learned_nothing",

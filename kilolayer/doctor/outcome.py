@@ -7,7 +7,9 @@
   ignores the input, on the run's own evaluation targets);
 * **trains**: completed, with a final evaluation loss at or below ``LEARNED_NOTHING`` x chance.
 
-Failed, interrupted and running runs, and a run with no loss logged, have no outcome (``None``).
+Failed, interrupted and running runs, a run with no loss logged, and a run whose data has no chance level
+have no outcome (``None``): :func:`kilolayer.analysis.chance.learned_something` is the one rule, shared with
+the study's verdicts.
 """
 
 from __future__ import annotations
@@ -16,35 +18,21 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kilolayer.analysis.chance import LEARNED_NOTHING
+from kilolayer.analysis.chance import LEARNED_NOTHING, chance_of_run, learned_something
 from kilolayer.config import Config
-from kilolayer.rundir import logged_number, read_json, read_metrics, read_status
+from kilolayer.rundir import logged_number, read_metrics, read_status
 
 OUTCOMES = ("trains", "stalls", "diverges")
 
-_CHANCE: dict[str, dict] = {}
-
-
-def _data_key(config: Config) -> str:
-    from kilolayer.analysis.chance import data_key
-
-    return data_key(config)
-
 
 def chance(config: Config, run_dir: str | Path | None = None) -> dict:
-    """``chance_level(config)`` (loss, and accuracy where the objective has one). Read from
-    RUN/analysis/chance/chance.json when a study cached it there; otherwise computed and kept in memory
-    only — this never writes into a run directory."""
-    if run_dir is not None:
-        cached = read_json(Path(run_dir) / "analysis" / "chance" / "chance.json")
-        if isinstance(cached, dict) and "loss" in cached:
-            return cached
-    key = _data_key(config)
-    if key not in _CHANCE:
-        from kilolayer.analysis.chance import chance_level
-
-        _CHANCE[key] = chance_level(config)
-    return dict(_CHANCE[key])
+    """The chance level of ``config``'s evaluation data (loss, and accuracy where the objective has one): the
+    study's cache in RUN/analysis/chance/chance.json when it holds the current method's value, else computed
+    and kept in memory only (the doctor never writes into a run directory)."""
+    try:
+        return chance_of_run(run_dir, config, write=False)
+    except NotImplementedError:  # an objective of the user's that defines no chance level
+        return {"loss": math.nan}
 
 
 @dataclass
@@ -84,7 +72,12 @@ def outcome(run_dir: str | Path, config: Config, records: list[dict] | None = No
         # nothing to judge (metrics.jsonl missing or empty): not a stall
         return Outcome(None, status, final, level, "completed, but metrics.jsonl holds no loss: no outcome")
     frac = final / level if level > 0 else math.nan
-    if not math.isfinite(final) or not frac <= LEARNED_NOTHING:
+    learned = learned_something(final, level)
+    if learned is None:
+        return Outcome(
+            None, status, final, level, f"final eval loss {final:.3g}; no chance level, so no outcome: {status}"
+        )
+    if not learned:
         return Outcome(
             "stalls",
             status,

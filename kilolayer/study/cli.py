@@ -40,8 +40,8 @@ def cmd_study(args) -> int:
     from kilolayer.study.report import write_report
     from kilolayer.study.spec import check_data, expand, load_spec
 
-    spec = load_spec(args.spec)
-    points = expand(spec)  # every point's config checked before --out is touched
+    spec = load_spec(args.spec, args.set)
+    points = expand(spec)  # every point's config and claim checked before --out is touched
     if args.executor != "ray":  # a cluster's nodes may hold data the driver does not
         check_data(points)
     t0 = time.perf_counter()
@@ -52,6 +52,15 @@ def cmd_study(args) -> int:
         print(f"{f.verdict.verdict:>13s}: {f.title}")
     print(f"report: {html}")
     print(f"        {md}")
+    unfinished = [r for r in results if r.status not in ("completed", "diverged")]
+    if unfinished:
+        named = ", ".join(r.point.key for r in unfinished[:3]) + (", ..." if len(unfinished) > 3 else "")
+        print(
+            f"{len(unfinished)} of {len(results)} points did not finish ({named}); their logs: "
+            f"{Path(args.out) / 'logs'}/GROUP/POINT.log; "
+            "re-running the study resumes them"
+        )
+        return 1
     return 0
 
 
@@ -175,7 +184,7 @@ def _estimate(args) -> int:
         raise ConfigError("study --estimate: give NAME|SPEC.yaml")
     if args.probe_steps < 1:
         raise ConfigError(f"--probe-steps={args.probe_steps}: expected an integer >= 1")
-    spec = load_spec(args.spec)
+    spec = load_spec(args.spec, args.set)
     t0 = time.perf_counter()
     est = estimate(spec, jobs=args.jobs, probe_steps=args.probe_steps)
     for name, seconds in est["groups"].items():
@@ -210,6 +219,13 @@ def register(sub) -> None:
         type=int,
         metavar="N",
         help="ray: train each point with torchrun --nproc-per-node N on its node (default 1)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="key.path=value",
+        help="override a config key in every group (after the group's own set; repeatable), e.g. train.steps=60",
     )
     p.add_argument("--list", action="store_true", help="list the built-in studies with their expected run time")
     p.add_argument(

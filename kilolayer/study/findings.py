@@ -13,120 +13,14 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from kilolayer import rundir
 from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.objectives.baselines import translates
 from kilolayer.registry import Registry
-
-HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
-LEVEL = 0.95  # one-sided confidence of each bound
-
-RULE = (
-    "The seed is the unit of replication: each finding reduces its runs to one difference *d* per seed, positive "
-    "when the claim holds (shapes and pairs averaged, or a trend fitted, within the seed). With *n* seeds, mean *m* "
-    "and standard deviation *sd*, the one-sided 95% Student-t bounds are *m* ∓ t(0.95, n−1)·*sd*/√n: **held** if "
-    "the lower bound exceeds the margin, **did not hold** if the upper bound is below minus the margin, otherwise "
-    "**inconclusive** — always with fewer than 2 seeds. A failed or missing run is never evidence (inconclusive, "
-    "named); a diverged run scores the chance level of its data (the loss of the best predictor that ignores the "
-    "input), so it counts against what diverged (a token-similarity comparison has no representation to measure "
-    f"in a diverged run, so it is inconclusive there); a run whose loss stays above {LEARNED_NOTHING:g} x chance "
-    "learned nothing, and a claim that needs it to learn is not decided by it (inconclusive; a *did not hold* that the "
-    "numbers give stands even when the scheme claimed to train learned nothing)."
-)
-
-
-def t_quantile(df: int, level: float = LEVEL) -> float:
-    """Student-t quantile ``t(level, df)`` (one-sided)."""
-    from scipy.stats import t
-
-    return float(t.ppf(level, df))
-
-
-@dataclass
-class Verdict:
-    verdict: str
-    mean: float = float("nan")
-    lower: float = float("nan")  # one-sided LEVEL bounds on the mean per-seed difference
-    upper: float = float("nan")
-    n: int = 0  # seeds
-    margin: float = float("nan")
-    reason: str = ""
-    per_seed: dict = field(default_factory=dict)  # seed -> d, shown in the report
-
-
-def _num(x: float, unit: str = "") -> str:
-    return f"{x:+.3g}{unit}"
-
-
-def decide(
-    per_seed: dict | list,
-    margin: float,
-    unit: str = "",
-    *,
-    not_evidence: tuple = (),
-    unlearned: tuple = (),
-    unlearned_decides_against: bool = False,
-    level: float = LEVEL,
-) -> Verdict:
-    """The verdict of the module docstring from one difference per seed (a dict seed -> d, or a list).
-
-    ``not_evidence``: runs that failed or are missing (named in the reason; the verdict is inconclusive).
-    ``unlearned``: runs the claim needs to have learned that did not. They are named, and the verdict becomes
-    inconclusive, unless it is "did not hold" and ``unlearned_decides_against`` (a claim such as "DeepNorm
-    trains" is contradicted by a DeepNorm that learned nothing)."""
-    values = list(per_seed.values()) if isinstance(per_seed, dict) else list(per_seed)
-    values = [float(d) for d in values if d is not None and not math.isnan(d)]
-    n = len(values)
-    m = statistics.fmean(values) if values else float("nan")
-    v = Verdict(INCONCLUSIVE, m, n=n, margin=margin)
-    if n >= 2:
-        half = t_quantile(n - 1, level) * statistics.stdev(values) / math.sqrt(n)
-        v.lower, v.upper = m - half, m + half
-        desc = (
-            f"mean d {_num(m, unit)} over {n} seeds, one-sided {level:.0%} bounds [{v.lower:+.3g}, {v.upper:+.3g}]"
-            f"{unit}, margin {margin:.3g}{unit}"
-        )
-        if v.lower > margin:
-            v.verdict = HELD
-        elif v.upper < -margin:
-            v.verdict = NOT_HELD
-        else:
-            desc += "; the bounds straddle the margin"
-    elif n == 1:
-        direction = "in the claim's direction" if m > 0 else "against the claim" if m < 0 else "no difference"
-        desc = f"one seed: d {_num(m, unit)} ({direction}); seed noise is unknown, so one seed cannot decide"
-    else:
-        desc = "no seed with every run the comparison needs"
-    if not_evidence:
-        shown = ", ".join(not_evidence[:4]) + (f" and {len(not_evidence) - 4} more" if len(not_evidence) > 4 else "")
-        v.verdict = INCONCLUSIVE
-        desc = f"not evidence: {shown}" + (f"; the other runs give {desc}" if n else "")
-    if unlearned:
-        shown = ", ".join(unlearned[:4]) + (f" and {len(unlearned) - 4} more" if len(unlearned) > 4 else "")
-        desc += f"; {shown} learned nothing (loss above {LEARNED_NOTHING:g} x chance)"
-        if v.verdict == HELD or (v.verdict == NOT_HELD and not unlearned_decides_against):
-            v.verdict = INCONCLUSIVE
-            desc += ", and the claim needs it to"
-    v.reason = desc
-    return v
-
-
-@dataclass
-class Finding:
-    name: str
-    title: str
-    claim: str
-    reference: str
-    rule: str
-    verdict: Verdict
-    headers: list[str] = field(default_factory=list)
-    rows: list[list] = field(default_factory=list)
-    plots: list[tuple[str, str]] = field(default_factory=list)  # (path, caption)
-    scale_up: str = ""
-    notes: list[str] = field(default_factory=list)  # measurement choices and chance levels, stated in the report
-
+from kilolayer.verdicts.evidence import chance, failed, learned, not_evidence, still_improving
+from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, Finding, Verdict, decide
 
 FINDINGS: Registry[Callable] = Registry("study.findings", "finding")
 
@@ -178,41 +72,6 @@ def _fmt(x, nd=3):
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def not_evidence(r, what: str) -> str | None:
-    """Why run ``r`` (the ``what`` of a comparison) cannot be evidence, or None if it can: completed with an
-    evaluation, or diverged (a result)."""
-    if r is None:
-        return f"{what} (missing)"
-    if r.status == "diverged":
-        return None
-    if r.status != "completed":
-        # the reason's first clause (the runs table has the whole text and the command to continue)
-        reason = r.reason.split(";")[0].strip()
-        if len(reason) > 80:
-            reason = reason[:80].rsplit(" ", 1)[0] + "…"
-        why = f": {reason}" if reason else ""
-        return f"{r.point.key} ({r.status}{why})"
-    if "loss" not in r.eval:
-        return f"{r.point.key} (completed without an evaluation)"
-    if not math.isfinite(float(r.eval["loss"])):
-        return f"{r.point.key} (evaluation loss {r.eval['loss']})"
-    return None
-
-
-def chance(r, out) -> dict:
-    """The chance level of run ``r``'s evaluation data (cached on the result and in its run directory)."""
-    c = getattr(r, "chance", None)
-    if c is None:
-        from kilolayer.analysis.chance import chance_of_run
-
-        try:
-            c = chance_of_run(r.point.run_dir(out), r.point.config)
-        except NotImplementedError:  # an objective of the user's that defines no chance level
-            c = {"loss": float("nan")}
-        r.chance = c
-    return c
-
-
 def loss_of(r, out) -> float:
     """Final validation loss; a diverged run scores its data's chance loss (NaN, hence not evidence, for an
     objective without a chance level)."""
@@ -262,14 +121,6 @@ def bleu_of(r, out) -> float | None:
     return float(value) if value is not None and math.isfinite(float(value)) else None
 
 
-def learned(r, out) -> bool:
-    """Whether a completed run's final loss is clearly below its chance loss (at most LEARNED_NOTHING x chance)."""
-    if r.status != "completed":
-        return False
-    c = chance(r, out).get("loss")
-    return c is None or math.isnan(c) or float(r.eval["loss"]) <= LEARNED_NOTHING * c
-
-
 def _status_cell(r, value: str) -> str:
     if r is None:
         return "missing"
@@ -298,7 +149,7 @@ class Evidence:
             return False
         for what in must_learn:
             r = runs[what]
-            if not learned(r, out) and r.point.key not in self.unlearned:
+            if learned(r, out) is not True and r.point.key not in self.unlearned:
                 self.unlearned.append(r.point.key)
         return True
 
@@ -488,10 +339,20 @@ def _baselines_note(runs, out) -> list[str]:
 
 
 def _scheme_vs(
-    results, out, loser: str, winner: str, name: str, title: str, claim: str, margin: float, metric: str = "loss"
+    results,
+    out,
+    loser: str,
+    winner: str,
+    name: str,
+    title: str,
+    claim: str,
+    margin: float,
+    metric: str = "loss",
+    loser_fails: bool = False,
 ):
     """``winner`` beats ``loser`` at the deepest setting: by final validation loss (lower wins, margin in nats)
-    or by BLEU (higher wins, margin in BLEU points)."""
+    or by BLEU (higher wins, margin in BLEU points). ``loser_fails``: the claim is that the loser fails where the
+    winner trains, so a held needs the loser to have failed (diverged or learned nothing) in every seed."""
     rs = _group(results, "deepnet")
     if not {loser, winner} <= {_val(r, "model.scheme") for r in rs}:
         return None  # the study does not compare these two schemes
@@ -510,11 +371,25 @@ def _scheme_vs(
             else:
                 ev.add(seed, loss_of(a, out) - loss_of(b, out), f"seed {seed}")
     v = ev.decide(margin, " BLEU" if metric == "bleu" else " nats")
+    if loser_fails:
+        trained = [
+            r.point.key
+            for seed in _seeds(rs)
+            if (r := _run(rs, loser, deepest, seed)) is not None
+            and r.status in ("completed", "diverged")
+            and failed(r, out) is not True
+        ]
+        if trained:
+            v.reason += f"; the claim needs {loser} to fail in every seed, but {', '.join(trained)} learned"
+            if v.verdict == HELD:
+                v.verdict = INCONCLUSIVE
     others = _other_axes(rs)
     if others:
         v = _several_settings(v, others, len(_seeds(rs)))
     at = _depth_label(rs[0], deepest)
     must = f"{winner} must have learned (loss ≤ {LEARNED_NOTHING:g} x chance)"
+    if loser_fails:
+        must += f", and {loser} must have failed (diverged, or loss above {LEARNED_NOTHING:g} x chance) in every seed"
     if metric == "bleu":
         rule = (
             f"d = final BLEU (greedy decoding, sacrebleu; on the whole test split where the runs were scored on it, "
@@ -552,6 +427,7 @@ def deepnet_postln(results, out):
         "At the same learning rate and warm-up, Post-LN's training degrades or diverges as depth grows, while "
         "DeepNorm (x <- LN(alpha x + G(x)) with its beta-scaled init) trains stably to a lower loss.",
         margin=0.05,
+        loser_fails=True,
     )
     if f is None:
         return None
@@ -599,6 +475,7 @@ def deepnet_postln_bleu(results, out):
         "DeepNorm trains stably to a higher BLEU (DeepNet, Table 1: Post-LN fails from 50L-50L on WMT-17).",
         margin=0.5,
         metric="bleu",
+        loser_fails=True,
     )
     if f is not None:
         f.plots = _curves(results, "deepnet", out, "deepnet_loss.png")
@@ -954,9 +831,9 @@ def _robust_axis(rs, out, group: str, key: str) -> Finding:
     for seed in seeds:
         runs = {f"{s} {key}={x} seed {seed}": run(s, x, seed) for s in ("post_ln", "deepnorm") for x in values}
         if ev.check(runs, out):
-            stable = {s: sum(learned(run(s, x, seed), out) for x in values) for s in ("post_ln", "deepnorm")}
+            stable = {s: sum(learned(run(s, x, seed), out) is True for x in values) for s in ("post_ln", "deepnorm")}
             unstable_post_ln += len(values) - stable["post_ln"]
-            deepnorm_fails[seed] = [x for x in values if not learned(run("deepnorm", x, seed), out)]
+            deepnorm_fails[seed] = [x for x in values if learned(run("deepnorm", x, seed), out) is not True]
             ev.add(seed, stable["deepnorm"] - stable["post_ln"])
     v = ev.decide(0.5, " settings")
     # the paper's claim is absolute ("without difficulty in all the largest settings"): DeepNorm unstable at a
@@ -983,7 +860,7 @@ def _robust_axis(rs, out, group: str, key: str) -> Finding:
                 r = run(s, x, seed)
                 cell = _status_cell(r, _fmt(r.eval.get("loss")) if r is not None else "")
                 if r is not None and r.status == "completed":
-                    cell += " (stable)" if learned(r, out) else " (learned nothing)"
+                    cell += " (stable)" if learned(r, out) is True else " (learned nothing)"
                 cells.append(cell)
             row.append(" / ".join(cells))
         rows.append(row)
@@ -1071,42 +948,7 @@ def _finite_value(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def still_improving(r, key: str, tol: float, lower_is_better: bool = False, relative: bool = False) -> bool:
-    """Whether a run had not converged in ``key`` by the end of its training, by either of two signs (a margin
-    of ``tol``, a fraction of the earlier value if ``relative``):
-
-    * over the last quarter of its steps: the best of its evaluations in that quarter beats the best of as many
-      evaluations just before it (one against one when the quarter holds one evaluation). Windows of equal size,
-      so a single noisy evaluation at either end neither flags a flat run nor hides a gain, and neither side is
-      favoured by holding more draws of the noise;
-    * after the evaluation that stands for it (its best checkpoint under early stopping): a later evaluation
-      beats the standing one, so what the run reports is below what it went on to reach (a run stopped on its
-      loss while its accuracy still rose).
-
-    Comparisons at this step count are then premature."""
-    # a missing or non-finite value is no evaluation of ``key`` (a NaN would decide min and max by its place)
-    evs = [e for e in (r.evals if r is not None else []) if _finite_value(e.get(key))]
-    if len(evs) < 2:
-        return False
-    pick = min if lower_is_better else max
-
-    def beats(new: float, old: float) -> bool:
-        gain = old - new if lower_is_better else new - old
-        return gain > (tol * abs(old) if relative else tol)
-
-    last = evs[-1]["step"]
-    later = [float(e[key]) for e in evs if e["step"] > 0.75 * last]
-    earlier = [float(e[key]) for e in evs if e["step"] <= 0.75 * last][-len(later) :] or [float(evs[0][key])]
-    if beats(pick(later), pick(earlier)):
-        return True
-    standing = r.eval if isinstance(r.eval, dict) else {}
-    if _finite_value(standing.get(key)) and "step" in standing:
-        after = [float(e[key]) for e in evs if e["step"] > standing["step"]]
-        return bool(after) and beats(pick(after), float(standing[key]))
-    return False
-
-
-def require_convergence(
+def report_convergence(
     v: Verdict,
     runs: list,
     key: str,
@@ -1115,22 +957,18 @@ def require_convergence(
     relative: bool = False,
     what: str = "runs",
 ) -> Verdict:
-    """Bamboo compares models at convergence: if any of ``runs`` was :func:`still_improving`, a held or did not
-    hold becomes inconclusive and the reason says how many ``what`` had not converged. Returns ``v``, changed."""
+    """Runs are compared at the budget the study gave them, as Bamboo and DeepNet compare them (fixed
+    schedules): if any of ``runs`` was :func:`still_improving`, the reason says how many ``what`` were and that the
+    comparison stands at their budget. The verdict is not changed. Returns ``v``."""
     runs = list({r.point.key: r for r in runs if r is not None and r.ok}.values())
     moving = [r for r in runs if still_improving(r, key, tol, lower_is_better, relative)]
     if not moving:
         return v
     by = f"{tol:.0%}" if relative else f"{tol:g}"
-    decided = v.verdict in (HELD, NOT_HELD)
     v.reason += (
         f"; {len(moving)} of {len(runs)} {what} were still improving {key} by more than {by} (in their last "
-        "quarter of steps, or after the evaluation that stands for them), so they had not converged"
-        + (f" (it would have read '{v.verdict}'), and the claim is about converged models" if decided else "")
-        + ": train longer before trusting this comparison"
+        "quarter of steps, or after the evaluation that stands for them): the comparison is at their budget"
     )
-    if decided:
-        v.verdict = INCONCLUSIVE
     return v
 
 
@@ -1138,8 +976,8 @@ def require_convergence(
 CONVERGENCE_TOLERANCE = {"loss": (0.02, True, True), "accuracy": (0.01, False, False)}
 
 
-def require_convergence_as_selected(v: Verdict, runs: list) -> Verdict:
-    """:func:`require_convergence` on the measure that chose each run's standing checkpoint (its
+def report_convergence_as_selected(v: Verdict, runs: list) -> Verdict:
+    """:func:`report_convergence` on the measure that chose each run's standing checkpoint (its
     ``train.early_stop_metric``: a pre-training loss, a classifier's accuracy), for a finding that compares
     something else, such as token similarity. A classifier stopped on its accuracy stands past its loss minimum
     (its loss turns up while its accuracy still rises), so its loss is not the measure that says whether it
@@ -1151,7 +989,7 @@ def require_convergence_as_selected(v: Verdict, runs: list) -> Verdict:
             by_metric.setdefault(metric if metric in CONVERGENCE_TOLERANCE else "loss", []).append(r)
     for metric, rs in sorted(by_metric.items()):
         tol, lower, relative = CONVERGENCE_TOLERANCE[metric]
-        require_convergence(v, rs, metric, tol, lower_is_better=lower, relative=relative)
+        report_convergence(v, rs, metric, tol, lower_is_better=lower, relative=relative)
     return v
 
 
@@ -1255,7 +1093,7 @@ def _smoothing_level(results, out, seq: str, tok: str, modality: str) -> Finding
                     _fmt(_last(b, "cosine_same_minus_different")),
                 ]
             )
-    v = require_convergence_as_selected(level.decide(0.05), a_rs + b_rs)
+    v = report_convergence_as_selected(level.decide(0.05), a_rs + b_rs)
     shapes = ", ".join(_shape(r) for r in sorted({_depth(r): r for r in a_rs + b_rs}.values(), key=_depth))
     notes = [
         "Last-layer token similarity three ways: raw cosine (the verdict's), centred (after subtracting the "
@@ -1330,7 +1168,7 @@ def _smoothing_trend(results, out, seq: str, toks: list[str], modality: str) -> 
             context.append(f"{tok}: {statistics.fmean(t_slopes.values()):+.3g} per doubling")
     if context:
         v.reason += "; for comparison, token-level " + ", ".join(context)
-    require_convergence_as_selected(v, _group(results, seq))
+    report_convergence_as_selected(v, _group(results, seq))
     shape_of = {_depth(r): _shape(r) for r in _group(results, seq)}
     return Finding(
         f"bamboo_smoothing_trend:{seq}",
@@ -1437,8 +1275,8 @@ def _depth_pair(results, out, scratch: str, tuned: str, pre: str, modality: str)
     pre_runs = [r for r in results if r.point.key in keys]
     v_abs, v_rel = absolute.decide(0.005), relative.decide(0.005)
     for v in (v_abs, v_rel):
-        require_convergence(v, sup + ft, "accuracy", 0.01)
-        require_convergence(v, pre_runs, "loss", 0.02, lower_is_better=True, relative=True, what="pre-training runs")
+        report_convergence(v, sup + ft, "accuracy", 0.01)
+        report_convergence(v, pre_runs, "loss", 0.02, lower_is_better=True, relative=True, what="pre-training runs")
     if len(depths) < 2:
         v_abs = v_rel = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
     shape_of = {_depth(r): _shape(r) for r in sup + ft}
@@ -1522,7 +1360,7 @@ def bamboo_depth_tokens(results, out):
             rows.append(row)
             if None not in losses:
                 ev.add(seed, -slope(depths, losses))
-        v = require_convergence(ev.decide(0.01, " nats"), rs, "loss", 0.02, lower_is_better=True, relative=True)
+        v = report_convergence(ev.decide(0.01, " nats"), rs, "loss", 0.02, lower_is_better=True, relative=True)
         if len(depths) < 2:
             v = Verdict(INCONCLUSIVE, reason=f"one shape only ({depths}): no trend with depth to fit")
         shape_of = {_depth(r): _shape(r) for r in rs}

@@ -21,7 +21,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kilolayer.rundir import RunDir
-from kilolayer.study.findings import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding, evaluate_findings
+from kilolayer.study.findings import evaluate_findings
+from kilolayer.verdicts.claims import judge
+from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding
 
 # plain words (emoji need a font the reader may not have); the HTML colours them
 BADGE = {HELD: "held", NOT_HELD: "did not hold", INCONCLUSIVE: "inconclusive"}
@@ -104,8 +106,8 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         "Nothing here was written in advance.",
         "",
         _table(
-            ["finding", "verdict", "measured"],
-            [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason] for f in findings],
+            ["finding", "verdict", "measured", "still improving at the budget"],
+            [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason, f.improving or "-"] for f in findings],
         ),
     ]
     for f in findings:
@@ -125,6 +127,8 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
             rel = os.path.relpath(path, out)
             lines += [f"![{_text(caption)}]({rel})", "", f"*{_text(caption)}*", ""]
         lines += [f"**Verdict: {BADGE[f.verdict.verdict]}.** {_text(f.verdict.reason)}.", ""]
+        if f.improving:
+            lines += [f"**Still improving.** {_text(f.improving)}.", ""]
         if f.scale_up:
             lines += [f"**To test this claim properly:** {_text(f.scale_up)}", ""]
     lines += ["## Runs", "", "Every grid point is an ordinary `kilolayer train` run directory under `runs/`.", ""]
@@ -314,7 +318,9 @@ def render_html(markdown_text: str, out: Path) -> str:
 def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, Path, list[Finding]]:
     out = Path(out)
     (out / "report_files").mkdir(parents=True, exist_ok=True)
+    groups = {g.name: g for g in spec.groups}
     findings = evaluate_findings(spec.findings, results, out)
+    findings += [judge(c, results, groups[c.runs], out) for c in spec.claims]
     md = render_markdown(spec, results, findings, out, wall_seconds)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)

@@ -63,6 +63,7 @@ class Result:
     seconds: float = 0.0
     command: str = ""
     ran: bool = False  # trained in this invocation
+    chance: dict | None = None  # the chance level of its evaluation data, once read (kilolayer.verdicts.evidence)
 
     @property
     def ok(self) -> bool:

@@ -930,7 +930,7 @@ def compare_runs(a: Path, b: Path, metric: str) -> tuple[float, float, float, in
     its standard error over batches, the two-sided 95% Student-t bound, batches); None with one batch."""
     import statistics
 
-    from kilolayer.study.findings import t_quantile
+    from kilolayer.verdicts.rule import t_quantile
 
     diffs = [x - y for x, y in zip(per_batch_metric(a, metric), per_batch_metric(b, metric))]
     if len(diffs) < 2:

@@ -6,7 +6,8 @@ A spec (YAML or a built-in name)::
     description: what it asks
     groups:
       - name: deepnet
-        base: {model: {...}, objective: {...}, data: {...}, train: {...}}
+        base: {model: {...}, objective: {...}, data: {...}, train: {...}}   # or a config file, relative to the spec
+        set: {train.steps: 200}     # overrides of base's keys
         grid:                       # the product of these
           model.scheme: [post_ln, deepnorm]
           model.layers,model.decoder_layers: [[6, 6], [18, 18]]   # keys tied together
@@ -17,32 +18,39 @@ A spec (YAML or a built-in name)::
         init_from: pretrain         # train.init_from = the pretrain point with the same grid values
         ...
     findings: [deepnet_depth, ...]  # names in kilolayer.study.findings.FINDINGS
+    claims:                         # claims as data (kilolayer.verdicts.claims)
+      - name: deeper_is_better
+        runs: deepnet
+        ...
 
 Each point is a plain ``kilolayer train`` run directory ``OUT/runs/<group>/<point>``.
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kilolayer.config import Config, apply_sets, format_validation_error, load_config
+from kilolayer.config import Config, apply_sets, format_validation_error, load_config, parse_set, read_yaml
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.study.analyses import ANALYSES
 from kilolayer.train.run import check_early_stopping
+from kilolayer.verdicts.claims import Claim, check_claim, parse_claim
 
 
 class GroupSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(..., pattern=r"^[A-Za-z0-9_\-]+$")
     description: str = ""
-    base: dict[str, Any] = Field(default_factory=dict)
+    base: dict[str, Any] | str = Field(
+        default_factory=dict, description="the config: a mapping, or a config file's path relative to the spec file"
+    )
+    set: dict[str, Any] = Field(default_factory=dict, description="overrides of base's keys, dotted")
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     analyses: list[str] = Field(default_factory=list)
@@ -71,6 +79,12 @@ class GroupSpec(BaseModel):
                         )
         return grid
 
+    @field_validator("base")
+    @classmethod
+    def _base(cls, base):
+        # a path left unresolved by load_spec (a spec built in Python): relative to the working directory
+        return read_yaml(base) if isinstance(base, str) else base
+
     @field_validator("analyses")
     @classmethod
     def _analyses(cls, names):
@@ -88,6 +102,23 @@ class StudySpec(BaseModel):
     expected_basis: str = Field("", description="how expected_minutes was obtained: measured, or estimated")
     groups: list[GroupSpec] = Field(..., min_length=1)
     findings: list[str] = Field(default_factory=list)
+    claims: list[Any] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _claims(self):
+        """Each claim parsed and checked against the groups: a bad claim is refused before anything trains."""
+        groups = {g.name: g for g in self.groups}
+        parsed, names = [], set()
+        for i, raw in enumerate(self.claims):
+            where = f"claims[{i}]"
+            claim = raw if isinstance(raw, Claim) else parse_claim(raw, where)
+            check_claim(claim, groups, where + (f" ({claim.name})" if claim.name else ""))
+            if claim.name in names:
+                raise ValueError(f"{where}.name={claim.name!r}: two claims of the spec have this name")
+            names.add(claim.name)
+            parsed.append(claim)
+        self.claims = parsed
+        return self
 
 
 @dataclass
@@ -121,6 +152,14 @@ def _short(key: str) -> str:
     return key.split(".")[-1]
 
 
+def _sets(values: dict[str, Any]) -> list[str]:
+    """``key.path=value`` strings of a mapping of dotted keys (YAML flow values, as ``--set`` reads them)."""
+    return [
+        f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+        for k, v in values.items()
+    ]
+
+
 def point_name(values: dict[str, Any]) -> str:
     parts = []
     for k, v in values.items():
@@ -152,11 +191,8 @@ def expand(spec: StudySpec) -> list[Point]:
                     for sk, sv in zip(subkeys, vals):
                         values[sk.strip()] = sv
                 values["train.seed"] = seed
-                sets = [
-                    f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-                    for k, v in values.items()
-                ]
-                data = apply_sets(copy.deepcopy(g.base), sets)
+                sets = _sets(values)
+                data = apply_sets(g.base, [*_sets(g.set), *sets])
                 try:
                     cfg = load_config(data)
                     check_early_stopping(cfg)
@@ -212,23 +248,24 @@ def _match(p: Point, candidates: list[Point], group: str) -> str:
     return best[0].key
 
 
-def load_spec(source: str | Path) -> StudySpec:
-    """A built-in study by name, or a YAML spec file."""
+def load_spec(source: str | Path, sets: list[str] | None = None) -> StudySpec:
+    """A built-in study by name, or a YAML spec file. A group's ``base`` that is a path is read relative to the
+    spec file; ``sets`` (``kilolayer study --set KEY=VALUE``) apply to every group, after its own ``set``."""
     from kilolayer.study.builtin import BUILTIN
 
     src = str(source)
     if src in BUILTIN:
-        data = BUILTIN[src]()
+        data, root = BUILTIN[src](), None
     else:
         p = Path(src)
         if not p.is_file():
             raise ConfigError(f"{BUILTIN.unknown(src)}; nor is it a spec file (see kilolayer study --list)")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError:
-            raise ConfigError(f"{p}: not valid YAML") from None
+        data, root = read_yaml(p), p.parent
         if not isinstance(data, dict):
-            raise ConfigError(f"{p}: expected a mapping with name, groups and findings")
+            raise ConfigError(f"{p}: expected a mapping with name, groups and findings or claims")
+    for i, g in enumerate(data.get("groups") or []):
+        if isinstance(g, dict):
+            _resolve_base(g, i, root, sets or [])
     try:
         spec = StudySpec.model_validate(data)
     except ValidationError as err:
@@ -238,3 +275,26 @@ def load_spec(source: str | Path) -> StudySpec:
     for f in spec.findings:
         FINDINGS.get(f)
     return spec
+
+
+def _resolve_base(group: dict, index: int, root: Path | None, sets: list[str]) -> None:
+    """A group's ``base`` given as a config file read in place (relative to the spec's folder), and the study's
+    ``--set`` values applied to it: every group then holds its config as a mapping."""
+    base = group.get("base", {})
+    where = f"groups[{index}]" + (f" ({group['name']})" if isinstance(group.get("name"), str) else "")
+    if isinstance(base, str):
+        path = Path(base) if Path(base).is_absolute() or root is None else root / base
+        if not path.is_file():
+            raise ConfigError(f"{where}.base={base!r}: no such config file ({path})")
+        base = read_yaml(path)
+        if not isinstance(base, dict):
+            raise ConfigError(f"{where}.base={base!r}: expected a config mapping in {path}")
+        data = base.get("data")
+        if isinstance(data, dict) and isinstance(data.get("path"), str) and not Path(data["path"]).is_absolute():
+            data["path"] = str((path.parent / data["path"]).resolve())  # a config's paths are its own folder's
+    group["base"] = base
+    if sets:  # after the group's own set, before its grid values
+        own = group.get("set") or {}
+        if not isinstance(own, dict):
+            raise ConfigError(f"{where}.set: expected a mapping of dotted keys to values")
+        group["set"] = {**own, **{".".join(path): value for path, value in map(parse_set, sets)}}

@@ -1,0 +1,443 @@
+"""Claims as data: what a paper (or a user) claims, which runs decide it, and how, written in a study spec::
+
+    claims:
+      - name: deeper_is_better
+        claim: The deeper, narrower model reaches a lower validation loss at the same budget
+        source: my own hypothesis
+        runs: shapes                      # a group of the spec
+        measure: eval_loss                # a registered measure (kilolayer.verdicts.measures)
+        compare: {key: model.layers, claimed_better: 8, against: 2}   # a registered contrast and its fields
+        margin: 0.02                      # in the measure's unit (a ratio's: a factor)
+        margin_reason: why this margin
+        paper_effect: 0.05                # the paper's own effect in the same unit; the margin must be below it
+        where: {model.layers: max}        # only the runs with these values (max / min of the group's)
+        requires: [winner_learns, loser_fails, converged]
+
+:func:`parse_claim` and :func:`check_claim` refuse a bad claim with one line naming its field before anything
+trains; :func:`judge` reads the study's runs and returns the :class:`~kilolayer.verdicts.rule.Finding` the report
+shows, its rule text generated from these fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kilolayer.config import format_validation_error
+from kilolayer.verdicts.contrasts import CONTRASTS, Contrast, grid_value, same, shown
+from kilolayer.verdicts.evidence import (
+    LEARNED_NOTHING,
+    chance,
+    failed,
+    improving_summary,
+    learned,
+    loss_ratio,
+    not_evidence,
+)
+from kilolayer.verdicts.measures import MEASURES, TEST, VALIDATION, Measure, has_test
+from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, Finding, decide
+
+REQUIREMENTS = {
+    "winner_learns": f"the claimed-better side must have learned (loss at most {LEARNED_NOTHING:g} x chance) in "
+    "every seed: one that learned nothing makes a held inconclusive, and leaves a did not hold standing",
+    "loser_fails": "the other side must have failed (diverged, or loss above "
+    f"{LEARNED_NOTHING:g} x chance) in every seed, else the claim is inconclusive",
+    "converged": "the claim is about converged models: a run still improving its measure at its budget makes it "
+    "inconclusive",
+}
+
+
+class Claim(BaseModel):
+    """One claim of a study spec (its contrast is parsed into ``contrast`` by :func:`parse_claim`)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_\-]+$")
+    claim: str
+    source: str
+    title: str = ""
+    runs: str
+    measure: str
+    margin: float
+    margin_reason: str = ""
+    paper_effect: float | None = None
+    better: Literal["lower", "higher"] | None = None
+    where: dict[str, Any] = Field(default_factory=dict)
+    requires: list[str] = Field(default_factory=list)
+    scale_up: str = ""
+    contrast: Any = Field(None, exclude=True)
+
+    @field_validator("margin", "paper_effect", mode="before")
+    @classmethod
+    def _number(cls, value):
+        if isinstance(value, bool):
+            raise ValueError("expected a number, not true or false")
+        return value
+
+    @property
+    def kind(self) -> str:
+        return self.contrast.kind
+
+    def the_measure(self) -> Measure:
+        return MEASURES[self.measure]
+
+    def direction(self) -> str:
+        return self.better or self.the_measure().better
+
+    def data(self) -> dict:
+        """The claim as its spec writes it (its contrast under its kind's name)."""
+        out = self.model_dump(exclude_defaults=True, exclude={"contrast"})
+        out[self.kind] = self.contrast.model_dump()
+        return out
+
+
+def parse_claim(data: Any, where: str) -> Claim:
+    """A claim from its spec mapping; ValueError, one line naming the field, when it is malformed."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping (name, claim, source, runs, measure, a contrast, margin)")
+    kinds = [k for k in data if k in CONTRASTS]
+    if len(kinds) != 1:
+        found = f"found {', '.join(kinds)}" if kinds else "found none"
+        raise ValueError(f"{where}: give exactly one contrast, one of {', '.join(sorted(CONTRASTS))} ({found})")
+    kind = kinds[0]
+    body = {k: v for k, v in data.items() if k != kind}
+    try:
+        claim = Claim.model_validate(body)
+    except ValidationError as err:
+        raise ValueError(_with_choices(format_validation_error(err, where, Claim), kinds)) from None
+    if not isinstance(data[kind], dict):
+        raise ValueError(f"{where}.{kind}: expected a mapping of its fields")
+    try:
+        claim.contrast = CONTRASTS[kind].model_validate(data[kind])
+    except ValidationError as err:
+        raise ValueError(format_validation_error(err, f"{where}.{kind}", CONTRASTS[kind])) from None
+    return claim
+
+
+def _with_choices(message: str, kinds: list[str]) -> str:
+    if message.endswith(": unknown key") or ": unknown key;" in message:
+        return message + f"; a contrast is one of {', '.join(sorted(CONTRASTS))}"
+    return message
+
+
+def grid_values(group) -> dict[str, list]:
+    """A group's grid as dotted key -> its values (keys tied together split into their own lists)."""
+    out: dict[str, list] = {}
+    for key, values in group.grid.items():
+        subkeys = [k.strip() for k in key.split(",")]
+        for i, sk in enumerate(subkeys):
+            column = [v[i] if len(subkeys) > 1 else v for v in values]
+            out[sk] = [v for j, v in enumerate(column) if not any(same(v, w) for w in column[:j])]
+    return out
+
+
+def ties(group, key: str) -> list[str]:
+    """The grid keys that move together with ``key`` (itself included)."""
+    for k in group.grid:
+        subkeys = [s.strip() for s in k.split(",")]
+        if key in subkeys:
+            return subkeys
+    return [key]
+
+
+def check_claim(claim: Claim, groups: dict, where: str) -> None:
+    """Refuse, with one line naming the field, a claim the spec cannot decide: an unknown group, measure or
+    requirement; a key its group does not vary or a value not in its grid; a margin in the wrong unit or sign,
+    or not below the paper's own effect."""
+    group = groups.get(claim.runs)
+    if group is None:
+        raise ValueError(
+            f"{where}.runs={claim.runs!r}: no group of that name in the spec (groups: {', '.join(groups)})"
+        )
+    if claim.measure not in MEASURES:
+        raise ValueError(f"{where}.measure={claim.measure!r}: unknown measure; allowed: {', '.join(sorted(MEASURES))}")
+    measure = MEASURES[claim.measure]
+    grid = grid_values(group)
+    kind = f"{where}.{claim.kind}"
+    for field, key in zip(("key", "over"), claim.contrast.keys()):
+        if key not in grid:
+            varied = ", ".join(grid) or "nothing but the seed"
+            raise ValueError(f"{kind}.{field}={key}: group {group.name!r} does not vary it (it varies {varied})")
+    claim.contrast.check(grid, kind)
+    for key, value in claim.where.items():
+        if key not in grid:
+            raise ValueError(
+                f"{where}.where.{key}: group {group.name!r} does not vary it (it varies {', '.join(grid)})"
+            )
+        if value not in ("max", "min") and not any(same(value, v) for v in grid[key]):
+            raise ValueError(
+                f"{where}.where.{key}={json.dumps(value)}: not a value of it in the group (allowed: max, min, "
+                f"{shown(grid[key])})"
+            )
+        if any(key in ties(group, k) for k in claim.contrast.keys()):
+            raise ValueError(
+                f"{where}.where.{key}: the contrast varies this key (or one tied to it); it cannot also be fixed"
+            )
+    for name in claim.requires:
+        if name not in REQUIREMENTS:
+            raise ValueError(f"{where}.requires: {name!r} is unknown; allowed: {', '.join(REQUIREMENTS)}")
+        if name in ("winner_learns", "loser_fails") and (not claim.contrast.two_sided or claim.kind == "survived"):
+            raise ValueError(f"{where}.requires: {name} needs a contrast that compares two runs (compare, ratio)")
+    if claim.better is not None and claim.kind not in ("compare", "ratio"):
+        raise ValueError(f"{where}.better: only with compare or ratio (a {claim.kind} has its own direction)")
+    if claim.kind == "survived" and claim.contrast.over in ties(group, claim.contrast.key):
+        raise ValueError(f"{kind}.over={claim.contrast.over}: moves together with {claim.contrast.key} in the grid")
+    if claim.kind == "survived" and claim.measure not in ("eval_loss", "loss_vs_chance"):
+        raise ValueError(
+            f"{where}.measure={claim.measure}: survived counts the settings a run learned in, which "
+            "is read on its loss: use eval_loss or loss_vs_chance"
+        )
+    _check_margin(claim, measure, grid, where)
+    if measure.test_only and "test_scores" not in group.analyses:
+        raise ValueError(
+            f"{where}.measure={claim.measure}: reads the test split; add test_scores to group {group.name!r}'s analyses"
+        )
+
+
+def _check_margin(claim: Claim, measure: Measure, grid: dict, where: str) -> None:
+    m = claim.margin
+    if not math.isfinite(m):
+        raise ValueError(f"{where}.margin={m}: expected a finite number")
+    if claim.kind == "ratio":
+        if m < 1:
+            raise ValueError(f"{where}.margin={m:g}: a ratio's margin is a factor of at least 1 (1.5: at least 1.5x)")
+    elif m < 0:
+        raise ValueError(f"{where}.margin={m:g}: expected a number >= 0; the claim's direction is set by its contrast")
+    elif measure.fraction and m >= 1:
+        raise ValueError(
+            f"{where}.margin={m:g}: {measure.name} is a fraction in [0, 1], so is its margin (0.005 for half a point)"
+        )
+    elif claim.kind == "survived" and m >= len(grid.get(claim.contrast.over, [])):
+        raise ValueError(
+            f"{where}.margin={m:g}: a count of settings of {claim.contrast.over}; expected fewer "
+            f"than its {len(grid[claim.contrast.over])} values"
+        )
+    if claim.paper_effect is not None and not claim.paper_effect > m:
+        raise ValueError(
+            f"{where}.margin={m:g}: not below the paper's own effect (paper_effect={claim.paper_effect:g}), so the "
+            "rule could not confirm it; choose a smaller margin"
+        )
+
+
+# ---------------------------------------------------------------- judging
+
+
+class Judging:
+    """One claim being judged: reads each run's value, and records what is not evidence, which claimed-better runs
+    learned nothing and which against runs did not fail."""
+
+    def __init__(self, claim: Claim, group, out, split: str):
+        self.claim, self.group, self.out, self.split = claim, group, out, split
+        self.measure = claim.the_measure()
+        self.lower_is_better = claim.direction() == "lower"
+        self.excluded: list[str] = []
+        self.unlearned: list[str] = []
+        self.not_failed: list[str] = []
+        self.read: dict = {}  # the runs the contrast read, by key
+
+    def other_keys(self, key: str) -> list[str]:
+        tied = ties(self.group, key)
+        return [k for k in grid_values(self.group) if k not in tied and k not in self.claim.where]
+
+    @staticmethod
+    def seed(r):
+        return r.point.config.train.seed
+
+    def _exclude(self, why: str) -> None:
+        if why not in self.excluded:
+            self.excluded.append(why)
+
+    def value(self, r, what: str, side: str | None = None) -> float | None:
+        if r is not None:
+            self.read[r.point.key] = r
+        why = not_evidence(r, what)
+        if why:
+            self._exclude(why)
+            return None
+        if side == "better" and "winner_learns" in self.claim.requires and learned(r, self.out) is not True:
+            self.unlearned.append(r.point.key)
+        if side == "against" and "loser_fails" in self.claim.requires and failed(r, self.out) is not True:
+            ratio = loss_ratio(r, self.out)
+            self.not_failed.append(f"{r.point.key}" + (f" ({ratio:.2f} x chance)" if ratio is not None else ""))
+        m = self.measure
+        if r.status == "diverged":
+            v = m.on_diverged(r, self.out) if m.on_diverged is not None else None
+            if v is None:
+                self._exclude(f"{r.point.key} (diverged: {m.diverged_text})")
+            return v
+        v = m.read(r, self.out, self.split)
+        if v is None:
+            self._exclude(f"{r.point.key} (no {m.name}" + (" on its test split)" if self.split == TEST else ")"))
+        return v
+
+    def trained(self, r, what: str) -> bool | None:
+        if r is not None:
+            self.read[r.point.key] = r
+        why = not_evidence(r, what)
+        if why:
+            self._exclude(why)
+            return None
+        got = learned(r, self.out)
+        if got is None:
+            self._exclude(f"{r.point.key} (no chance level: cannot say whether it learned)")
+        return got
+
+
+def _runs_of(claim: Claim, results: list) -> list:
+    runs = [r for r in results if r.point.group == claim.runs]
+    for key, value in claim.where.items():
+        if value in ("max", "min"):
+            values = [grid_value(r, key) for r in runs]
+            value = (max if value == "max" else min)(values, key=lambda v: float(v)) if values else None
+        runs = [r for r in runs if same(grid_value(r, key), value)]
+    return runs
+
+
+def _split(measure: Measure, runs: list) -> str:
+    if measure.test_only:
+        return TEST
+    done = [r for r in runs if r.status == "completed"]
+    if measure.split_key and done and all(has_test(r, measure.split_key) for r in done):
+        return TEST
+    return VALIDATION
+
+
+def _split_text(measure: Measure, split: str) -> str:
+    if not measure.split_key:
+        return "read from what each run logged"
+    if split == TEST:
+        return "read on the whole test split, each run's checkpoint chosen on validation"
+    return (
+        "read on validation, the split that also chose each run's checkpoint (no test split was scored: add "
+        "the test_scores analysis for an unbiased read)"
+    )
+
+
+def rule_text(claim: Claim, split: str, others: list[str]) -> str:
+    """The rule the report states, generated from the claim's fields."""
+    measure, c = claim.the_measure(), claim.contrast
+    unit = c.unit(measure)
+    parts = [c.describe(measure, claim.direction()) + ", per seed"]
+    if claim.where:
+        parts[0] += ", at " + ", ".join(f"{k} = {v}" for k, v in claim.where.items())
+    others = [k for k in others if k not in c.keys()]
+    if others:
+        parts[0] += f"; runs matched on {', '.join(others)} and averaged over them"
+    parts.append(_split_text(measure, split))
+    if c.kind != "survived":
+        parts.append(measure.diverged_text)
+    parts += [REQUIREMENTS[r] for r in claim.requires]
+    margin = f"Margin {claim.margin:g}" + ("x" if c.kind == "ratio" else unit)
+    if claim.margin_reason:
+        margin += f": {claim.margin_reason}"
+    if claim.paper_effect is not None:
+        margin += f"; the paper's own effect is {claim.paper_effect:g}" + ("x" if c.kind == "ratio" else unit)
+    text = "; ".join(parts) + f". {margin}."
+    if c.count:
+        text += " Count data: decided by the exact one-sided sign test."
+    return text
+
+
+def _table(claim: Claim, runs: list, judging: Judging) -> tuple[list, list]:
+    shown_keys = [*claim.contrast.keys(), *ties(judging.group, claim.contrast.key)]
+    shown_keys += judging.other_keys(claim.contrast.key)
+    keys = list(dict.fromkeys(shown_keys))
+    headers = [*keys, "seed", claim.measure + (" (test)" if judging.split == TEST else ""), "loss / chance", "status"]
+    rows = []
+    for r in sorted(runs, key=lambda r: (json.dumps([r.point.setting(k) for k in keys], default=str), judging.seed(r))):
+        if r.status == "completed" or r.status == "diverged":
+            v = (
+                judging.measure.read(r, judging.out, judging.split)
+                if r.status == "completed"
+                else (judging.measure.on_diverged(r, judging.out) if judging.measure.on_diverged else None)
+            )
+            value = "-" if v is None else f"{v:.4g}"
+            ratio = loss_ratio(r, judging.out) if r.status == "completed" else None
+            status = r.status if r.status == "completed" else f"diverged at step {r.step}"
+        else:
+            value, ratio, status = "-", None, r.status
+        rows.append(
+            [
+                *(r.point.setting(k) for k in keys),
+                judging.seed(r),
+                value,
+                "-" if ratio is None else f"{ratio:.2f}",
+                status,
+            ]
+        )
+    return headers, rows
+
+
+def _chance_note(runs, out) -> list[str]:
+    levels = []
+    for r in runs:
+        if r.status in ("completed", "diverged"):
+            c = chance(r, out)
+            text = f"loss {c['loss']:.3f}" + (
+                f", accuracy {c['accuracy']:.3f}" if c.get("accuracy") is not None else ""
+            )
+            if text not in levels:
+                levels.append(text)
+    if not levels:
+        return []
+    return [
+        f"Chance level (the best predictor that ignores the input, on these evaluation targets): {'; '.join(levels)}."
+    ]
+
+
+def judge(claim: Claim, results: list, group, out) -> Finding:
+    """The finding of ``claim`` from a study's ``results`` (``group``: the spec's group it reads)."""
+    runs = _runs_of(claim, results)
+    measure = claim.the_measure()
+    split = _split(measure, runs)
+    judging = Judging(claim, group, out, split)
+    per_seed = claim.contrast.per_seed(runs, judging)
+    unit = claim.contrast.unit(measure)
+    v = decide(
+        per_seed,
+        claim.contrast.margin_of(claim.margin),
+        unit,
+        count=claim.contrast.count,
+        not_evidence=tuple(judging.excluded),
+        unlearned=tuple(dict.fromkeys(judging.unlearned)),
+        unlearned_decides_against=True,
+    )
+    if judging.not_failed:
+        failing = claim.contrast.sides()[1]
+        v.reason += (
+            f"; the claim needs {claim.contrast.key}={failing} to fail in every seed, but "
+            f"{', '.join(dict.fromkeys(judging.not_failed))} learned"
+        )
+        if v.verdict == HELD:
+            v.verdict = INCONCLUSIVE
+    improving = ""
+    if measure.convergence:
+        key, tol, relative = measure.convergence
+        improving, moving = improving_summary(list(judging.read.values()), key, tol, key == "loss", relative)
+        unshown = [r for r in judging.read.values() if r.status == "completed" and len(r.evals) < 2]
+        if "converged" in claim.requires and v.verdict in (HELD, NOT_HELD) and (moving or unshown):
+            why = "some were still improving" if moving else f"{len(unshown)} had fewer than 2 evaluations"
+            v.reason += f"; it would read '{v.verdict}', but the claim is about converged models and {why}"
+            v.verdict = INCONCLUSIVE
+    headers, rows = _table(claim, runs, judging)
+    notes = _chance_note(runs, out)
+    if not runs:
+        notes.append(f"No run of group {claim.runs!r} matches {claim.where}.")
+    return Finding(
+        claim.name,
+        claim.title or claim.name,
+        claim.claim,
+        claim.source,
+        rule_text(claim, split, judging.other_keys(claim.contrast.key)),
+        v,
+        headers,
+        rows,
+        scale_up=claim.scale_up,
+        notes=notes,
+        improving=improving,
+    )
+
+
+__all__ = ["Claim", "Contrast", "REQUIREMENTS", "check_claim", "judge", "parse_claim", "rule_text", "HELD", "NOT_HELD"]

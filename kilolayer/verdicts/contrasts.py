@@ -1,0 +1,288 @@
+"""Contrasts: how a claim turns a group's runs into one difference per seed, registered by kind.
+
+Each kind is a small pydantic model of its fields (what a claim writes under its kind's name), which checks
+them against the group's grid before anything trains, and reduces the runs of one seed to *d*, positive when
+the claim holds. The kinds:
+
+* ``compare``: the measure at ``key`` = ``claimed_better`` against ``key`` = ``against``, matched on every
+  other grid key and averaged over them;
+* ``ratio``: the same pairs, *d* = ln(claimed larger / other); its margin is a factor (1.5: at least 1.5x);
+* ``slope``: the least-squares slope of the measure per doubling of ``key``, ``claimed`` to increase or
+  decrease, averaged over the other grid keys;
+* ``survived``: of the settings of ``over``, how many ``claimed_better`` trained through (learned) minus how
+  many ``against`` did: count data, decided by the exact sign test.
+
+Adding a kind is one class registered with :func:`register_contrast` (or an entry point,
+``kilolayer.contrasts``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from kilolayer.registry import Registry
+
+CONTRASTS: Registry[type] = Registry("kilolayer.contrasts", "contrast")
+
+
+def register_contrast(cls: type) -> type:
+    CONTRASTS.register(cls.kind)(cls)
+    return cls
+
+
+def same(a, b) -> bool:
+    """Grid values compare as their JSON (so 0.001 and 1e-3, or a YAML list and a tuple, are one value)."""
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def shown(values) -> str:
+    return ", ".join(json.dumps(v, default=str) for v in values)
+
+
+class Contrast(BaseModel):
+    """Base of every kind. ``judge`` (a :class:`kilolayer.verdicts.claims.Judging`) reads values and records
+    what is not evidence."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: ClassVar[str]
+    count: ClassVar[bool] = False  # count-valued differences (decided by the sign test)
+    two_sided: ClassVar[bool] = True  # has a claimed-better and an against side (requirements apply)
+
+    key: str
+
+    def keys(self) -> list[str]:
+        """The config keys the group must vary."""
+        return [self.key]
+
+    def check(self, grid: dict[str, list], where: str) -> None:
+        """Raise ValueError naming the field when a value is not in the group's grid (``grid``: key -> values)."""
+
+    def margin_of(self, margin: float) -> float:
+        """The margin in the unit of *d* (a ratio's factor becomes its logarithm)."""
+        return margin
+
+    def unit(self, measure) -> str:
+        return measure.unit
+
+    # each kind defines per_seed(runs, judge) -> {seed: d} and describe(measure, better) -> the rule's words
+
+    # the two sides of a two-sided contrast: (claimed better value, against value)
+    def sides(self) -> tuple[Any, Any] | None:
+        return None
+
+
+def _check_values(grid, key, field, values, where) -> None:
+    allowed = grid.get(key, [])
+    for name, value in zip(field, values):
+        if not any(same(value, a) for a in allowed):
+            raise ValueError(
+                f"{where}.{name}={json.dumps(value, default=str)}: not a value of {key} in the group "
+                f"(allowed: {shown(allowed)})"
+            )
+
+
+def _cells(runs: list, judge, key: str, skip: tuple = ()) -> dict:
+    """Runs by seed, then by the values of the other grid keys (the group's, less ``key``'s tie and ``skip``)."""
+    others = [k for k in judge.other_keys(key) if k not in skip]
+    cells: dict = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        combo = json.dumps([r.point.values.get(k) for k in others], default=str)
+        cells[judge.seed(r)][combo].append(r)
+    return cells
+
+
+def grid_value(r, key: str):
+    """A run's value of ``key`` as its grid gave it (what a claim's values are checked against), else its config's."""
+    return r.point.values[key] if key in r.point.values else r.point.setting(key)
+
+
+def _pick(rs: list, key: str, value) -> Any:
+    found = [r for r in rs if same(grid_value(r, key), value)]
+    return found[0] if found else None
+
+
+class _TwoSides(Contrast):
+    claimed_better: Any
+    against: Any
+
+    def check(self, grid, where):
+        if same(self.claimed_better, self.against):
+            raise ValueError(f"{where}.against: the same value as claimed_better ({self.against!r})")
+        _check_values(grid, self.key, ("claimed_better", "against"), (self.claimed_better, self.against), where)
+
+    def sides(self):
+        return self.claimed_better, self.against
+
+    def per_seed(self, runs, judge):
+        out = {}
+        for seed, combos in _cells(runs, judge, self.key).items():
+            parts = []
+            for rs in combos.values():
+                a = _pick(rs, self.key, self.claimed_better)
+                b = _pick(rs, self.key, self.against)
+                label = f"{self.key}={self.claimed_better} / {self.against}, seed {seed}"
+                va, vb = (
+                    judge.value(a, f"{self.key}={self.claimed_better} seed {seed}", side="better"),
+                    judge.value(b, f"{self.key}={self.against} seed {seed}", side="against"),
+                )
+                if va is None or vb is None:
+                    parts = None
+                    break
+                d = self.difference(va, vb, judge.lower_is_better)
+                # a side that diverged never wins against one that did not, whatever chance scores
+                if d is not None and a.status == "diverged" and b.status != "diverged":
+                    d = min(d, 0.0)
+                elif d is not None and b.status == "diverged" and a.status != "diverged":
+                    d = max(d, 0.0)
+                if d is None or not math.isfinite(d):
+                    judge.excluded.append(f"{label} (no finite difference of {va:g} and {vb:g})")
+                    parts = None
+                    break
+                parts.append(d)
+            if parts:
+                out[seed] = statistics.fmean(parts)
+        return out
+
+    def _pair_text(self, measure, better: str) -> str:
+        first, second = (
+            (self.against, self.claimed_better)
+            if better == "lower"
+            else (
+                self.claimed_better,
+                self.against,
+            )
+        )
+        return f"{self.key}={first} minus that of {self.key}={second}"
+
+
+@register_contrast
+class Compare(_TwoSides):
+    kind: ClassVar[str] = "compare"
+
+    def difference(self, better, against, lower_is_better):
+        return against - better if lower_is_better else better - against
+
+    def describe(self, measure, better):
+        return f"d = {measure.what} of {self._pair_text(measure, better)} ({better} is better)"
+
+
+@register_contrast
+class Ratio(_TwoSides):
+    kind: ClassVar[str] = "ratio"
+
+    def difference(self, better, against, lower_is_better):
+        if better <= 0 or against <= 0:
+            return None
+        return math.log(against / better) if lower_is_better else math.log(better / against)
+
+    def margin_of(self, margin):
+        return math.log(margin)
+
+    def unit(self, measure):
+        return " (ln ratio)"
+
+    def describe(self, measure, better):
+        big, small = (self.against, self.claimed_better) if better == "lower" else (self.claimed_better, self.against)
+        return f"d = ln({measure.what} of {self.key}={big} / that of {self.key}={small})"
+
+
+@register_contrast
+class Slope(Contrast):
+    kind: ClassVar[str] = "slope"
+    two_sided: ClassVar[bool] = False
+    claimed: Literal["increases", "decreases"]
+
+    def check(self, grid, where):
+        values = grid.get(self.key, [])
+        if len(values) < 2:
+            raise ValueError(f"{where}.key={self.key}: a slope needs at least 2 values of it in the group")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+            raise ValueError(
+                f"{where}.key={self.key}: a slope per doubling needs positive numbers (got {shown(values)})"
+            )
+
+    def per_seed(self, runs, judge):
+        sign = 1.0 if self.claimed == "increases" else -1.0
+        out = {}
+        for seed, combos in _cells(runs, judge, self.key).items():
+            slopes = []
+            for rs in combos.values():
+                xs, ys = [], []
+                for r in sorted(rs, key=lambda r: r.point.setting(self.key)):
+                    v = judge.value(r, f"{r.point.key}")
+                    if v is None:
+                        xs = None
+                        break
+                    xs.append(math.log2(r.point.setting(self.key)))
+                    ys.append(v)
+                if not xs or len(set(xs)) < 2:
+                    slopes = None
+                    break
+                mx, my = statistics.fmean(xs), statistics.fmean(ys)
+                sxx = sum((x - mx) ** 2 for x in xs)
+                fitted = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+                if not math.isfinite(fitted):
+                    judge.excluded.append(f"seed {seed} (no finite slope: values {', '.join(f'{y:g}' for y in ys)})")
+                    slopes = None
+                    break
+                slopes.append(fitted)
+            if slopes:
+                out[seed] = sign * statistics.fmean(slopes)
+        return out
+
+    def unit(self, measure):
+        return f"{measure.unit} per doubling"
+
+    def describe(self, measure, better):
+        return (
+            f"d = the least-squares slope of {measure.what} against log2({self.key}) (its change per doubling), "
+            f"{'as is' if self.claimed == 'increases' else 'negated'}: the claim is that it {self.claimed}"
+        )
+
+
+@register_contrast
+class Survived(_TwoSides):
+    kind: ClassVar[str] = "survived"
+    count: ClassVar[bool] = True
+    over: str
+
+    def keys(self):
+        return [self.key, self.over]
+
+    def check(self, grid, where):
+        super().check(grid, where)
+        if len(grid.get(self.over, [])) < 2:
+            raise ValueError(f"{where}.over={self.over}: needs at least 2 values of it in the group")
+
+    def unit(self, measure):
+        return " settings"
+
+    def per_seed(self, runs, judge):
+        out = {}
+        for seed, combos in _cells(runs, judge, self.key, skip=(self.over,)).items():
+            total, complete = 0, True
+            for rs in combos.values():
+                for side, value in ((1, self.claimed_better), (-1, self.against)):
+                    mine = [r for r in rs if same(grid_value(r, self.key), value)]
+                    for r in mine:
+                        trained = judge.trained(r, f"{r.point.key}")
+                        if trained is None:
+                            complete = False
+                        else:
+                            total += side * int(trained)
+            if complete and combos:
+                out[seed] = float(total)
+        return out
+
+    def describe(self, measure, better):
+        return (
+            f"d = the number of settings of {self.over} in which {self.key}={self.claimed_better} trained (completed "
+            f"and learned: {measure.what} at most 0.9 x chance, not diverged) minus the number in which "
+            f"{self.key}={self.against} did"
+        )
