@@ -105,6 +105,14 @@ def ragged_task(objective: str, folder: Path) -> dict:
     }
 
 
+def masked_task(objective: str, folder: Path) -> dict:
+    """A raw config (no train section) of a tiny model under random masks: ``mlm`` with BERT's masking on
+    :func:`ragged_lines` written in ``folder``, or ``mae`` on the digits."""
+    if objective == "mae":
+        return WHOLE_TASKS["mae"]
+    return {**ragged_task("mlm", folder), "objective": {"name": "mlm"}}
+
+
 def config(
     objective: str,
     data: str,

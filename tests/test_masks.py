@@ -1,9 +1,11 @@
-"""Causal and padding masks, for every residual scheme.
+"""Causal and padding masks, for every residual scheme; the keyed random draws of training masks.
 
 Causal: changing token p never changes an output before p (decoder-only and
 the decoder of an encoder-decoder). Padding: whatever sits at padded
 positions never changes an output at a non-padded position (encoder
 self-attention, decoder self-attention, and cross-attention to padded memory).
+Keyed draws: a sample's random words are a function of (seed, its index,
+stream, position) only, and look uniform.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kilolayer import SCHEMES, build_model
+from kilolayer.objectives import common
 
 V, T, S, B = 50, 9, 7, 2
 ATOL = 1e-6
@@ -168,3 +171,44 @@ def test_padding_masks_are_what_hides_the_padding(arch):
         tgt = tokens(1)
         a, b = run(m, arch, tgt, x), run(m, arch, tgt, x2)
         assert not torch.allclose(a, b, atol=1e-4)
+
+
+# ---------------------------------------------------------------- keyed random draws
+
+
+def test_the_hash_multiplies_modulo_two_to_the_32_without_overflow():
+    x = torch.randint(0, 2**32, (2000,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    x[:2] = torch.tensor([0, 2**32 - 1])
+    for c in (0x85EBCA6B, 0xC2B2AE35):
+        assert common._mul32(x, c).tolist() == [(int(v) * c) % 2**32 for v in x]
+    assert common._fmix32(x).tolist() == [fmix32(int(v)) for v in x]
+
+
+def fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser on Python integers (as in its reference C source)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) % 2**32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) % 2**32
+    return h ^ (h >> 16)
+
+
+def test_keyed_words_depend_on_the_key_alone_and_look_uniform():
+    samples = torch.arange(10_000, 12_000)
+    bits = common.keyed_bits(7, samples, 0, 64)
+    assert bits.shape == (2000, 64) and int(bits.min()) >= 0 and int(bits.max()) < 2**32
+    # any subset of the samples, in any order, gets the same rows
+    order = torch.randperm(2000, generator=torch.Generator().manual_seed(1))[:300]
+    assert torch.equal(common.keyed_bits(7, samples[order], 0, 64), bits[order])
+    assert torch.equal(common.keyed_bits(7, samples[:5], 0, 16), bits[:5, :16])  # a prefix of the positions too
+    for other in (common.keyed_bits(8, samples, 0, 64), common.keyed_bits(7, samples, 1, 64)):
+        assert float((other == bits).float().mean()) < 1e-3  # another seed or stream: other words
+    n = bits.numel()
+    for k in range(32):  # every bit is 1 half the time, within 5 standard deviations
+        assert abs(float(((bits >> k) & 1).sum()) - n / 2) < 5 * (n / 4) ** 0.5, k
+    u = common.keyed_uniform(7, samples, 0, 64)
+    assert abs(float(u.mean()) - 0.5) < 5 * (1 / 12 / n) ** 0.5
+    # neighbouring positions and neighbouring samples are uncorrelated (|r| within 5 / sqrt(n))
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:])):
+        r = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
+        assert abs(float(r)) < 5 / a.numel() ** 0.5

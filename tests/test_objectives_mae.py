@@ -9,8 +9,9 @@ from objective_helpers import config, evaluate, fake_run, setup, train
 from PIL import Image
 from torch import nn
 
+from kilolayer.data.base import SAMPLE_INDEX, sample_index, with_sample_index
 from kilolayer.errors import ConfigError
-from kilolayer.objectives.mae import random_masking, unpatchify
+from kilolayer.objectives.mae import DRAWN, keyed_masking, random_masking, unpatchify
 from kilolayer.train.init_from import load_pretrained
 
 L = 16  # 8x8 digits, 2x2 patches
@@ -29,9 +30,12 @@ def test_loss_drops():
     assert after < min(0.7, before - 0.3), (before, after)
 
 
-def test_masking_is_a_per_sample_permutation():
-    g = torch.Generator().manual_seed(0)
-    keep, restore, mask = random_masking(64, L, 4, g, "cpu")
+@pytest.mark.parametrize("keyed", [False, True], ids=["evaluation-generator", "keyed-by-sample"])
+def test_masking_is_a_per_sample_permutation(keyed):
+    if keyed:
+        keep, restore, mask = keyed_masking(0, torch.arange(1000, 1064), L, 4, "cpu")
+    else:
+        keep, restore, mask = random_masking(64, L, 4, torch.Generator().manual_seed(0), "cpu")
     assert torch.equal(mask.sum(1), torch.full((64,), float(L - 4)))
     for k, m in zip(keep, mask):
         assert torch.equal(torch.sort(k).values, torch.nonzero(m == 0).flatten())
@@ -108,6 +112,23 @@ def test_decoder_puts_each_encoded_patch_back_in_place():
     assert torch.allclose(full[:, 1:][visible], embedded[:, 1:][visible], atol=1e-6)
     assert torch.allclose(full[:, 1:][~visible], obj.mask_token.expand(8, L, -1)[~visible], atol=1e-6)
     assert torch.allclose(full[:, 0], embedded[:, 0], atol=1e-6)
+
+
+def test_a_samples_training_masking_is_keyed_by_its_index_not_its_batch():
+    """A sample hides the same patches in the whole global batch and in a process's share or micro-batch of it
+    (keyed by ``train.seed`` and its ``sample_index``), other patches under another index or seed; and the hidden
+    patches are spread evenly: over 4,000 samples each of the 16 positions is hidden 3/4 of the time."""
+    task, source = setup(config("mae", "digits"))
+    obj = task.objective
+    whole = obj.prepare(with_sample_index(batch(source), 5, 8))[DRAWN]
+    for rank in (0, 1):
+        share = obj.prepare({**batch(source, 4), SAMPLE_INDEX: sample_index(5, 8, rank, 2)})[DRAWN]
+        for part, full in zip(share, whole):
+            assert torch.equal(part, full[4 * rank : 4 * rank + 4])
+    assert not torch.equal(keyed_masking(0, torch.arange(48, 56), L, obj.keep, "cpu")[2], whole[2])
+    assert not torch.equal(keyed_masking(1, torch.arange(40, 48), L, obj.keep, "cpu")[2], whole[2])
+    hidden = keyed_masking(0, torch.arange(4000), L, obj.keep, "cpu")[2].mean(0)
+    assert torch.all((hidden - 0.75).abs() < 5 * (0.75 * 0.25 / 4000) ** 0.5), hidden
 
 
 def test_masks_follow_the_global_seed():

@@ -9,8 +9,10 @@ import pytest
 import torch
 from objective_helpers import config, evaluate, setup, train
 
+from kilolayer.data.base import SAMPLE_INDEX, sample_index, with_sample_index
 from kilolayer.data.vocab import CLS, MASK, PAD
 from kilolayer.errors import ConfigError
+from kilolayer.objectives.mlm import DRAWN
 
 PACKAGES = {"max_per_class": 40, "packages": ["asyncio", "email", "xml"]}
 
@@ -25,7 +27,8 @@ def objective(**options):
     return task
 
 
-def test_selection_and_80_10_10_split_hold_statistically():
+@pytest.mark.parametrize("keyed", [False, True], ids=["evaluation-generator", "keyed-by-sample"])
+def test_selection_and_80_10_10_split_hold_statistically(keyed):
     obj = objective().objective
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (200, 500), generator=g)
@@ -33,7 +36,10 @@ def test_selection_and_80_10_10_split_hold_statistically():
     padding = torch.zeros_like(tokens, dtype=torch.bool)
     padding[::2, 400:] = True
     tokens[padding] = PAD
-    inputs, targets = obj.corrupt(tokens, padding, torch.Generator().manual_seed(1))
+    if keyed:
+        inputs, targets = obj.corrupt(tokens, padding, samples=torch.arange(5000, 5200))
+    else:
+        inputs, targets = obj.corrupt(tokens, padding, torch.Generator().manual_seed(1))
     selected = targets != -100
     candidates = ~padding & (tokens != CLS)
     n, s = int(candidates.sum()), int(selected.sum())
@@ -64,12 +70,42 @@ def test_unselected_positions_carry_no_loss():
     assert torch.all(hidden.grad[selected].abs().sum(-1) > 0)
 
 
-def test_every_batch_selects_something():
+def test_every_sample_selects_something():
+    """A 3-token sample selects nothing at 15% with probability 0.85**3 = 61%: then its smallest draw is taken."""
     obj = objective().objective
-    tokens = torch.randint(0, 256, (1, 3))
-    for seed in range(20):
-        _, targets = obj.corrupt(tokens, None, torch.Generator().manual_seed(seed))
-        assert (targets != -100).sum() >= 1
+    tokens = torch.randint(0, 256, (64, 3), generator=torch.Generator().manual_seed(4))
+    padding = torch.zeros_like(tokens, dtype=torch.bool)
+    padding[::2, 1:] = True  # one candidate in every other sample
+    for seed in range(5):
+        _, targets = obj.corrupt(tokens, padding, torch.Generator().manual_seed(seed))
+        _, keyed = obj.corrupt(tokens, padding, samples=torch.arange(64) + 64 * seed)
+        for t in (targets, keyed):
+            assert torch.all((t != -100).sum(1) >= 1)
+            assert torch.equal(t[::2, 0], tokens[::2, 0]) and torch.all(t[::2, 1:] == -100)
+
+
+def test_a_samples_training_masks_are_keyed_by_its_index_not_its_batch():
+    """Training masks are a function of ``train.seed`` and each sample's index in the run's sample stream
+    (``sample_index``, which the trainer adds): a sample is masked the same way in the whole global batch, in one
+    process's share of it or in one micro-batch, and otherwise under another index or seed."""
+    obj = objective().objective
+    tokens = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(5))
+    whole = with_sample_index({"tokens": tokens}, 3, 8)  # the global batch of step 4 (batch 3): indices 24..31
+    drawn = obj.prepare(whole)[DRAWN]
+    inputs, targets = obj.corrupt(tokens, None, samples=whole[SAMPLE_INDEX])
+    assert torch.equal(drawn[0], inputs)
+    assert torch.equal(whole[SAMPLE_INDEX], torch.arange(24, 32))
+    for rank in (0, 1):  # two processes' shares (what train_batch(3, 8, rank, 2) holds)
+        share = sample_index(3, 8, rank, 2)
+        assert torch.equal(share, torch.arange(24 + 4 * rank, 28 + 4 * rank))
+        part_inputs, part_targets = obj.corrupt(tokens[4 * rank : 4 * rank + 4], None, samples=share)
+        assert torch.equal(part_inputs, inputs[4 * rank : 4 * rank + 4])
+        assert torch.equal(part_targets, targets[4 * rank : 4 * rank + 4])
+    _, other = obj.corrupt(tokens, None, samples=torch.arange(32, 40))
+    assert not torch.equal(other, targets)
+    reseeded = objective().objective
+    reseeded.seed = 1
+    assert not torch.equal(reseeded.corrupt(tokens, None, samples=whole[SAMPLE_INDEX])[1], targets)
 
 
 def test_loss_drops_on_stdlib_bytes():

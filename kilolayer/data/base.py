@@ -4,6 +4,11 @@ A training batch is a pure function of the step (and of rank/world for
 multi-process runs), so resuming a run needs no saved iterator state beyond
 the step, and a resumed run sees exactly the batches an uninterrupted one
 would. Adding a source is one module with one ``@register_source`` function.
+
+Each training sample has an index in the run's sample stream: ``step * batch_size`` plus its place in the
+global batch, whatever process or micro-batch it lands in. The trainer adds it to every training batch
+(:func:`with_sample_index`), and random masks are keyed by it, so that they too do not depend on the number
+of processes or micro-batches.
 """
 
 from __future__ import annotations
@@ -14,6 +19,23 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kilolayer.registry import SOURCES
+
+#: the batch key of each training sample's index in the run's sample stream, (B,) int64
+SAMPLE_INDEX = "sample_index"
+
+
+def sample_index(step: int, batch_size: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """The indices in the run's sample stream of the samples that ``Source.train_batch(step, batch_size, rank,
+    world)`` holds: rank ``rank``'s contiguous share of global batch ``step``, step * batch_size + rank * share
+    + 0, 1, ..."""
+    share = batch_size // world
+    return torch.arange(share, dtype=torch.int64) + (step * batch_size + rank * share)
+
+
+def with_sample_index(batch: dict, step: int, batch_size: int, rank: int = 0, world: int = 1) -> dict:
+    """``batch``, ``Source.train_batch(step, batch_size, rank, world)``'s, with :func:`sample_index` under
+    :data:`SAMPLE_INDEX`."""
+    return {**batch, SAMPLE_INDEX: sample_index(step, batch_size, rank, world)}
 
 
 def register_source(name: str) -> Callable[[Callable], Callable]:

@@ -183,6 +183,7 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
     """Measure the newest intact checkpoint of ``run_dir`` against ``start`` (a replay of the same config,
     which holds F(x, theta_0)); None if the run has no complete checkpoint."""
     from kilolayer.data import load_source
+    from kilolayer.data.base import with_sample_index
     from kilolayer.rundir import checkpoint_step, intact_checkpoint
     from kilolayer.train.checkpoint import load_run
     from kilolayer.train.host import apply_heap
@@ -202,7 +203,8 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
         apply_checkpointing(task, config, apply_heap(task, config, dev))
         task.train()
         tc = config.train
-        micro = [to_device(mb, dev) for mb in split_batch(source.train_batch(step, tc.batch_size, 0, 1), tc.accumulate)]
+        batch = with_sample_index(source.train_batch(step, tc.batch_size), step, tc.batch_size)  # training's masks
+        micro = [to_device(mb, dev) for mb in split_batch(batch, tc.accumulate)]
 
         def loss_of(mb):
             mb = task.objective.prepare(mb)

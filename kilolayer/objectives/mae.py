@@ -11,8 +11,12 @@ patch's pixels, normalised by that patch's mean and variance when
 ``norm_pix_loss`` (default, as MAE); the loss is the mean squared error over
 the masked patches only.
 
+Training masks are keyed by ``train.seed`` and each sample's index in the
+run's sample stream (:func:`~kilolayer.objectives.common.keyed_bits`), so a
+sample is masked the same way at any number of processes or micro-batches.
+
 Batch: ``{"inputs": float (B, C, H, W)}`` (labels, if any, are ignored).
-Evaluation: the reconstruction loss with fixed masks. :meth:`MAE.save_samples`
+Evaluation: the reconstruction loss with fixed masks, the same at every evaluation. :meth:`MAE.save_samples`
 writes a PNG grid: original | masked | reconstruction, one row per sample.
 """
 
@@ -33,7 +37,7 @@ from kilolayer.errors import ConfigError
 from kilolayer.nn.residual import SCHEMES
 from kilolayer.nn.transformer import Stack, scheme_for
 from kilolayer.objectives.base import Objective, batch_size, register_objective
-from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator
+from kilolayer.objectives.common import batch_inputs, eval_generator, keyed_bits, sample_keys
 
 
 class MAEOptions(NumbersNotBools):
@@ -79,14 +83,26 @@ def constant_patch_fraction(images: torch.Tensor, patch: int) -> float:
 DRAWN = "mae_drawn"  # the batch key under which :meth:`MAE.prepare` leaves the step's masking
 
 
-def random_masking(batch: int, length: int, keep: int, generator: torch.Generator, device) -> tuple:
-    """(keep_idx (B, K), restore (B, L), mask (B, L) with 1 = hidden) from per-sample random permutations."""
-    noise = torch.rand(batch, length, generator=generator).to(device)
-    shuffle = noise.argsort(dim=1)
+def masking_of(noise: torch.Tensor, keep: int, device) -> tuple:
+    """(keep_idx (B, K), restore (B, L), mask (B, L) with 1 = hidden): each sample keeps the ``keep`` patches of
+    smallest ``noise`` (B, L), a per-sample random permutation's first ``keep``."""
+    B, L = noise.shape
+    shuffle = noise.to(device).argsort(dim=1, stable=True)
     restore = shuffle.argsort(dim=1)
-    mask = torch.ones(batch, length, device=device)
+    mask = torch.ones(B, L, device=device)
     mask[:, :keep] = 0
     return shuffle[:, :keep], restore, torch.gather(mask, 1, restore)
+
+
+def random_masking(batch: int, length: int, keep: int, generator: torch.Generator, device) -> tuple:
+    """:func:`masking_of` a batch of ``batch`` samples of ``length`` patches, noise from ``generator``."""
+    return masking_of(torch.rand(batch, length, generator=generator), keep, device)
+
+
+def keyed_masking(seed: int, samples: torch.Tensor, length: int, keep: int, device) -> tuple:
+    """:func:`masking_of` with each sample's noise keyed by ``seed`` and its key in ``samples`` (B,)
+    (:func:`~kilolayer.objectives.common.keyed_bits`): the same masking in any batch."""
+    return masking_of(keyed_bits(seed, samples, 3, length), keep, device)
 
 
 @register_objective
@@ -101,6 +117,7 @@ class MAE(Objective):
         if m.input != "patches":
             raise ConfigError(f"model.input={m.input!r}: mae reconstructs image patches; set model.input: patches")
         self.mask_ratio, self.norm_pix_loss = opts.mask_ratio, opts.norm_pix_loss
+        self.seed = config.train.seed
         self.max_constant_patches = opts.max_constant_patches
         self.num_patches, self.cls = m.num_patches, int(m.cls_token)
         self.keep = max(1, int(self.num_patches * (1 - opts.mask_ratio)))
@@ -170,8 +187,13 @@ class MAE(Objective):
             target = (target - mean) / (var + 1e-6).sqrt()
         return target
 
-    def masking(self, images: torch.Tensor, generator: torch.Generator) -> tuple:
-        """One random masking of ``images``: (keep_idx, restore, mask) as :func:`random_masking`."""
+    def masking(
+        self, images: torch.Tensor, generator: torch.Generator | None = None, samples: torch.Tensor | None = None
+    ) -> tuple:
+        """One random masking of ``images``: (keep_idx, restore, mask) as :func:`masking_of`, drawn from
+        ``generator`` or keyed by ``train.seed`` and each sample's key in ``samples`` (B,)."""
+        if samples is not None:
+            return keyed_masking(self.seed, samples, self.num_patches, self.keep, images.device)
         return random_masking(images.shape[0], self.num_patches, self.keep, generator, images.device)
 
     def reconstruct(
@@ -210,9 +232,12 @@ class MAE(Objective):
         return self.masked_loss(pred, self.targets(backbone, images), mask)
 
     def prepare(self, batch: dict) -> dict:
+        """The batch with its masking under ``mae_drawn``, keyed by its samples' indices in the run's sample
+        stream (:func:`~kilolayer.objectives.common.sample_keys`)."""
         if DRAWN in batch:
             return batch
-        return {**batch, DRAWN: self.masking(batch_inputs(batch, "inputs", "images"), step_generator())}
+        images = batch_inputs(batch, "inputs", "images")
+        return {**batch, DRAWN: self.masking(images, samples=sample_keys(batch, images.shape[0]))}
 
     def forward(self, backbone: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
         batch = self.prepare(batch)

@@ -5,13 +5,17 @@ Each non-padding, non-special token is selected with probability
 probability ``mask_fraction`` (0.8), by a random token with probability
 ``random_fraction`` (0.1), else kept. The head (dense, GELU, LayerNorm,
 vocabulary projection, as BERT) predicts the original token at the selected
-positions only; unselected positions carry no loss. Every batch selects at
-least one token when it has any candidate.
+positions only; unselected positions carry no loss. Every sample selects at
+least one token when it has any candidate (its smallest draw), as BERT's
+``max(1, ...)`` per sequence.
 
-Masks come from a CPU generator seeded from the global RNG, so they follow
-the trainer's seed, resume exactly, and are the same on CPU and GPU;
-evaluation uses fixed generators. Ids: by default those of the data source's
-tokenizer (``data.options.tokenizer``, else bytes with MASK = 259 from
+Training masks are drawn on the CPU keyed by ``train.seed`` and each sample's
+index in the run's sample stream
+(:func:`~kilolayer.objectives.common.keyed_bits`), so a sample is masked the
+same way at any number of processes or micro-batches, on a resume, and on CPU
+and GPU; evaluation uses fixed generators, the same masks at every evaluation.
+Ids: by default those of the data source's tokenizer
+(``data.options.tokenizer``, else bytes with MASK = 259 from
 :mod:`kilolayer.data.vocab`); random replacements are drawn from
 ``[0, random_high)`` (the 256 byte values for byte data). Evaluation reports
 ``loss`` and ``accuracy`` over selected tokens.
@@ -35,7 +39,14 @@ from kilolayer.data.options import parse_options
 from kilolayer.data.text import tokenizer_for
 from kilolayer.errors import ConfigError
 from kilolayer.objectives.base import Objective, batch_size, head_weights, register_objective
-from kilolayer.objectives.common import batch_inputs, eval_generator, step_generator, token_count
+from kilolayer.objectives.common import (
+    batch_inputs,
+    eval_generator,
+    keyed_bits,
+    keyed_uniform,
+    sample_keys,
+    token_count,
+)
 
 IGNORE = -100
 DRAWN = "mlm_drawn"  # the batch key under which :meth:`MLM.prepare` leaves the step's masking
@@ -92,6 +103,7 @@ class MLM(Objective):
             opts.mask_fraction,
             opts.random_fraction,
         )
+        self.seed = config.train.seed
         self.register_buffer("special_ids", torch.as_tensor(sorted(set(specials)), dtype=torch.long), persistent=False)
         self.head = nn.Sequential(
             nn.Linear(m.width, m.width), nn.GELU(), nn.LayerNorm(m.width, eps=m.norm_eps), nn.Linear(m.width, V)
@@ -105,22 +117,42 @@ class MLM(Objective):
     def vocab_share(self) -> float:
         return self.mask_prob  # the head scores the selected tokens only
 
+    def draws(
+        self, shape: torch.Size, generator: torch.Generator | None = None, samples: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(selection draw, replacement draw, random id), each of ``shape`` (B, T) on the CPU: from ``generator``,
+        or keyed by ``train.seed`` and each sample's key in ``samples`` (B,)."""
+        if samples is None:
+            pick = torch.rand(shape, generator=generator)
+            how = torch.rand(shape, generator=generator)
+            return pick, how, torch.randint(0, self.random_high, shape, generator=generator)
+        length = shape[1]
+        pick = keyed_uniform(self.seed, samples, 0, length)
+        how = keyed_uniform(self.seed, samples, 1, length)
+        # [0, random_high) from 32 random bits: (bits * random_high) >> 32 (random_high <= vocab_size < 2**31)
+        return pick, how, (keyed_bits(self.seed, samples, 2, length) * self.random_high) >> 32
+
     def corrupt(
-        self, tokens: torch.Tensor, padding_mask: torch.Tensor | None, generator: torch.Generator
+        self,
+        tokens: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        generator: torch.Generator | None = None,
+        samples: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(model inputs, targets): targets hold the original id at selected positions and -100 elsewhere."""
-        shape, device = tokens.shape, tokens.device
-        pick = torch.rand(shape, generator=generator).to(device)
-        how = torch.rand(shape, generator=generator).to(device)
-        random_ids = torch.randint(0, self.random_high, shape, generator=generator).to(device)
+        """(model inputs, targets): targets hold the original id at selected positions and -100 elsewhere. The
+        draws come from ``generator``, or are keyed by each sample's key in ``samples`` (:meth:`draws`)."""
+        device = tokens.device
+        pick, how, random_ids = (t.to(device) for t in self.draws(tokens.shape, generator, samples))
         candidate = ~torch.isin(tokens, self.special_ids.to(device))
         if padding_mask is not None:
             candidate &= ~padding_mask
         selected = (pick < self.mask_prob) & candidate
-        if not selected.any() and candidate.any():
-            # a batch with nothing selected would have no loss: take the candidate with the smallest draw
-            first = pick.masked_fill(~candidate, 2.0).flatten().argmin()
-            selected.view(-1)[first] = True
+        # a sample with nothing selected would teach nothing: it takes its candidate with the smallest draw (per
+        # sample, not per batch, so that a sample's selection never depends on the batch it is in)
+        empty = ~selected.any(1) & candidate.any(1)
+        if empty.any():
+            first = pick.masked_fill(~candidate, 2.0).argmin(1)
+            selected[empty, first[empty]] = True
         to_mask = selected & (how < self.mask_fraction)
         to_random = selected & (how >= self.mask_fraction) & (how < self.mask_fraction + self.random_fraction)
         inputs = tokens.masked_fill(to_mask, self.mask_id)
@@ -143,13 +175,22 @@ class MLM(Objective):
         logits = self.head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)).float()
         return F.cross_entropy(logits, gold), (logits.argmax(-1) == gold).sum()
 
-    def draw(self, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(model inputs, flat indices of the selected positions, their original ids) for one masking."""
-        inputs, targets = self.corrupt(batch_inputs(batch, "tokens", "inputs"), batch.get("padding_mask"), generator)
+    def draw(
+        self, batch: dict, generator: torch.Generator | None = None, samples: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(model inputs, flat indices of the selected positions, their original ids) for one masking, drawn as
+        :meth:`corrupt` says."""
+        tokens = batch_inputs(batch, "tokens", "inputs")
+        inputs, targets = self.corrupt(tokens, batch.get("padding_mask"), generator, samples)
         return (inputs, *selected(targets))
 
     def prepare(self, batch: dict) -> dict:
-        return batch if DRAWN in batch else {**batch, DRAWN: self.draw(batch, step_generator())}
+        """The batch with its masking under ``mlm_drawn``, keyed by its samples' indices in the run's sample
+        stream (:func:`~kilolayer.objectives.common.sample_keys`)."""
+        if DRAWN in batch:
+            return batch
+        tokens = batch_inputs(batch, "tokens", "inputs")
+        return {**batch, DRAWN: self.draw(batch, samples=sample_keys(batch, tokens.shape[0]))}
 
     def _step(self, backbone, batch, drawn):
         inputs, index, gold = drawn
@@ -186,8 +227,8 @@ class MLM(Objective):
         return targets[targets != IGNORE]
 
     def train_flops(self, batch: dict) -> float:
-        """The encoder on every token; the head on the selected ones: those of a prepared batch, else the
-        expected number (``mask_prob`` of the candidates, at least one)."""
+        """The encoder on every token; the head on the selected ones: those of a prepared batch, else about the
+        expected number (``mask_prob`` of each sample's candidates, at least one where it has any)."""
         tokens, B = self.tokens(batch), batch_size(batch)
         if DRAWN in batch:
             selected = batch[DRAWN][2].numel()
@@ -196,8 +237,8 @@ class MLM(Objective):
             candidate = ~torch.isin(ids, self.special_ids.to(ids.device))
             if mask is not None:
                 candidate &= ~mask
-            count = int(candidate.sum())
-            selected = min(count, max(1.0, self.mask_prob * count)) if count else 0
+            count = candidate.sum(1).double()
+            selected = float(torch.where(count > 0, (self.mask_prob * count).clamp(min=1.0), 0.0).sum())
         return self.backbone_flops(B, tokens / B) + 6.0 * head_weights(self) * selected
 
     def tokens(self, batch: dict) -> int:

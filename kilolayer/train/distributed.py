@@ -10,6 +10,7 @@ parallelism.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -73,9 +74,36 @@ def setup(device_choice: str = "auto") -> Dist:
     return Dist(rank, world, local, device)
 
 
+#: the device meshes this process made (FSDP2's), whose process groups :func:`teardown` lets go of
+_meshes: list = []
+
+
+def device_mesh(env: Dist):
+    """A one-dimensional device mesh over every process, for FSDP2; :func:`teardown` lets go of its group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(env.device.type, (env.world,))
+    _meshes.append(mesh)
+    return mesh
+
+
 def teardown() -> None:
+    """Destroy the process group, and with it the collective library's threads, while Python is whole; call it
+    once nothing that trained (an engine, its model) is referenced any more.
+
+    ``destroy_process_group`` only forgets the group: FSDP2's sharded modules and its device mesh hold it too,
+    and DTensor's caches hold the mesh for the rest of the process, so gloo's worker threads would live into the
+    interpreter's finalisation, where one that then takes the GIL (to free a finished collective's tensors) is
+    ended by Python inside a C++ destructor, and the process aborts ("terminate called without an active
+    exception"). Letting go of the meshes' groups and collecting the model's reference cycles destroys the
+    group here, which joins its threads."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    for mesh in _meshes:
+        getattr(mesh, "_pg_registry", {}).clear()  # the mesh's own references to its groups (torch 2.13)
+    if _meshes:
+        _meshes.clear()
+        gc.collect()  # a module tree is a web of reference cycles: only the collector frees it
 
 
 def unwrap(module: nn.Module) -> nn.Module:

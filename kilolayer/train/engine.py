@@ -23,6 +23,7 @@ import torch
 
 from kilolayer.config import Config
 from kilolayer.data import load_source
+from kilolayer.data.base import with_sample_index
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.nn.transformer import set_training_step
 from kilolayer.objectives import build_task
@@ -201,13 +202,16 @@ class Engine:
         every step with ``layer_grads``) and clipping to ``train.clip``. The gradients are left for
         :meth:`update`, which a diverged step never reaches."""
         tc, env = self.config.train, self.env
+        # each sample carries its index in the run's sample stream: random masks are keyed by it, so they are the
+        # same at any number of processes and micro-batches
         batch = self.source.train_batch(step - 1, tc.batch_size, env.rank, env.world)
+        batch = with_sample_index(batch, step - 1, tc.batch_size, env.rank, env.world)
         tokens, flops = 0, 0.0
 
         def loss_of(mb):
             nonlocal tokens, flops
-            # each micro-batch's masks are drawn just before its forward pass (the RNG streams' order), and its
-            # tokens and FLOPs are counted on them
+            # each micro-batch's masks are drawn just before its forward pass, and its tokens and FLOPs are counted
+            # on them
             mb = self.objective.prepare(to_device(mb, env.device))
             tokens += self.objective.tokens(mb)
             flops += self.objective.train_flops(mb)

@@ -115,10 +115,16 @@ def distribute(task: nn.Module, mode: str, env: D.Dist) -> nn.Module:
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        mesh = D.device_mesh(env)
         for module in task.modules():  # the heads' own layers too (MAE's decoder, CLIP's text tower)
             if isinstance(module, Layer):
-                fully_shard(module)
-        fully_shard(task)
+                fully_shard(module, mesh=mesh)
+        fully_shard(task, mesh=mesh)
+        # FSDP2 takes the first sharded module to run forward for the root. Evaluation, DeepNet's probe and early
+        # stopping's check call the backbone's layers directly, some before the first training step: a layer would
+        # take itself for the root, and the task's first forward then fail ("already lazily initialized"). So the
+        # task initialises as the root here (FSDP2 has no public call for it).
+        task._get_fsdp_state()._lazy_init()
         return task
     from torch.nn.parallel import DistributedDataParallel as DDP
 

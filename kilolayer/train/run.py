@@ -607,5 +607,6 @@ def train(
         signals.restore()
         if run is not None:
             run.close()
+        run = None  # its engine's model holds the process group: let go of it first (see D.teardown)
         D.teardown()
         torch.set_num_threads(before)
