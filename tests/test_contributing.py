@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from helpers import CHANCE
 
 from kilolayer.config import load_config
@@ -30,16 +31,17 @@ from kilolayer.errors import ConfigError
 from kilolayer.nn.residual import SCHEMES, Depth, make_scheme
 from kilolayer.objectives import OBJECTIVES, build_task
 from kilolayer.registry import Registry
-from kilolayer.study.findings import FINDINGS, evaluate_findings
+from kilolayer.study.findings import FINDINGS
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import Point, load_spec
 from kilolayer.train.engine import seed_everything
 from kilolayer.train.run import train
+from kilolayer.verdicts.measures import MEASURES
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE
 
 GUIDE = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 MARKED = re.compile(r"<!-- example: (\w+) -->\n```python\n(.*?)```", re.S)
-REGISTRIES = (SCHEMES, OBJECTIVES, SOURCES, FINDINGS)
+REGISTRIES = (SCHEMES, OBJECTIVES, SOURCES, FINDINGS, MEASURES)
 
 
 def blocks(name: str) -> list[tuple[int, str]]:
@@ -86,7 +88,7 @@ def first_loss(config) -> float:
 
 def test_every_marked_block_is_one_of_the_four_examples():
     names = [m.group(1) for m in MARKED.finditer(GUIDE.read_text(encoding="utf-8"))]
-    assert sorted(set(names)) == ["finding", "objective", "scheme", "source"]
+    assert sorted(set(names)) == ["measure", "objective", "scheme", "source"]
     # every ```python block of the guide is marked, so none goes stale unseen
     assert GUIDE.read_text(encoding="utf-8").count("```python") == len(names)
 
@@ -100,6 +102,8 @@ def test_every_registry_the_guide_names(tmp_path):
         "kilolayer.study.findings.FINDINGS": "study.findings",
         "kilolayer.study.builtin.BUILTIN": "study",
         "kilolayer.study.analyses.ANALYSES": "analyses",
+        "kilolayer.verdicts.measures.MEASURES": "kilolayer.measures",
+        "kilolayer.verdicts.contrasts.CONTRASTS": "kilolayer.contrasts",
     }
     for path, field in named.items():
         module, attr = path.rsplit(".", 1)
@@ -239,37 +243,33 @@ def deepnet_results(loss, status=lambda scheme, layers, seed: "completed") -> li
     return results
 
 
-def test_the_finding_example(tmp_path):
-    # DeepNorm 0.40, 0.38, 0.36 below Pre-LN's 1.4 at 2/6/18 layers with seed 0, 0.01 less with seed 1
-    losses = {"post_ln": 2.0, "pre_ln": 1.4}
-    depth_step = {2: 0, 6: 1, 18: 2}
+def test_the_measure_example_and_a_claim_that_reads_it(tmp_path):
+    """The guide's measure, read by the claim the guide shows: DeepNorm's exact match 0.90 / 0.92 against Pre-LN's
+    0.60 / 0.61 at the deepest setting; a failed run is named; the measure is gone after the example."""
+    from kilolayer.verdicts import judge, parse_claim
 
-    def loss(scheme, layers, seed):
-        return losses.get(scheme, 1.0 + 0.02 * depth_step[layers] + 0.01 * seed)
+    def exact(scheme, layers, seed):
+        return {"deepnorm": 0.9 + 0.02 * seed, "pre_ln": 0.6 + 0.01 * seed}.get(scheme, 0.0)
 
-    with example("finding") as (mod, _):
-        f = mod.deepnorm_preln_all_depths(deepnet_results(loss), tmp_path)
-        v = f.verdict
-        assert v.per_seed == pytest.approx({0: 0.38, 1: 0.37}) and v.mean == pytest.approx(0.375)
-        # t(0.95, 1) = 6.314 on two seeds 0.01 apart: the lower bound 0.343 clears the 0.02 margin
-        assert v.lower == pytest.approx(0.375 - 6.3138 * 0.01 / 2, abs=1e-4) and v.verdict == HELD
-        assert f.rows[:3] == [[0, 2, "+0.4000"], [0, 6, "+0.3800"], [0, 18, "+0.3600"]]
-        # through the registry, as a study evaluates it
-        (again,) = evaluate_findings(["deepnorm_preln_all_depths"], deepnet_results(loss), tmp_path)
-        assert again.verdict.mean == pytest.approx(0.375)
-        # a failed run is never evidence: inconclusive, and named
-        failed = deepnet_results(loss, lambda s, n, seed: "failed" if (s, n, seed) == ("pre_ln", 6, 1) else "completed")
-        v = mod.deepnorm_preln_all_depths(failed, tmp_path).verdict
-        assert v.verdict == INCONCLUSIVE and "deepnet/pre_ln_6_s1 (failed" in v.reason
-        # a DeepNorm that learned nothing (loss above 0.9 x chance 2.4) does not decide the claim
-        unlearned = deepnet_results(lambda s, n, seed: 2.3 if s == "deepnorm" else 2.35)
-        v = mod.deepnorm_preln_all_depths(unlearned, tmp_path).verdict
-        assert v.verdict == INCONCLUSIVE and "learned nothing" in v.reason
-        # a study without both schemes has nothing to say
-        no_pre_ln = [r for r in deepnet_results(loss) if r.point.values["model.scheme"] != "pre_ln"]
-        assert mod.deepnorm_preln_all_depths(no_pre_ln, tmp_path) is None
-        # a spec may name it
-        spec = tmp_path / "spec.yaml"
-        spec.write_text("name: s\ngroups: [{name: deepnet}]\nfindings: [deepnorm_preln_all_depths]\n")
-        assert load_spec(spec).findings == ["deepnorm_preln_all_depths"]
-    assert "deepnorm_preln_all_depths" not in FINDINGS
+    with example("measure") as (mod, _):
+        assert "exact_match" in MEASURES
+        text = GUIDE.read_text(encoding="utf-8")
+        claim_yaml = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+        claim = parse_claim(yaml.safe_load(claim_yaml)["claims"][0], "claims[0]")
+        group = next(g for g in load_spec("quick").groups if g.name == "deepnet")
+        results = deepnet_results(lambda s, n, seed: 0.5)
+        for r in results:
+            r.eval["exact_match"] = exact(
+                r.point.values["model.scheme"], r.point.config.model.layers, r.point.values["train.seed"]
+            )
+        f = judge(claim, results, group, tmp_path)
+        assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(0.305)
+        assert f.rule.startswith("d = final exact match (greedy decoding) of model.scheme=deepnorm minus")
+        failed = deepnet_results(
+            lambda s, n, seed: 0.5, lambda s, n, seed: "failed" if (s, seed) == ("pre_ln", 1) else "completed"
+        )
+        for r in failed:
+            r.eval["exact_match"] = 0.5
+        v = judge(claim, failed, group, tmp_path).verdict
+        assert v.verdict == INCONCLUSIVE and "(failed" in v.reason
+    assert "exact_match" not in MEASURES

@@ -14,17 +14,30 @@ import pytest
 from helpers import CHANCE, study_results
 
 from kilolayer.analysis.chance import LEARNED_NOTHING
-from kilolayer.study.builtin import BUILTIN
+from kilolayer.study.builtin import BUILTIN, builtin_claims
 from kilolayer.study.findings import (
     deepnet_init_gradient,
     deepnet_init_gradient_depth,
-    deepnet_init_loss,
-    deepnet_init_update,
     deepnet_robust,
     evaluate_findings,
 )
 from kilolayer.study.spec import expand, load_spec
+from kilolayer.verdicts.claims import judge, parse_claim
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD
+
+
+def _builtin(name: str):
+    """The built-in claim ``name`` judged on the deepnet group of ``deepnet_analysis``."""
+
+    def finding(results, out):
+        claim = parse_claim(builtin_claims()[name], name)
+        group = next(g for g in load_spec("deepnet_analysis").groups if g.name == claim.runs)
+        return judge(claim, results, group, out)
+
+    return finding
+
+
+deepnet_init_loss, deepnet_init_update = _builtin("deepnet_init_loss"), _builtin("deepnet_init_update")
 
 STEPS = [1, *range(5, 201, 5)]  # the analysis study's diagnostics steps: every 5 for the first 200
 
@@ -183,7 +196,7 @@ def test_loss_held_did_not_hold_and_unlearned(tmp_path):
     loss = {"post_ln": lambda s: 2.1, "post_ln_init": lambda s: 0.3 + 0.01 * s}
     f = deepnet_init_loss(_analysis(loss=loss), tmp_path)
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(1.795)
-    assert [row[0] for row in f.rows] == ["deepnorm", "post_ln", "post_ln_init"]  # DeepNorm beside them
+    assert [row[0] for row in f.rows] == ["post_ln", "post_ln", "post_ln_init", "post_ln_init"]  # the sides compared
     worse = {"post_ln": lambda s: 0.3, "post_ln_init": lambda s: 1.5 + 0.01 * s}
     assert deepnet_init_loss(_analysis(loss=worse), tmp_path).verdict.verdict == NOT_HELD
     # Post-LN diverged (chance 2.4) and Post-LN-init ended above 0.9 x chance: a positive d, but it learned nothing
@@ -200,8 +213,8 @@ def test_update_held_did_not_hold_and_without_diagnostics(tmp_path):
     update = {"post_ln": lambda s: 3.0 * (1 + 0.01 * s), "post_ln_init": lambda s: 0.2}
     f = deepnet_init_update(_analysis(update=update), tmp_path)
     assert f.verdict.verdict == HELD and f.verdict.per_seed == pytest.approx({0: math.log(15), 1: math.log(15.15)})
-    row = next(r for r in f.rows if r[0] == "post_ln_init" and r[2] == 0)
-    assert row == ["post_ln_init", 18, 0, "0.200", "0.200", "3.000"]  # LayerNorm input 1 + 0.01 x step 200
+    row = next(r for r in f.rows if r[0] == "post_ln_init" and r[1] == 0)
+    assert row[:3] == ["post_ln_init", 0, "0.2"]
     smaller = {"post_ln": lambda s: 0.2, "post_ln_init": lambda s: 3.0 + s}
     assert deepnet_init_update(_analysis(update=smaller), tmp_path).verdict.verdict == NOT_HELD
     results = _analysis(update=update)
@@ -209,13 +222,15 @@ def test_update_held_did_not_hold_and_without_diagnostics(tmp_path):
         if r.point.values["model.scheme"] == "post_ln_init" and _seed(r.point) == 1:
             r.diagnostics = []
     v = deepnet_init_update(results, tmp_path).verdict
-    assert v.verdict == INCONCLUSIVE and "post_ln_init seed 1 (no diagnostics)" in v.reason
+    assert v.verdict == INCONCLUSIVE and "post_ln_init_layers=18_decoder_layers=18_seed=1 (no finite first_update)" in (
+        v.reason
+    )
 
 
 def test_the_analysis_findings_are_absent_without_post_ln_init(tmp_path):
     quick = study_results("quick", lambda p: ("completed", {"loss": 1.0}, _records(p, lambda *a: 1.0)))
     found = evaluate_findings(
-        ["deepnet_init_gradient", "deepnet_init_gradient_depth", "deepnet_init_loss", "deepnet_init_update"],
+        ["deepnet_init_gradient", "deepnet_init_gradient_depth"],
         quick,
         tmp_path,
     )
@@ -333,12 +348,8 @@ def test_deepnet_analysis_expands_to_its_panels():
         assert (c.train.diagnostics_every, c.train.diagnostics_until) == (5, 200)
         # the depth sweep trains only the diagnosed window; the 18L-18L models train on for the loss curves
         assert c.train.steps == (2000 if p.group == "deepnet" else 200)
-    assert spec.findings == [
-        "deepnet_init_gradient",
-        "deepnet_init_gradient_depth",
-        "deepnet_init_loss",
-        "deepnet_init_update",
-    ]
+    assert spec.findings == ["deepnet_init_gradient", "deepnet_init_gradient_depth"]
+    assert [c.name for c in spec.claims] == ["deepnet_init_loss", "deepnet_init_update"]
     assert spec.expected_minutes <= 90 and spec.expected_basis.startswith("measured with --jobs 2")
 
 

@@ -329,9 +329,10 @@ def test_any_objective_is_scored_on_its_test_split(trained_run, tmp_path):
 def test_a_studys_final_table_reads_the_test_scores_analysis(trained_run, tmp_path):
     """The ``test_scores`` analysis is ``kilolayer evaluate --split test`` kept with the point; the study's
     result then carries it, and a BLEU table reads its scores and its baselines, not the validation ones."""
-    from kilolayer.study import findings
     from kilolayer.study.analyses import run_analysis
     from kilolayer.study.runner import Result, collect
+    from kilolayer.verdicts.claims import _split
+    from kilolayer.verdicts.measures import MEASURES
 
     cfg = DIGITS_CLASSIFIER
     run = tmp_path / "run"
@@ -353,13 +354,10 @@ def test_a_studys_final_table_reads_the_test_scores_analysis(trained_run, tmp_pa
     test = {"samples": 7, "metrics": {"loss": 1.5, "bleu": 12.0, "chrf": 40.0}}
     test["baselines"] = {"nearest": {"bleu": 15.0, "chrf": 41.0}}
     r = Result(point=Point(), status="completed", eval=val, test=test)
-    assert findings.final_scores(r) == (test["metrics"], "test, 7 pairs")
-    assert findings.bleu_of(r, tmp_path) == 12.0
-    assert findings._cell_value(r, "bleu", tmp_path) == "BLEU 12.00, chrF 40.0 (loss 1.000)"
-    note = findings._baselines_note([r], tmp_path)[0]
-    assert "test, 7 pairs: nearest BLEU 15.00, chrF 41.00" in note and "0 of 1 completed runs translate" in note
+    bleu = MEASURES["bleu"]
+    assert bleu.read(r, tmp_path, "test") == 12.0 and bleu.read(r, tmp_path, "validation") == 30.0
+    note = bleu.note([r], tmp_path, "test")[0]
+    assert "same test pairs: nearest BLEU 15.00, chrF 41.00" in note and "0 of 1 completed runs translate" in note
     without = Result(point=Point(), status="completed", eval=val)
-    assert findings.final_scores(without) == (val, "validation") and findings.bleu_of(without, tmp_path) == 30.0
     # one split for all: a run without test scores puts every run of the comparison on validation
-    assert findings.on_one_split([r, r]) == [r, r]
-    assert [findings.bleu_of(x, tmp_path) for x in findings.on_one_split([r, without])] == [30.0, 30.0]
+    assert _split(bleu, [r, r]) == "test" and _split(bleu, [r, without]) == "validation"

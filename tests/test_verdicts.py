@@ -11,25 +11,33 @@ import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import CHANCE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kilolayer.analysis.chance import LEARNED_NOTHING
-from kilolayer.study.findings import (
-    bamboo_depth,
-    bamboo_depth_tokens,
-    bamboo_smoothing,
-    deepnet_postln,
-    deepnet_postln_bleu,
-    deepnet_preln,
-    deepnet_preln_bleu,
-    deepnet_update,
-    slope,
-)
+from kilolayer.study.builtin import builtin_claims
+from kilolayer.study.findings import bamboo_depth, bamboo_depth_tokens, bamboo_smoothing, slope
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import expand, load_spec
+from kilolayer.verdicts.claims import judge, parse_claim
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, decide, t_quantile
+
+
+def _builtin(name: str):
+    """The built-in claim ``name`` judged on the deepnet group of ``quick`` (what its studies read)."""
+
+    def finding(results, out):
+        claim = parse_claim(builtin_claims()[name], name)
+        group = next(g for g in load_spec("quick").groups if g.name == claim.runs)
+        return judge(claim, results, group, out)
+
+    return finding
+
+
+deepnet_postln, deepnet_preln, deepnet_update = map(_builtin, ("deepnet_postln", "deepnet_preln", "deepnet_update"))
+deepnet_postln_bleu, deepnet_preln_bleu = map(_builtin, ("deepnet_postln_bleu", "deepnet_preln_bleu"))
 
 # ---------------------------------------------------------------- the rule itself
 
@@ -210,11 +218,11 @@ def test_bleu_verdicts_quote_the_baselines_and_which_runs_translate(tmp_path):
             r.point.run_dir(tmp_path).mkdir(parents=True)
             (r.point.run_dir(tmp_path) / "baselines.json").write_text(json.dumps({"baselines": base}))
     f = deepnet_postln_bleu(results, tmp_path)
-    # at the deepest setting, two seeds each: DeepNorm's BLEU 38/38.5 above 31, Pre-LN's 30 and Post-LN's 3/4 not
+    # the runs compared, at the deepest setting, two seeds each: DeepNorm's BLEU 38/38.5 above 31, Post-LN's 3/4 not
     assert f.notes[-1] == (
-        "Baselines on the same evaluation pairs, validation: copy BLEU 6.30, chrF 22.50; nearest BLEU 31.00, "
-        "chrF 40.00. 2 of 6 completed runs translate (BLEU and chrF above the better of copying and the nearest "
-        "training pair's target)."
+        "Baselines on the same validation pairs: copy BLEU 6.30, chrF 22.50; nearest BLEU 31.00, chrF 40.00. 2 of "
+        "4 completed runs translate (BLEU and chrF above the better of copying and the nearest training pair's "
+        "target)."
     )
     assert not any("Baselines" in n for n in deepnet_postln(results, tmp_path).notes)  # the loss verdict
 
@@ -223,16 +231,16 @@ def test_deepnet_bleu_is_higher_is_better(tmp_path):
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), BLEU), tmp_path)
     # d = DeepNorm's BLEU - Post-LN's: 35 and 34.5
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(34.75) and "BLEU" in f.rule
-    # the table shows what the verdict compares: BLEU first, then the loss
-    row = next(r for r in f.rows if r[0] == "deepnorm")
-    assert row[-1] == "BLEU 38.00 (loss 0.050) / BLEU 38.50 (loss 0.060)", row
-    assert deepnet_postln(_deepnet(GOOD), tmp_path).rows[0][-1] == "0.050 / 0.060"
+    # the table shows what the verdict compares, and the loss against chance beside it
+    rows = {(r[0], r[1]): r for r in f.rows}
+    assert rows[("deepnorm", 0)][2:4] == ["38", "0.02"] and rows[("post_ln", 1)][2:4] == ["4", "0.95"]
+    assert f.headers[2] == "bleu" and deepnet_postln(_deepnet(GOOD), tmp_path).headers[2] == "eval_loss"
 
 
-def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_decided(tmp_path):
-    """Two learning rates in the deepnet group give each scheme, depth and seed two runs: the one-run comparison
-    of the rule is not defined, so every DeepNet verdict is inconclusive and says why, and the table shows both
-    runs of a cell, named by their learning rate (not the first run found, compared and shown alone)."""
+def test_runs_the_grid_does_not_tell_apart_are_not_compared_blindly(tmp_path):
+    """Two learning rates that the group's grid does not name give each scheme, depth and seed two runs: no pair
+    is picked blindly, every DeepNet verdict is inconclusive and names the seed and side, and no number of the
+    runs is stated as the difference."""
     import copy
 
     results = []
@@ -245,58 +253,24 @@ def test_a_deepnet_group_that_varies_more_than_scheme_depth_and_seed_is_not_deci
     for finding in (deepnet_postln, deepnet_preln, deepnet_update):
         f = finding(results, tmp_path)
         assert f.verdict.verdict == INCONCLUSIVE, (f.name, f.verdict)
-        assert f.verdict.reason.startswith(
-            "the deepnet group has several runs of one scheme, depth and seed, differing in train.lr, so"
-        )
+        assert "that the grid does not tell apart" in f.verdict.reason, f.verdict.reason
         assert math.isnan(f.verdict.mean) and not f.verdict.per_seed  # no numbers from blindly picked runs
-        assert "mean d" not in f.verdict.reason, f.verdict.reason  # nor their description, in the report
-    post = next(r for r in deepnet_postln(results, tmp_path).rows if r[0] == "post_ln")
-    assert post[-1] == (
-        "seed 0 train.lr=0.001: 2.250, seed 0 train.lr=0.003: 4.500, "
-        "seed 1 train.lr=0.001: 2.270, seed 1 train.lr=0.003: 4.540"
-    )
-    rows = deepnet_update(results, tmp_path).rows
-    assert {r[0] for r in rows} == {
-        f"{s} train.lr={lr}" for s in ("deepnorm", "post_ln", "pre_ln") for lr in (0.001, 0.003)
-    }
-    # the same evidence at one learning rate is decided
-    assert deepnet_postln(results[: len(results) // 2], tmp_path).verdict.verdict == HELD
-
-
-def test_several_runs_a_cell_with_bleu_a_diverged_run_and_one_seed(tmp_path):
-    """Constructed evidence on top of two learning rates: the BLEU verdict is inconclusive for the same reason; a
-    diverged run is shown as such in its labelled cell; with one seed the reason says that too; and no number
-    from the blindly picked runs is stated."""
-    import copy
-
-    status = {"post_ln": lambda l, s: "diverged" if l == 18 else "completed"}
-    for seeds in ((0, 1), (0,)):
-        results = []
-        for lr in (1e-3, 3e-3):
-            for r in _with_bleu(_deepnet(GOOD, status, seeds=seeds), BLEU):
-                r = copy.deepcopy(r)
-                r.point.values["train.lr"] = lr
-                results.append(r)
-        f = deepnet_postln_bleu(results, tmp_path)
-        assert f.verdict.verdict == INCONCLUSIVE, f.verdict
-        assert f.verdict.reason.startswith("the deepnet group has several runs of one scheme, depth and seed")
-        post = next(r for r in f.rows if r[0] == "post_ln")
-        assert post[-1].startswith("seed 0 train.lr=0.001: diverged@30 (BLEU 0), seed 0 train.lr=0.003: diverged@30")
-        assert ("one seed" in f.verdict.reason) == (seeds == (0,)), f.verdict.reason
-        assert "mean d" not in f.verdict.reason and "BLEU of seed" not in f.verdict.reason, f.verdict.reason
+    # with BLEU and one seed too
+    one = [r for r in results if r.point.values["train.seed"] == 0]
+    f = deepnet_postln_bleu(_with_bleu(one, BLEU), tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "does not tell apart" in f.verdict.reason
 
 
 def test_a_value_tied_to_the_depth_is_not_a_second_run_but_an_untied_decoder_depth_is(tmp_path):
-    """A learning rate set per depth by a combined grid key leaves one run per scheme, depth and seed, and the
-    verdict is decided; decoder depths varied apart from ``model.layers`` give two runs to a cell, named by
-    ``model.decoder_layers``."""
+    """A learning rate set per depth leaves one run per scheme, depth and seed, and the verdict is decided;
+    decoder depths varied apart from ``model.layers`` give two runs to a side, which are not compared blindly."""
     import copy
 
     tied = _deepnet(GOOD)
     for r in tied:
         r.point.values["train.lr"] = {2: 1e-3, 6: 7e-4, 18: 5e-4}[r.point.config.model.layers]
     f = deepnet_postln(tied, tmp_path)
-    assert f.verdict.verdict == HELD and not any("train.lr" in str(c) for row in f.rows for c in row)
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(2.205)
     untied = []
     for dec in (6, 18):
         for r in _deepnet(GOOD):
@@ -304,28 +278,24 @@ def test_a_value_tied_to_the_depth_is_not_a_second_run_but_an_untied_decoder_dep
             r.point.values["model.decoder_layers"] = dec
             untied.append(r)
     f = deepnet_postln(untied, tmp_path)
-    assert f.verdict.verdict == INCONCLUSIVE and "differing in model.decoder_layers" in f.verdict.reason, f.verdict
+    assert f.verdict.verdict == INCONCLUSIVE and "does not tell apart" in f.verdict.reason, f.verdict
 
 
-def test_scheme_depth_table_lists_each_seed_and_a_missing_run(tmp_path):
-    """The table under a DeepNet verdict lists every seed's run in seed order, which a note under it states, and a
-    seed with no run at a scheme and depth reads ``missing`` there (and the verdict counts it as missing
-    evidence); with one seed a cell is that run's value alone, and there is no such note."""
+def test_the_table_lists_the_runs_compared_and_a_missing_run_is_named(tmp_path):
+    """The table under a claim lists each run it compares (the deepest setting here), one row per run in seed
+    order; a seed with no run of a side is named as missing and leaves the verdict inconclusive; one seed is
+    never decided."""
     results = [
         r
         for r in _deepnet(GOOD)
         if not (r.point.values["model.scheme"] == "post_ln" and r.point.values["train.seed"] == 1)
     ]
     f = deepnet_postln(results, tmp_path)
-    post = next(r for r in f.rows if r[0] == "post_ln")
-    assert post[1:] == ["2.250 / missing"] * 3, post
-    assert f.notes[0] == "Each cell: seed 0 / 1, in that order (missing: that seed has no run there)."
-    assert f.verdict.verdict == INCONCLUSIVE, f.verdict
-    one = deepnet_postln(_deepnet(GOOD, seeds=(0,)), tmp_path)
-    assert [r[1:] for r in one.rows] == [["0.050"] * 3, ["2.250"] * 3, ["1.400"] * 3], one.rows
-    assert not one.notes[0].startswith("Each cell")
+    assert f.headers == ["model.scheme", "seed", "eval_loss", "loss / chance", "status"]
+    assert [r[:3] for r in f.rows] == [["deepnorm", 0, "0.05"], ["deepnorm", 1, "0.06"], ["post_ln", 0, "2.25"]]
+    assert f.verdict.verdict == INCONCLUSIVE and "model.scheme=post_ln seed 1 (missing)" in f.verdict.reason
     one = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, seeds=(0,)), BLEU), tmp_path)
-    assert one.verdict.verdict == INCONCLUSIVE and "one seed" in one.verdict.reason  # one seed is never decided
+    assert one.verdict.verdict == INCONCLUSIVE and "one seed" in one.verdict.reason
     f = deepnet_preln_bleu(_with_bleu(_deepnet(GOOD), {**BLEU, "pre_ln": lambda l, s: 45.0}), tmp_path)
     assert f.verdict.verdict == NOT_HELD and f.verdict.mean == pytest.approx(38.25 - 45.0)
 
@@ -335,13 +305,13 @@ def test_deepnet_bleu_diverged_scores_zero_and_missing_bleu_is_named(tmp_path):
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD, status), BLEU), tmp_path)
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(38.25)  # DeepNorm's BLEU - 0
     row = next(r for r in f.rows if r[0] == "post_ln")
-    assert row[-1] == "diverged@30 (BLEU 0) / diverged@30 (BLEU 0)", row  # what the verdict scores it
+    assert row[2:] == ["0", "-", "diverged at step 30"], row  # what the verdict scores it
     nan = {**BLEU, "pre_ln": lambda l, s: float("nan")}
-    row = next(r for r in deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), nan), tmp_path).rows if r[0] == "pre_ln")
-    assert row[-1] == "BLEU - (loss 1.400) / BLEU - (loss 1.400)", row  # no finite BLEU: not shown as one
+    f = deepnet_preln_bleu(_with_bleu(_deepnet(GOOD), nan), tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "seed=0 (no finite bleu)" in f.verdict.reason
     no_bleu = {**BLEU, "deepnorm": lambda l, s: None if s == 1 else 38.0}
     f = deepnet_postln_bleu(_with_bleu(_deepnet(GOOD), no_bleu), tmp_path)
-    assert f.verdict.verdict == INCONCLUSIVE and "BLEU of seed 1 (no finite value" in f.verdict.reason
+    assert f.verdict.verdict == INCONCLUSIVE and "seed=1 (no finite bleu)" in f.verdict.reason
 
 
 def test_deepnet_update_uses_step_one_and_keeps_diverged_runs(tmp_path):
@@ -523,12 +493,19 @@ def test_non_finite_or_missing_metrics_are_named_not_dropped(tmp_path):
     assert absolute.verdict.verdict == INCONCLUSIVE and "no finite accuracy" in absolute.verdict.reason
     update = {"post_ln": lambda l, s: float("nan") if s == 1 else 3.0, "deepnorm": lambda l, s: 0.1}
     f = deepnet_update(_deepnet(GOOD, update=update), tmp_path)
-    assert f.verdict.verdict == INCONCLUSIVE and "first updates of seed 1" in f.verdict.reason
+    assert f.verdict.verdict == INCONCLUSIVE and "seed=1 (no finite first_update)" in f.verdict.reason
 
 
-def test_a_study_without_a_scheme_leaves_its_finding_out(tmp_path):
-    results = [r for r in _deepnet(GOOD) if r.point.values["model.scheme"] != "pre_ln"]
-    assert deepnet_preln(results, tmp_path) is None and deepnet_postln(results, tmp_path) is not None
+def test_a_study_without_a_scheme_cannot_name_its_claim(tmp_path):
+    from kilolayer.errors import ConfigError
+    from kilolayer.study.builtin import BUILTIN
+
+    data = BUILTIN["quick"]()
+    group = next(g for g in data["groups"] if g["name"] == "deepnet")
+    group["grid"]["model.scheme"] = ["post_ln", "deepnorm"]
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"compare.against=\"pre_ln\": not a value of model.scheme"):
+        load_spec(tmp_path / "s.yaml")
 
 
 def test_deepnorm_that_learned_nothing_contradicts_deepnorm_trains(tmp_path):
@@ -726,7 +703,8 @@ def test_report_md_and_html_give_the_same_decided_verdicts(tmp_path):
     results = _deepnet(loss)
     cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.3}
     results += [r for r in _bamboo(cos) if r.point.group in ("supervised", "mae", "untrained")]
-    findings = evaluate_findings(["deepnet_postln", "deepnet_preln", "bamboo_smoothing"], results, tmp_path)
+    findings = [deepnet_postln(results, tmp_path), deepnet_preln(results, tmp_path)]
+    findings += evaluate_findings(["bamboo_smoothing"], results, tmp_path)
     words = [f.verdict.verdict for f in findings]
     assert {HELD, NOT_HELD, INCONCLUSIVE} <= set(words)
     spec = SimpleNamespace(name="constructed", description="constructed evidence", findings=[])
@@ -752,7 +730,7 @@ def test_an_objective_without_a_chance_level_makes_a_diverged_run_not_evidence(t
     for r in results:
         r.chance = None  # computed on demand, through the patched function
     f = deepnet_postln(results, tmp_path)
-    assert f.verdict.verdict == INCONCLUSIVE and "no finite value" in f.verdict.reason
+    assert f.verdict.verdict == INCONCLUSIVE and "no finite value here" in f.verdict.reason
 
 
 def test_trains_where_post_ln_fails_needs_post_ln_to_have_failed_in_every_seed(tmp_path):
@@ -761,7 +739,7 @@ def test_trains_where_post_ln_fails_needs_post_ln_to_have_failed_in_every_seed(t
     learned = {**GOOD, "post_ln": lambda l, s: 1.9 + 0.01 * s}
     f = deepnet_postln(_deepnet(learned), tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and f.verdict.mean == pytest.approx(1.85)
-    assert "needs post_ln to fail in every seed" in f.verdict.reason and "seed=1" in f.verdict.reason
+    assert "needs model.scheme=post_ln to fail in every seed" in f.verdict.reason and "seed=1" in f.verdict.reason
     half = {**GOOD, "post_ln": lambda l, s: 2.25 if s == 0 else 1.9}
     assert deepnet_postln(_deepnet(half), tmp_path).verdict.verdict == INCONCLUSIVE
     # "matches or beats Pre-LN" is no "fails" claim: a Pre-LN that learned does not stop it

@@ -52,6 +52,17 @@ class _Study:
         return _unshared(yaml.safe_load((STUDIES / f"{self.name}.yaml").read_text(encoding="utf-8")))
 
 
+def builtin_claims() -> dict[str, dict]:
+    """The built-in claims by name: ``kilolayer/studies/claims/*.yaml``, each a mapping of name -> claim. A spec
+    names one in its ``claims:`` list (or ``{use: NAME, ...}`` with fields of its own)."""
+    found: dict[str, dict] = {}
+    for path in sorted((STUDIES / "claims").iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".yaml"):
+            for name, body in yaml.safe_load(path.read_text(encoding="utf-8")).items():
+                found[name] = {"name": name, **_unshared(body)}
+    return found
+
+
 # name -> a function returning the spec (a dict)
 BUILTIN: Registry[Callable[[], dict]] = Registry("study", "built-in study")
 _names = [p.name.removesuffix(".yaml") for p in STUDIES.iterdir() if p.name.endswith(".yaml")]

@@ -15,12 +15,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
-from kilolayer import rundir
 from kilolayer.analysis.chance import LEARNED_NOTHING
-from kilolayer.objectives.baselines import translates
 from kilolayer.registry import Registry
-from kilolayer.verdicts.evidence import chance, failed, learned, not_evidence, still_improving
-from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, Finding, Verdict, decide
+from kilolayer.verdicts.evidence import chance, learned, not_evidence, still_improving
+from kilolayer.verdicts.rule import INCONCLUSIVE, NOT_HELD, Finding, Verdict, decide
 
 FINDINGS: Registry[Callable] = Registry("study.findings", "finding")
 
@@ -95,30 +93,12 @@ def accuracy_of(r, out) -> float | None:
     return None
 
 
-def final_scores(r) -> tuple[dict, str]:
-    """The scores that stand for a run in a BLEU table, and where they come from: its test split scored whole
-    (the ``test_scores`` analysis) when it has been, else its last validation evaluation."""
-    if r.test and r.test.get("metrics"):
-        return r.test["metrics"], f"test, {r.test.get('samples', '?')} pairs"
-    return r.eval, "validation"
-
-
 def on_one_split(rs: list) -> list:
     """The results as compared: with their test scores when every completed run has them, else all on
     validation (a difference of one run's test BLEU and another's validation BLEU measures nothing)."""
     if all(r.test and r.test.get("metrics") for r in rs if r is not None and r.status == "completed"):
         return rs
     return [replace(r, test=None) if r is not None else None for r in rs]
-
-
-def bleu_of(r, out) -> float | None:
-    """Final BLEU (greedy decoding, sacrebleu) on test where the run was scored on it, else validation; a
-    diverged run scores 0, what a model that produces nothing scores; None (not evidence) for a run that logged
-    no BLEU."""
-    if r.status == "diverged":
-        return 0.0
-    value = final_scores(r)[0].get("bleu")
-    return float(value) if value is not None and math.isfinite(float(value)) else None
 
 
 def _status_cell(r, value: str) -> str:
@@ -232,52 +212,6 @@ def _depth_label(r, d: int) -> str:
     return f"{d}L-{d}L" if r.point.config.model.arch == "encoder_decoder" else f"{d}L"
 
 
-def _cell_value(r, metric: str, out) -> str:
-    """A run's final evaluation in a scheme x depth table: the loss (and exact match), or BLEU then loss."""
-    loss = f"{r.eval['loss']:.3f}" if "loss" in r.eval else None
-    if metric == "bleu":
-        b = bleu_of(r, out)
-        chrf = final_scores(r)[0].get("chrf")
-        bleu = f"BLEU {b:.2f}" if b is not None else "BLEU -"
-        bleu += f", chrF {chrf:.1f}" if chrf is not None and r.status != "diverged" else ""
-        return bleu + (f" (loss {loss})" if loss else "")
-    em = r.eval.get("exact_match")
-    return loss + (f" (EM {em:.2f})" if em is not None else "") if loss else "-"
-
-
-def _scheme_depth_table(rs, out, metric: str = "loss"):
-    """Scheme x depth: each cell the final evaluation of every seed, `` / `` between them (``missing`` where a
-    seed has none); several runs of one seed in a cell are each labelled with the keys that tell them apart."""
-    schemes = sorted({_val(r, "model.scheme") for r in rs})
-    depths = sorted({_depth(r) for r in rs})
-    seeds = _seeds(rs)
-    others = _other_axes(rs)  # several runs to a cell: each is named by these
-    rows = []
-    for s in schemes:
-        row = [s]
-        for d in depths:
-            parts = []
-            for seed in seeds:
-                found = [r for r in rs if _depth(r) == d and _val(r, "model.scheme") == s and _seed(r) == seed]
-                for r in found or [None]:
-                    cell = _status_cell(r, _cell_value(r, metric, out) if r is not None else "")
-                    if metric == "bleu" and r is not None and r.status == "diverged":
-                        cell += " (BLEU 0)"  # what the verdict scores it
-                    label = [f"seed {seed}"] + [f"{k}={_val(r, k)}" for k in others if r is not None]
-                    parts.append(f"{' '.join(label)}: {cell}" if others else cell)
-            row.append((", " if others else " / ").join(parts))
-        rows.append(row)
-    return ["scheme"] + [_depth_label(rs[0], d) for d in depths], rows
-
-
-def _cells_note(rs) -> list[str]:
-    """What the cells of :func:`_scheme_depth_table` list, where they list several seeds without labels."""
-    seeds = _seeds(rs)
-    if len(seeds) < 2 or _other_axes(rs):
-        return []
-    return [f"Each cell: seed {' / '.join(map(str, seeds))}, in that order (missing: that seed has no run there)."]
-
-
 def _chance_note(runs, out, unit=" nats") -> list[str]:
     """The chance levels of ``runs``' data: one value, or one per group (and seed, where they differ by seed)."""
     runs = [r for r in runs if r is not None and r.status in ("completed", "diverged")]
@@ -304,289 +238,6 @@ def _chance_note(runs, out, unit=" nats") -> list[str]:
         f"Chance level (the best predictor that ignores the input, on these evaluation targets): {'; '.join(parts)}."
     ]
 
-
-def _baselines_note(runs, out) -> list[str]:
-    """Beside BLEU verdicts: the baselines of the runs' own evaluation pairs (their baselines.json), and how many
-    runs translate (BLEU and chrF both above the nearest training pair's target, on the same pairs)."""
-    texts, verdicts = [], []
-    for r in runs:
-        if r is None:
-            continue
-        scores, where = final_scores(r)
-        if r.test and r.test.get("metrics"):
-            found = r.test.get("baselines")
-        else:
-            found = rundir.read_baselines(r.point.run_dir(out)).get("baselines")
-        if not found:
-            continue
-        text = f"{where}: " + "; ".join(
-            f"{name} BLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}" for name, s in found.items()
-        )
-        if text not in texts:
-            texts.append(text)
-        v = translates(scores, found) if r.status == "completed" else None
-        if v is not None:
-            verdicts.append(v.translates)
-    if not texts:
-        return []
-    note = f"Baselines on the same evaluation pairs, {' / '.join(texts)}."
-    if verdicts:
-        note += (
-            f" {sum(verdicts)} of {len(verdicts)} completed runs translate (BLEU and chrF above the better of "
-            f"copying and the nearest training pair's target)."
-        )
-    return [note]
-
-
-def _scheme_vs(
-    results,
-    out,
-    loser: str,
-    winner: str,
-    name: str,
-    title: str,
-    claim: str,
-    margin: float,
-    metric: str = "loss",
-    loser_fails: bool = False,
-):
-    """``winner`` beats ``loser`` at the deepest setting: by final validation loss (lower wins, margin in nats)
-    or by BLEU (higher wins, margin in BLEU points). ``loser_fails``: the claim is that the loser fails where the
-    winner trains, so a held needs the loser to have failed (diverged or learned nothing) in every seed."""
-    rs = _group(results, "deepnet")
-    if not {loser, winner} <= {_val(r, "model.scheme") for r in rs}:
-        return None  # the study does not compare these two schemes
-    if metric == "bleu":
-        rs = on_one_split(rs)
-    headers, rows = _scheme_depth_table(rs, out, metric)
-    deepest = max(_depth(r) for r in rs)
-    # a winner that learned nothing is evidence against the claim that it trains
-    ev = Evidence(unlearned_decides_against=True)
-    for seed in _seeds(rs):
-        a, b = _run(rs, loser, deepest, seed), _run(rs, winner, deepest, seed)
-        if ev.check({f"{loser} seed {seed}": a, f"{winner} seed {seed}": b}, out, must_learn=[f"{winner} seed {seed}"]):
-            if metric == "bleu":
-                ba, bb = bleu_of(a, out), bleu_of(b, out)
-                ev.add(seed, bb - ba if ba is not None and bb is not None else None, f"BLEU of seed {seed}")
-            else:
-                ev.add(seed, loss_of(a, out) - loss_of(b, out), f"seed {seed}")
-    v = ev.decide(margin, " BLEU" if metric == "bleu" else " nats")
-    if loser_fails:
-        trained = [
-            r.point.key
-            for seed in _seeds(rs)
-            if (r := _run(rs, loser, deepest, seed)) is not None
-            and r.status in ("completed", "diverged")
-            and failed(r, out) is not True
-        ]
-        if trained:
-            v.reason += f"; the claim needs {loser} to fail in every seed, but {', '.join(trained)} learned"
-            if v.verdict == HELD:
-                v.verdict = INCONCLUSIVE
-    others = _other_axes(rs)
-    if others:
-        v = _several_settings(v, others, len(_seeds(rs)))
-    at = _depth_label(rs[0], deepest)
-    must = f"{winner} must have learned (loss ≤ {LEARNED_NOTHING:g} x chance)"
-    if loser_fails:
-        must += f", and {loser} must have failed (diverged, or loss above {LEARNED_NOTHING:g} x chance) in every seed"
-    if metric == "bleu":
-        rule = (
-            f"d = final BLEU (greedy decoding, sacrebleu; on the whole test split where the runs were scored on it, "
-            f"else validation) of {winner} minus that of {loser} at the "
-            f"deepest setting ({at}), per seed; a diverged run scores BLEU 0; {must}. Margin {margin} BLEU."
-        )
-    else:
-        rule = (
-            f"d = final validation loss of {loser} minus that of {winner} at the deepest setting ({at}), per "
-            f"seed; a diverged run scores the chance loss; {must}. Margin {margin} nats."
-        )
-    deep = [r for r in rs if _depth(r) == deepest]
-    return Finding(
-        name,
-        title,
-        claim,
-        DEEPNET,
-        rule,
-        v,
-        headers,
-        rows,
-        notes=_cells_note(rs) + _chance_note(deep, out) + (_baselines_note(deep, out) if metric == "bleu" else []),
-    )
-
-
-@register_finding("deepnet_postln")
-def deepnet_postln(results, out):
-    f = _scheme_vs(
-        results,
-        out,
-        "post_ln",
-        "deepnorm",
-        "deepnet_postln",
-        "DeepNorm trains where Post-LN fails at depth",
-        "At the same learning rate and warm-up, Post-LN's training degrades or diverges as depth grows, while "
-        "DeepNorm (x <- LN(alpha x + G(x)) with its beta-scaled init) trains stably to a lower loss.",
-        margin=0.05,
-        loser_fails=True,
-    )
-    if f is None:
-        return None
-    f.scale_up = (
-        "More depth (50L-50L, 100L-100L: the `deepnet` study), a real translation task, and 3+ seeds. "
-        "The paper's effect grows with depth; at 18L-18L on a toy task it can be small."
-    )
-    f.plots = _curves(results, "deepnet", out, "deepnet_loss.png")
-    return f
-
-
-@register_finding("deepnet_preln")
-def deepnet_preln(results, out):
-    f = _scheme_vs(
-        results,
-        out,
-        "pre_ln",
-        "deepnorm",
-        "deepnet_preln",
-        "DeepNorm matches or beats Pre-LN at depth",
-        "DeepNorm keeps Post-LN's better quality: at depth it reaches a lower loss than Pre-LN "
-        "(paper: BLEU 28.9 vs about 27.4 at 100L-100L on WMT-17 En-De, secondary source).",
-        margin=0.02,
-    )
-    if f is None:
-        return None
-    f.scale_up = (
-        "The paper's Pre-LN gap appears in final quality after long training on real MT data; "
-        "a few hundred steps on a synthetic task mostly measure optimisation speed. Train longer and "
-        "compare BLEU on held-out data."
-    )
-    return f
-
-
-@register_finding("deepnet_postln_bleu")
-def deepnet_postln_bleu(results, out):
-    f = _scheme_vs(
-        results,
-        out,
-        "post_ln",
-        "deepnorm",
-        "deepnet_postln_bleu",
-        "DeepNorm translates where Post-LN fails at depth (BLEU)",
-        "At the same learning rate and warm-up, a deep Post-LN translation model degrades or diverges, while "
-        "DeepNorm trains stably to a higher BLEU (DeepNet, Table 1: Post-LN fails from 50L-50L on WMT-17).",
-        margin=0.5,
-        metric="bleu",
-        loser_fails=True,
-    )
-    if f is not None:
-        f.plots = _curves(results, "deepnet", out, "deepnet_loss.png")
-    return f
-
-
-@register_finding("deepnet_preln_bleu")
-def deepnet_preln_bleu(results, out):
-    return _scheme_vs(
-        results,
-        out,
-        "pre_ln",
-        "deepnorm",
-        "deepnet_preln_bleu",
-        "DeepNorm matches or beats Pre-LN at depth (BLEU)",
-        "DeepNorm keeps Post-LN's better quality: at depth its BLEU is above Pre-LN's (DeepNet, Table 1: "
-        "28.9 at 100L-100L on WMT-17 En-De, Pre-LN 0.5-1.0 BLEU lower).",
-        margin=0.5,
-        metric="bleu",
-    )
-
-
-def _first_update(r) -> float | None:
-    ups = [d.get("update") for d in r.diagnostics if d.get("step") == 1] or [d.get("update") for d in r.diagnostics[:1]]
-    return float(ups[0]) if ups and ups[0] is not None else None
-
-
-def _largest_ln_input(r) -> float | None:
-    """The largest mean |input| of any LayerNorm over a run's diagnostics lines (None: none logged)."""
-    values = [v for d in _diagnostics(r) or [] for v in d.ln_input if math.isfinite(v)]
-    return max(values) if values else None
-
-
-def _update_vs(results, out, large: str, small: str) -> tuple[Verdict, list, list, int]:
-    """The first model update of ``large`` against that of ``small`` at the deepest setting of the ``deepnet``
-    group, per seed: the verdict (d = ln of their ratio, margin ln 1.5), the table rows of every run with
-    diagnostics, those runs, and the deepest depth."""
-    everything = _group(results, "deepnet")
-    rs = [r for r in everything if r.diagnostics]
-    deepest = max(_depth(r) for r in everything)
-    rows = []
-    others = _other_axes(everything)  # several runs of one scheme, depth and seed: each row names its own
-    for r in sorted(rs, key=lambda r: (_val(r, "model.scheme"), _depth(r), _seed(r))):
-        ups = [d["update"] for d in r.diagnostics]
-        scheme = " ".join([str(_val(r, "model.scheme")), *(f"{k}={_val(r, k)}" for k in others)])
-        rows.append(
-            [
-                scheme,
-                _depth(r),
-                _seed(r),
-                _fmt(max(ups) if ups else None),
-                _fmt(_first_update(r)),
-                _fmt(_largest_ln_input(r)),
-            ]
-        )
-    ev = Evidence()
-    for seed in _seeds(everything):
-        a, b = _run(everything, large, deepest, seed), _run(everything, small, deepest, seed)
-        # the first update is measured at step 1, before any divergence: a diverged run still has it
-        runs = {f"{large} seed {seed}": a, f"{small} seed {seed}": b}
-        missing = [
-            f"{what} (no diagnostics)"
-            for what, r in runs.items()
-            if r is not None and r.status in ("completed", "diverged") and _first_update(r) is None
-        ]
-        if missing:
-            ev.excluded += missing
-            continue
-        if ev.check(runs, out):
-            ua, ub = _first_update(a), _first_update(b)
-            ok = ua > 0 and ub > 0 and math.isfinite(ua) and math.isfinite(ub)
-            ev.add(seed, math.log(ua / ub) if ok else None, f"first updates of seed {seed} ({ua:g}, {ub:g})")
-    v = ev.decide(math.log(1.5), " (ln ratio)")
-    if others:
-        v = _several_settings(v, others, len(_seeds(everything)))
-    return v, rows, rs, deepest
-
-
-UPDATE_HEADERS = ["scheme", "layers", "seed", "max update", "update at step 1", "largest LayerNorm input"]
-
-
-def _update_rule(large: str, small: str, deepest: int) -> str:
-    return (
-        f"d = ln(first model update ||F(x, theta_1) - F(x, theta_0)|| of {large} / that of {small}) on a fixed "
-        f"probe batch at the deepest setting ({deepest} layers per side), per seed; margin ln 1.5 ({large}'s "
-        f"update at least 1.5x {small}'s). The table also shows the largest update and LayerNorm input logged"
-    )
-
-
-@register_finding("deepnet_update")
-def deepnet_update(results, out):
-    if not any(r.diagnostics for r in _group(results, "deepnet")):
-        return None
-    v, rows, rs, deepest = _update_vs(results, out, "post_ln", "deepnorm")
-    plots = _update_plot(rs, out, "deepnet_update.png") + _stability_plot(rs, out)
-    return Finding(
-        "deepnet_update",
-        "Post-LN's early updates are large; DeepNorm's stay bounded",
-        "DeepNorm bounds the model update in the first steps by a constant, whereas Post-LN's update grows with "
-        "depth and destabilises training (DeepNet, section 3, Figure 4(a); across depths, Figure 5).",
-        DEEPNET,
-        _update_rule("post_ln", "deepnorm", deepest) + ", and how they grow with depth.",
-        v,
-        UPDATE_HEADERS,
-        rows,
-        plots,
-        "Log diagnostics every step over the first few hundred steps at 18L-18L and deeper.",
-    )
-
-
-# ---------------------------------------------------------------- DeepNet section 3: Post-LN vs Post-LN-init
 
 SECTION3 = DEEPNET + ", section 3"
 # Figure 3(b): the last layer's gradient at several depths, a group of its own beside the 18L-18L `deepnet` group
@@ -760,56 +411,6 @@ def deepnet_init_gradient_depth(results, out):
     )
 
 
-@register_finding("deepnet_init_loss")
-def deepnet_init_loss(results, out):
-    f = _scheme_vs(
-        results,
-        out,
-        "post_ln",
-        "post_ln_init",
-        "deepnet_init_loss",
-        "Post-LN-init converges, to a lower loss than Post-LN",
-        "Post-LN-init converged while Post-LN did not (18L-18L, the same architecture, only the initialisation "
-        "differs; section 3, Figure 3(c)). Judged here: Post-LN-init learns and ends lower than Post-LN; whether "
-        "Post-LN converged is read from the table (its loss against chance and its exact match).",
-        margin=0.05,
-    )
-    if f is None:
-        return None
-    f.reference = SECTION3
-    f.plots = _curves(results, "deepnet", out, "deepnet_init_loss.png")
-    f.scale_up = SECTION3_SCALE
-    return f
-
-
-@register_finding("deepnet_init_update")
-def deepnet_init_update(results, out):
-    rs = _group(results, "deepnet")
-    if not _has_schemes(rs, "post_ln", "post_ln_init") or not any(r.diagnostics for r in rs):
-        return None
-    v, rows, with_diagnostics, deepest = _update_vs(results, out, "post_ln", "post_ln_init")
-    plots = _update_plot(with_diagnostics, out, "deepnet_init_update.png") + _stability_plot(with_diagnostics, out)
-    return Finding(
-        "deepnet_init_update",
-        "Post-LN's early model update is larger than Post-LN-init's",
-        "Post-LN has an exploding update at the very beginning of training and then nearly no update; better "
-        "initialisation lets the model update smoothly: Post-LN-init has relatively small updates (18L-18L; "
-        "section 3, Figure 4(a)). The paper links the large update to large LayerNorm inputs (Figure 4(b)-(c)); "
-        "the table shows the largest LayerNorm input of each run, which this verdict does not judge.",
-        SECTION3,
-        _update_rule("post_ln", "post_ln_init", deepest) + ".",
-        v,
-        UPDATE_HEADERS,
-        rows,
-        plots,
-        SECTION3_SCALE,
-    )
-
-
-# ---------------------------------------------------------------- DeepNet robustness (section 5, Figure 7)
-
-# group -> the setting it raises, one at a time from the base (DeepNet's Figure 7: learning rate, batch size,
-# hidden dimension)
 ROBUST_AXES = {"robust_lr": "train.lr", "robust_batch": "train.batch_size", "robust_width": "model.width"}
 ROBUST_LABEL = {"train.lr": "learning rate", "train.batch_size": "batch size", "model.width": "width"}
 
@@ -1394,12 +995,6 @@ def _plot(draw, rs, out, fname: str, caption: str) -> list[tuple[str, str]]:
     return [(str(path), caption)] if draw(rs, path) else []
 
 
-def _curves(results, group, out, fname):
-    from kilolayer.study.plots import loss_curves
-
-    return _plot(loss_curves, _group(results, group), out, fname, "validation loss vs step, one panel per depth")
-
-
 def _loss_curves(rs, path, by: str) -> bool:
     from kilolayer.study.plots import loss_curves
 
@@ -1416,45 +1011,6 @@ def _last_layer_gradients(rs, path) -> bool:
     from kilolayer.study.plots import last_layer_gradient_curves
 
     return last_layer_gradient_curves(rs, path)
-
-
-def _update_plot(rs, out, fname):
-    from kilolayer.study.plots import update_curves
-
-    return _plot(update_curves, rs, out, fname, "model update ||F(x, theta_t) - F(x, theta_0)|| vs step")
-
-
-def _stability_plot(rs, out):
-    """DeepNet's per-layer diagnostics of every scheme at 18 layers per side (Figure 3), or the deepest below."""
-    from kilolayer.analysis.plots import plot_stability
-    from kilolayer.analysis.stability import read_run
-
-    depths = sorted({_depth(r) for r in rs})
-    depth = 18 if 18 in depths else max([d for d in depths if d < 18] or depths)
-    seed = _seeds(rs)[0]
-    chosen = sorted(
-        (
-            r
-            for r in rs
-            if _depth(r) == depth
-            and _val(r, "train.seed") == seed
-            and (r.point.run_dir(out) / "metrics.jsonl").is_file()
-        ),
-        key=lambda r: _val(r, "model.scheme") or "",
-    )
-    if not chosen:
-        return []
-    runs = [read_run(r.point.run_dir(out), name=str(_val(r, "model.scheme"))) for r in chosen]
-    paths = plot_stability(runs, out / "report_files" / "deepnet_stability")
-    return [
-        (
-            str(p),
-            f"{depth}-layer models (seed {seed}): gradient norm per layer and LayerNorm input size at "
-            "three steps, model update and loss vs step",
-        )
-        for p in paths
-        if str(p).endswith(".png")
-    ]
 
 
 def _smoothness_plot(results, out, fname):

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kilolayer.rundir import RunDir
+from kilolayer.study.claim_plots import CLAIM_PLOTS
 from kilolayer.study.findings import evaluate_findings
 from kilolayer.verdicts.claims import judge
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding
@@ -320,7 +321,11 @@ def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, P
     (out / "report_files").mkdir(parents=True, exist_ok=True)
     groups = {g.name: g for g in spec.groups}
     findings = evaluate_findings(spec.findings, results, out)
-    findings += [judge(c, results, groups[c.runs], out) for c in spec.claims]
+    for c in spec.claims:
+        f = judge(c, results, groups[c.runs], out)
+        runs = [r for r in results if r.point.group == c.runs]
+        f.plots = [p for name in c.plots for p in CLAIM_PLOTS[name](runs, out, f"{c.runs}_{c.name}")]
+        findings.append(f)
     md = render_markdown(spec, results, findings, out, wall_seconds)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)

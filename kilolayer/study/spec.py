@@ -18,7 +18,7 @@ A spec (YAML or a built-in name)::
         init_from: pretrain         # train.init_from = the pretrain point with the same grid values
         ...
     findings: [deepnet_depth, ...]  # names in kilolayer.study.findings.FINDINGS
-    claims:                         # claims as data (kilolayer.verdicts.claims)
+    claims:                         # claims as data (kilolayer.verdicts.claims), or built-in ones by name
       - name: deeper_is_better
         runs: deepnet
         ...
@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kilolayer.config import Config, apply_sets, format_validation_error, load_config, parse_set, read_yaml
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.study.analyses import ANALYSES
+from kilolayer.study.claim_plots import CLAIM_PLOTS
 from kilolayer.train.run import check_early_stopping
 from kilolayer.verdicts.claims import Claim, check_claim, parse_claim
 
@@ -108,17 +109,42 @@ class StudySpec(BaseModel):
     def _claims(self):
         """Each claim parsed and checked against the groups: a bad claim is refused before anything trains."""
         groups = {g.name: g for g in self.groups}
+        from kilolayer.study.builtin import builtin_claims
+
+        # a built-in claim named under findings (where DeepNet's claims were once listed) is that claim
+        known = builtin_claims()
+        moved = [f for f in self.findings if f in known and not any(c == f for c in self.claims)]
+        self.findings = [f for f in self.findings if f not in moved]
+        self.claims = [*moved, *self.claims]
         parsed, names = [], set()
         for i, raw in enumerate(self.claims):
             where = f"claims[{i}]"
-            claim = raw if isinstance(raw, Claim) else parse_claim(raw, where)
+            claim = raw if isinstance(raw, Claim) else parse_claim(_named(raw, where), where)
             check_claim(claim, groups, where + (f" ({claim.name})" if claim.name else ""))
+            for plot in claim.plots:
+                if plot not in CLAIM_PLOTS:
+                    raise ValueError(f"{where}.plots: {plot!r} is unknown; allowed: {', '.join(sorted(CLAIM_PLOTS))}")
             if claim.name in names:
                 raise ValueError(f"{where}.name={claim.name!r}: two claims of the spec have this name")
             names.add(claim.name)
             parsed.append(claim)
         self.claims = parsed
         return self
+
+
+def _named(raw: Any, where: str) -> Any:
+    """A claim's mapping: ``raw`` itself, or the built-in claim it names (a string, or ``{use: NAME, ...}`` whose
+    other fields replace the built-in's, e.g. ``runs`` to bind it to a group of this spec)."""
+    name = raw if isinstance(raw, str) else raw.get("use") if isinstance(raw, dict) else None
+    if name is None:
+        return raw
+    from kilolayer.study.builtin import builtin_claims
+
+    known = builtin_claims()
+    if name not in known:
+        raise ValueError(f"{where}={name!r}: no built-in claim of that name; built-in: {', '.join(sorted(known))}")
+    extra = {k: v for k, v in raw.items() if k != "use"} if isinstance(raw, dict) else {}
+    return {**known[name], **extra}
 
 
 @dataclass

@@ -66,6 +66,7 @@ class Claim(BaseModel):
     better: Literal["lower", "higher"] | None = None
     where: dict[str, Any] = Field(default_factory=dict)
     requires: list[str] = Field(default_factory=list)
+    plots: list[str] = Field(default_factory=list)  # drawn by the report (kilolayer.study.claim_plots)
     scale_up: str = ""
     contrast: Any = Field(None, exclude=True)
 
@@ -162,6 +163,8 @@ def check_claim(claim: Claim, groups: dict, where: str) -> None:
             raise ValueError(f"{kind}.{field}={key}: group {group.name!r} does not vary it (it varies {varied})")
     claim.contrast.check(grid, kind)
     for key, value in claim.where.items():
+        if key not in grid and value in ("max", "min"):
+            continue  # a key the group does not vary: every run has its one value, and max and min are it
         if key not in grid:
             raise ValueError(
                 f"{where}.where.{key}: group {group.name!r} does not vary it (it varies {', '.join(grid)})"
@@ -238,8 +241,8 @@ class Judging:
         self.read: dict = {}  # the runs the contrast read, by key
 
     def other_keys(self, key: str) -> list[str]:
-        tied = ties(self.group, key)
-        return [k for k in grid_values(self.group) if k not in tied and k not in self.claim.where]
+        fixed = {t for k in [key, *self.claim.where] for t in ties(self.group, k)}
+        return [k for k in grid_values(self.group) if k not in fixed]
 
     @staticmethod
     def seed(r):
@@ -264,12 +267,18 @@ class Judging:
         m = self.measure
         if r.status == "diverged":
             v = m.on_diverged(r, self.out) if m.on_diverged is not None else None
-            if v is None:
-                self._exclude(f"{r.point.key} (diverged: {m.diverged_text})")
+            if v is None or not math.isfinite(v):
+                self._exclude(
+                    f"{r.point.key} (diverged, and {m.diverged_text.replace('a diverged run ', '', 1)}: "
+                    f"no finite value here)"
+                )
+                return None
             return v
         v = m.read(r, self.out, self.split)
-        if v is None:
-            self._exclude(f"{r.point.key} (no {m.name}" + (" on its test split)" if self.split == TEST else ")"))
+        if v is None or not math.isfinite(v):
+            where = " on its test split" if self.split == TEST else ""
+            self._exclude(f"{r.point.key} (no finite {m.name}{where})")
+            return None
         return v
 
     def trained(self, r, what: str) -> bool | None:
@@ -341,6 +350,9 @@ def rule_text(claim: Claim, split: str, others: list[str]) -> str:
 
 
 def _table(claim: Claim, runs: list, judging: Judging) -> tuple[list, list]:
+    sides = claim.contrast.sides()
+    if sides is not None:  # the runs of the two sides compared
+        runs = [r for r in runs if any(same(grid_value(r, claim.contrast.key), v) for v in sides)]
     shown_keys = [*claim.contrast.keys(), *ties(judging.group, claim.contrast.key)]
     shown_keys += judging.other_keys(claim.contrast.key)
     keys = list(dict.fromkeys(shown_keys))
@@ -423,6 +435,8 @@ def judge(claim: Claim, results: list, group, out) -> Finding:
             v.verdict = INCONCLUSIVE
     headers, rows = _table(claim, runs, judging)
     notes = _chance_note(runs, out)
+    if measure.note is not None:
+        notes += measure.note(list(judging.read.values()), out, split)
     if not runs:
         notes.append(f"No run of group {claim.runs!r} matches {claim.where}.")
     return Finding(

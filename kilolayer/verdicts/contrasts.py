@@ -102,6 +102,10 @@ def grid_value(r, key: str):
     return r.point.values[key] if key in r.point.values else r.point.setting(key)
 
 
+def _count(rs: list, key: str, value) -> int:
+    return sum(same(grid_value(r, key), value) for r in rs)
+
+
 def _pick(rs: list, key: str, value) -> Any:
     found = [r for r in rs if same(grid_value(r, key), value)]
     return found[0] if found else None
@@ -124,9 +128,16 @@ class _TwoSides(Contrast):
         for seed, combos in _cells(runs, judge, self.key).items():
             parts = []
             for rs in combos.values():
+                label = f"{self.key}={self.claimed_better} / {self.against}, seed {seed}"
+                crowded = [v for v in (self.claimed_better, self.against) if _count(rs, self.key, v) > 1]
+                if crowded:  # runs that differ in keys the group's grid does not name: no pair to compare
+                    judge.excluded.append(
+                        f"{label} (several runs of {self.key}={crowded[0]} that the grid does not tell apart)"
+                    )
+                    parts = None
+                    break
                 a = _pick(rs, self.key, self.claimed_better)
                 b = _pick(rs, self.key, self.against)
-                label = f"{self.key}={self.claimed_better} / {self.against}, seed {seed}"
                 va, vb = (
                     judge.value(a, f"{self.key}={self.claimed_better} seed {seed}", side="better"),
                     judge.value(b, f"{self.key}={self.against} seed {seed}", side="against"),
@@ -135,10 +146,10 @@ class _TwoSides(Contrast):
                     parts = None
                     break
                 d = self.difference(va, vb, judge.lower_is_better)
-                # a side that diverged never wins against one that did not, whatever chance scores
-                if d is not None and a.status == "diverged" and b.status != "diverged":
+                # on a score of the trained model, a side that diverged never wins against one that did not
+                if d is not None and judge.measure.quality and a.status == "diverged" and b.status != "diverged":
                     d = min(d, 0.0)
-                elif d is not None and b.status == "diverged" and a.status != "diverged":
+                elif d is not None and judge.measure.quality and b.status == "diverged" and a.status != "diverged":
                     d = max(d, 0.0)
                 if d is None or not math.isfinite(d):
                     judge.excluded.append(f"{label} (no finite difference of {va:g} and {vb:g})")

@@ -35,6 +35,8 @@ class Measure:
     split_key: str | None = None  # the evaluation key read on validation / test; None: not a split score
     test_only: bool = False
     convergence: tuple[str, float, bool] | None = None  # (evaluation key, tolerance, relative)
+    note: Callable | None = None  # note(runs, out, split) -> lines the report states beside the verdict
+    quality: bool = True  # a score of the trained model: a run that diverged never beats one that did not
 
     @property
     def lower_is_better(self) -> bool:
@@ -80,6 +82,38 @@ def _loss_vs_chance(r, out, split: str) -> float | None:
     if loss is None or c is None or not math.isfinite(c) or c <= 0:
         return None
     return loss / c
+
+
+def baselines_note(runs, out, split: str) -> list[str]:
+    """Beside a translation score: what copying the source and the nearest training pair's target score on the
+    same evaluation pairs (each run's baselines.json, or its test scores'), and how many runs translate (BLEU and
+    chrF both above the better of the two)."""
+    from kilolayer.objectives.baselines import translates
+    from kilolayer.rundir import read_baselines
+
+    texts, verdicts = [], []
+    for r in runs:
+        if split == TEST:
+            scores, found = (r.test or {}).get("metrics") or {}, (r.test or {}).get("baselines")
+        else:
+            scores, found = r.eval, read_baselines(r.point.run_dir(out)).get("baselines")
+        if not found:
+            continue
+        text = "; ".join(f"{name} BLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}" for name, s in found.items())
+        if text not in texts:
+            texts.append(text)
+        v = translates(scores, found) if r.status == "completed" else None
+        if v is not None:
+            verdicts.append(v.translates)
+    if not texts:
+        return []
+    note = f"Baselines on the same {split} pairs: {' / '.join(texts)}."
+    if verdicts:
+        note += (
+            f" {sum(verdicts)} of {len(verdicts)} completed runs translate (BLEU and chrF above the better of "
+            "copying and the nearest training pair's target)."
+        )
+    return [note]
 
 
 def _first_update(r, out, split: str) -> float | None:
@@ -163,6 +197,7 @@ for _m in (
         "a diverged run scores BLEU 0, what a model that produces nothing scores",
         split_key="bleu",
         convergence=("bleu", 0.5, False),
+        note=baselines_note,
     ),
     Measure(
         "chrf",
@@ -174,6 +209,7 @@ for _m in (
         "a diverged run scores chrF 0",
         split_key="chrf",
         convergence=("chrf", 0.5, False),
+        note=baselines_note,
     ),
     Measure(
         "first_update",
@@ -183,6 +219,7 @@ for _m in (
         _first_update,
         lambda r, out: _first_update(r, out, VALIDATION),  # measured at step 1, before any divergence
         "a diverged run keeps its first update (measured at step 1)",
+        quality=False,
     ),
     Measure(
         "last_layer_cosine",
@@ -202,6 +239,7 @@ for _m in (
         _top_layer_gradient,
         lambda r, out: _top_layer_gradient(r, out, VALIDATION),  # logged before it diverged
         "a diverged run keeps the gradients it logged before it diverged",
+        quality=False,
     ),
 ):
     register_measure(_m)
