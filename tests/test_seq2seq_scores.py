@@ -242,8 +242,14 @@ def test_a_run_scored_again_gives_its_last_evaluation_and_baselines(trained_run,
     last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert record["metrics"] == pytest.approx({k: v for k, v in last.items() if k not in ("step", "split")})
     assert record["metrics"].keys() == {"loss", "token_accuracy", *SCORES}
-    assert record["baselines"] == json.loads((run / "baselines.json").read_text())["baselines"]
+    # the training-time baselines, and beside each the model's paired difference from it on the same pairs
+    saved = json.loads((run / "baselines.json").read_text())["baselines"]
+    paired = {name: scores.pop("model_minus") for name, scores in record["baselines"].items()}
+    assert record["baselines"] == saved and set(paired) == set(saved)
     assert all(math.isfinite(v) for b in record["baselines"].values() for v in b.values())
+    for name, d in paired.items():
+        assert d["bleu"] == pytest.approx(record["metrics"]["bleu"] - saved[name]["bleu"])
+        assert d["chrf_low"] <= d["chrf"] <= d["chrf_high"]
 
 
 def test_scoring_bad_input_is_one_line(trained_run, tmp_path):
@@ -361,3 +367,37 @@ def test_a_studys_final_table_reads_the_test_scores_analysis(trained_run, tmp_pa
     without = Result(point=Point(), status="completed", eval=val)
     # one split for all: a run without test scores puts every run of the comparison on validation
     assert _split(bleu, [r, r]) == "test" and _split(bleu, [r, without]) == "validation"
+
+
+def test_a_paired_bootstrap_compares_model_and_baseline_on_the_same_sentences():
+    from kilolayer.objectives.text_scores import paired_difference, text_scores
+
+    refs = [f"the cat sat on mat number {i} today" for i in range(40)]
+    same = paired_difference(refs, refs, refs)
+    assert same["bleu"] == same["bleu_low"] == same["bleu_high"] == 0.0  # identical hypotheses: no difference
+    # the model gets 30 sentences right, the baseline 25 of those same ones: a small, consistent advantage
+    model = [r if i < 30 else "a dog" for i, r in enumerate(refs)]
+    other = [r if i < 25 else "a dog" for i, r in enumerate(refs)]
+    d = paired_difference(model, other, refs)
+    a, b = text_scores(model, refs), text_scores(other, refs)
+    assert d["bleu"] == pytest.approx(a["bleu"] - b["bleu"]) and d["chrf"] == pytest.approx(a["chrf"] - b["chrf"])
+    assert 0 < d["chrf_low"] <= d["chrf"] <= d["chrf_high"]
+    # pairing removes the spread both share: the paired interval is narrower than the two separate ones combined
+    assert d["chrf_high"] - d["chrf_low"] < (a["chrf_high"] - a["chrf_low"]) + (b["chrf_high"] - b["chrf_low"])
+    with pytest.raises(ValueError, match="hypotheses for"):
+        paired_difference(model[:3], other, refs)
+
+
+def test_translates_by_the_paired_interval_when_the_baselines_hold_it():
+    base = {"copy": {"bleu": 6.3, "chrf": 22.5}, "nearest": {"bleu": 18.1, "chrf": 33.7}}
+    metrics = {"bleu": 18.7, "chrf": 38.3}  # above both baselines as point estimates
+    assert translates(metrics, base).translates and not translates(metrics, base).paired
+    noisy = {
+        "copy": {**base["copy"], "model_minus": {"bleu_low": 11.0, "chrf_low": 14.0}},
+        "nearest": {**base["nearest"], "model_minus": {"bleu_low": -0.2, "chrf_low": 3.1}},
+    }
+    v = translates(metrics, noisy)  # BLEU's advantage over the nearest pair's target is inside the noise
+    assert v.paired and not v.translates and v.low_bleu_margin == pytest.approx(-0.2)
+    assert "paired bootstrap on the same sentences" in str(v) and v.low_chrf_margin == pytest.approx(3.1)
+    noisy["nearest"]["model_minus"]["bleu_low"] = 0.4
+    assert translates(metrics, noisy).translates

@@ -152,9 +152,10 @@ class Objective(nn.Module):
         not categorical. ``index`` fixes any random masking exactly as ``evaluate`` does."""
         return None
 
-    def baselines(self, batches: Iterable[dict]) -> dict:
+    def baselines(self, batches: Iterable[dict], paired: bool = False) -> dict:
         """Scores of predictors that do not use what a model learns, on the evaluation batches (see the class
-        docstring). Default: none."""
+        docstring); ``paired``: beside each, the model's difference from it on the same samples, from the model's
+        outputs of the last :meth:`evaluate` of these batches, where the objective keeps them. Default: none."""
         return {}
 
     def label_smoothing(self) -> tuple[float, int]:

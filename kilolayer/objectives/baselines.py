@@ -32,7 +32,7 @@ import torch
 
 from kilolayer.data.cache import TensorOf, cached
 from kilolayer.data.synthetic import Seq2SeqSource
-from kilolayer.objectives.text_scores import text_scores
+from kilolayer.objectives.text_scores import paired_difference, text_scores
 
 Pairs = list[tuple[list[int], list[int]]]
 
@@ -105,15 +105,20 @@ def positional_accuracy(hyps: list[list[int]], refs: list[list[int]], eos: int) 
     return right / max(total, 1)
 
 
-def baseline_scores(source: Seq2SeqSource, pairs: Pairs) -> dict[str, dict[str, float]]:
+def baseline_scores(source: Seq2SeqSource, pairs: Pairs, model: list[str] | None = None) -> dict[str, dict]:
     """``{name: scores}`` of each baseline ``source`` names, on ``pairs`` (source ids, target ids without the end
-    token), the references being the targets through ``source.detokenize``."""
+    token), the references being the targets through ``source.detokenize``. Given ``model``, the model's decoded
+    hypotheses of the same pairs, each baseline also holds ``model_minus``: the model's BLEU and chrF minus the
+    baseline's with a 95% paired bootstrap interval (:func:`~kilolayer.objectives.text_scores.paired_difference`)."""
     refs = [source.detokenize(t) for _, t in pairs]
     out = {}
     for name in source.baselines:
         ids = HYPOTHESES[name](source, pairs)
-        scores = text_scores([source.detokenize(h) for h in ids], refs)
+        hyps = [source.detokenize(h) for h in ids]
+        scores = text_scores(hyps, refs)
         out[name] = {**scores, "token_accuracy": positional_accuracy(ids, [t for _, t in pairs], source.eos)}
+        if model is not None and len(model) == len(refs):
+            out[name]["model_minus"] = paired_difference(model, hyps, refs)
     return out
 
 
@@ -127,6 +132,9 @@ class Verdict:
     chrf: float
     bar_bleu: float
     bar_chrf: float
+    paired: bool = False  # decided by the paired bootstrap's lower ends, not by the point scores
+    low_bleu_margin: float | None = None  # the least lower end of the model's paired BLEU advantage over a baseline
+    low_chrf_margin: float | None = None
 
     @property
     def bleu_margin(self) -> float:
@@ -141,18 +149,28 @@ class Verdict:
 
     def __str__(self) -> str:
         side = "translates" if self.translates else "does not translate"
-        return (
+        text = (
             f"{side}: BLEU {self.bleu:.2f} vs {self.bar_bleu:.2f} ({self.bleu_margin:+.2f}), chrF {self.chrf:.2f} "
             f"vs {self.bar_chrf:.2f} ({self.chrf_margin:+.2f}), the better of copying and the nearest training "
             "pair's target"
         )
+        if self.paired:
+            text += (
+                f"; paired bootstrap on the same sentences, 95% lower ends of the advantage: BLEU "
+                f"{self.low_bleu_margin:+.2f}, chrF {self.low_chrf_margin:+.2f}"
+            )
+        return text
 
 
 def translates(metrics: dict, baselines: dict) -> Verdict | None:
     """Whether a model translates: its ``bleu`` and ``chrf`` both above the better of the ``nearest`` and
     ``copy`` entries of ``baselines`` (name -> scores, on the same pairs) on that score, and by how much. Beating
     retrieval is not enough where the target is close to the source: copying must be beaten too. None without a
-    decoded score or a nearest-neighbour baseline to set it beside."""
+    decoded score or a nearest-neighbour baseline to set it beside.
+
+    Where every baseline holds the model's paired difference from it (``model_minus``, on the same sentences), the
+    model translates only when the 95% paired bootstrap interval of its advantage lies above zero against both
+    baselines on both scores: a point estimate inside the noise of the sentences drawn is no advantage."""
     near = baselines.get("nearest") or {}
     if not all(k in metrics and k in near for k in ("bleu", "chrf")):
         return None
@@ -160,4 +178,9 @@ def translates(metrics: dict, baselines: dict) -> Verdict | None:
     bar_bleu = max(float(b["bleu"]) for b in bars)
     bar_chrf = max(float(b["chrf"]) for b in bars)
     bleu, chrf = float(metrics["bleu"]), float(metrics["chrf"])
+    paired = [b.get("model_minus") for b in bars]
+    if all(p and "bleu_low" in p and "chrf_low" in p for p in paired):
+        low_bleu = min(float(p["bleu_low"]) for p in paired)
+        low_chrf = min(float(p["chrf_low"]) for p in paired)
+        return Verdict(low_bleu > 0 and low_chrf > 0, bleu, chrf, bar_bleu, bar_chrf, True, low_bleu, low_chrf)
     return Verdict(bleu > bar_bleu and chrf > bar_chrf, bleu, chrf, bar_bleu, bar_chrf)

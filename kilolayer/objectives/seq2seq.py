@@ -106,6 +106,7 @@ class Seq2Seq(Objective):
             pred = self.greedy(backbone, src, mask, self.bos, self.eos, max_new)
             hyps += [self.detokenize(row) for row in pred.tolist()]
             refs += [self.detokenize(t) for _, t in pairs_of(batch)]
+        self.last_decoded = hyps  # what baselines() sets beside its own hypotheses of the same pairs
         return {**out, **text_scores(hyps, refs)}
 
     def decoded(self, batches: list[dict]):
@@ -118,12 +119,16 @@ class Seq2Seq(Objective):
             yield {k: v[:rows] for k, v in batch.items()}
             seen += rows
 
-    def baselines(self, batches):
+    def baselines(self, batches, paired: bool = False):
         """:func:`~kilolayer.objectives.baselines.baseline_scores` of the pairs decoding scores, and their number."""
         if self.source is None:
             return {}
         pairs = [p for batch in self.decoded(list(batches)) for p in pairs_of(batch)]
-        return {"pairs": len(pairs), "baselines": baseline_scores(self.source, pairs)} if pairs else {}
+        if not pairs:
+            return {}
+        model = getattr(self, "last_decoded", None) if paired else None
+        model = model if model is not None and len(model) == len(pairs) else None
+        return {"pairs": len(pairs), "baselines": baseline_scores(self.source, pairs, model)}
 
     def represent(self, backbone, batch):
         return backbone(batch["src"], batch["tgt_in"], batch["src_padding_mask"], batch["tgt_padding_mask"])

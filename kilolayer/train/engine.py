@@ -300,11 +300,13 @@ class Engine:
             metrics = self.objective.evaluate(self.task.backbone, data)
         return {k: float(v) for k, v in metrics.items()}
 
-    def baselines(self, batches: int | None = None) -> dict:
+    def baselines(self, batches: int | None = None, paired: bool = False) -> dict:
         """The objective's baselines (:meth:`~kilolayer.objectives.base.Objective.baselines`) on the pairs
         :meth:`evaluate` scores, with the split they come from: ``{"split", "pairs", "baselines"}``; {} where the
-        objective has none. No model runs: every process may call it alone."""
-        found = self.objective.baselines(self.eval_data(batches))
+        objective has none. No model runs: every process may call it alone. ``paired``: right after
+        :meth:`evaluate` of the same batches, each baseline also holds the model's paired bootstrap difference
+        from it (seq2seq's ``model_minus``)."""
+        found = self.objective.baselines(self.eval_data(batches), paired=paired)
         return {"split": self.source.eval_split, **found} if found else {}
 
     def check_early_stop_metric(self) -> None:

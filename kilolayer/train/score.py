@@ -73,7 +73,7 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
         "step": rundir.checkpoint_step(ckpt),
         "metrics": engine.evaluate(batches),
     }
-    found = engine.baselines(batches).get("baselines")
+    found = engine.baselines(batches, paired=True).get("baselines")
     if found:
         record["baselines"] = found
         verdict = translates(record["metrics"], found)
