@@ -523,3 +523,43 @@ def test_too_slow_rule_on_a_constructed_replay():
     slow = [3.0 - 0.0001 * max(0, s - 20) for s in range(1, 41)]  # half of 0.1 a unit of lr: 2.998 -> 2.95
     verdict, reason, numbers = decide(replay_of(slow))
     assert verdict == "stalls" and "would reach only 0.98 x chance by step 1000" in reason
+
+
+def test_the_checkpoint_measured_gives_both_the_weights_and_the_step(tmp_path):
+    """Under early stopping the run's standing checkpoint is its best, not its newest; the doctor measures the newest
+    and must load that checkpoint's weights, not the best's under the newest's step."""
+    from kilolayer.doctor.measure import at_checkpoint
+    from kilolayer.train.run import train
+
+    config = tiny(train__steps=4, train__checkpoint_every=2, train__diagnostics_every=1)
+    run = tmp_path / "run"
+    train(config, run, quiet=True)
+    newest = rundir.latest_checkpoint(run)
+    older = rundir.checkpoint_dir(run, 2)
+    assert rundir.checkpoint_step(newest) == 4 and older.is_dir()
+    # the newest checkpoint names step 2 as the run's best, as early stopping records it
+    state = json.loads((newest / "state.json").read_text())
+    state["trainer"]["best_step"] = 2
+    (newest / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((newest / rundir.MANIFEST).read_text())
+    manifest["files"].pop("state.json", None)
+    (newest / rundir.MANIFEST).write_text(json.dumps(manifest))
+    cfg = load_config(run / "config.yaml")
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"patience": 2})})
+    write_atomic(run / "config.yaml", dump_yaml(cfg))
+    assert rundir.chosen_checkpoint(run, 2) == older  # the run's standing checkpoint is the older one
+    seen = {}
+    import kilolayer.train.checkpoint as checkpoint
+
+    real = checkpoint.load_run
+
+    def spy(*a, **k):
+        seen["ckpt"] = k.get("checkpoint")
+        return real(*a, **k)
+
+    checkpoint.load_run = spy
+    try:
+        m = at_checkpoint(run, cfg, replay(cfg, 1))
+    finally:
+        checkpoint.load_run = real
+    assert m is not None and m.step == 4 and seen["ckpt"] == newest

@@ -194,7 +194,7 @@ def at_checkpoint(run_dir, config: Config, start: Replay, device: str = "cpu") -
         return None
     dev = torch.device(device)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        _, task = load_run(run_dir, device=device)
+        _, task = load_run(run_dir, device=device, checkpoint=ckpt)  # the step measured is the weights' own
         step = checkpoint_step(ckpt)
         current, ln_names, ln_input = diag.probe(task.objective, task.backbone, start.probe_batch)
         update = diag.update_size(current, start.reference)
