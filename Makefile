@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint format demo clean
+.PHONY: install data test test-fast lint format demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,12 @@ install: $(STAMP)
 # two pytest-xdist workers (one per core of the CI machine; each in-process test uses one torch thread)
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+# the Debian-packaged corpora some tests read (de_en, fr_en): apt-get download + dpkg -x into the kilolayer cache, no
+# system install, fetched once; where apt-get cannot fetch them, those tests skip and name this command
+data: $(STAMP)
+	@$(BIN)/python -m kilolayer.data.debian fetch de_en fr_en >/dev/null 2>&1 || echo "kilolayer: could not fetch the de_en/fr_en packages (python -m kilolayer.data.debian fetch de_en fr_en); the tests that read them skip"
+
+test: $(STAMP) data
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # unit tests only: in-process, none slow (tests/conftest.py marks them)
