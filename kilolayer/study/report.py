@@ -320,12 +320,13 @@ def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, P
     out = Path(out)
     (out / "report_files").mkdir(parents=True, exist_ok=True)
     groups = {g.name: g for g in spec.groups}
-    findings = evaluate_findings(spec.findings, results, out)
+    findings = []
     for c in spec.claims:
         f = judge(c, results, groups[c.runs], out)
         runs = [r for r in results if r.point.group == c.runs]
         f.plots = [p for name in c.plots for p in CLAIM_PLOTS[name](runs, out, f"{c.runs}_{c.name}")]
         findings.append(f)
+    findings += evaluate_findings(spec.findings, results, out)
     md = render_markdown(spec, results, findings, out, wall_seconds)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)

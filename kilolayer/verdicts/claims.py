@@ -294,14 +294,20 @@ class Judging:
         return got
 
 
-def _runs_of(claim: Claim, results: list) -> list:
+def _runs_of(claim: Claim, results: list) -> tuple[list, dict]:
+    """The runs of the claim's group with its ``where`` values, and those values (``max``/``min`` resolved)."""
     runs = [r for r in results if r.point.group == claim.runs]
+    resolved = {}
     for key, value in claim.where.items():
         if value in ("max", "min"):
             values = [grid_value(r, key) for r in runs]
-            value = (max if value == "max" else min)(values, key=lambda v: float(v)) if values else None
+            found = (max if value == "max" else min)(values, key=lambda v: float(v)) if values else None
+            resolved[key] = f"{found} (the group's {value})"
+            value = found
+        else:
+            resolved[key] = value
         runs = [r for r in runs if same(grid_value(r, key), value)]
-    return runs
+    return runs, resolved
 
 
 def _split(measure: Measure, runs: list) -> str:
@@ -324,13 +330,15 @@ def _split_text(measure: Measure, split: str) -> str:
     )
 
 
-def rule_text(claim: Claim, split: str, others: list[str]) -> str:
-    """The rule the report states, generated from the claim's fields."""
+def rule_text(claim: Claim, split: str, others: list[str], where: dict | None = None) -> str:
+    """The rule the report states, generated from the claim's fields (``where``: its values as resolved on the
+    runs, e.g. ``max`` as the deepest setting)."""
     measure, c = claim.the_measure(), claim.contrast
     unit = c.unit(measure)
     parts = [c.describe(measure, claim.direction()) + ", per seed"]
-    if claim.where:
-        parts[0] += ", at " + ", ".join(f"{k} = {v}" for k, v in claim.where.items())
+    where = where if where is not None else claim.where
+    if where:
+        parts[0] += ", at " + ", ".join(f"{k} = {v}" for k, v in where.items())
     others = [k for k in others if k not in c.keys()]
     if others:
         parts[0] += f"; runs matched on {', '.join(others)} and averaged over them"
@@ -383,25 +391,32 @@ def _table(claim: Claim, runs: list, judging: Judging) -> tuple[list, list]:
 
 
 def _chance_note(runs, out) -> list[str]:
-    levels = []
+    """The chance levels of the runs' evaluation data; where they differ, each with the seeds it is of."""
+    levels: dict[str, list] = {}
     for r in runs:
         if r.status in ("completed", "diverged"):
             c = chance(r, out)
             text = f"loss {c['loss']:.3f}" + (
                 f", accuracy {c['accuracy']:.3f}" if c.get("accuracy") is not None else ""
             )
-            if text not in levels:
-                levels.append(text)
+            seeds = levels.setdefault(text, [])
+            if r.point.config.train.seed not in seeds:
+                seeds.append(r.point.config.train.seed)
     if not levels:
         return []
+    shown = (
+        list(levels)
+        if len(levels) == 1
+        else [f"{text} (seed {', '.join(map(str, sorted(seeds)))})" for text, seeds in levels.items()]
+    )
     return [
-        f"Chance level (the best predictor that ignores the input, on these evaluation targets): {'; '.join(levels)}."
+        f"Chance level (the best predictor that ignores the input, on these evaluation targets): {'; '.join(shown)}."
     ]
 
 
 def judge(claim: Claim, results: list, group, out) -> Finding:
     """The finding of ``claim`` from a study's ``results`` (``group``: the spec's group it reads)."""
-    runs = _runs_of(claim, results)
+    runs, where = _runs_of(claim, results)
     measure = claim.the_measure()
     split = _split(measure, runs)
     judging = Judging(claim, group, out, split)
@@ -444,7 +459,7 @@ def judge(claim: Claim, results: list, group, out) -> Finding:
         claim.title or claim.name,
         claim.claim,
         claim.source,
-        rule_text(claim, split, judging.other_keys(claim.contrast.key)),
+        rule_text(claim, split, judging.other_keys(claim.contrast.key), where),
         v,
         headers,
         rows,
