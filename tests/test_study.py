@@ -300,7 +300,7 @@ def test_estimate_probes_points_that_differ_only_in_their_analyses_apart(tmp_pat
     one probe."""
     from kilolayer.study import estimate as E
 
-    spec = load_spec(tiny_spec(tmp_path, grid={"model.scheme": ["post_ln"]}))
+    spec = load_spec(tiny_spec(tmp_path, grid={"model.scheme": ["post_ln"]}, findings=[]))
     (base,) = expand(spec)
     variants = [
         base,

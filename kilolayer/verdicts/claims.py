@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kilolayer.config import format_validation_error
-from kilolayer.verdicts.contrasts import CONTRASTS, Contrast, grid_value, same, shown
+from kilolayer.verdicts.contrasts import CONTRASTS, grid_value, same, shown
 from kilolayer.verdicts.evidence import (
     LEARNED_NOTHING,
     chance,
@@ -467,6 +467,3 @@ def judge(claim: Claim, results: list, group, out) -> Finding:
         notes=notes,
         improving=improving,
     )
-
-
-__all__ = ["Claim", "Contrast", "REQUIREMENTS", "check_claim", "judge", "parse_claim", "rule_text", "HELD", "NOT_HELD"]
