@@ -88,3 +88,17 @@ def build_fixture(root: Path) -> None:
             path = root / L.TEXT / module / "01" / f"{page:04d}.html"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(PAGE.format(paragraphs=body), encoding="utf-8")
+
+
+def builtin_claim(name: str, study: str):
+    """``finding(results, out)``: the built-in claim ``name`` judged on its group of the built-in ``study``."""
+    from kilolayer.study.builtin import builtin_claims
+    from kilolayer.study.spec import load_spec
+    from kilolayer.verdicts.claims import judge, parse_claim
+
+    def finding(results, out):
+        claim = parse_claim(builtin_claims()[name], name)
+        group = next(g for g in load_spec(study).groups if g.name == claim.runs)
+        return judge(claim, results, group, out)
+
+    return finding

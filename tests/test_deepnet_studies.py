@@ -11,10 +11,10 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from helpers import CHANCE, study_results
+from helpers import CHANCE, builtin_claim, study_results
 
 from kilolayer.analysis.chance import LEARNED_NOTHING
-from kilolayer.study.builtin import BUILTIN, builtin_claims
+from kilolayer.study.builtin import BUILTIN
 from kilolayer.study.findings import (
     deepnet_init_gradient,
     deepnet_init_gradient_depth,
@@ -22,19 +22,11 @@ from kilolayer.study.findings import (
     evaluate_findings,
 )
 from kilolayer.study.spec import expand, load_spec
-from kilolayer.verdicts.claims import judge, parse_claim
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD
 
 
 def _builtin(name: str):
-    """The built-in claim ``name`` judged on the deepnet group of ``deepnet_analysis``."""
-
-    def finding(results, out):
-        claim = parse_claim(builtin_claims()[name], name)
-        group = next(g for g in load_spec("deepnet_analysis").groups if g.name == claim.runs)
-        return judge(claim, results, group, out)
-
-    return finding
+    return builtin_claim(name, "deepnet_analysis")
 
 
 deepnet_init_loss, deepnet_init_update = _builtin("deepnet_init_loss"), _builtin("deepnet_init_update")

@@ -12,28 +12,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import CHANCE
+from helpers import CHANCE, builtin_claim
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kilolayer.analysis.chance import LEARNED_NOTHING
-from kilolayer.study.builtin import builtin_claims
 from kilolayer.study.findings import bamboo_depth, bamboo_depth_tokens, bamboo_smoothing, slope
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import expand, load_spec
-from kilolayer.verdicts.claims import judge, parse_claim
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, decide, t_quantile
 
 
 def _builtin(name: str):
-    """The built-in claim ``name`` judged on the deepnet group of ``quick`` (what its studies read)."""
-
-    def finding(results, out):
-        claim = parse_claim(builtin_claims()[name], name)
-        group = next(g for g in load_spec("quick").groups if g.name == claim.runs)
-        return judge(claim, results, group, out)
-
-    return finding
+    return builtin_claim(name, "quick")
 
 
 deepnet_postln, deepnet_preln, deepnet_update = map(_builtin, ("deepnet_postln", "deepnet_preln", "deepnet_update"))

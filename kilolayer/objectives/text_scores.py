@@ -18,11 +18,29 @@ SEED = 0
 SCORES = ("bleu", "chrf", "exact_match")
 
 
+def _interval(statistic, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``statistic`` of all ``n`` sentences and the ends of its 95% percentile bootstrap interval over them (the
+    fixed-seed generator of the module docstring); one sentence: every resample is the sentence itself."""
+    from scipy.stats import bootstrap
+
+    point = statistic(np.arange(n))
+    if n < 2:
+        return point, point, point
+    found = bootstrap(
+        (np.arange(n),),
+        statistic,
+        n_resamples=RESAMPLES,
+        vectorized=False,
+        method="percentile",
+        rng=np.random.default_rng(SEED),
+    ).confidence_interval
+    return point, found.low, found.high
+
+
 def text_scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
     """``bleu`` and ``chrf`` (0-100), ``exact_match`` (the share of hypotheses equal to their reference), each with
     the ends of its 95% interval as ``<name>_low`` and ``<name>_high``; {} without pairs."""
     from sacrebleu.metrics import BLEU, CHRF
-    from scipy.stats import bootstrap
 
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses for {len(refs)} references")
@@ -38,19 +56,7 @@ def text_scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
         corpus = [m._compute_score_from_stats(s[rows].sum(0).tolist()).score for m, s in zip(metrics, stats)]
         return np.array([*corpus, exact[rows].mean()], dtype=np.float64)
 
-    point = scores(np.arange(n))
-    if n > 1:
-        found = bootstrap(
-            (np.arange(n),),
-            scores,
-            n_resamples=RESAMPLES,
-            vectorized=False,
-            method="percentile",
-            rng=np.random.default_rng(SEED),
-        ).confidence_interval
-        low, high = found.low, found.high
-    else:
-        low = high = point  # one sentence: every resample is the sentence itself
+    point, low, high = _interval(scores, n)
     out = {}
     for i, name in enumerate(SCORES):
         out.update({name: float(point[i]), f"{name}_low": float(low[i]), f"{name}_high": float(high[i])})
@@ -67,7 +73,6 @@ def paired_difference(hyps: list[str], others: list[str], refs: list[str]) -> di
     both share cancels (Koehn 2004). Keys ``bleu``, ``bleu_low``, ``bleu_high`` and the same for ``chrf``; {}
     without pairs."""
     from sacrebleu.metrics import BLEU, CHRF
-    from scipy.stats import bootstrap
 
     if not len(hyps) == len(others) == len(refs):
         raise ValueError(f"{len(hyps)} and {len(others)} hypotheses for {len(refs)} references")
@@ -86,18 +91,7 @@ def paired_difference(hyps: list[str], others: list[str], refs: list[str]) -> di
         )
         return np.array(a, dtype=np.float64) - np.array(b, dtype=np.float64)
 
-    point = difference(np.arange(n))
-    low = high = point
-    if n > 1:
-        found = bootstrap(
-            (np.arange(n),),
-            difference,
-            n_resamples=RESAMPLES,
-            vectorized=False,
-            method="percentile",
-            rng=np.random.default_rng(SEED),
-        ).confidence_interval
-        low, high = found.low, found.high
+    point, low, high = _interval(difference, n)
     out = {}
     for i, name in enumerate(PAIRED):
         out.update({name: float(point[i]), f"{name}_low": float(low[i]), f"{name}_high": float(high[i])})

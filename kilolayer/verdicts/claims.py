@@ -252,12 +252,17 @@ class Judging:
         if why not in self.excluded:
             self.excluded.append(why)
 
-    def value(self, r, what: str, side: str | None = None) -> float | None:
+    def _evidence(self, r, what: str) -> bool:
+        """Whether run ``r`` (the ``what`` of the comparison) is evidence; records it as read, or why it is not."""
         if r is not None:
             self.read[r.point.key] = r
         why = not_evidence(r, what)
         if why:
             self._exclude(why)
+        return not why
+
+    def value(self, r, what: str, side: str | None = None) -> float | None:
+        if not self._evidence(r, what):
             return None
         if side == "better" and "winner_learns" in self.claim.requires and learned(r, self.out) is not True:
             self.unlearned.append(r.point.key)
@@ -282,11 +287,7 @@ class Judging:
         return v
 
     def trained(self, r, what: str) -> bool | None:
-        if r is not None:
-            self.read[r.point.key] = r
-        why = not_evidence(r, what)
-        if why:
-            self._exclude(why)
+        if not self._evidence(r, what):
             return None
         got = learned(r, self.out)
         if got is None:
