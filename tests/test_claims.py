@@ -72,6 +72,7 @@ def test_the_rule_text_is_generated_from_the_claims_fields(tmp_path):
     assert f.rule.startswith("d = final evaluation loss of model.layers=2 minus that of model.layers=8")
     assert "Margin 0.02 nats." in f.rule and "same split" not in f.rule
     assert "read on validation, the split that also chose each run's checkpoint" in f.rule
+    assert "(model.layers moves together with model.width and model.heads in the grid)" in f.rule
     assert f.claim == spec.claims[0].claim and f.reference == "my own hypothesis"
 
 
@@ -92,6 +93,7 @@ def test_the_rule_text_is_generated_from_the_claims_fields(tmp_path):
         (lambda c: c.update(where={"model.layers": 8}), "where.model.layers", "the contrast varies this key"),
         (lambda c: c.update(ratio=c.pop("compare")) or c.update(margin=0.5), "margin=0.5", "a factor of at least 1"),
         (lambda c: c.pop("compare"), "claims[0]", "give exactly one contrast, one of compare, ratio"),
+        (lambda c: c.update(compar=c.pop("compare")), "claims[0]", "did you mean compare for compar?"),
         (lambda c: c.update(marginn=1), "claims[0].marginn: unknown key", "a contrast is one of compare"),
         (
             lambda c: c.update(measure="accuracy", margin=0.5 * 100 / 100 + 1),

@@ -20,6 +20,7 @@ shows, its rule text generated from these fields.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from typing import Any, Literal
@@ -101,6 +102,9 @@ def parse_claim(data: Any, where: str) -> Claim:
     kinds = [k for k in data if k in CONTRASTS]
     if len(kinds) != 1:
         found = f"found {', '.join(kinds)}" if kinds else "found none"
+        near = [k for k in data if k not in Claim.model_fields and difflib.get_close_matches(k, list(CONTRASTS), 1)]
+        if near and not kinds:
+            found += f"; did you mean {difflib.get_close_matches(near[0], list(CONTRASTS), 1)[0]} for {near[0]}?"
         raise ValueError(f"{where}: give exactly one contrast, one of {', '.join(sorted(CONTRASTS))} ({found})")
     kind = kinds[0]
     body = {k: v for k, v in data.items() if k != kind}
@@ -331,12 +335,16 @@ def _split_text(measure: Measure, split: str) -> str:
     )
 
 
-def rule_text(claim: Claim, split: str, others: list[str], where: dict | None = None) -> str:
+def rule_text(
+    claim: Claim, split: str, others: list[str], where: dict | None = None, tied: list[str] | None = None
+) -> str:
     """The rule the report states, generated from the claim's fields (``where``: its values as resolved on the
-    runs, e.g. ``max`` as the deepest setting)."""
+    runs, e.g. ``max`` as the deepest setting; ``tied``: the grid keys that move with the contrast's key)."""
     measure, c = claim.the_measure(), claim.contrast
     unit = c.unit(measure)
     parts = [c.describe(measure, claim.direction()) + ", per seed"]
+    if tied:
+        parts[0] += f" ({c.key} moves together with {' and '.join(tied)} in the grid)"
     where = where if where is not None else claim.where
     if where:
         parts[0] += ", at " + ", ".join(f"{k} = {v}" for k, v in where.items())
@@ -460,7 +468,13 @@ def judge(claim: Claim, results: list, group, out) -> Finding:
         claim.title or claim.name,
         claim.claim,
         claim.source,
-        rule_text(claim, split, judging.other_keys(claim.contrast.key), where),
+        rule_text(
+            claim,
+            split,
+            judging.other_keys(claim.contrast.key),
+            where,
+            [k for k in ties(group, claim.contrast.key) if k != claim.contrast.key],
+        ),
         v,
         headers,
         rows,
