@@ -116,6 +116,23 @@ def baselines_note(runs, out, split: str) -> list[str]:
     return [note]
 
 
+def translation_score(key: str, label: str) -> Measure:
+    """A corpus score of greedy decoding (``bleu``, ``chrf``): a diverged run scores 0, what a model that produces
+    nothing scores, and the baselines of the same pairs are quoted beside the verdict."""
+    return Measure(
+        key,
+        f"final {label} (greedy decoding, sacrebleu)",
+        f" {label}",
+        "higher",
+        split_score(key),
+        lambda r, out: 0.0,
+        f"a diverged run scores {label} 0, what a model that produces nothing scores",
+        split_key=key,
+        convergence=(key, 0.5, False),
+        note=baselines_note,
+    )
+
+
 def _first_update(r, out, split: str) -> float | None:
     ups = [d.get("update") for d in r.diagnostics if d.get("step") == 1] or [d.get("update") for d in r.diagnostics[:1]]
     return float(ups[0]) if ups and ups[0] is not None else None
@@ -174,30 +191,7 @@ for _m in (
         split_key="accuracy",
         convergence=("accuracy", 0.01, False),
     ),
-    Measure(
-        "bleu",
-        "final BLEU (greedy decoding, sacrebleu)",
-        " BLEU",
-        "higher",
-        split_score("bleu"),
-        lambda r, out: 0.0,
-        "a diverged run scores BLEU 0, what a model that produces nothing scores",
-        split_key="bleu",
-        convergence=("bleu", 0.5, False),
-        note=baselines_note,
-    ),
-    Measure(
-        "chrf",
-        "final chrF (greedy decoding, sacrebleu)",
-        " chrF",
-        "higher",
-        split_score("chrf"),
-        lambda r, out: 0.0,
-        "a diverged run scores chrF 0",
-        split_key="chrf",
-        convergence=("chrf", 0.5, False),
-        note=baselines_note,
-    ),
+    *(translation_score(key, label) for key, label in (("bleu", "BLEU"), ("chrf", "chrF"))),
     Measure(
         "first_update",
         "first model update ||F(x, theta_1) - F(x, theta_0)|| on the fixed probe batch",
