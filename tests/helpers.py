@@ -91,14 +91,20 @@ def build_fixture(root: Path) -> None:
 
 
 def builtin_claim(name: str, study: str):
-    """``finding(results, out)``: the built-in claim ``name`` judged on its group of the built-in ``study``."""
-    from kilolayer.study.builtin import builtin_claims
+    """``finding(results, out)``: the built-in claim ``name`` judged on its groups of the built-in ``study``; a name
+    of a set of claims gives the list of its claims' findings that the study's groups can decide."""
+    from kilolayer.study.builtin import builtin_claim_sets, builtin_claims
     from kilolayer.study.spec import load_spec
     from kilolayer.verdicts.claims import judge, parse_claim
 
     def finding(results, out):
-        claim = parse_claim(builtin_claims()[name], name)
-        group = next(g for g in load_spec(study).groups if g.name == claim.runs)
-        return judge(claim, results, group, out)
+        groups = {g.name: g for g in load_spec(study).groups}
+        sets = builtin_claim_sets()
+        found = []
+        for member in sets.get(name, [name]):
+            claim = parse_claim(builtin_claims()[member], member)
+            if all(g in groups for g in [*claim.groups(), *([claim.relative_to] if claim.relative_to else [])]):
+                found.append(judge(claim, results, groups, out))
+        return found if name in sets else found[0]
 
     return finding

@@ -120,7 +120,7 @@ def test_a_bad_claim_is_one_line_naming_its_field(tmp_path, change, field, allow
 
 def test_a_test_split_measure_needs_the_test_scores_analysis(tmp_path):
     path = _spec_file(tmp_path, lambda d: d["claims"][0].update(measure="test_accuracy", margin=0.01))
-    with pytest.raises(ConfigError, match="add test_scores to group 'shapes'"):
+    with pytest.raises(ConfigError, match="add test_scores to the analyses of group 'shapes'"):
         load_spec(path)
 
 

@@ -521,9 +521,9 @@ def smoothness_of_run(
     last block's output before the stack's final LayerNorm, whose shared bias raises raw cosine, unless
     ``after_final_norm``.
 
-    Adds metadata: ``source``, ``path``, ``name``, ``input``, ``depth``, ``grid``, ``exclude_special``,
-    ``exclude_blank`` (with the share of patch tokens left out as blank, ``blank_share``), ``after_final_norm``
-    and ``method`` (:data:`SMOOTHNESS_METHOD`)."""
+    Adds metadata: ``source``, ``path``, ``name``, ``input``, ``split`` (of its data), ``depth``, ``grid``,
+    ``exclude_special``, ``exclude_blank`` (with the share of patch tokens left out as blank, ``blank_share``),
+    ``after_final_norm`` and ``method`` (:data:`SMOOTHNESS_METHOD`)."""
     from kilolayer.data import load_source
     from kilolayer.train.checkpoint import load_run
 
@@ -567,6 +567,7 @@ def smoothness_of_run(
         path=str(run_dir.resolve()),
         name=run_dir.resolve().name,
         input=f"data:{config.data.name}",
+        split=source.eval_split,
         depth=len(result["layers"]) - 1,
         grid=grid,
         model=f"{m.arch} {m.scheme} {config.objective.name}",

@@ -16,7 +16,7 @@ from kilolayer import rundir
 from kilolayer.errors import KilolayerError
 from kilolayer.files import write_atomic
 from kilolayer.registry import Registry
-from kilolayer.rundir import RunDir
+from kilolayer.rundir import STAMP, RunDir
 
 ANALYSES: Registry[Callable[[Path, Path], None]] = Registry("analyses", "analysis")
 
@@ -41,7 +41,7 @@ def test_scores_analysis(run_dir: Path, target: Path, data: dict | None = None) 
 
     record = score_run(run_dir, "test")
     target.mkdir(parents=True, exist_ok=True)
-    write_atomic(target / "test_scores.json", json.dumps(record, indent=1) + "\n")
+    write_atomic(rundir.analysis_file(run_dir, "test_scores"), json.dumps(record, indent=1) + "\n")
 
 
 def _smoothness_version() -> int:
@@ -51,7 +51,6 @@ def _smoothness_version() -> int:
 
 
 smoothness_analysis.version = _smoothness_version
-STAMP = "stamp.json"
 
 
 def _measured_step(run_dir: Path) -> int | None:
@@ -75,7 +74,7 @@ def analysis_stamp(name: str, data: dict | None = None, run_dir: Path | None = N
 def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
     """Run analysis ``name`` (registered in :data:`ANALYSES`) on a finished run, on ``data`` if given (else the
     run's own); results go to run_dir/analysis/name, with the stamp of :func:`analysis_stamp`."""
-    target = Path(run_dir) / "analysis" / name
+    target = rundir.analysis_dir(run_dir, name)
     fn = ANALYSES.get(name)
     fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
     write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")

@@ -1,7 +1,7 @@
 """The built-in studies of ``kilolayer study NAME``: one spec per study, ``kilolayer/studies/NAME.yaml`` (package
 data), read by its file name. A YAML file there is a built-in study; nothing else registers it.
 
-Group names carry roles the findings look for (kilolayer/study/findings.py): ``deepnet``
+The built-in claims (``kilolayer/studies/claims/*.yaml``) read groups by name, which a spec may rebind: ``deepnet``
 (schemes x depths); ``depth_gradients`` (early gradients across depths); ``robust_lr``, ``robust_batch`` and
 ``robust_width`` (one setting raised at a time); on images ``untrained``, ``supervised``, ``contrastive``, ``mae`` and
 ``finetune`` (MAE then fine-tuning); on text ``text_untrained``, ``text_classify``, ``mlm``,
@@ -52,15 +52,24 @@ class _Study:
         return _unshared(yaml.safe_load((STUDIES / f"{self.name}.yaml").read_text(encoding="utf-8")))
 
 
+def _claim_files() -> dict:
+    found: dict = {}
+    for path in sorted((STUDIES / "claims").iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".yaml"):
+            found.update(yaml.safe_load(path.read_text(encoding="utf-8")))
+    return found
+
+
 def builtin_claims() -> dict[str, dict]:
     """The built-in claims by name: ``kilolayer/studies/claims/*.yaml``, each a mapping of name -> claim. A spec
     names one in its ``claims:`` list (or ``{use: NAME, ...}`` with fields of its own)."""
-    found: dict[str, dict] = {}
-    for path in sorted((STUDIES / "claims").iterdir(), key=lambda p: p.name):
-        if path.name.endswith(".yaml"):
-            for name, body in yaml.safe_load(path.read_text(encoding="utf-8")).items():
-                found[name] = {"name": name, **_unshared(body)}
-    return found
+    return {name: {"name": name, **_unshared(body)} for name, body in _claim_files().items() if isinstance(body, dict)}
+
+
+def builtin_claim_sets() -> dict[str, list[str]]:
+    """Names that stand for several built-in claims (a paper's claim measured on several pairs or modalities, one
+    verdict each): name -> the claims' names."""
+    return {name: list(body) for name, body in _claim_files().items() if isinstance(body, list)}
 
 
 # name -> a function returning the spec (a dict)

@@ -1,8 +1,10 @@
 """The plots a claim may ask for (``plots: [loss_curves, ...]``), drawn by the report from the runs of the claim's
-group into ``report_files/``. Each gives ``[(path, caption)]`` (empty when it has nothing to draw)."""
+groups (or, for a plot marked ``whole_study``, of every group) into ``report_files/``. Each gives
+``[(path, caption)]`` (empty when it has nothing to draw)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kilolayer.registry import Registry
@@ -14,12 +16,22 @@ def _drawn(ok: bool, path: Path, caption: str) -> list[tuple[str, str]]:
     return [(str(path), caption)] if ok else []
 
 
+def _panel_key(runs) -> str:
+    """The grid key the runs vary besides the scheme (one panel per value of it), else the depth."""
+    varied = [
+        k
+        for k in dict.fromkeys(k for r in runs for k in r.point.values)
+        if k not in ("model.scheme", "train.seed") and len({json.dumps(r.point.values.get(k)) for r in runs}) > 1
+    ]
+    return varied[0].split(",")[0] if varied else "model.layers"
+
+
 @CLAIM_PLOTS.register("loss_curves")
 def loss_curves(runs, out: Path, stem: str) -> list[tuple[str, str]]:
     from kilolayer.study.plots import loss_curves as draw
 
-    path = out / "report_files" / f"{stem}_loss.png"
-    return _drawn(draw(runs, path), path, "validation loss vs step, one panel per depth")
+    path, by = out / "report_files" / f"{stem}_loss.png", _panel_key(runs)
+    return _drawn(draw(runs, path, by=by), path, f"validation loss vs step, one panel per {by}")
 
 
 @CLAIM_PLOTS.register("update_curves")
@@ -54,3 +66,50 @@ def stability(runs, out: Path, stem: str) -> list[tuple[str, str]]:
         "model update and loss vs step"
     )
     return [(str(p), caption) for p in paths if str(p).endswith(".png")]
+
+
+@CLAIM_PLOTS.register("layer_gradients")
+def layer_gradients(runs, out: Path, stem: str) -> list[tuple[str, str]]:
+    from kilolayer.study.plots import layer_gradient_curves as draw
+
+    path = out / "report_files" / f"{stem}_gradients.png"
+    caption = "gradient norm per layer, geometric mean over the early diagnostics steps (deepest setting, first seed)"
+    return _drawn(draw(runs, path), path, caption)
+
+
+@CLAIM_PLOTS.register("last_layer_gradients")
+def last_layer_gradients(runs, out: Path, stem: str) -> list[tuple[str, str]]:
+    from kilolayer.study.plots import last_layer_gradient_curves as draw
+
+    path = out / "report_files" / f"{stem}_gradients.png"
+    caption = "the last decoder layer's gradient norm vs depth, geometric mean over the early diagnostics steps"
+    return _drawn(draw(runs, path), path, caption)
+
+
+@CLAIM_PLOTS.register("smoothness")
+def smoothness(runs, out: Path, stem: str) -> list[tuple[str, str]]:
+    """Token cosine per layer of every group of the study with a smoothness analysis (the claim's and the others
+    of its modality), by objective and shape."""
+    from kilolayer.study.plots import smoothness_curves as draw
+
+    path = out / "report_files" / f"{stem}_smoothness.png"
+    caption = "token cosine similarity per layer (mean over seeds), by objective and shape"
+    return _drawn(draw([r for r in runs if r.smoothness], path), path, caption)
+
+
+smoothness.whole_study = True  # drawn from every group of the study, not only the claim's
+
+
+@CLAIM_PLOTS.register("depth")
+def depth(runs, out: Path, stem: str) -> list[tuple[str, str]]:
+    from kilolayer.study.plots import depth_curves as draw
+
+    path = out / "report_files" / f"{stem}_depth.png"
+    caption = (
+        "task metric (on the test split where every run was scored on it) and validation loss vs depth at matched "
+        "parameters (mean over seeds)"
+    )
+    return _drawn(draw(runs, path), path, caption)
+
+
+depth.whole_study = True

@@ -241,27 +241,33 @@ def depth_curves(results, path: Path) -> bool:
         metric = next((k for k in QUALITY if k in rs[0].eval), None)
         panels = ([(acc_ax, metric)] if metric else []) + ([(loss_ax, "loss")] if g in LOSS_PANEL else [])
         for ax, key in panels:
+            # the task metric on the test split where every run was scored on it (as the verdicts read it)
+            test = key != "loss" and all(key in ((r.test or {}).get("metrics") or {}) for r in rs)
+            score = {r.point.key: (r.test["metrics"] if test else r.eval).get(key) for r in rs}
             xs, means, sds = [], [], []
-            base = [float(r.eval[key]) for r in rs if r.point.config.model.layers == depths[0] and key in r.eval]
+            base = [float(score[r.point.key]) for r in rs if r.point.config.model.layers == depths[0] and key in r.eval]
             scale = statistics.fmean(base) if key == "loss" and base and statistics.fmean(base) else 1.0
             for d in depths:
                 vals = [
-                    float(r.eval[key]) / scale
+                    float(score[r.point.key]) / scale
                     for r in rs
-                    if r.point.config.model.layers == d and key in r.eval and math.isfinite(float(r.eval[key]))
+                    if r.point.config.model.layers == d
+                    and score[r.point.key] is not None
+                    and math.isfinite(float(score[r.point.key]))
                 ]
                 if vals:
                     xs.append(d)
                     means.append(statistics.fmean(vals))
                     sds.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
-            ax.errorbar(xs, means, yerr=sds, marker="o", ms=3, capsize=2, label=f"{g} ({key})")
+            label = f"{g} ({key}{', test' if test else ''})"
+            ax.errorbar(xs, means, yerr=sds, marker="o", ms=3, capsize=2, label=label)
             drew = True
     if not drew:
         plt.close(fig)
         return False
     loss_ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     for ax, title in (
-        (acc_ax, "task metric (validation)"),
+        (acc_ax, "task metric"),
         (loss_ax, "token-level loss relative to the shallowest shape"),
     ):
         ax.set_xscale("log", base=2)

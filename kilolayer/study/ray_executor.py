@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from kilolayer.errors import ConfigError
-from kilolayer.rundir import FINISHED, STATUSES, RunDir
+from kilolayer.rundir import FINISHED, STATUSES, RunDir, analysis_file
 from kilolayer.study.runner import Result, collect_all, run_analyses, stale_init, train_point
 from kilolayer.study.spec import Point, StudySpec, expand
 
@@ -431,9 +431,7 @@ class _Driver:
 
     def analyses_missing(self, p: Point) -> bool:
         run_dir = p.run_dir(self.root)
-        return RunDir(run_dir).state == "completed" and any(
-            not (run_dir / "analysis" / a / f"{a}.json").exists() for a in p.analyses
-        )
+        return RunDir(run_dir).state == "completed" and any(not analysis_file(run_dir, a).exists() for a in p.analyses)
 
     def submit_ready(self) -> None:
         while True:  # a point found finished may free the points that wait for it

@@ -322,9 +322,15 @@ def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, P
     groups = {g.name: g for g in spec.groups}
     findings = []
     for c in spec.claims:
-        f = judge(c, results, groups[c.runs], out)
-        runs = [r for r in results if r.point.group == c.runs]
-        f.plots = [p for name in c.plots for p in CLAIM_PLOTS[name](runs, out, f"{c.runs}_{c.name}")]
+        f = judge(c, results, groups, out)
+        runs = [r for r in results if r.point.group in c.groups()]
+        f.plots = [
+            p
+            for name in c.plots
+            for p in CLAIM_PLOTS[name](
+                results if getattr(CLAIM_PLOTS[name], "whole_study", False) else runs, out, c.name
+            )
+        ]
         findings.append(f)
     findings += evaluate_findings(spec.findings, results, out)
     md = render_markdown(spec, results, findings, out, wall_seconds)

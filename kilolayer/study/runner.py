@@ -24,7 +24,6 @@ as Ray tasks.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -33,41 +32,32 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kilolayer import rundir
 from kilolayer.config import config_changes, dump_yaml, load_config
 from kilolayer.errors import KilolayerError
+from kilolayer.record import RunRecord
 from kilolayer.rundir import RunDir
 from kilolayer.study import forked
-from kilolayer.study.analyses import STAMP, analysis_stamp, run_analysis
+from kilolayer.study.analyses import analysis_stamp, run_analysis
 from kilolayer.study.spec import Point, StudySpec, expand
 from kilolayer.train.host import usable_cpus
 
 
-@dataclass
-class Result:
-    """What one point produced, read back from its run directory."""
+@dataclass(kw_only=True)
+class Result(RunRecord):
+    """What one point produced: the record of its run directory (:class:`kilolayer.record.RunRecord`), with the
+    point, the command that trains it and whether this invocation trained it."""
 
     point: Point
-    status: str
-    reason: str = ""
-    step: int = 0
-    eval: dict = field(default_factory=dict)  # the last evaluation record
-    evals: list = field(default_factory=list)
-    train_losses: list = field(default_factory=list)
-    diagnostics: list = field(default_factory=list)
-    smoothness: dict | None = None
-    test: dict | None = None  # the run scored on its test split (the test_scores analysis), when it has been
-    seconds: float = 0.0
     command: str = ""
     ran: bool = False  # trained in this invocation
-    chance: dict | None = None  # the chance level of its evaluation data, once read (kilolayer.verdicts.evidence)
 
-    @property
-    def ok(self) -> bool:
-        return self.status == "completed"
+    def __post_init__(self):
+        if self.config is None:  # judged by the point's config, as it was trained (None: its config.yaml)
+            self.config = self.point.config
 
 
 def train_command(point: Point, out: Path, nproc: int = 1) -> list[str]:
@@ -336,9 +326,9 @@ def run_analyses(point: Point, out: Path, log=print) -> None:
     from kilolayer.errors import KilolayerError
 
     for name in point.analyses:
-        target = run_dir / "analysis" / name
         stamp = analysis_stamp(name, point.analysis_data, run_dir)
-        if (target / f"{name}.json").exists() and rundir.read_json(target / STAMP, None) == stamp:
+        saved = rundir.read_json(rundir.analysis_dir(run_dir, name) / rundir.STAMP, None)
+        if rundir.analysis_file(run_dir, name).exists() and saved == stamp:
             continue
         try:
             run_analysis(name, run_dir, point.analysis_data)
@@ -348,45 +338,8 @@ def run_analyses(point: Point, out: Path, log=print) -> None:
 
 
 def collect(point: Point, out: Path) -> Result:
-    run_dir = point.run_dir(out)
-    run = RunDir(run_dir)
-    st = run.status
-    status, reason = st.get("status", "missing"), st.get("reason", "")
-    try:
-        records = run.metrics()
-    except KilolayerError as err:  # one damaged run is reported as such, not the end of the report
-        records, status, reason = [], "unreadable", str(err)
-    evals = [r for r in records if r.get("split") == "eval"]
-    last = evals[-1] if evals else {}
-    if status == "completed":
-        # the evaluation of the weights that stand for the run (what analyses and init_from load): with early
-        # stopping its best step, whether it stopped early or at its step budget
-        last = run.final_eval(evals, on_damaged=_quiet)
-    smooth = None
-    sfile = run_dir / "analysis" / "smoothness" / "smoothness.json"
-    try:
-        smooth = json.loads(sfile.read_text()) if sfile.exists() else None
-    except (OSError, ValueError):
-        smooth = None
-    test = rundir.read_json(run_dir / "analysis" / "test_scores" / "test_scores.json", None)
-    return Result(
-        point=point,
-        status=status,
-        reason=reason,
-        step=int(st.get("step", 0)),
-        eval=last,
-        evals=evals,
-        train_losses=[(r["step"], r["loss"]) for r in records if r.get("split") == "train"],
-        diagnostics=[r for r in records if r.get("split") == "diagnostics"],
-        smoothness=smooth,
-        test=test,
-        seconds=float(st.get("seconds", 0.0)),
-        command=shell_command(point, out),
-    )
-
-
-def _quiet(message: str) -> None:
-    """A damaged checkpoint is said where the run's weights are loaded, not again by the report."""
+    """The point's result, read back from its run directory (:meth:`kilolayer.record.RunRecord.read`)."""
+    return Result.read(point.run_dir(out), point=point, command=shell_command(point, out))
 
 
 def threads_per_job(jobs: int) -> int | None:

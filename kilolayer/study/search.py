@@ -907,15 +907,13 @@ def per_batch_metric(run: Path, metric: str) -> list[float]:
     fixed seed, so that two runs of one config are scored on the same draws."""
     import torch
 
-    from kilolayer.train.checkpoint import load_weights
+    from kilolayer.train.checkpoint import load_run_weights, standing_checkpoint
     from kilolayer.train.engine import Engine, to_device
 
     config = load_config(run / rundir.CONFIG)
-    ckpt = rundir.chosen_checkpoint(run, config.train.patience, on_damaged=lambda _: None)
-    if ckpt is None:
-        raise KilolayerError(f"{run}: no complete checkpoint to compare")
+    ckpt = standing_checkpoint(run, patience=config.train.patience, on_damaged=lambda _: None)
     engine = Engine(config, fresh=False)
-    load_weights(engine.task, ckpt)
+    load_run_weights(run, engine.task, ckpt)
     values = []
     with engine.evaluating():
         torch.manual_seed(config.train.seed)
@@ -928,16 +926,12 @@ def per_batch_metric(run: Path, metric: str) -> list[float]:
 def compare_runs(a: Path, b: Path, metric: str) -> tuple[float, float, float, int] | None:
     """``a``'s metric minus ``b``'s on the same evaluation batches (:func:`per_batch_metric`): (mean difference,
     its standard error over batches, the two-sided 95% Student-t bound, batches); None with one batch."""
-    import statistics
-
-    from kilolayer.verdicts.rule import t_quantile
+    from kilolayer.verdicts.rule import t_bound
 
     diffs = [x - y for x, y in zip(per_batch_metric(a, metric), per_batch_metric(b, metric))]
     if len(diffs) < 2:
         return None
-    mean = statistics.fmean(diffs)
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return mean, se, t_quantile(len(diffs) - 1, 0.975) * se, len(diffs)
+    return *t_bound(diffs, 0.975), len(diffs)
 
 
 def compare_top(ranked: list[TrialResult], metric: str, maximize: bool = False) -> Comparison | None:

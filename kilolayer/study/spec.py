@@ -109,13 +109,13 @@ class StudySpec(BaseModel):
     def _claims(self):
         """Each claim parsed and checked against the groups: a bad claim is refused before anything trains."""
         groups = {g.name: g for g in self.groups}
-        from kilolayer.study.builtin import builtin_claims
+        from kilolayer.study.builtin import builtin_claim_sets, builtin_claims
 
-        # a built-in claim named under findings (where DeepNet's claims were once listed) is that claim
-        known = builtin_claims()
-        moved = [f for f in self.findings if f in known and not any(c == f for c in self.claims)]
+        # a built-in claim named under findings is that claim
+        known, sets = builtin_claims(), builtin_claim_sets()
+        moved = [f for f in self.findings if (f in known or f in sets) and not any(c == f for c in self.claims)]
         self.findings = [f for f in self.findings if f not in moved]
-        self.claims = [*moved, *self.claims]
+        self.claims = [c for raw in [*moved, *self.claims] for c in _members(raw, sets, known, groups)]
         parsed, names = [], set()
         for i, raw in enumerate(self.claims):
             where = f"claims[{i}]"
@@ -130,6 +130,24 @@ class StudySpec(BaseModel):
             parsed.append(claim)
         self.claims = parsed
         return self
+
+
+def _members(raw: Any, sets: dict, known: dict, groups: dict) -> list:
+    """``raw``, or where it names a set of built-in claims, those of its claims whose groups the spec has."""
+    if not (isinstance(raw, str) and raw in sets):
+        return [raw]
+    found = [name for name in sets[raw] if all(g in groups for g in _group_names(known[name]))]
+    if not found:
+        needed = sorted({g for name in sets[raw] for g in _group_names(known[name])})
+        raise ValueError(f"claims: {raw!r} reads groups this spec does not have ({', '.join(needed)})")
+    return found
+
+
+def _group_names(claim: dict) -> list[str]:
+    runs = claim.get("runs")
+    return ([runs] if isinstance(runs, str) else list(runs or [])) + (
+        [claim["relative_to"]] if claim.get("relative_to") else []
+    )
 
 
 def _named(raw: Any, where: str) -> Any:

@@ -4,14 +4,16 @@
       - name: deeper_is_better
         claim: The deeper, narrower model reaches a lower validation loss at the same budget
         source: my own hypothesis
-        runs: shapes                      # a group of the spec
+        runs: shapes                      # a group of the spec, or a list of groups (told apart by the key `group`)
         measure: eval_loss                # a registered measure (kilolayer.verdicts.measures)
         compare: {key: model.layers, claimed_better: 8, against: 2}   # a registered contrast and its fields
         margin: 0.02                      # in the measure's unit (a ratio's: a factor)
         margin_reason: why this margin
         paper_effect: 0.05                # the paper's own effect in the same unit; the margin must be below it
         where: {model.layers: max}        # only the runs with these values (max / min of the group's)
-        requires: [winner_learns, loser_fails, converged]
+        requires: [winner_learns, loser_fails, all_learn, converged]
+        relative_to: untrained            # a group whose measure at the same settings is subtracted (a baseline)
+        combine: worst                    # the cells of a seed: their mean (default), or the worst (must hold at each)
 
 :func:`parse_claim` and :func:`check_claim` refuse a bad claim with one line naming its field before anything
 trains; :func:`judge` reads the study's runs and returns the :class:`~kilolayer.verdicts.rule.Finding` the report
@@ -23,12 +25,13 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import statistics
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kilolayer.config import format_validation_error
-from kilolayer.verdicts.contrasts import CONTRASTS, grid_value, same, shown
+from kilolayer.verdicts.contrasts import CONTRASTS, GROUP, grid_value, same, shown
 from kilolayer.verdicts.evidence import (
     LEARNED_NOTHING,
     chance,
@@ -37,8 +40,9 @@ from kilolayer.verdicts.evidence import (
     learned,
     loss_ratio,
     not_evidence,
+    pretraining_problem,
 )
-from kilolayer.verdicts.measures import MEASURES, TEST, VALIDATION, Measure, has_test
+from kilolayer.verdicts.measures import MEASURES, TEST, VALIDATION, Measure, convergence_of, has_test
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, Finding, decide
 
 REQUIREMENTS = {
@@ -46,6 +50,8 @@ REQUIREMENTS = {
     "every seed: one that learned nothing makes a held inconclusive, and leaves a did not hold standing",
     "loser_fails": "the other side must have failed (diverged, or loss above "
     f"{LEARNED_NOTHING:g} x chance) in every seed, else the claim is inconclusive",
+    "all_learn": f"every run compared must have learned (loss at most {LEARNED_NOTHING:g} x chance): one that learned "
+    "nothing makes a held inconclusive",
     "converged": "the claim is about converged models: a run still improving its measure at its budget makes it "
     "inconclusive",
 }
@@ -59,7 +65,7 @@ class Claim(BaseModel):
     claim: str
     source: str
     title: str = ""
-    runs: str
+    runs: str | list[str]
     measure: str
     margin: float
     margin_reason: str = ""
@@ -67,6 +73,8 @@ class Claim(BaseModel):
     better: Literal["lower", "higher"] | None = None
     where: dict[str, Any] = Field(default_factory=dict)
     requires: list[str] = Field(default_factory=list)
+    relative_to: str | None = None
+    combine: Literal["mean", "worst"] = "mean"
     plots: list[str] = Field(default_factory=list)  # drawn by the report (kilolayer.study.claim_plots)
     scale_up: str = ""
     contrast: Any = Field(None, exclude=True)
@@ -78,9 +86,20 @@ class Claim(BaseModel):
             raise ValueError("expected a number, not true or false")
         return value
 
+    @field_validator("runs")
+    @classmethod
+    def _groups(cls, value):
+        if isinstance(value, list) and (len(value) < 2 or len(set(value)) < len(value)):
+            raise ValueError("a list of runs names 2 or more different groups (or give one group as a name)")
+        return value
+
     @property
     def kind(self) -> str:
         return self.contrast.kind
+
+    def groups(self) -> list[str]:
+        """The spec's groups the claim reads."""
+        return [self.runs] if isinstance(self.runs, str) else list(self.runs)
 
     def the_measure(self) -> Measure:
         return MEASURES[self.measure]
@@ -147,15 +166,41 @@ def ties(group, key: str) -> list[str]:
     return [key]
 
 
+class Runs:
+    """The groups a claim reads, seen as one: their grids merged, and with several groups the key :data:`GROUP`
+    whose values are their names."""
+
+    def __init__(self, groups: list):
+        self.groups = groups
+        self.name = " + ".join(g.name for g in groups)
+        self.grid: dict[str, list] = {}
+        for g in groups:
+            for key, values in g.grid.items():
+                mine = self.grid.setdefault(key, [])
+                mine += [v for v in values if not any(same(v, w) for w in mine)]
+        if len(groups) > 1:
+            self.grid[GROUP] = [g.name for g in groups]
+        self.analyses = set.intersection(*(set(g.analyses) for g in groups))
+
+
+def runs_of(claim: Claim, groups: dict) -> Runs:
+    """The :class:`Runs` of ``claim`` from the spec's ``groups`` (name -> group)."""
+    return Runs([groups[name] for name in claim.groups()])
+
+
 def check_claim(claim: Claim, groups: dict, where: str) -> None:
     """Refuse, with one line naming the field, a claim the spec cannot decide: an unknown group, measure or
     requirement; a key its group does not vary or a value not in its grid; a margin in the wrong unit or sign,
     or not below the paper's own effect."""
-    group = groups.get(claim.runs)
-    if group is None:
-        raise ValueError(
-            f"{where}.runs={claim.runs!r}: no group of that name in the spec (groups: {', '.join(groups)})"
-        )
+    for name in [*claim.groups(), *([claim.relative_to] if claim.relative_to else [])]:
+        if name not in groups:
+            field = "relative_to" if name == claim.relative_to else "runs"
+            raise ValueError(
+                f"{where}.{field}={name!r}: no group of that name in the spec (groups: {', '.join(groups)})"
+            )
+    if claim.relative_to in claim.groups():
+        raise ValueError(f"{where}.relative_to={claim.relative_to!r}: a baseline group other than the claim's runs")
+    group = runs_of(claim, groups)
     if claim.measure not in MEASURES:
         raise ValueError(f"{where}.measure={claim.measure!r}: unknown measure; allowed: {', '.join(sorted(MEASURES))}")
     measure = MEASURES[claim.measure]
@@ -199,7 +244,8 @@ def check_claim(claim: Claim, groups: dict, where: str) -> None:
     _check_margin(claim, measure, grid, where)
     if measure.test_only and "test_scores" not in group.analyses:
         raise ValueError(
-            f"{where}.measure={claim.measure}: reads the test split; add test_scores to group {group.name!r}'s analyses"
+            f"{where}.measure={claim.measure}: reads the test split; add test_scores to the analyses of "
+            f"{'group' if len(claim.groups()) == 1 else 'groups'} {group.name!r}"
         )
 
 
@@ -235,8 +281,10 @@ class Judging:
     """One claim being judged: reads each run's value, and records what is not evidence, which claimed-better runs
     learned nothing and which against runs did not fail."""
 
-    def __init__(self, claim: Claim, group, out, split: str):
+    def __init__(self, claim: Claim, group: Runs, out, split: str, results: list = (), baseline=None):
         self.claim, self.group, self.out, self.split = claim, group, out, split
+        self.results = list(results)
+        self.baseline = baseline  # the group of relative_to, or None
         self.measure = claim.the_measure()
         self.lower_is_better = claim.direction() == "lower"
         self.excluded: list[str] = []
@@ -252,6 +300,20 @@ class Judging:
     def seed(r):
         return r.point.config.train.seed
 
+    def combine(self, parts: list[float]) -> float:
+        """One seed's cells as one value: their mean, or for a claim that must hold at each, the worst."""
+        return min(parts) if self.claim.combine == "worst" else statistics.fmean(parts)
+
+    def _baseline_of(self, r):
+        """The baseline run at ``r``'s settings of the baseline group's grid: the same seed's, else any seed's."""
+        keys = list(grid_values(self.baseline))
+        found = [
+            b
+            for b in self.results
+            if b.point.group == self.baseline.name and all(same(grid_value(b, k), grid_value(r, k)) for k in keys)
+        ]
+        return next((b for b in found if self.seed(b) == self.seed(r)), found[0] if found else None)
+
     def _exclude(self, why: str) -> None:
         if why not in self.excluded:
             self.excluded.append(why)
@@ -260,7 +322,7 @@ class Judging:
         """Whether run ``r`` (the ``what`` of the comparison) is evidence; records it as read, or why it is not."""
         if r is not None:
             self.read[r.point.key] = r
-        why = not_evidence(r, what)
+        why = not_evidence(r, what) or pretraining_problem(r, self.results, self.out)
         if why:
             self._exclude(why)
         return not why
@@ -268,7 +330,8 @@ class Judging:
     def value(self, r, what: str, side: str | None = None) -> float | None:
         if not self._evidence(r, what):
             return None
-        if side == "better" and "winner_learns" in self.claim.requires and learned(r, self.out) is not True:
+        needs = "all_learn" in self.claim.requires or (side == "better" and "winner_learns" in self.claim.requires)
+        if needs and learned(r, self.out) is not True:
             self.unlearned.append(r.point.key)
         if side == "against" and "loser_fails" in self.claim.requires and failed(r, self.out) is not True:
             ratio = loss_ratio(r, self.out)
@@ -288,6 +351,14 @@ class Judging:
             where = " on its test split" if self.split == TEST else ""
             self._exclude(f"{r.point.key} (no finite {m.name}{where})")
             return None
+        if self.baseline is not None:
+            b = self._baseline_of(r)
+            base = m.read(b, self.out, self.split) if b is not None and b.ok else None
+            if base is None or not math.isfinite(base):
+                state = "missing" if b is None else f"{b.status}, no finite {m.name}" if b.ok else b.status
+                self._exclude(f"the {self.baseline.name} baseline of {r.point.key} ({state})")
+                return None
+            v -= base
         return v
 
     def trained(self, r, what: str) -> bool | None:
@@ -300,8 +371,8 @@ class Judging:
 
 
 def _runs_of(claim: Claim, results: list) -> tuple[list, dict]:
-    """The runs of the claim's group with its ``where`` values, and those values (``max``/``min`` resolved)."""
-    runs = [r for r in results if r.point.group == claim.runs]
+    """The runs of the claim's groups with its ``where`` values, and those values (``max``/``min`` resolved)."""
+    runs = [r for r in results if r.point.group in claim.groups()]
     resolved = {}
     for key, value in claim.where.items():
         if value in ("max", "min"):
@@ -342,7 +413,13 @@ def rule_text(
     runs, e.g. ``max`` as the deepest setting; ``tied``: the grid keys that move with the contrast's key)."""
     measure, c = claim.the_measure(), claim.contrast
     unit = c.unit(measure)
-    parts = [c.describe(measure, claim.direction()) + ", per seed"]
+    what = c.describe(measure, claim.direction())
+    if claim.relative_to:
+        what += (
+            f", each run's {claim.measure} less that of the group {claim.relative_to} run at its settings (its own "
+            "seed's, else any)"
+        )
+    parts = [what + ", per seed"]
     if tied:
         parts[0] += f" ({c.key} moves together with {' and '.join(tied)} in the grid)"
     where = where if where is not None else claim.where
@@ -350,7 +427,12 @@ def rule_text(
         parts[0] += ", at " + ", ".join(f"{k} = {v}" for k, v in where.items())
     others = [k for k in others if k not in c.keys()]
     if others:
-        parts[0] += f"; runs matched on {', '.join(others)} and averaged over them"
+        how = (
+            "the worst of them taken (the claim must hold at each)"
+            if claim.combine == "worst"
+            else "averaged over them"
+        )
+        parts[0] += f"; runs matched on {', '.join(others)} and {how}"
     parts.append(_split_text(measure, split))
     if c.kind != "survived":
         parts.append(measure.diverged_text)
@@ -373,9 +455,14 @@ def _table(claim: Claim, runs: list, judging: Judging) -> tuple[list, list]:
     shown_keys = [*claim.contrast.keys(), *ties(judging.group, claim.contrast.key)]
     shown_keys += judging.other_keys(claim.contrast.key)
     keys = list(dict.fromkeys(shown_keys))
-    headers = [*keys, "seed", claim.measure + (" (test)" if judging.split == TEST else ""), "loss / chance", "status"]
+    measure = judging.measure
+    extra = [label for label, _ in measure.columns]
+    if claim.relative_to:
+        extra.append(f"{claim.measure} of {claim.relative_to}")
+    headers = [*keys, "seed", claim.measure + (" (test)" if judging.split == TEST else ""), *extra]
+    headers += ["loss / chance", "status"]
     rows = []
-    for r in sorted(runs, key=lambda r: (json.dumps([r.point.setting(k) for k in keys], default=str), judging.seed(r))):
+    for r in sorted(runs, key=lambda r: (json.dumps([grid_value(r, k) for k in keys], default=str), judging.seed(r))):
         if r.status == "completed" or r.status == "diverged":
             v = (
                 judging.measure.read(r, judging.out, judging.split)
@@ -387,16 +474,25 @@ def _table(claim: Claim, runs: list, judging: Judging) -> tuple[list, list]:
             status = r.status if r.status == "completed" else f"diverged at step {r.step}"
         else:
             value, ratio, status = "-", None, r.status
+        cells = [_number(read(r, judging.out, judging.split)) if r.ok else "-" for _, read in measure.columns]
+        if claim.relative_to:
+            b = judging._baseline_of(r)
+            cells.append(_number(measure.read(b, judging.out, judging.split)) if b is not None and b.ok else "-")
         rows.append(
             [
-                *(r.point.setting(k) for k in keys),
+                *(grid_value(r, k) for k in keys),
                 judging.seed(r),
                 value,
+                *cells,
                 "-" if ratio is None else f"{ratio:.2f}",
                 status,
             ]
         )
     return headers, rows
+
+
+def _number(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
 
 
 def _chance_note(runs, out) -> list[str]:
@@ -423,12 +519,30 @@ def _chance_note(runs, out) -> list[str]:
     ]
 
 
-def judge(claim: Claim, results: list, group, out) -> Finding:
-    """The finding of ``claim`` from a study's ``results`` (``group``: the spec's group it reads)."""
+def _improving(claim: Claim, measure: Measure, runs: list) -> tuple[str, list]:
+    """Whether the runs read were still improving at their budget, each on the measure of its convergence (a
+    measure's own, else the one that chose the run's checkpoint)."""
+    by: dict[tuple, list] = {}
+    for r in runs:
+        by.setdefault(convergence_of(measure, r), []).append(r)
+    texts, moving = [], []
+    for (key, tol, relative), rs in sorted(by.items()):
+        text, moved = improving_summary(rs, key, tol, key == "loss", relative)
+        texts += [text] if text else []
+        moving += moved
+    return "; ".join(texts), moving
+
+
+def judge(claim: Claim, results: list, groups, out) -> Finding:
+    """The finding of ``claim`` from a study's ``results`` (``groups``: the spec's groups by name, or the one
+    group the claim reads)."""
+    groups = groups if isinstance(groups, dict) else {groups.name: groups}
+    group = runs_of(claim, groups)
     runs, where = _runs_of(claim, results)
     measure = claim.the_measure()
     split = _split(measure, runs)
-    judging = Judging(claim, group, out, split)
+    baseline = groups[claim.relative_to] if claim.relative_to else None
+    judging = Judging(claim, group, out, split, results, baseline)
     per_seed = claim.contrast.per_seed(runs, judging)
     unit = claim.contrast.unit(measure)
     v = decide(
@@ -448,21 +562,18 @@ def judge(claim: Claim, results: list, group, out) -> Finding:
         )
         if v.verdict == HELD:
             v.verdict = INCONCLUSIVE
-    improving = ""
-    if measure.convergence:
-        key, tol, relative = measure.convergence
-        improving, moving = improving_summary(list(judging.read.values()), key, tol, key == "loss", relative)
-        unshown = [r for r in judging.read.values() if r.status == "completed" and len(r.evals) < 2]
-        if "converged" in claim.requires and v.verdict in (HELD, NOT_HELD) and (moving or unshown):
-            why = "some were still improving" if moving else f"{len(unshown)} had fewer than 2 evaluations"
-            v.reason += f"; it would read '{v.verdict}', but the claim is about converged models and {why}"
-            v.verdict = INCONCLUSIVE
+    improving, moving = _improving(claim, measure, list(judging.read.values()))
+    unshown = [r for r in judging.read.values() if r.status == "completed" and len(r.evals) < 2]
+    if "converged" in claim.requires and v.verdict in (HELD, NOT_HELD) and (moving or unshown):
+        why = "some were still improving" if moving else f"{len(unshown)} had fewer than 2 evaluations"
+        v.reason += f"; it would read '{v.verdict}', but the claim is about converged models and {why}"
+        v.verdict = INCONCLUSIVE
     headers, rows = _table(claim, runs, judging)
     notes = _chance_note(runs, out)
     if measure.note is not None:
         notes += measure.note(list(judging.read.values()), out, split)
     if not runs:
-        notes.append(f"No run of group {claim.runs!r} matches {claim.where}.")
+        notes.append(f"No run of {claim.groups()} matches {claim.where}.")
     return Finding(
         claim.name,
         claim.title or claim.name,

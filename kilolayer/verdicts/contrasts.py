@@ -5,12 +5,14 @@ them against the group's grid before anything trains, and reduces the runs of on
 the claim holds. The kinds:
 
 * ``compare``: the measure at ``key`` = ``claimed_better`` against ``key`` = ``against``, matched on every
-  other grid key and averaged over them;
+  other grid key and averaged over them (or the worst of them, for a claim that must hold at each);
 * ``ratio``: the same pairs, *d* = ln(claimed larger / other); its margin is a factor (1.5: at least 1.5x);
 * ``slope``: the least-squares slope of the measure per doubling of ``key``, ``claimed`` to increase or
-  decrease, averaged over the other grid keys;
+  decrease, averaged over the other grid keys; with ``than``, minus the slope of that group's runs;
 * ``survived``: of the settings of ``over``, how many ``claimed_better`` trained through (learned) minus how
   many ``against`` did: count data, decided by the exact sign test.
+
+A claim that reads several groups compares them by the key ``group`` (each run's group name).
 
 Adding a kind is one class registered with :func:`register_contrast` (or an entry point,
 ``kilolayer.contrasts``).
@@ -22,6 +24,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -97,9 +100,21 @@ def _cells(runs: list, judge, key: str, skip: tuple = ()) -> dict:
     return cells
 
 
+GROUP = "group"  # the key that tells apart the groups of a claim that reads several
+
+
 def grid_value(r, key: str):
-    """A run's value of ``key`` as its grid gave it (what a claim's values are checked against), else its config's."""
+    """A run's value of ``key`` as its grid gave it (what a claim's values are checked against), else its config's;
+    for :data:`GROUP`, its group's name."""
+    if key == GROUP:
+        return r.point.group
     return r.point.values[key] if key in r.point.values else r.point.setting(key)
+
+
+def on_shared_steps(a, b) -> tuple:
+    """Runs ``a`` and ``b`` with their diagnostics cut to the steps both logged (a diverged run stops logging)."""
+    steps = {d.get("step") for d in a.diagnostics} & {d.get("step") for d in b.diagnostics}
+    return tuple(replace(r, diagnostics=[d for d in r.diagnostics if d.get("step") in steps]) for r in (a, b))
 
 
 def _count(rs: list, key: str, value) -> int:
@@ -138,6 +153,8 @@ class _TwoSides(Contrast):
                     break
                 a = _pick(rs, self.key, self.claimed_better)
                 b = _pick(rs, self.key, self.against)
+                if judge.measure.shared_steps and a is not None and b is not None:
+                    a, b = on_shared_steps(a, b)
                 va, vb = (
                     judge.value(a, f"{self.key}={self.claimed_better} seed {seed}", side="better"),
                     judge.value(b, f"{self.key}={self.against} seed {seed}", side="against"),
@@ -157,7 +174,7 @@ class _TwoSides(Contrast):
                     break
                 parts.append(d)
             if parts:
-                out[seed] = statistics.fmean(parts)
+                out[seed] = judge.combine(parts)
         return out
 
     def _pair_text(self, measure, better: str) -> str:
@@ -208,6 +225,7 @@ class Slope(Contrast):
     kind: ClassVar[str] = "slope"
     two_sided: ClassVar[bool] = False
     claimed: Literal["increases", "decreases"]
+    than: str | None = None  # a group of the claim: d is the slope of the others' runs minus the slope of its runs
 
     def check(self, grid, where):
         values = grid.get(self.key, [])
@@ -217,44 +235,57 @@ class Slope(Contrast):
             raise ValueError(
                 f"{where}.key={self.key}: a slope per doubling needs positive numbers (got {shown(values)})"
             )
+        groups = grid.get(GROUP, [])
+        if self.than is not None and self.than not in groups:
+            raise ValueError(
+                f"{where}.than={self.than!r}: not one of the claim's groups; give runs as a list of 2 or more groups"
+                + (f" (its groups: {', '.join(groups)})" if groups else "")
+            )
+
+    def _fit(self, rs, judge, seed) -> float | None:
+        xs, ys = [], []
+        for r in sorted(rs, key=lambda r: grid_value(r, self.key)):
+            v = judge.value(r, f"{r.point.key}")
+            if v is None:
+                return None
+            xs.append(math.log2(grid_value(r, self.key)))
+            ys.append(v)
+        if len(set(xs)) < 2:
+            return None
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        fitted = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        if not math.isfinite(fitted):
+            judge.excluded.append(f"seed {seed} (no finite slope: values {', '.join(f'{y:g}' for y in ys)})")
+            return None
+        return fitted
 
     def per_seed(self, runs, judge):
         sign = 1.0 if self.claimed == "increases" else -1.0
         out = {}
         for seed, combos in _cells(runs, judge, self.key).items():
-            slopes = []
+            mine, theirs = [], []
             for rs in combos.values():
-                xs, ys = [], []
-                for r in sorted(rs, key=lambda r: r.point.setting(self.key)):
-                    v = judge.value(r, f"{r.point.key}")
-                    if v is None:
-                        xs = None
-                        break
-                    xs.append(math.log2(r.point.setting(self.key)))
-                    ys.append(v)
-                if not xs or len(set(xs)) < 2:
-                    slopes = None
+                fitted = self._fit(rs, judge, seed)
+                if fitted is None:
+                    mine = None
                     break
-                mx, my = statistics.fmean(xs), statistics.fmean(ys)
-                sxx = sum((x - mx) ** 2 for x in xs)
-                fitted = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-                if not math.isfinite(fitted):
-                    judge.excluded.append(f"seed {seed} (no finite slope: values {', '.join(f'{y:g}' for y in ys)})")
-                    slopes = None
-                    break
-                slopes.append(fitted)
-            if slopes:
-                out[seed] = sign * statistics.fmean(slopes)
+                (theirs if self.than is not None and rs[0].point.group == self.than else mine).append(fitted)
+            if not mine or (self.than is not None and not theirs):
+                continue
+            d = judge.combine(mine) - (statistics.fmean(theirs) if theirs else 0.0)
+            out[seed] = sign * d
         return out
 
     def unit(self, measure):
         return f"{measure.unit} per doubling"
 
     def describe(self, measure, better):
-        return (
-            f"d = the least-squares slope of {measure.what} against log2({self.key}) (its change per doubling), "
-            f"{'as is' if self.claimed == 'increases' else 'negated'}: the claim is that it {self.claimed}"
-        )
+        text = f"d = the least-squares slope of {measure.what} against log2({self.key}) (its change per doubling)"
+        if self.than is not None:
+            text += f" minus the same slope of group {self.than}'s runs"
+        sign = "as is" if self.claimed == "increases" else "negated"
+        than = f" more than group {self.than}'s" if self.than is not None else ""
+        return f"{text}, {sign}: the claim is that it {self.claimed}{than}"
 
 
 @register_contrast

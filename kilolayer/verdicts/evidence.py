@@ -1,30 +1,33 @@
 """What a run of a study is as evidence: whether it can be read at all, its chance level, whether it learned or
-failed, and whether it was still improving at its budget. Every claim reads runs through these, and the doctor
-shares the one "learned nothing" rule (:func:`kilolayer.analysis.chance.learned_something`).
+failed, and whether it was still improving at its budget. Every claim reads runs through these; each fact is
+decided once, by the run's record (:class:`kilolayer.record.RunRecord`), which the doctor reads too.
 
-A run here is what the study collects of a point (:class:`kilolayer.study.runner.Result`): ``point`` (its group,
-grid values and config), ``status``, ``reason``, ``step``, ``eval`` (the evaluation that stands for it),
-``evals``, ``diagnostics``, ``smoothness`` and ``test`` (its test split scored whole, when it has been).
+A run here is what the study collects of a point (:class:`kilolayer.study.runner.Result`: the record of its run
+directory with its ``point``, the group, grid values and config): ``status``, ``reason``, ``step``, ``eval`` (the
+evaluation that stands for it), ``evals``, ``diagnostics``, ``smoothness`` and ``test`` (its test split scored
+whole, when it has been).
 """
 
 from __future__ import annotations
 
 import math
 
-from kilolayer.analysis.chance import LEARNED_NOTHING, chance_of_run, learned_something
+from kilolayer.analysis.chance import LEARNED_NOTHING, chance_of_run
 
 
 def chance(r, out) -> dict:
-    """The chance level of run ``r``'s evaluation data (cached on the result and in its run directory);
-    ``{"loss": nan}`` for an objective of the user's that defines none."""
-    c = getattr(r, "chance", None)
-    if c is None:
-        try:
-            c = chance_of_run(r.point.run_dir(out), r.point.config)
-        except NotImplementedError:
-            c = {"loss": float("nan")}
-        r.chance = c
-    return c
+    """The chance level of run ``r``'s evaluation data (cached on the result and in its run directory under the
+    study's folder ``out``); ``{"loss": nan}`` for an objective of the user's that defines none."""
+    if r.chance is None and r.path is None:  # a result made up in memory: its point's run directory keeps the cache
+        r.path = r.point.run_dir(out)
+    return r.chance_level(compute=chance_of_run)
+
+
+def _judged(r, out):
+    """``r``, with its chance level read through the study's folder where its verdict needs one."""
+    if r.judged:
+        chance(r, out)
+    return r
 
 
 def not_evidence(r, what: str) -> str | None:
@@ -51,22 +54,13 @@ def not_evidence(r, what: str) -> str | None:
 def learned(r, out) -> bool | None:
     """Whether a run learned: a completed run at most LEARNED_NOTHING x its chance loss. A diverged or
     unfinished run did not; None when its data has no chance level (nobody can say)."""
-    if r is None or r.status != "completed" or "loss" not in r.eval:
-        return False
-    return learned_something(float(r.eval["loss"]), chance(r, out).get("loss"))
+    return False if r is None else _judged(r, out).learned()
 
 
 def failed(r, out) -> bool | None:
     """Whether a run failed to train: diverged, or completed having learned nothing. None when its data has no
     chance level; False for a run that is not a result (failed, missing: not evidence either way)."""
-    if r is None:
-        return False
-    if r.status == "diverged":
-        return True
-    if r.status != "completed" or "loss" not in r.eval:
-        return False
-    got = learned(r, out)
-    return None if got is None else not got
+    return False if r is None else _judged(r, out).failed()
 
 
 def loss_ratio(r, out) -> float | None:
@@ -78,38 +72,10 @@ def loss_ratio(r, out) -> float | None:
     return float(loss) / c
 
 
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def improvement(r, key: str, lower_is_better: bool = False, relative: bool = False) -> float:
-    """How much run ``r`` was still improving ``key`` at the end of its training, by the larger of two signs
-    (0 when neither shows a gain; a fraction of the earlier value if ``relative``):
-
-    * over the last quarter of its steps: the best of its evaluations in that quarter against the best of as
-      many evaluations just before it (one against one when the quarter holds one evaluation) — windows of equal
-      size, so a single noisy evaluation at either end neither flags a flat run nor hides a gain;
-    * after the evaluation that stands for it (its best checkpoint under early stopping): a later evaluation
-      against the standing one, so what the run reports is below what it went on to reach."""
-    evs = [e for e in (r.evals if r is not None else []) if _finite(e.get(key))]
-    if len(evs) < 2:
-        return 0.0
-    pick = min if lower_is_better else max
-
-    def gain(new: float, old: float) -> float:
-        g = old - new if lower_is_better else new - old
-        return g / abs(old) if relative and old else g
-
-    last = evs[-1]["step"]
-    later = [float(e[key]) for e in evs if e["step"] > 0.75 * last]
-    earlier = [float(e[key]) for e in evs if e["step"] <= 0.75 * last][-len(later) :] or [float(evs[0][key])]
-    best = gain(pick(later), pick(earlier))
-    standing = r.eval if isinstance(r.eval, dict) else {}
-    if _finite(standing.get(key)) and "step" in standing:
-        after = [float(e[key]) for e in evs if e["step"] > standing["step"]]
-        if after:
-            best = max(best, gain(pick(after), float(standing[key])))
-    return max(best, 0.0)
+    """How much run ``r`` was still improving ``key`` at the end of its training
+    (:meth:`kilolayer.record.RunRecord.improvement`); 0 for a missing run."""
+    return 0.0 if r is None else r.improvement(key, lower_is_better, relative)
 
 
 def still_improving(r, key: str, tol: float, lower_is_better: bool = False, relative: bool = False) -> bool:
@@ -137,6 +103,32 @@ def improving_summary(runs, key: str, tol: float, lower_is_better: bool, relativ
     )
 
 
+def pretraining_problem(r, results, out) -> str | None:
+    """Why the pre-training behind fine-tuned run ``r`` makes ``r`` no evidence, or None: the pre-training must
+    have completed, and ``r`` started from its chosen checkpoint (or, with no ``init_from`` record, after it)."""
+    from kilolayer.rundir import RunDir, checkpoint_step
+
+    key = getattr(r.point, "init_from_point", None) if r is not None else None
+    if key is None or r.status not in ("completed", "diverged"):
+        return None
+    src = next((x for x in results if x.point.key == key), None)
+    if src is None or src.status != "completed":
+        state = "missing" if src is None else src.status
+        return f"{r.point.key} (its pre-training run {key} is {state})"
+    mine, theirs = RunDir(r.point.run_dir(out)), RunDir(src.point.run_dir(out))
+    record = mine.init_from
+    if record is not None:
+        chosen = theirs.checkpoint(on_damaged=lambda _: None)
+        if chosen is None or checkpoint_step(chosen) != int(record["step"]):
+            now = "none" if chosen is None else checkpoint_step(chosen)
+            return f"{r.point.key} (fine-tuned from step {record['step']} of {key}, whose chosen checkpoint is {now})"
+        return None
+    started, finished = mine.status.get("started"), theirs.status.get("finished")
+    if not (isinstance(started, str) and isinstance(finished, str) and started >= finished):
+        return f"{r.point.key} (started before its pre-training run {key} finished)"
+    return None
+
+
 __all__ = [
     "LEARNED_NOTHING",
     "chance",
@@ -146,5 +138,6 @@ __all__ = [
     "learned",
     "loss_ratio",
     "not_evidence",
+    "pretraining_problem",
     "still_improving",
 ]

@@ -37,6 +37,8 @@ class Measure:
     convergence: tuple[str, float, bool] | None = None  # (evaluation key, tolerance, relative)
     note: Callable | None = None  # note(runs, out, split) -> lines the report states beside the verdict
     quality: bool = True  # a score of the trained model: a run that diverged never beats one that did not
+    columns: tuple = ()  # (header, read) pairs the report's table shows beside the measure, for the reader
+    shared_steps: bool = False  # two runs compared are read over the diagnostics steps both logged
 
     @property
     def lower_is_better(self) -> bool:
@@ -49,6 +51,16 @@ MEASURES: Registry[Measure] = Registry("kilolayer.measures", "measure")
 def register_measure(measure: Measure) -> Measure:
     MEASURES.register(measure.name)(measure)
     return measure
+
+
+def convergence_of(measure: Measure, r) -> tuple[str, float, bool]:
+    """The (evaluation key, tolerance, relative) that says whether run ``r`` was still improving: the measure's
+    own, else that of the measure which chose the run's checkpoint (its ``train.early_stop_metric``)."""
+    if measure.convergence is not None:
+        return measure.convergence
+    chosen = r.point.config.train.early_stop_metric
+    found = next((m for m in MEASURES.values() if m.split_key == chosen and m.convergence), None)
+    return (found or MEASURES["eval_loss"]).convergence
 
 
 def has_test(r, key: str) -> bool:
@@ -138,22 +150,77 @@ def _first_update(r, out, split: str) -> float | None:
     return float(ups[0]) if ups and ups[0] is not None else None
 
 
-def _last_layer_cosine(r, out, split: str) -> float | None:
-    cos = (r.smoothness or {}).get("cosine")
-    return float(cos[-1]) if cos else None
+def _last(metric: str) -> Callable:
+    def read(r, out, split: str) -> float | None:
+        values = (r.smoothness or {}).get(metric)
+        return float(values[-1]) if values and values[-1] is not None else None
+
+    return read
 
 
-def _top_layer_gradient(r, out, split: str) -> float | None:
-    from kilolayer.analysis.stability import read_diagnostics, top_stack
-    from kilolayer.errors import InputError
+def smoothness_note(runs, out, split: str) -> list[str]:
+    """How token similarity was measured, read from the smoothness results themselves: which tokens, which
+    state, and on which inputs (a split that also chose the checkpoints is named as such)."""
+    choices, inputs, blank = set(), set(), []
+    for r in runs:
+        s = r.smoothness or {}
+        if s:
+            choices.add((s.get("exclude_special"), s.get("after_final_norm")))
+            # a *_captions source holds the same images, split alike, as its plain one
+            inputs.add((str(s.get("input", "?")).removesuffix("_captions"), s.get("split", "validation")))
+            if s.get("exclude_blank") and isinstance(s.get("blank_share"), (int, float)):
+                blank.append(float(s["blank_share"]))
+    notes = []
+    for special, after in sorted(choices, key=str):
+        tokens = "CLS and special tokens excluded" if special else "all tokens, CLS and special tokens included"
+        state = "after the final LayerNorm" if after else "the last block's output, before the final LayerNorm"
+        notes.append(
+            f"Token similarity: {tokens}; the last layer is {state} "
+            "(`kilolayer analyze smoothness --include-special / --after-final-norm` switch these). Centred: after "
+            "subtracting the evaluated set's mean token; same - other sample: the mean cosine of one sample's "
+            "tokens minus that of different samples' (docs/analysis.md)."
+        )
+    if blank:
+        low, high = f"{min(blank):.0%}", f"{max(blank):.0%}"
+        notes.append(
+            "Tokens of blank patches (every pixel equal) are left out of the token metrics: "
+            f"{low if low == high else f'{low}-{high}'} of the patch tokens here (`--include-blank` keeps them)."
+        )
+    for source, split in sorted(inputs):
+        chose = (
+            ", the split that also chose each run's checkpoint (give the group analysis_data on its test split for "
+            "an unbiased read)"
+            if split == VALIDATION
+            else ", a split no checkpoint was chosen on"
+        )
+        notes.append(f"Measured on the {split} split of {source}{chose}.")
+    return notes
 
-    try:
-        lines = [d for d in read_diagnostics(r.diagnostics, r.point.key) if d.layers]
-    except InputError:
-        return None
-    values = [d.grad_norm[top_stack(d.layers)[-1]] for d in lines]
-    values = [v for v in values if math.isfinite(v) and v > 0]
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+def _top_gradient(share: float | None) -> Callable:
+    """The geometric mean, over the run's logged diagnostics steps (the early window; a diverged run's before it
+    diverged) and over the top stack's last layer (``share`` None) or its top ``share`` of layers, of the
+    gradient norm."""
+
+    def read(r, out, split: str) -> float | None:
+        from kilolayer.analysis.stability import read_diagnostics, top_stack
+        from kilolayer.errors import InputError
+
+        try:
+            lines = [d for d in read_diagnostics(r.diagnostics, r.point.key) if d.layers]
+        except InputError:
+            return None
+        logs = []
+        for d in lines:
+            stack = top_stack(d.layers)
+            top = stack[-1:] if share is None else stack[-max(1, math.ceil(len(stack) * share)) :]
+            norms = [d.grad_norm[i] for i in top]
+            if not all(math.isfinite(v) and v > 0 for v in norms):
+                return None  # a zero or non-finite norm has no logarithm
+            logs += [math.log(v) for v in norms]
+        return math.exp(sum(logs) / len(logs)) if logs else None
+
+    return read
 
 
 for _m in (
@@ -204,23 +271,41 @@ for _m in (
     ),
     Measure(
         "last_layer_cosine",
-        "token cosine similarity at the last layer (the smoothness analysis)",
+        "mean token cosine similarity at the last layer (the smoothness analysis)",
         "",
         "higher",
-        _last_layer_cosine,
+        _last("cosine"),
         None,
         "a diverged run has no representation to measure and is not evidence",
         fraction=True,
+        note=smoothness_note,
+        quality=False,
+        columns=(("centred", _last("cosine_centred")), ("same - other sample", _last("cosine_same_minus_different"))),
     ),
     Measure(
         "top_layer_gradient",
         "geometric mean over the logged diagnostics steps of the gradient norm of the top stack's last layer",
         "",
         "higher",
-        _top_layer_gradient,
-        lambda r, out: _top_layer_gradient(r, out, VALIDATION),  # logged before it diverged
-        "a diverged run keeps the gradients it logged before it diverged",
+        _top_gradient(None),
+        lambda r, out: _top_gradient(None)(r, out, VALIDATION),  # logged before it diverged
+        "a diverged run keeps the gradients it logged before it diverged, and the run it is compared with is read "
+        "over the same steps",
         quality=False,
+        shared_steps=True,
+    ),
+    Measure(
+        "top_third_gradient",
+        "geometric mean over the logged diagnostics steps and the top third of the top stack's layers of the "
+        "gradient norm",
+        "",
+        "higher",
+        _top_gradient(1 / 3),
+        lambda r, out: _top_gradient(1 / 3)(r, out, VALIDATION),  # logged before it diverged
+        "a diverged run keeps the gradients it logged before it diverged, and the run it is compared with is read "
+        "over the same steps",
+        quality=False,
+        shared_steps=True,
     ),
 ):
     register_measure(_m)

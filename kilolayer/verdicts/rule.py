@@ -45,6 +45,14 @@ def t_quantile(df: int, level: float = LEVEL) -> float:
     return float(t.ppf(level, df))
 
 
+def t_bound(values: list[float], level: float = LEVEL) -> tuple[float, float, float]:
+    """``(mean, standard error, half-width)`` of ``values`` (at least two): mean ∓ half-width are the one-sided
+    ``level`` Student-t bounds on their mean, t(level, n−1)·sd/√n (together, a two-sided 2·level − 1 interval)."""
+    n = len(values)
+    se = statistics.stdev(values) / math.sqrt(n)
+    return statistics.fmean(values), se, t_quantile(n - 1, level) * se
+
+
 def sign_test_p(agreeing: int, n: int) -> float:
     """One-sided exact sign test: P(X >= agreeing) for X ~ Binomial(n, 1/2)."""
     if n <= 0:
@@ -134,7 +142,7 @@ def decide(
             v, values, margin, unit, level, "zero-variance t-bounds decide nothing"
         )
     elif n >= 2:
-        half = t_quantile(n - 1, level) * statistics.stdev(values) / math.sqrt(n)
+        _, _, half = t_bound(values, level)
         v.lower, v.upper = m - half, m + half
         desc = (
             f"mean d {_num(m, unit)} over {n} seeds, one-sided {level:.0%} bounds [{v.lower:+.3g}, {v.upper:+.3g}]"
