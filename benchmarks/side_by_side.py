@@ -1,14 +1,17 @@
 """Runs side by side: the wall time of ``kilolayer train`` alone and with a second run beside it.
 
 For each shape, ``kilolayer train`` runs as a user runs it: the command's whole wall time, start-up included,
-with ``OMP_NUM_THREADS`` removed from its environment. Two thread settings race:
+with ``OMP_NUM_THREADS`` removed from its environment. The settings:
 
 * ``auto``: ``--threads auto``, the count that follows the load (:mod:`kilolayer.train.host.threads`): the usable
   CPUs less those other work keeps busy, re-checked every second;
-* ``every core``: ``--threads`` = the usable CPUs, the default count, what each process takes by itself.
+* ``every core``: ``--threads`` = the usable CPUs, the default count, what each process takes by itself;
+* ``one thread``: ``--threads 1``;
+* ``study --jobs 2``: ``kilolayer study`` of one point (alone, ``--jobs 1``: the default count) against the same
+  study with a second seed at ``--jobs 2`` (each point one share of the CPUs); the pair's time is the study's.
 
 Per setting: one run alone, then two started together (each one's wall time); the ratio is the mean of the two
-runs' times over the run alone's. Settings take turns shape by shape, so drift in the machine's load hits both.
+runs' times over the run alone's. Settings take turns shape by shape, so drift in the machine's load hits each.
 
     python -m benchmarks.side_by_side [--smoke] [--out FILE]
 """
@@ -72,19 +75,40 @@ def race(cfg_path: Path, work: Path, runs: int, threads: int | str) -> list[floa
     return seconds
 
 
+def study(cfg: dict, work: Path, seeds: list[int]) -> float:
+    """Wall seconds of ``kilolayer study`` training ``cfg`` once per seed, ``len(seeds)`` points at once."""
+    spec = {"name": "side_by_side", "groups": [{"name": "runs", "base": cfg, "seeds": seeds}]}
+    path = work / f"study{len(seeds)}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = work / f"study{len(seeds)}"
+    cmd = [sys.executable, "-m", "kilolayer", "study", str(path), "--out", str(out), "--jobs", str(len(seeds))]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError(f"kilolayer study exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    return time.perf_counter() - t0
+
+
+STUDY = "study --jobs 2"
+
+
 def run(smoke: bool = False) -> dict:
     cpus = usable_cpus()
-    settings = [("auto", "auto"), (f"every core ({cpus} threads)", cpus)]
-    rows = []
+    settings = [("auto", "auto"), (f"every core ({cpus} threads)", cpus), ("one thread", 1), (STUDY, None)]
+    rows, load = [], common.load_average()
     with tempfile.TemporaryDirectory(prefix="kilolayer-side-by-side-") as tmp:
         for shape, model in SHAPES[:1] if smoke else SHAPES:
+            cfg = config(model, SMOKE_STEPS if smoke else STEPS)
             cfg_path = Path(tmp) / f"{len(rows)}.yaml"
-            cfg_path.write_text(yaml.safe_dump(config(model, SMOKE_STEPS if smoke else STEPS)))
+            cfg_path.write_text(yaml.safe_dump(cfg))
             for name, threads in settings:
                 work = Path(tmp) / f"{len(rows)}-{name.split()[0]}"
                 work.mkdir()
-                alone = race(cfg_path, work, 1, threads)[0]
-                pair = race(cfg_path, work, 2, threads)
+                if name == STUDY:
+                    alone, pair = study(cfg, work, [0]), [study(cfg, work, [0, 1])]
+                else:
+                    alone = race(cfg_path, work, 1, threads)[0]
+                    pair = race(cfg_path, work, 2, threads)
                 rows.append(
                     {
                         "shape": shape,
@@ -95,7 +119,8 @@ def run(smoke: bool = False) -> dict:
                     }
                 )
                 print(rows[-1], flush=True)
-    return {"machine": common.machine(), "cpus": cpus, "steps": SMOKE_STEPS if smoke else STEPS, "rows": rows}
+    steps = SMOKE_STEPS if smoke else STEPS
+    return {"machine": common.machine(), "load": load, "cpus": cpus, "steps": steps, "rows": rows}
 
 
 def format_result(res: dict) -> str:

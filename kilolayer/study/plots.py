@@ -195,7 +195,8 @@ def smoothness_curves(results, path: Path) -> bool:
         mine = [r for r in rs if r.point.config.model.input == kind]
         groups = sorted({r.point.group for r in mine})
         # one colour and style per group in every panel of the row, every group in the row's legend
-        look = {g: dict(ls=":" if "untrained" in g else "-", color=f"C{i}") for i, g in enumerate(groups)}
+        untrained = {r.point.group for r in mine if r.point.config.train.steps == 0}  # dotted: the baselines
+        look = {g: dict(ls=":" if g in untrained else "-", color=f"C{i}") for i, g in enumerate(groups)}
         for g in groups:
             seeds = len({r.point.values.get("train.seed") for r in mine if r.point.group == g})
             row[-1].plot([], [], marker="o", ms=3, label=f"{g} ({seeds} seed{'s' if seeds > 1 else ''})", **look[g])
@@ -222,7 +223,7 @@ def smoothness_curves(results, path: Path) -> bool:
 
 
 QUALITY = ("accuracy", "label_recall_i2t")  # the first of these a group's evaluation has is its task metric
-LOSS_PANEL = ("mae", "mlm", "next_token")  # token-level pre-training: validation loss vs depth
+LOSS_PANEL = ("mae", "mlm", "causal_lm")  # token-level objectives: their validation loss vs depth
 
 
 def depth_curves(results, path: Path) -> bool:
@@ -239,7 +240,7 @@ def depth_curves(results, path: Path) -> bool:
         if len(depths) < 2:
             continue
         metric = next((k for k in QUALITY if k in rs[0].eval), None)
-        panels = ([(acc_ax, metric)] if metric else []) + ([(loss_ax, "loss")] if g in LOSS_PANEL else [])
+        panels = ([(acc_ax, metric)] if metric else []) + ([(loss_ax, "loss")] if rs[0].point.config.objective.name in LOSS_PANEL else [])
         for ax, key in panels:
             # the task metric on the test split where every run was scored on it (as the verdicts read it)
             test = key != "loss" and all(key in ((r.test or {}).get("metrics") or {}) for r in rs)
