@@ -18,7 +18,10 @@ layout is defined once::
                             SHA-256 of each file, COMPLETE is written last. With early stopping
                             (train.patience > 0) the best one is kept beside the newest: each
                             checkpoint's state.json names the run's best step at that point
-      tensorboard/, samples/, analysis/
+      analysis/NAME/NAME.json
+                            the result of analysis NAME (a study's analyses, the chance-level cache
+                            ``chance``), stamp.json beside it saying what it was measured with
+      tensorboard/, samples/
 
 Readers (analysis, study reports) never take the lock; only one training process
 writes a run directory at a time.
@@ -50,12 +53,30 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
 BASELINES = "baselines.json"
+ANALYSIS = "analysis"
+STAMP = "stamp.json"
 SCORED_SPLITS = ("validation", "test")  # the splits kilolayer evaluate scores a run on
 
 
 def scores_name(split: str) -> str:
     """The file ``kilolayer evaluate --split SPLIT`` writes in the run directory."""
     return f"scores_{split}.json"
+
+
+def analysis_dir(run_dir: str | Path, name: str) -> Path:
+    """Where analysis ``name`` of a run keeps its files: ``RUN/analysis/NAME``."""
+    return Path(run_dir) / ANALYSIS / name
+
+
+def analysis_file(run_dir: str | Path, name: str) -> Path:
+    """The result of analysis ``name`` of a run: ``RUN/analysis/NAME/NAME.json``."""
+    return analysis_dir(run_dir, name) / f"{name}.json"
+
+
+def read_analysis(run_dir: str | Path, name: str) -> dict | None:
+    """The saved result of analysis ``name`` of a run; None if there is none or it cannot be read."""
+    data = read_json(analysis_file(run_dir, name))
+    return data if isinstance(data, dict) else None
 
 
 # what a run writes; --overwrite removes exactly these, never anything else in the directory
@@ -69,7 +90,7 @@ OWN_ENTRIES = (
     CHECKPOINTS,
     "tensorboard",
     "samples",
-    "analysis",
+    ANALYSIS,
 )
 
 STATUSES = ("running", "completed", "diverged", "failed", "interrupted")

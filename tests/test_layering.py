@@ -1,5 +1,5 @@
-"""Imports flow one way: study -> verdicts -> doctor -> analysis -> train -> rundir -> objectives -> data | nn ->
-config -> registry -> errors, and no two modules import each other, directly or around a loop.
+"""Imports flow one way: study -> verdicts -> doctor -> record -> analysis -> train -> rundir -> objectives ->
+data | nn -> config -> registry -> errors, and no two modules import each other, directly or around a loop.
 
 Every ``import`` statement in the package, at module level or inside a function, is read with ``ast``; an
 import of a higher layer (or of a sibling of the same layer) fails this test unless ``EXCEPTIONS`` lists it
@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"rundir"},  # the run-directory format: train writes it, everything above reads it
     {"train"},
     {"analysis"},
+    {"record"},  # the one run record every reader uses: status, evaluations, chance, learned, analyses
     {"doctor"},  # diagnoses runs with analysis; a study's report quotes its diagnoses
     {"verdicts"},  # the rule, measures, contrasts and claims: read runs, decide
     {"study"},

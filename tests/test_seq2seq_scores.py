@@ -349,7 +349,7 @@ def test_a_studys_final_table_reads_the_test_scores_analysis(trained_run, tmp_pa
     assert saved["split"] == "test"
 
     class Point:  # what collect() asks of a point
-        group, name = "g", "p"
+        group, name, config = "g", "p", None
 
         def run_dir(self, out):
             return run

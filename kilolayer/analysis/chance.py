@@ -20,6 +20,7 @@ import torch
 
 from kilolayer.config import Config
 from kilolayer.files import write_atomic
+from kilolayer.rundir import analysis_file
 
 
 def chance_level(config: Config) -> dict:
@@ -59,7 +60,7 @@ def data_key(config: Config) -> str:
 
 
 def _cache_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "analysis" / "chance" / "chance.json"
+    return analysis_file(run_dir, "chance")
 
 
 def chance_of_run(run_dir: str | Path | None, config: Config, write: bool = True) -> dict:

@@ -40,7 +40,8 @@ from kilolayer.analysis.chance import LEARNED_NOTHING, learned_something
 from kilolayer.analysis.stability import read_diagnostics
 from kilolayer.config import Config, load_config
 from kilolayer.errors import InputError, KilolayerError
-from kilolayer.rundir import CONFIG, METRICS, logged_number, read_json, read_metrics, read_status
+from kilolayer.record import RunRecord
+from kilolayer.rundir import CONFIG, METRICS, logged_number, read_metrics, read_status
 
 GRAD_RATIO = 0.1
 UPDATE_RATIO = 10.0
@@ -444,14 +445,15 @@ def measure(
     config: Config,
     records: list[dict],
     status: dict,
+    record: RunRecord,
     *,
     replay_steps: int = 1,
     smoothness_samples: int = 128,
     device: str = "cpu",
 ) -> tuple[Measurements, list[str]]:
-    """Every measurement the rules read, with its source, and notes on what could not be measured."""
+    """Every measurement the rules read, with its source, and notes on what could not be measured (``record``:
+    the run's record, which holds its standing evaluation and chance level)."""
     from kilolayer.doctor.measure import at_checkpoint, deepnorm_first_update, replay
-    from kilolayer.doctor.outcome import chance
     from kilolayer.doctor.theory import update_coefficient
 
     m = Measurements(status=status.get("status"))
@@ -525,7 +527,7 @@ def measure(
         }
 
     # tokens: the study's cached analysis, or measured through the observer
-    m.token_cosine = _smoothness(run, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
+    m.token_cosine = _smoothness(record, smoothness_samples, device, notes, has_checkpoint=ckpt is not None)
 
     # losses against the chance level
     evals = [logged_number(r.get("loss")) for r in records if r.get("split") == "eval" and "loss" in r]
@@ -537,8 +539,8 @@ def measure(
     if trains:
         m.last_lr = next((lr for _, _, lr in reversed(trains) if math.isfinite(lr)), None)
     try:
-        level = chance(config, run)["loss"]
-    except (KilolayerError, NotImplementedError) as err:
+        level = record.chance_level()["loss"]
+    except KilolayerError as err:
         level = math.nan
         notes.append(f"chance level not computed: {err}")
     finite_evals = [e for e in evals if math.isfinite(e)]
@@ -546,7 +548,7 @@ def measure(
         m.eval_loss = {
             "chance": level,
             "best_eval": min(finite_evals),
-            "final_eval": evals[-1],
+            "final_eval": record.eval_loss,  # the evaluation that stands for the run, as the verdicts read it
             "evaluations": len(evals),
         }
     elif math.isfinite(level):
@@ -554,15 +556,16 @@ def measure(
     return m, notes
 
 
-def _smoothness(run: Path, samples: int, device: str, notes: list[str], has_checkpoint: bool) -> dict | None:
-    cached = read_json(run / "analysis" / "smoothness" / "smoothness.json")
-    if isinstance(cached, dict) and cached.get("cosine"):
+def _smoothness(record: RunRecord, samples: int, device: str, notes: list[str], has_checkpoint: bool) -> dict | None:
+    cached = record.smoothness
+    if cached and cached.get("cosine"):
         result, source = cached, "RUN/analysis/smoothness/smoothness.json"
     elif samples > 0 and has_checkpoint:
         from kilolayer.analysis.smoothness import smoothness_of_run
 
         try:
-            result, source = smoothness_of_run(run, samples=samples, device=device), "measured at the checkpoint"
+            result = smoothness_of_run(record.path, samples=samples, device=device)
+            source = "measured at the checkpoint"
         except KilolayerError as err:
             notes.append(f"token similarity not measured: {err}")
             return None
@@ -586,8 +589,16 @@ def diagnose(
     config = _config_of(run)
     records = read_metrics(run)
     status = read_status(run)
+    record = RunRecord.read(run, config, read_only=True, records=records)
     m, notes = measure(
-        run, config, records, status, replay_steps=replay_steps, smoothness_samples=smoothness_samples, device=device
+        run,
+        config,
+        records,
+        status,
+        record,
+        replay_steps=replay_steps,
+        smoothness_samples=smoothness_samples,
+        device=device,
     )
     found, fine = [], []
     for rule in (gradient_findings, update_findings, ln_findings, smoothing_findings):
@@ -600,8 +611,8 @@ def diagnose(
     found = status_findings(config, status, m) + found
     out = None
     try:
-        out = outcome(run, config, records).to_dict()
-    except (KilolayerError, NotImplementedError) as err:
+        out = outcome(run, config, record).to_dict()
+    except KilolayerError as err:
         notes.append(f"outcome not decided: {err}")
     mc = config.model
     st = status.get("status") or ("status.json unreadable" if (run / "status.json").exists() else "no status.json")

@@ -184,16 +184,36 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     if not (run_dir / rundir.CONFIG).is_file():
         raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
     config = load_config(run_dir / rundir.CONFIG)
-    ckpt = Path(checkpoint) if checkpoint is not None else rundir.chosen_checkpoint(run_dir, config.train.patience)
-    if ckpt is None:
-        raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
+    ckpt = standing_checkpoint(run_dir, checkpoint, config.train.patience)
     task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
-    load_weights(task, ckpt)
+    load_run_weights(run_dir, task, ckpt)
     return config, task.to(device).eval()
 
 
-def load_weights(task: torch.nn.Module, ckpt: Path) -> None:
-    """The weights of checkpoint directory ``ckpt`` into ``task``; one line naming the first key that does not fit."""
+def standing_checkpoint(
+    run_dir: str | Path, checkpoint: str | Path | None = None, patience: int | None = None, on_damaged=rundir.warn
+) -> Path:
+    """``checkpoint`` if given, else the checkpoint that stands for the run under ``patience`` (its own
+    ``train.patience`` unless given): :func:`kilolayer.rundir.chosen_checkpoint`. An InputError if the run has
+    no complete checkpoint."""
+    if checkpoint is None:
+        if patience is None:
+            patience = rundir.run_patience(run_dir)
+        checkpoint = rundir.chosen_checkpoint(run_dir, patience, on_damaged)
+    if checkpoint is None:
+        raise InputError(f"{run_dir}: the run has no complete checkpoint yet")
+    return Path(checkpoint)
+
+
+def load_run_weights(
+    run_dir: str | Path, task: torch.nn.Module, checkpoint: str | Path | None = None, on_damaged=rundir.warn
+) -> int:
+    """Load into ``task`` the weights of the run's checkpoint ``checkpoint`` (default: the one that stands for the
+    run, :func:`standing_checkpoint`) and return that checkpoint's own step, so that no reader pairs one
+    checkpoint's weights with another's step. Every reader of a run's weights (analyses, ``kilolayer evaluate``,
+    the search, the doctor) loads them here; one line naming the first key that does not fit ``task``."""
+    ckpt = standing_checkpoint(run_dir, checkpoint, on_damaged=on_damaged)
     weights = read_weights(ckpt / "model.safetensors")
     check_fits(ckpt / "model.safetensors", weights, task.state_dict())
     task.load_state_dict(weights)
+    return rundir.checkpoint_step(ckpt)

@@ -20,7 +20,7 @@ from kilolayer.data import load_source
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.objectives.baselines import translates
 from kilolayer.train import distributed as D
-from kilolayer.train.checkpoint import load_weights
+from kilolayer.train.checkpoint import load_run_weights, standing_checkpoint
 from kilolayer.train.engine import Engine
 
 
@@ -46,9 +46,7 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
     if not (run_dir / rundir.CONFIG).is_file():
         raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
     config = load_config(run_dir / rundir.CONFIG)
-    ckpt = rundir.chosen_checkpoint(run_dir, config.train.patience)
-    if ckpt is None:
-        raise InputError(f"{run_dir}: the run has no complete checkpoint to score")
+    ckpt = standing_checkpoint(run_dir, patience=config.train.patience)
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use cpu or auto")
     config = for_split(config, split)
@@ -63,14 +61,14 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
         raise
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     engine = Engine(config, D.Dist(device=torch.device("cuda" if use_cuda else "cpu")), fresh=False, source=source)
-    load_weights(engine.task, ckpt)
+    step = load_run_weights(run_dir, engine.task, ckpt)
     batches = max(1, math.ceil(source.eval_size / config.train.batch_size))
     record = {
         "data": config.data.name,
         "split": source.eval_split,
         "samples": source.eval_size,
         "checkpoint": ckpt.name,
-        "step": rundir.checkpoint_step(ckpt),
+        "step": step,
         "metrics": engine.evaluate(batches),
     }
     found = engine.baselines(batches, paired=True).get("baselines")
