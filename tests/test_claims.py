@@ -189,7 +189,9 @@ def test_still_improving_is_reported_and_decides_only_a_claim_about_converged_mo
     for r in results:
         r.evals[-1] = dict(r.eval)
     f = _judge(spec, results, tmp_path)
-    assert f.verdict.verdict == HELD and f.improving.startswith("6 of 6 runs still improving loss by more than 2%")
+    assert f.verdict.verdict == HELD and f.improving.startswith(
+        "budget 60 steps: 6 of 6 runs still improving loss by more than 2%"
+    )
     spec = load_spec(_spec_file(tmp_path, lambda d: d["claims"][0].update(requires=["converged"])))
     results = _results(spec, lambda l, s: 1.8 - 0.1 * (l == 8) + NOISE[s] * (l == 8), evals=moving)
     for r in results:

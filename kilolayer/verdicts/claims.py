@@ -530,6 +530,10 @@ def _improving(claim: Claim, measure: Measure, runs: list) -> tuple[str, list]:
         text, moved = improving_summary(rs, key, tol, key == "loss", relative)
         texts += [text] if text else []
         moving += moved
+    budgets = sorted({r.point.config.train.steps for r in runs})
+    if texts and budgets:
+        at = f"{budgets[0]:,}" if len(budgets) == 1 else f"{budgets[0]:,}-{budgets[-1]:,}"
+        texts[0] = f"budget {at} steps: {texts[0]}"
     return "; ".join(texts), moving
 
 
