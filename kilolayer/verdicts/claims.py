@@ -86,13 +86,6 @@ class Claim(BaseModel):
             raise ValueError("expected a number, not true or false")
         return value
 
-    @field_validator("runs")
-    @classmethod
-    def _groups(cls, value):
-        if isinstance(value, list) and (len(value) < 2 or len(set(value)) < len(value)):
-            raise ValueError("a list of runs names 2 or more different groups (or give one group as a name)")
-        return value
-
     @property
     def kind(self) -> str:
         return self.contrast.kind
@@ -127,6 +120,12 @@ def parse_claim(data: Any, where: str) -> Claim:
         raise ValueError(f"{where}: give exactly one contrast, one of {', '.join(sorted(CONTRASTS))} ({found})")
     kind = kinds[0]
     body = {k: v for k, v in data.items() if k != kind}
+    for field in ("margin", "paper_effect"):
+        if isinstance(body.get(field), bool):
+            raise ValueError(f"{where}.{field}={body[field]}: expected a number, not true or false")
+    runs = body.get("runs")
+    if isinstance(runs, list) and (len(runs) < 2 or len(set(map(str, runs))) < len(runs)):
+        raise ValueError(f"{where}.runs={runs}: a list names 2 or more different groups (or give one group's name)")
     try:
         claim = Claim.model_validate(body)
     except ValidationError as err:
