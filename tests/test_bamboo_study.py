@@ -1,5 +1,6 @@
 """The built-in Bamboo studies (``bamboo`` for one GPU, ``bamboo_cpu`` its slice for 2 cores): every config is
-valid, every finding finds the groups it compares, and the depths are a fair comparison. No training."""
+valid, every built-in Bamboo claim finds the groups it reads with the shapes and seeds it pairs, and the depths are
+a fair comparison. No training."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import pytest
 
 from kilolayer.data.vocab import BYTE_VOCAB
 from kilolayer.nn.budget import count_parameters
-from kilolayer.study.builtin import BUILTIN
-from kilolayer.study.findings import DEPTH_PAIRS, LOSS_GROUPS, SMOOTHING_PAIRS, UNTRAINED
+from kilolayer.study.builtin import BUILTIN, builtin_claim_sets, builtin_claims
 from kilolayer.study.spec import expand, load_spec
+from kilolayer.verdicts.claims import parse_claim
 
 STUDIES = ("bamboo", "bamboo_cpu")
-TRAINED = sorted(
-    {g for seq, tok, _ in SMOOTHING_PAIRS for g in (seq, tok)}
-    | {g for scratch, tuned, _, _ in DEPTH_PAIRS for g in (scratch, tuned)}
-    | set(LOSS_GROUPS)
-)
+SETS = ("bamboo_smoothing", "bamboo_depth", "bamboo_depth_tokens")
+CLAIMS = {
+    name: parse_claim(builtin_claims()[name], name) for s in SETS for name in builtin_claim_sets()[s]
+}  # every built-in Bamboo claim
+TRAINED = sorted({g for c in CLAIMS.values() for g in c.groups()})  # the groups the claims compare
+BASELINES = sorted({c.relative_to for c in CLAIMS.values() if c.relative_to})  # subtracted, never compared
 
 
 @pytest.fixture(scope="module", params=STUDIES)
@@ -38,23 +40,51 @@ def test_registered_and_sized():
     assert "estimated" in load_spec("bamboo").expected_basis
 
 
-def test_every_finding_finds_its_groups(study):
+def test_the_claims_read_trained_groups_and_untrained_baselines():
+    assert TRAINED == [
+        "contrastive",
+        "finetune",
+        "mae",
+        "mlm",
+        "mlm_finetune",
+        "next_token",
+        "supervised",
+        "text_classify",
+    ]
+    assert BASELINES == ["text_untrained", "untrained"] and not set(TRAINED) & set(BASELINES)
+
+
+def test_every_claim_finds_its_groups_with_the_shapes_it_needs(study):
     spec, points = study
     names = [g.name for g in spec.groups]
-    for group in [*TRAINED, *UNTRAINED.values()]:
+    # both studies name every claim of the three sets: each has every group they read
+    assert [c.name for c in spec.claims] == list(CLAIMS)
+    shapes_of = {g: {_shape(p) for p in points if p.group == g} for g in names}
+    seeds_of = {g: {p.values["train.seed"] for p in points if p.group == g} for g in names}
+    for group in TRAINED:
         assert group in names, (spec.name, group)
         mine = [p for p in points if p.group == group]
-        shapes = {_shape(p) for p in mine}
-        seeds = {p.values["train.seed"] for p in mine}
-        # the GPU study spans four depths; the CPU slice a shallow-wide and a deep-narrow one
-        assert len(shapes) >= (4 if spec.name == "bamboo" else 2), (spec.name, group, shapes)
-        if group not in UNTRAINED.values():
-            assert len(seeds) >= 2, (spec.name, group, seeds)
-            # every shape is trained with every seed: the findings pair runs by depth and seed
-            assert len(mine) == len(shapes) * len(seeds), (spec.name, group)
+        # the GPU study spans four depths; the CPU slice a shallow-wide and a deep-narrow one: a slope per doubling
+        assert len(shapes_of[group]) >= (4 if spec.name == "bamboo" else 2), (spec.name, group, shapes_of[group])
+        assert len(seeds_of[group]) >= 2, (spec.name, group)  # the seed is the unit of replication
+        # every shape is trained with every seed: the claims pair runs by shape and seed
+        assert len(mine) == len(shapes_of[group]) * len(seeds_of[group]), (spec.name, group)
+        assert all(p.config.train.steps > 0 for p in mine)
+    for claim in CLAIMS.values():
+        groups = claim.groups()
+        # several groups are compared shape by shape and seed by seed: the same shapes and seeds in each
+        assert len({frozenset(shapes_of[g]) for g in groups}) == 1, (spec.name, claim.name)
+        assert len({frozenset(seeds_of[g]) for g in groups}) == 1, (spec.name, claim.name)
+        if claim.relative_to:  # the baseline at every shape the claim reads (any seed stands in for a missing one)
+            base = claim.relative_to
+            assert base in names and shapes_of[groups[0]] <= shapes_of[base], (spec.name, claim.name)
+            assert all(p.config.train.steps == 0 for p in points if p.group == base), (spec.name, base)
+            # the same inputs: an untrained model of the claim's modality
+            mine = next(p for p in points if p.group == groups[0]).config
+            theirs = next(p for p in points if p.group == base).config
+            assert mine.model.input == theirs.model.input, (spec.name, claim.name)
     # one set of shapes for the whole study, so each pair compares the same depths
-    assert len({frozenset(_shape(p) for p in points if p.group == g) for g in names}) == 1
-    assert {"bamboo_smoothing", "bamboo_depth", "bamboo_depth_tokens"} <= set(spec.findings)
+    assert len({frozenset(shapes_of[g]) for g in names}) == 1
 
 
 def test_shapes_are_parameter_matched_with_one_head_size(study):
@@ -109,15 +139,15 @@ def test_every_trained_point_stops_at_its_plateau_within_its_budget(study):
     spec, points = study
     for p in points:
         tc = p.config.train
-        if p.group in UNTRAINED.values():
+        if p.group in BASELINES:
             assert tc.steps == 0
             continue
         assert tc.patience >= 2 and tc.eval_every > 0, p.key
         # room for the plateau to show up before the budget ends, and a wait that spans the last quarter of any
-        # run within it (the window in which the findings judge convergence)
+        # run within it (the window in which the claims judge convergence)
         assert tc.steps / 4 <= tc.patience * tc.eval_every <= tc.steps // 2, p.key
         assert tc.schedule != "cosine", p.key  # a budget-shaped schedule would make stopping early unfair
-        # pre-training on its loss, classifiers on the accuracy their findings compare
+        # pre-training on its loss, classifiers on the accuracy their claims compare
         classifier = p.config.objective.name == "classification"
         assert tc.early_stop_metric == ("accuracy" if classifier else "loss"), p.key
 

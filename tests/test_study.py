@@ -423,38 +423,60 @@ def test_still_improving_flags_unconverged_runs():
     assert not still_improving(Result(point=p, status="completed", evals=evals, eval=evals[4]), "accuracy", 0.01)
 
 
-def test_a_finding_on_token_similarity_judges_each_run_on_the_measure_that_chose_its_checkpoint():
-    """report_convergence_as_selected: a classifier stopped on its accuracy stands past its loss minimum, where a
-    noisy later loss below the standing one is no sign of a loss still falling; it is judged on its accuracy
-    (0.01), a run stopped on its loss (or not stopped early: the default) on its loss (2%), by the same rule."""
-    from kilolayer.study.findings import report_convergence_as_selected
+def test_a_claim_judges_each_run_still_improving_on_its_measure_else_on_the_one_that_chose_its_checkpoint(tmp_path):
+    """convergence_of: a measure with its own convergence rule (accuracy: 0.01; a loss: 2%) reads every run by it; one
+    without (token similarity) reads each run by the measure that chose its checkpoint. A classifier stopped on its
+    accuracy stands past its loss minimum, where a noisy later loss below the standing one is no sign of a loss still
+    falling: it is read on its accuracy, a run stopped on its loss (or not stopped early: the default) on its loss.
+    What was still improving is reported beside the verdict, never a gate."""
     from kilolayer.study.runner import Result
-    from kilolayer.verdicts.rule import Verdict
+    from kilolayer.verdicts.claims import judge, parse_claim
+    from kilolayer.verdicts.measures import MEASURES, convergence_of
 
-    p = expand(load_spec(tiny_spec(Path(tempfile.mkdtemp()))))[0]
+    spec = load_spec(tiny_spec(tmp_path))
+    p = expand(spec)[0]
 
-    def on(metric: str):
+    def on(metric: str, scheme: str):
         cfg = p.config.model_copy(update={"train": p.config.train.model_copy(update={"early_stop_metric": metric})})
-        return dataclasses.replace(p, config=cfg)
+        return dataclasses.replace(p, config=cfg, name=scheme, values={**p.values, "model.scheme": scheme})
 
     # loss at its lowest at step 300, then rising with noise; accuracy flat at 0.95 from step 500 (standing)
     rows = [(0.5, 0.85), (0.4, 0.88), (0.35, 0.90), (0.37, 0.93), (0.40, 0.95), (0.43, 0.95), (0.38, 0.95)]
     rows += [(0.45, 0.95)] * 3
     evals = [{"step": 100 * (i + 1), "loss": x, "accuracy": a} for i, (x, a) in enumerate(rows)]
-    by_acc = Result(point=on("accuracy"), status="completed", evals=evals, eval=evals[4])
-    by_loss = Result(point=on("loss"), status="completed", evals=evals, eval=evals[4])
 
-    def verdict(run) -> Verdict:
-        return report_convergence_as_selected(Verdict(HELD, reason="bounds clear"), [run])
+    def run(metric: str, scheme: str, cosine: float, history=evals) -> Result:
+        r = Result(point=on(metric, scheme), status="completed", evals=history, eval=dict(evals[4]))
+        r.smoothness, r.chance = {"cosine": [0.1, cosine]}, {"loss": 2.4, "accuracy": 0.1}
+        return r
 
-    assert verdict(by_acc).reason == "bounds clear"
-    flagged = verdict(by_loss)  # 0.38 at step 700 is 5% below the standing 0.40
-    assert "still improving loss by more than 2%" in flagged.reason
-    assert flagged.verdict == HELD  # compared at the budget: reported beside the verdict, not a gate
+    by_acc, by_loss = run("accuracy", "post_ln", 0.2), run("loss", "deepnorm", 0.6)
+    similarity, accuracy, loss = MEASURES["last_layer_cosine"], MEASURES["accuracy"], MEASURES["eval_loss"]
+    assert convergence_of(similarity, by_acc) == ("accuracy", 0.01, False)
+    assert convergence_of(similarity, by_loss) == ("loss", 0.02, True)
+    assert convergence_of(accuracy, by_loss) == ("accuracy", 0.01, False)  # a measure's own rule reads every run
+    assert convergence_of(loss, by_acc) == ("loss", 0.02, True)
+    claim = parse_claim(
+        {
+            "name": "similar",
+            "claim": "DeepNorm's last-layer tokens are more alike",
+            "source": "a test",
+            "runs": "deepnet",
+            "measure": "last_layer_cosine",
+            "compare": {"key": "model.scheme", "claimed_better": "deepnorm", "against": "post_ln"},
+            "margin": 0.05,
+        },
+        "claims[0]",
+    )
+    f = judge(claim, [by_acc, by_loss], {g.name: g for g in spec.groups}, tmp_path)
+    # 0.38 at step 700 is 5% below the standing 0.40: the loss-stopped run was still improving, the other not
+    assert "0 of 1 runs still improving accuracy by more than 0.01" in f.improving
+    assert "1 of 1 runs still improving loss by more than 2%" in f.improving
+    assert f.verdict.verdict == INCONCLUSIVE and "one seed" in f.verdict.reason  # one seed, not the improving run
     # the accuracy rule still flags a classifier whose accuracy rose after its checkpoint
     rising = [*evals[:8], {**evals[8], "accuracy": 0.97}, evals[9]]
-    found = verdict(Result(point=on("accuracy"), status="completed", evals=rising, eval=evals[4]))
-    assert "still improving accuracy by more than 0.01" in found.reason
+    f = judge(claim, [run("accuracy", "post_ln", 0.2, rising), by_loss], {g.name: g for g in spec.groups}, tmp_path)
+    assert "1 of 1 runs still improving accuracy by more than 0.01" in f.improving
 
 
 def test_a_wait_of_a_quarter_of_the_cap_lets_a_slow_run_stop_converged():

@@ -7,6 +7,7 @@ on the results, so no data is loaded and nothing trains.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -17,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kilolayer.analysis.chance import LEARNED_NOTHING
-from kilolayer.study.findings import bamboo_depth, bamboo_depth_tokens, bamboo_smoothing, slope
 from kilolayer.study.runner import Result
 from kilolayer.study.spec import expand, load_spec
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, decide, t_quantile
@@ -29,6 +29,9 @@ def _builtin(name: str):
 
 deepnet_postln, deepnet_preln, deepnet_update = map(_builtin, ("deepnet_postln", "deepnet_preln", "deepnet_update"))
 deepnet_postln_bleu, deepnet_preln_bleu = map(_builtin, ("deepnet_postln_bleu", "deepnet_preln_bleu"))
+bamboo_smoothing, bamboo_depth, bamboo_depth_tokens = (
+    builtin_claim(name, "bamboo") for name in ("bamboo_smoothing", "bamboo_depth", "bamboo_depth_tokens")
+)
 
 # ---------------------------------------------------------------- the rule itself
 
@@ -85,9 +88,23 @@ def test_excluded_runs_make_any_verdict_inconclusive_and_are_named():
     assert v.verdict == INCONCLUSIVE and "post_ln_18 (failed: out of memory)" in v.reason
 
 
-def test_slope_is_per_doubling_of_depth():
-    assert slope([6, 12, 24, 48], [0.1, 0.2, 0.3, 0.4]) == pytest.approx(0.1)
-    assert slope([6, 12, 24, 48], [0.8, 0.9, 0.9, 0.8]) == pytest.approx(0.0, abs=1e-12)
+def _slope(depths, values) -> float:
+    """The least-squares slope of ``values`` against log2(depth), computed apart from the claims' code."""
+    return statistics.linear_regression([math.log2(d) for d in depths], values).slope
+
+
+def test_a_slope_claim_reads_the_least_squares_slope_per_doubling_of_depth(tmp_path):
+    """d of a slope claim is, per seed, the least-squares slope of the measure against log2(depth): a loss falling
+    by 0.1 nats per doubling gives d = +0.1 (the claim: it decreases), a curve that rises then falls its own fit."""
+    depths = (6, 11, 24, 43)
+    bent = dict(zip(depths, (1.5, 1.4, 1.4, 1.5)))
+    loss = {"next_token": lambda l, s: 1.5 - 0.1 * math.log2(l) + NOISE[s], "mlm": lambda l, s: bent[l]}
+    found = bamboo_depth_tokens(_bamboo(loss=loss), tmp_path)
+    nt, mlm = _by_name(found, "bamboo_depth_tokens_next_token"), _by_name(found, "bamboo_depth_tokens_mlm")
+    assert nt.verdict.per_seed == pytest.approx({0: 0.1, 1: 0.1, 2: 0.1})
+    expected = -_slope(depths, [bent[d] for d in depths])
+    assert mlm.verdict.per_seed == pytest.approx(dict.fromkeys((0, 1, 2), expected))
+    assert "per doubling" in nt.rule and "log2(model.layers)" in nt.rule
 
 
 # ---------------------------------------------------------------- DeepNet findings
@@ -355,15 +372,23 @@ def _bamboo(cosine=None, accuracy=None, loss=None, status=None, out=None):
     return results
 
 
-def _by_title(findings, needle):
-    found = [f for f in findings if needle in f.title]
-    assert len(found) == 1, [f.title for f in findings]
+def _by_name(findings, name):
+    found = [f for f in findings if f.name == name]
+    assert len(found) == 1, [f.name for f in findings]
     return found[0]
 
 
 SEQ = ("supervised", "contrastive", "text_classify")
 TOK = ("mae", "mlm", "next_token")
 NOISE = {0: 0.01, 1: -0.01, 2: 0.0}
+SMOOTHING = [
+    "bamboo_smoothing_supervised",
+    "bamboo_smoothing_contrastive",
+    "bamboo_smoothing_text",
+    "bamboo_smoothing_trend_supervised",
+    "bamboo_smoothing_trend_contrastive",
+    "bamboo_smoothing_trend_text",
+]
 
 
 def test_smoothing_gives_one_verdict_per_modality_and_pair(tmp_path):
@@ -371,16 +396,21 @@ def test_smoothing_gives_one_verdict_per_modality_and_pair(tmp_path):
     cos.update({g: (lambda l, s: 0.4) for g in TOK + ("untrained", "text_untrained")})
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
     # a level verdict for each of the 3 pairs (encoders only) and a trend verdict for each sequence-level group
-    assert len(found) == 6
-    level = _by_title(found, "more than token-level (images: supervised vs mae)")
+    assert [f.name for f in found] == SMOOTHING
+    level = _by_name(found, "bamboo_smoothing_supervised")
+    assert "(images: supervised vs MAE)" in level.title
     assert level.verdict.verdict == HELD and level.verdict.n == 3 and level.verdict.mean == pytest.approx(0.4)
-    assert len(level.rows) == 4 * 3  # shapes x seeds
-    trend = _by_title(found, "grows with depth (images: supervised, relative to the untrained model)")
+    # the runs of both sides: shapes x seeds each, told apart by their group
+    assert len(level.rows) == 2 * 4 * 3 and level.headers[0] == "group"
+    assert {row[0] for row in level.rows} == {"supervised", "mae"}
+    trend = _by_name(found, "bamboo_smoothing_trend_supervised")
     assert trend.verdict.verdict == INCONCLUSIVE and trend.verdict.mean == pytest.approx(0.0, abs=1e-12)
     assert any("CLS and special tokens excluded" in n and "before the final LayerNorm" in n for n in level.notes)
 
 
 def test_smoothing_images_and_text_disagreeing_are_reported_separately(tmp_path):
+    from kilolayer.study.builtin import builtin_claim_sets, builtin_claims
+
     cos = {
         "supervised": lambda l, s: 0.8 + NOISE[s],
         "contrastive": lambda l, s: 0.8 + NOISE[s],
@@ -388,62 +418,61 @@ def test_smoothing_images_and_text_disagreeing_are_reported_separately(tmp_path)
     }
     cos.update({g: (lambda l, s: 0.5) for g in TOK + ("untrained", "text_untrained")})
     found = bamboo_smoothing(_bamboo(cos), tmp_path)
-    assert _by_title(found, "more than token-level (images: supervised vs mae)").verdict.verdict == HELD
-    assert _by_title(found, "more than token-level (text: text_classify vs mlm)").verdict.verdict == NOT_HELD
+    assert _by_name(found, "bamboo_smoothing_supervised").verdict.verdict == HELD
+    assert _by_name(found, "bamboo_smoothing_contrastive").verdict.verdict == HELD
+    text = _by_name(found, "bamboo_smoothing_text")
+    assert text.verdict.verdict == NOT_HELD and text.verdict.mean == pytest.approx(-0.3)
     # a causal decoder is no pair for an encoder: next_token is judged by its loss only
-    assert not [f for f in found if "vs next_token" in f.title]
+    claims = builtin_claims()
+    assert not [n for n in builtin_claim_sets()["bamboo_smoothing"] if "next_token" in claims[n]["runs"]]
 
 
 def test_smoothing_trend_over_every_shape(tmp_path):
-    # the supervised - MAE gap grows by 0.05 per doubling of depth (measured from the untrained model's level)
+    # supervised's last-layer cosine grows by 0.05 per doubling of depth, measured from the untrained model's level
     cos = {
         "supervised": lambda l, s: 0.5 + (0.05 + NOISE[s] / 10) * math.log2(l),
         "mae": lambda l, s: 0.3,
         "untrained": lambda l, s: 0.6,
     }
-    found = bamboo_smoothing(_bamboo(cos), tmp_path)
-    trend = _by_title(found, "grows with depth (images: supervised, relative to the untrained model)")
+    trend = _by_name(bamboo_smoothing(_bamboo(cos), tmp_path), "bamboo_smoothing_trend_supervised")
     assert trend.verdict.verdict == HELD and trend.verdict.mean == pytest.approx(0.05, abs=1e-9)
-    assert "for comparison, token-level mae: +0" in trend.verdict.reason
+    assert "less that of the group untrained run at its settings" in trend.rule
+    assert "last_layer_cosine of untrained" in trend.headers
     # the baseline is part of the measurement: an untrained model that smooths just as much cancels the trend
     cos["untrained"] = lambda l, s: 0.5 + 0.05 * math.log2(l)
-    trend = _by_title(bamboo_smoothing(_bamboo(cos), tmp_path), "grows with depth (images: supervised")
+    trend = _by_name(bamboo_smoothing(_bamboo(cos), tmp_path), "bamboo_smoothing_trend_supervised")
     assert trend.verdict.verdict == INCONCLUSIVE and abs(trend.verdict.mean) < 0.01
-    # and without it the trend cannot be measured
+    # and without it the trend cannot be measured: the missing baseline is named
     results = [r for r in _bamboo(cos) if r.point.group != "untrained"]
-    trend = _by_title(bamboo_smoothing(results, tmp_path), "grows with depth (images: supervised")
-    assert trend.verdict.verdict == INCONCLUSIVE and "untrained model at 6 layers (missing)" in trend.verdict.reason
+    trend = _by_name(bamboo_smoothing(results, tmp_path), "bamboo_smoothing_trend_supervised")
+    assert trend.verdict.verdict == INCONCLUSIVE and math.isnan(trend.verdict.mean)
+    assert re.search(r"the untrained baseline of supervised/layers=6_\S+ \(missing\)", trend.verdict.reason)
 
 
 def test_smoothing_diverged_or_unlearned_models_cannot_hold(tmp_path):
     cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.3}
     status = {"mae": lambda l, s: "diverged" if l == 43 else "completed"}
-    level = _by_title(
-        bamboo_smoothing(_bamboo(cos, status=status), tmp_path), "more than token-level (images: supervised vs mae)"
-    )
-    assert level.verdict.verdict == INCONCLUSIVE and "diverged" in level.verdict.reason
+    level = _by_name(bamboo_smoothing(_bamboo(cos, status=status), tmp_path), "bamboo_smoothing_supervised")
+    # a diverged model has no representation to measure: not evidence, named
+    assert level.verdict.verdict == INCONCLUSIVE and "diverged, and has no representation" in level.verdict.reason
     # the supervised models stayed at chance loss: their token similarity says nothing about training
-    level = _by_title(
-        bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
-        "more than token-level (images: supervised vs mae)",
-    )
-    assert level.verdict.verdict == INCONCLUSIVE and "learned nothing" in level.verdict.reason
-    # nor can it decide against the claim
+    unlearned = {"supervised": lambda l, s: 2.39}
+    level = _by_name(bamboo_smoothing(_bamboo(cos, loss=unlearned), tmp_path), "bamboo_smoothing_supervised")
+    assert level.verdict.verdict == INCONCLUSIVE and level.verdict.mean == pytest.approx(0.5)
+    assert "learned nothing" in level.verdict.reason and "the claim needs it to" in level.verdict.reason
+    # all_learn, as its rule states, makes a held inconclusive and leaves a did-not-hold standing, naming the runs
     cos = {"supervised": lambda l, s: 0.2 + NOISE[s], "mae": lambda l, s: 0.5}
-    level = _by_title(
-        bamboo_smoothing(_bamboo(cos, loss={"supervised": lambda l, s: 2.39}), tmp_path),
-        "more than token-level (images: supervised vs mae)",
-    )
-    assert level.verdict.mean == pytest.approx(-0.3) and level.verdict.verdict == INCONCLUSIVE
+    level = _by_name(bamboo_smoothing(_bamboo(cos, loss=unlearned), tmp_path), "bamboo_smoothing_supervised")
+    assert level.verdict.mean == pytest.approx(-0.3) and level.verdict.verdict == NOT_HELD
     assert "learned nothing" in level.verdict.reason
 
 
 def test_judging_by_the_selection_measure_keeps_failed_runs_one_seed_and_modalities_apart(tmp_path):
-    """The smoothing finding with accuracy-stopped classifiers (the built-in bamboo's) whose losses rise with
+    """The smoothing claims with accuracy-stopped classifiers (the built-in bamboo's) whose losses rise with
     noise after their minimum, as an overfitting classifier's do: the images pair holds (a loss dip after the
-    standing checkpoint is not counted), the text pair, whose numbers contradict the images', does not hold;
-    a failed supervised run is named and leaves the images verdict inconclusive, a diverged classifier the text
-    one; one seed decides nothing."""
+    standing checkpoint is not reported as improving: a classifier is read on the accuracy that chose it), the
+    text pair, whose numbers contradict the images', does not hold; a failed supervised run is named and leaves
+    the images verdict inconclusive, a diverged classifier the text one; one seed decides nothing."""
     cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.4}
     cos |= {"text_classify": lambda l, s: 0.2 + NOISE[s], "mlm": lambda l, s: 0.6}
     results = _bamboo(cos)
@@ -454,34 +483,35 @@ def test_judging_by_the_selection_measure_keeps_failed_runs_one_seed_and_modalit
             r.evals = [{"step": 100 * (i + 1), "loss": x, "accuracy": a} for i, (x, a) in enumerate(rows)]
             r.eval = dict(r.evals[2])  # the accuracy-best; step 400's loss is 4% below it
     found = bamboo_smoothing(results, tmp_path)
-    images = _by_title(found, "more than token-level (images: supervised vs mae)")
-    text = _by_title(found, "more than token-level (text: text_classify vs mlm)")
+    images = _by_name(found, "bamboo_smoothing_supervised")
+    text = _by_name(found, "bamboo_smoothing_text")
     assert images.verdict.verdict == HELD and images.verdict.mean == pytest.approx(0.4)
     assert text.verdict.verdict == NOT_HELD and text.verdict.mean == pytest.approx(-0.4)
+    assert "0 of 12 runs still improving accuracy by more than 0.01" in images.improving
+    assert "0 of 12 runs still improving loss" in images.improving  # the MAE runs, stopped on their loss
     failed = next(r for r in results if r.point.group == "supervised" and r.point.values["train.seed"] == 1)
     failed.status, failed.reason = "failed", "boom"
-    images = _by_title(bamboo_smoothing(results, tmp_path), "more than token-level (images: supervised vs mae)")
-    assert images.verdict.verdict == INCONCLUSIVE and failed.point.key in images.verdict.reason
-    # a diverged classifier, judged on its accuracy like the rest, still decides nothing against the claim
+    images = _by_name(bamboo_smoothing(results, tmp_path), "bamboo_smoothing_supervised")
+    assert images.verdict.verdict == INCONCLUSIVE and f"{failed.point.key} (failed: boom)" in images.verdict.reason
+    # a diverged classifier has no representation to measure: it decides nothing against the claim
     diverged = next(r for r in results if r.point.group == "text_classify" and r.point.values["train.seed"] == 2)
     diverged.status, diverged.reason = "diverged", "loss above 10 x its running minimum"
-    text = _by_title(bamboo_smoothing(results, tmp_path), "more than token-level (text: text_classify vs mlm)")
-    assert text.verdict.verdict == INCONCLUSIVE and "diverged" in text.verdict.reason
+    text = _by_name(bamboo_smoothing(results, tmp_path), "bamboo_smoothing_text")
+    assert text.verdict.verdict == INCONCLUSIVE and f"{diverged.point.key} (diverged" in text.verdict.reason
     diverged.status, diverged.reason = "completed", ""
     one_seed = [r for r in results if r.point.values.get("train.seed", 0) == 0]
-    text = _by_title(bamboo_smoothing(one_seed, tmp_path), "more than token-level (text: text_classify vs mlm)")
+    text = _by_name(bamboo_smoothing(one_seed, tmp_path), "bamboo_smoothing_text")
     assert text.verdict.verdict == INCONCLUSIVE and text.verdict.mean == pytest.approx(-0.39)
+    assert "one seed" in text.verdict.reason
 
 
 def test_non_finite_or_missing_metrics_are_named_not_dropped(tmp_path):
     loss = {"next_token": lambda l, s: float("nan") if (l == 6 and s == 2) else 1.5 - 0.05 * math.log2(l)}
-    nt = _by_title(bamboo_depth_tokens(_bamboo(loss=loss), tmp_path), "(next_token)")
-    assert nt.verdict.verdict == INCONCLUSIVE and "evaluation loss nan" in nt.verdict.reason
+    nt = _by_name(bamboo_depth_tokens(_bamboo(loss=loss), tmp_path), "bamboo_depth_tokens_next_token")
+    assert nt.verdict.verdict == INCONCLUSIVE and "seed=2 (evaluation loss nan)" in nt.verdict.reason
     acc = _acc(lambda l, s: 0.8, lambda l, s: float("nan") if (l == 24 and s == 0) else 0.8 + 0.05 * math.log2(l))
-    absolute = _by_title(
-        bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "pays off after token-level pre-training (images"
-    )
-    assert absolute.verdict.verdict == INCONCLUSIVE and "no finite accuracy" in absolute.verdict.reason
+    absolute = _by_name(bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "bamboo_depth_mae")
+    assert absolute.verdict.verdict == INCONCLUSIVE and "seed=0 (no finite accuracy)" in absolute.verdict.reason
     update = {"post_ln": lambda l, s: float("nan") if s == 1 else 3.0, "deepnorm": lambda l, s: 0.1}
     f = deepnet_update(_deepnet(GOOD, update=update), tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and "seed=1 (no finite first_update)" in f.verdict.reason
@@ -515,93 +545,107 @@ def test_depth_absolute_and_relative_are_separate_verdicts(tmp_path):
         lambda l, s: 0.9 - 0.05 * math.log2(l) + NOISE[s] / 10, lambda l, s: 0.9 - (0.02 + NOISE[s] / 10) * math.log2(l)
     )
     found = bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path)
-    assert len(found) == 4  # (images, text) x (absolute, relative)
-    absolute = _by_title(found, "pays off after token-level pre-training (images")
-    relative = _by_title(found, "more than training from scratch (images")
+    # (images, text) x (absolute, relative)
+    assert [f.name for f in found] == [
+        "bamboo_depth_mae",
+        "bamboo_depth_relative_mae",
+        "bamboo_depth_mlm",
+        "bamboo_depth_relative_mlm",
+    ]
+    absolute, relative = _by_name(found, "bamboo_depth_mae"), _by_name(found, "bamboo_depth_relative_mae")
     assert absolute.verdict.verdict == NOT_HELD and absolute.verdict.mean == pytest.approx(-0.02)
     assert relative.verdict.verdict == HELD and relative.verdict.mean == pytest.approx(0.03, abs=1e-9)
+    assert "minus the same slope of group supervised's runs" in relative.rule
+    # the text pair is its own verdict, read on its own groups
+    text = _by_name(found, "bamboo_depth_relative_mlm")
+    column = text.headers.index("group")
+    assert text.verdict.verdict == HELD and {r[column] for r in text.rows} == {"mlm_finetune", "text_classify"}
 
 
 def test_depth_reads_test_accuracy_only_when_every_classifier_compared_has_it(tmp_path):
     """Validation accuracy says depth pays off (+0.05 per doubling, the checkpoints chosen on it); the test split,
     scored whole, is flat (within the margin). With every classifier scored on test the verdict reads test; with one
-    of them unscored, every run is read on validation (a test score beside a validation one measures nothing)."""
+    of them unscored, every run it compares is read on validation (a test score beside a validation one measures
+    nothing); a claim that does not compare that run still reads test."""
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     results = _bamboo(accuracy=acc, out=tmp_path)
     classifiers = [r for r in results if r.point.group in _acc(0, 0)]
     for r in classifiers:
         r.test = {"split": "test", "metrics": {"loss": 0.5, "accuracy": 0.8 + NOISE[r.point.values["train.seed"]] / 10}}
-    on_test = _by_title(bamboo_depth(results, tmp_path), "pays off after token-level pre-training (images")
+    on_test = _by_name(bamboo_depth(results, tmp_path), "bamboo_depth_mae")
     assert on_test.verdict.verdict == INCONCLUSIVE and on_test.verdict.mean == pytest.approx(0.0, abs=1e-9)
-    assert "on its test split scored whole" in on_test.rule
+    assert "read on the whole test split" in on_test.rule and on_test.headers[-3] == "accuracy (test)"
     next(r for r in classifiers if r.point.group == "finetune").test = None
-    on_val = _by_title(bamboo_depth(results, tmp_path), "pays off after token-level pre-training (images")
+    found = bamboo_depth(results, tmp_path)
+    on_val = _by_name(found, "bamboo_depth_mae")
     assert on_val.verdict.verdict == HELD and on_val.verdict.mean == pytest.approx(0.05)
-    assert "on its validation split" in on_val.rule
+    assert "read on validation" in on_val.rule
+    assert "read on validation" in _by_name(found, "bamboo_depth_relative_mae").rule
+    assert "read on the whole test split" in _by_name(found, "bamboo_depth_mlm").rule  # its runs all have test
 
 
-def test_depth_is_decided_at_the_budget_and_reports_pretraining_still_improving(tmp_path):
-    """A fine-tuned trend is decided at the budget the study gave it; that the MAE runs it started from were still
-    lowering their loss by more than 2% over their last quarter of steps is reported beside it, and the MLM side,
-    whose pre-training plateaued, reports nothing."""
+def test_depth_is_decided_at_the_budget_and_reports_runs_still_improving(tmp_path):
+    """A fine-tuned trend is decided at the budget the study gave it; that the fine-tuned runs it reads were still
+    raising their accuracy by more than 0.01 over their last quarter is reported beside the verdict, and the MLM
+    side, whose fine-tuning plateaued, reports none."""
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     results = _bamboo(accuracy=acc, out=tmp_path)
     for r in results:
-        losses = {"mae": [0.50, 0.45, 0.40, 0.36], "mlm": [2.0, 1.8, 1.70, 1.69]}.get(r.point.group)
-        if losses:
-            r.evals = [{"step": 100 * (i + 1), "loss": x} for i, x in enumerate(losses)]
+        if r.point.group in ("finetune", "mlm_finetune"):
+            a, gain = r.eval["accuracy"], 0.05 if r.point.group == "finetune" else 0.0
+            r.evals = [{"step": 100 * (i + 1), "accuracy": a - gain * (3 - i) / 3} for i in range(4)]
     found = bamboo_depth(results, tmp_path)
-    images = _by_title(found, "pays off after token-level pre-training (images")
-    text = _by_title(found, "pays off after token-level pre-training (text")
+    images, text = _by_name(found, "bamboo_depth_mae"), _by_name(found, "bamboo_depth_mlm")
     assert images.verdict.verdict == HELD
-    assert "12 of 12 pre-training runs were still improving loss" in images.verdict.reason
-    assert text.verdict.verdict == HELD and "pre-training runs were still improving" not in text.verdict.reason
+    assert "12 of 12 runs still improving accuracy by more than 0.01 at their budget" in images.improving
+    assert text.verdict.verdict == HELD and text.improving.endswith(
+        "0 of 12 runs still improving accuracy by more than 0.01"
+    )
+    assert "still improving" not in images.verdict.reason  # reported beside the verdict, not a gate
 
 
 def test_depth_trend_in_the_middle_shapes_only(tmp_path):
     # the fine-tuned accuracy steps up between the middle shapes (11 -> 24 layers) and is flat at either end
     step = {6: 0.80, 11: 0.80, 24: 0.90, 43: 0.90}
     acc = _acc(lambda l, s: 0.8, lambda l, s: step[l] * (1 + NOISE[s]))
-    found = bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path)
-    absolute = _by_title(found, "pays off after token-level pre-training (images")
-    expected = slope([6, 11, 24, 43], [0.8, 0.8, 0.9, 0.9])
+    absolute = _by_name(bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "bamboo_depth_mae")
+    expected = _slope([6, 11, 24, 43], [0.8, 0.8, 0.9, 0.9])
     assert absolute.verdict.mean == pytest.approx(expected, abs=1e-9)
     assert absolute.verdict.verdict == HELD  # a rise over the shapes is a rise, wherever it happens
 
 
 def test_depth_diverged_deep_shapes_count_against_depth(tmp_path):
-    # two seeds of three diverge at the deepest shape; the third is slightly better: not held
+    # two seeds of three diverge at the deepest shape (scored the chance accuracy); the third is slightly better
     tuned = lambda l, s: 0.90 + (0.01 if l == 43 else 0.0)
     status = {"finetune": lambda l, s: "diverged" if (l == 43 and s < 2) else "completed"}
     found = bamboo_depth(_bamboo(accuracy=_acc(lambda l, s: 0.9, tuned), status=status, out=tmp_path), tmp_path)
-    absolute = _by_title(found, "pays off after token-level pre-training (images")
+    absolute = _by_name(found, "bamboo_depth_mae")
     assert absolute.verdict.verdict != HELD and absolute.verdict.mean < 0
-    # the old rule dropped diverged runs and kept the survivor: +0.01 held
+    assert absolute.verdict.per_seed[0] < 0 < absolute.verdict.per_seed[2]
+    # dropping diverged runs and keeping the survivor would have held +0.01
 
 
 def test_depth_failed_run_is_inconclusive_and_named(tmp_path):
     status = {"finetune": lambda l, s: "failed" if (l == 24 and s == 1) else "completed"}
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + 0.05 * math.log2(l))
-    absolute = _by_title(
-        bamboo_depth(_bamboo(accuracy=acc, status=status, out=tmp_path), tmp_path),
-        "pays off after token-level pre-training (images",
-    )
-    assert absolute.verdict.verdict == INCONCLUSIVE and "failed: boom" in absolute.verdict.reason
+    absolute = _by_name(bamboo_depth(_bamboo(accuracy=acc, status=status, out=tmp_path), tmp_path), "bamboo_depth_mae")
+    assert absolute.verdict.verdict == INCONCLUSIVE and "seed=1 (failed: boom)" in absolute.verdict.reason
 
 
-@pytest.mark.slow
 def test_depth_needs_finished_pretraining_before_fine_tuning(tmp_path):
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
-    held = _by_title(
-        bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "pays off after token-level pre-training (images"
-    )
+    held = _by_name(bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "bamboo_depth_mae")
     assert held.verdict.verdict == HELD
     # an MAE run that was interrupted: its fine-tuned run is no evidence, and the reason names both
     status = {"mae": lambda l, s: "interrupted" if (l == 11 and s == 2) else "completed"}
     found = bamboo_depth(_bamboo(accuracy=acc, status=status, out=tmp_path / "b"), tmp_path / "b")
-    absolute = _by_title(found, "pays off after token-level pre-training (images")
+    absolute = _by_name(found, "bamboo_depth_mae")
     assert absolute.verdict.verdict == INCONCLUSIVE
-    assert "finetune/layers=11_width=96_heads=6_ffn=384_seed=2 (its pre-training run mae/" in absolute.verdict.reason
+    assert re.search(
+        r"finetune/layers=11_width=96_heads=6_ffn=384_seed=2 \(its pre-training run mae/\S+ is interrupted\)",
+        absolute.verdict.reason,
+    )
+    assert _by_name(found, "bamboo_depth_mlm").verdict.verdict == HELD  # the MLM side is untouched
     # a fine-tuned run that started before its pre-training finished (no init_from record: the old rule)
     results = _bamboo(accuracy=acc, out=tmp_path / "c")
     from kilolayer.rundir import read_status, write_status
@@ -609,7 +653,7 @@ def test_depth_needs_finished_pretraining_before_fine_tuning(tmp_path):
     late = next(r for r in results if r.point.group == "finetune")
     st = read_status(late.point.run_dir(tmp_path / "c"))
     write_status(late.point.run_dir(tmp_path / "c"), "completed", 10, started="2026-01-01T00:30:00+00:00")
-    absolute = _by_title(bamboo_depth(results, tmp_path / "c"), "pays off after token-level pre-training (images")
+    absolute = _by_name(bamboo_depth(results, tmp_path / "c"), "bamboo_depth_mae")
     assert st["started"] > "2026-01-01T00:30" and absolute.verdict.verdict == INCONCLUSIVE
     assert f"{late.point.key} (started before its pre-training run" in absolute.verdict.reason
 
@@ -627,66 +671,88 @@ def test_depth_fine_tuning_from_a_stale_pretraining_checkpoint_is_no_evidence(tm
     newer = stale.point.init_from_point
     monkeypatch.setattr(rundir, "chosen_checkpoint", lambda d, patience=0, on_damaged=None: Path(d) / "ckpt")
     monkeypatch.setattr(rundir, "checkpoint_step", lambda p: 800 if str(p.parent).endswith(newer) else 500)
-    absolute = _by_title(bamboo_depth(results, tmp_path), "pays off after token-level pre-training (images")
+    found = bamboo_depth(results, tmp_path)
+    absolute = _by_name(found, "bamboo_depth_mae")
     assert absolute.verdict.verdict == INCONCLUSIVE
     assert f"{stale.point.key} (fine-tuned from step 500 of {newer}, whose chosen checkpoint is 800)" in (
         absolute.verdict.reason
     )
-    text = _by_title(bamboo_depth(results, tmp_path), "pays off after token-level pre-training (text")
-    assert text.verdict.verdict == HELD  # the MLM side is untouched
+    # the relative claim reads the same fine-tuned runs, and says so too
+    assert stale.point.key in _by_name(found, "bamboo_depth_relative_mae").verdict.reason
+    assert _by_name(found, "bamboo_depth_mlm").verdict.verdict == HELD  # the MLM side is untouched
 
 
 def _evals(final: float, earlier: float, key: str = "loss") -> list[dict]:
     return [{"step": 100, key: earlier + 0.2}, {"step": 300, key: earlier}, {"step": 400, key: final}]
 
 
-@pytest.mark.slow
 def test_runs_still_improving_are_reported_and_compared_at_their_budget(tmp_path):
     cos = {g: (lambda l, s: 0.8 + NOISE[s]) for g in SEQ}
     cos.update({g: (lambda l, s: 0.4) for g in TOK + ("untrained", "text_untrained")})
     results = _bamboo(cos)
     for r in results:  # every run ends flat at its budget (within 2% over its last quarter): converged
         r.evals = _evals(0.50, 0.505)
-    level = _by_title(bamboo_smoothing(results, tmp_path), "(images: supervised vs mae)")
-    assert level.verdict.verdict == HELD and "still improving" not in level.verdict.reason
+    level = _by_name(bamboo_smoothing(results, tmp_path), "bamboo_smoothing_supervised")
+    assert level.verdict.verdict == HELD and "0 of 12 runs still improving loss" in level.improving
     moving = [r for r in results if r.point.group == "mae" and r.point.config.model.layers == 43]
     for r in moving:  # the deepest MAE runs still gaining 10% in their last quarter
         r.evals = _evals(0.45, 0.50)
-    level = _by_title(bamboo_smoothing(results, tmp_path), "(images: supervised vs mae)")
+    level = _by_name(bamboo_smoothing(results, tmp_path), "bamboo_smoothing_supervised")
     assert level.verdict.verdict == HELD  # the papers compare at matched budgets; the count is reported
-    # the 12 runs judged on their loss (MAE's; the supervised runs stand by their accuracy)
-    assert f"{len(moving)} of 12 runs were still improving loss by more than 2%" in level.verdict.reason
-    # accuracy for the depth findings: +0.02 in the last quarter is reported too
+    # the 12 MAE runs judged on their loss (the supervised runs stand by the accuracy that chose them)
+    assert f"{len(moving)} of 12 runs still improving loss by more than 2% at their budget" in level.improving
+    assert "0 of 12 runs still improving accuracy" in level.improving
+    assert "still improving" not in level.verdict.reason
+    # accuracy for the depth claims: +0.02 in the last quarter is reported too
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     results = _bamboo(accuracy=acc, out=tmp_path / "d")
     for r in results:
         if r.point.group == "finetune":
             a = r.eval["accuracy"]
             r.evals = [{"step": 300, "accuracy": a - 0.02}, {"step": 400, "accuracy": a}]
-    absolute = _by_title(bamboo_depth(results, tmp_path / "d"), "pays off after token-level pre-training (images")
-    assert "still improving accuracy by more than 0.01" in absolute.verdict.reason
+    absolute = _by_name(bamboo_depth(results, tmp_path / "d"), "bamboo_depth_mae")
+    assert "12 of 12 runs still improving accuracy by more than 0.01" in absolute.improving
 
 
 def test_depth_tokens_per_objective(tmp_path):
     loss = {"next_token": lambda l, s: 1.5 - (0.05 + NOISE[s] / 10) * math.log2(l), "mlm": lambda l, s: 1.5}
     found = bamboo_depth_tokens(_bamboo(loss=loss), tmp_path)
-    nt = _by_title(found, "(next_token)")
-    mlm = _by_title(found, "(mlm)")
+    nt = _by_name(found, "bamboo_depth_tokens_next_token")
+    mlm = _by_name(found, "bamboo_depth_tokens_mlm")
     assert nt.verdict.verdict == HELD and nt.verdict.mean == pytest.approx(0.05, abs=1e-9)
     assert mlm.verdict.verdict == INCONCLUSIVE and mlm.verdict.mean == pytest.approx(0.0, abs=1e-12)
 
 
-def test_bamboo_findings_absent_without_their_groups(tmp_path):
-    assert bamboo_smoothing([], tmp_path) is None and bamboo_depth([], tmp_path) is None
-    assert bamboo_depth_tokens([], tmp_path) is None
+def test_bamboo_claims_without_their_runs_are_inconclusive_and_a_spec_without_their_groups_names_none(tmp_path):
+    """Judged on no runs, every Bamboo claim is inconclusive and says no run matched; a study names of a set only
+    the claims its groups can decide (quick: the images ones), and a set none of whose groups it has is refused."""
+    for finding in (bamboo_smoothing, bamboo_depth, bamboo_depth_tokens):
+        for f in finding([], tmp_path):
+            assert f.verdict.verdict == INCONCLUSIVE and f.verdict.n == 0, f.name
+            assert "no seed with every run the comparison needs" in f.verdict.reason
+            assert any(n.startswith("No run of") for n in f.notes)
+    quick = load_spec("quick")
+    bamboo = [c.name for c in quick.claims if c.name.startswith("bamboo")]
+    assert bamboo == [
+        "bamboo_smoothing_supervised",
+        "bamboo_smoothing_trend_supervised",
+        "bamboo_depth_mae",
+        "bamboo_depth_relative_mae",
+    ]
+    from kilolayer.errors import ConfigError
+    from kilolayer.study.builtin import BUILTIN
+
+    data = BUILTIN["quick"]()
+    data["claims"] = ["bamboo_depth_tokens"]
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"'bamboo_depth_tokens' reads groups this spec does not have \(mlm, "):
+        load_spec(tmp_path / "s.yaml")
 
 
 def test_report_md_and_html_give_the_same_decided_verdicts(tmp_path):
     """Held, did not hold and inconclusive all survive rendering: report.md and report.html agree."""
-    import re
     from types import SimpleNamespace
 
-    from kilolayer.study.findings import evaluate_findings
     from kilolayer.study.report import render_html, render_markdown
 
     # DeepNorm beats Post-LN (held) and loses to Pre-LN (did not hold)
@@ -695,7 +761,7 @@ def test_report_md_and_html_give_the_same_decided_verdicts(tmp_path):
     cos = {"supervised": lambda l, s: 0.8 + NOISE[s], "mae": lambda l, s: 0.3}
     results += [r for r in _bamboo(cos) if r.point.group in ("supervised", "mae", "untrained")]
     findings = [deepnet_postln(results, tmp_path), deepnet_preln(results, tmp_path)]
-    findings += evaluate_findings(["bamboo_smoothing"], results, tmp_path)
+    findings += bamboo_smoothing(results, tmp_path)
     words = [f.verdict.verdict for f in findings]
     assert {HELD, NOT_HELD, INCONCLUSIVE} <= set(words)
     spec = SimpleNamespace(name="constructed", description="constructed evidence", findings=[])

@@ -10,6 +10,7 @@ The built-in claims (``kilolayer/studies/claims/*.yaml``) read groups by name, w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib.resources import files
 
@@ -52,11 +53,17 @@ class _Study:
         return _unshared(yaml.safe_load((STUDIES / f"{self.name}.yaml").read_text(encoding="utf-8")))
 
 
+@functools.lru_cache(maxsize=16)
+def _parsed(text: str) -> dict:
+    """A claims file's YAML, parsed once per text (every spec that names claims reads them; callers copy)."""
+    return yaml.safe_load(text)
+
+
 def _claim_files() -> dict:
     found: dict = {}
     for path in sorted((STUDIES / "claims").iterdir(), key=lambda p: p.name):
         if path.name.endswith(".yaml"):
-            found.update(yaml.safe_load(path.read_text(encoding="utf-8")))
+            found.update(_parsed(path.read_text(encoding="utf-8")))
     return found
 
 

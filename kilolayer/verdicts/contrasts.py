@@ -95,9 +95,16 @@ def _cells(runs: list, judge, key: str, skip: tuple = ()) -> dict:
     others = [k for k in judge.other_keys(key) if k not in skip]
     cells: dict = defaultdict(lambda: defaultdict(list))
     for r in runs:
-        combo = json.dumps([r.point.values.get(k) for k in others], default=str)
+        # the pseudo key GROUP is no grid value of a point: a run's group is its group's name
+        combo = json.dumps([r.point.group if k == GROUP else r.point.values.get(k) for k in others], default=str)
         cells[judge.seed(r)][combo].append(r)
     return cells
+
+
+def _at(judge, key: str, combo: str) -> str:
+    """Where a cell of :func:`_cells` is, to name its runs: " at model.layers=12, ..." ("" when no other key varies)."""
+    others = [f"{k}={v}" for k, v in zip(judge.other_keys(key), json.loads(combo))]
+    return f" at {', '.join(others)}" if others else ""
 
 
 GROUP = "group"  # the key that tells apart the groups of a claim that reads several
@@ -142,8 +149,9 @@ class _TwoSides(Contrast):
         out = {}
         for seed, combos in _cells(runs, judge, self.key).items():
             parts = []
-            for rs in combos.values():
-                label = f"{self.key}={self.claimed_better} / {self.against}, seed {seed}"
+            for combo, rs in combos.items():
+                at = _at(judge, self.key, combo)
+                label = f"{self.key}={self.claimed_better} / {self.against}, seed {seed}{at}"
                 crowded = [v for v in (self.claimed_better, self.against) if _count(rs, self.key, v) > 1]
                 if crowded:  # runs that differ in keys the group's grid does not name: no pair to compare
                     judge.excluded.append(
@@ -156,8 +164,8 @@ class _TwoSides(Contrast):
                 if judge.measure.shared_steps and a is not None and b is not None:
                     a, b = on_shared_steps(a, b)
                 va, vb = (
-                    judge.value(a, f"{self.key}={self.claimed_better} seed {seed}", side="better"),
-                    judge.value(b, f"{self.key}={self.against} seed {seed}", side="against"),
+                    judge.value(a, f"{self.key}={self.claimed_better} seed {seed}{at}", side="better"),
+                    judge.value(b, f"{self.key}={self.against} seed {seed}{at}", side="against"),
                 )
                 if va is None or vb is None:
                     parts = None
@@ -238,8 +246,8 @@ class Slope(Contrast):
         groups = grid.get(GROUP, [])
         if self.than is not None and self.than not in groups:
             raise ValueError(
-                f"{where}.than={self.than!r}: not one of the claim's groups; give runs as a list of 2 or more groups"
-                + (f" (its groups: {', '.join(groups)})" if groups else "")
+                f"{where}.than={self.than!r}: not one of the claim's groups"
+                + (f" (its groups: {', '.join(groups)})" if groups else "; give runs as a list of 2 or more groups")
             )
 
     def _fit(self, rs, judge, seed) -> float | None:
@@ -261,19 +269,33 @@ class Slope(Contrast):
 
     def per_seed(self, runs, judge):
         sign = 1.0 if self.claimed == "increases" else -1.0
+        # the values of key each group's runs have in any seed: a cell without one of them lacks a run
+        values: dict = defaultdict(list)
+        for r in runs:
+            if not any(same(grid_value(r, self.key), v) for v in values[r.point.group]):
+                values[r.point.group].append(grid_value(r, self.key))
         out = {}
         for seed, combos in _cells(runs, judge, self.key).items():
             mine, theirs = [], []
-            for rs in combos.values():
+            for combo, rs in combos.items():
+                lacking = [v for v in values[rs[0].point.group] if _count(rs, self.key, v) == 0]
+                if lacking:  # named, as a missing run of a comparison is
+                    judge.value(None, f"{self.key}={lacking[0]} seed {seed}{_at(judge, self.key, combo)}")
+                    mine = None
+                    break
                 fitted = self._fit(rs, judge, seed)
                 if fitted is None:
                     mine = None
                     break
                 (theirs if self.than is not None and rs[0].point.group == self.than else mine).append(fitted)
-            if not mine or (self.than is not None and not theirs):
+            if mine is not None and self.than is not None and bool(mine) != bool(theirs):
+                judge.value(None, f"group {self.than if mine else 'other than ' + self.than}, seed {seed}")
                 continue
-            d = judge.combine(mine) - (statistics.fmean(theirs) if theirs else 0.0)
-            out[seed] = sign * d
+            if not mine:
+                continue
+            # signed first, so that the worst of the cells is the one least in the claim's direction
+            d = judge.combine([sign * m for m in mine]) - sign * (statistics.fmean(theirs) if theirs else 0.0)
+            out[seed] = d
         return out
 
     def unit(self, measure):
