@@ -5,6 +5,7 @@ from kilolayer import data, objectives  # noqa: F401
 from kilolayer.config import Config, ModelConfig, load_config
 from kilolayer.errors import ConfigError, InputError, KilolayerError
 from kilolayer.nn.budget import budget, count_parameters, matched_configs, training_flops
+from kilolayer.nn.custom import init_branches, residual, residual_scheme
 from kilolayer.nn.deepnorm import deepnorm_constants
 from kilolayer.nn.residual import SCHEMES
 from kilolayer.nn.transformer import build_model
@@ -23,6 +24,9 @@ __all__ = [
     "matched_configs",
     "training_flops",
     "deepnorm_constants",
+    "residual_scheme",
+    "residual",
+    "init_branches",
     "SCHEMES",
     "build_model",
 ]

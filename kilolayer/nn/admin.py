@@ -50,6 +50,12 @@ class Admin(PostLN):
     def describe(self):
         return {side: {"omega": self.alpha(Site(side, 0, "ffn"))} for side in self.depth.sides()}
 
+    def outside_residual(self, site):
+        parts = super().outside_residual(site)
+        if self.profiled:
+            parts.append("omega profiled on a batch through the backbone (admin_omega=profile)")
+        return parts
+
     def attach(self, model):
         if self.profiled:
             model.__dict__["_admin_unprofiled"] = [

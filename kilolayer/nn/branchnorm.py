@@ -60,6 +60,9 @@ class BranchNorm(PostLN):
     def branch_scale_module(self, site, width, eps):
         return BranchNormScale(self.steps, eps)
 
+    def outside_residual(self, site):
+        return [*super().outside_residual(site), "the training step, which the trainer tells kilolayer's stacks"]
+
     def on_step(self, stack, step):
         for layer in stack.layers:
             for res in layer.sublayers():

@@ -216,6 +216,24 @@ class Scheme:
         number, or a rule as text where the constant varies by layer."""
         return {}
 
+    def outside_residual(self, site: Site) -> list[str]:
+        """The parts this scheme places at ``site`` beyond the :class:`Residual` around a branch and the init of
+        its weights: what a user's own module would have to supply (kilolayer's layers and stacks do)."""
+        parts = []
+        if self.attn_inner_norm(site):
+            parts.append("a LayerNorm before the attention output projection")
+        if self.head_scale(site):
+            parts.append("learned per-head scales on the attention output")
+        if self.ffn_inner_norm(site):
+            parts.append("a LayerNorm after the FFN activation")
+        if self.ffn_shifts(site):
+            parts.append("learned scalar biases around the FFN activation")
+        if self.branch_scale == "layer":
+            parts.append("one learned branch scale shared by the sublayers of a layer")
+        if self.history is not LayerHistory:
+            parts.append("layer inputs combined from all earlier layers")
+        return parts
+
     # -- after building
     def attach(self, model: nn.Module) -> None:
         """Called once by the backbone built with this scheme (hooks that the scheme needs go here)."""
@@ -227,6 +245,10 @@ class Scheme:
     def on_step(self, stack: nn.Module, step: int) -> None:
         """``stack`` (a stack of layers built with this scheme) has had ``step`` updates; a scheme whose forward
         follows training progress (BranchNorm) records it in the stack, where checkpoints keep it."""
+
+
+# the ``model`` config fields a scheme reads from its options
+SCHEME_OPTIONS = ("layerscale_init", "ds_init_variant", "admin_omega", "branchnorm_steps")
 
 
 def make_scheme(name: str, depth: Depth, **options) -> Scheme:

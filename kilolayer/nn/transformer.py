@@ -18,7 +18,7 @@ from torch import nn
 from kilolayer.config import ModelConfig, model_config
 from kilolayer.errors import InputError
 from kilolayer.nn.layers import Layer
-from kilolayer.nn.residual import Depth, Scheme, make_scheme, xavier_
+from kilolayer.nn.residual import SCHEME_OPTIONS, Depth, Scheme, make_scheme, xavier_
 
 Observer = Callable[[int, torch.Tensor], None]
 
@@ -203,14 +203,8 @@ class Stack(nn.Module):
 
 def scheme_for(cfg: ModelConfig) -> Scheme:
     """The scheme a backbone of ``cfg`` is built with (``kilolayer describe`` shows the same one)."""
-    return make_scheme(
-        cfg.scheme,
-        Depth(cfg.arch, cfg.encoder_depth, cfg.decoder_depth),
-        layerscale_init=cfg.layerscale_init,
-        ds_init_variant=cfg.ds_init_variant,
-        admin_omega=cfg.admin_omega,
-        branchnorm_steps=cfg.branchnorm_steps,
-    )
+    options = {key: getattr(cfg, key) for key in SCHEME_OPTIONS}
+    return make_scheme(cfg.scheme, Depth(cfg.arch, cfg.encoder_depth, cfg.decoder_depth), **options)
 
 
 class Backbone(nn.Module):
