@@ -367,6 +367,12 @@ def test_a_crashing_trial_is_recorded_failed_and_the_search_goes_on(tmp_path, mo
     assert states[0] == ("failed", "RuntimeError: out of memory (simulated)")
     assert all(state == "completed" for n, (state, _) in states.items() if n)
     assert search.ranked[-1].number == 0
+    from kilolayer.study.cli import failed_trials
+
+    assert failed_trials(search) == (
+        f"1 of {len(search.ranked)} trials failed; their run directories: {search.ranked[-1].run} (each one's "
+        "reason is in the report); re-running the search goes on"
+    )
 
 
 def test_a_step_budget_stops_the_search_and_a_larger_one_continues_it(tmp_path):

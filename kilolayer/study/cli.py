@@ -296,7 +296,23 @@ def cmd_search(args) -> int:
         print(f"no trial completed yet: no recommendation{incomplete}")
     print(f"report: {html}")
     print(f"        {md}")
+    failed = failed_trials(search)
+    if failed:
+        print(failed)
+        return 1
     return rc
+
+
+def failed_trials(search) -> str | None:
+    """The search's last line when trials failed (how many, and where), else None."""
+    failed = [t for t in search.ranked if t.state == "failed"]
+    if not failed:
+        return None
+    named = ", ".join(str(t.run) for t in failed[:3]) + (", ..." if len(failed) > 3 else "")
+    return (
+        f"{len(failed)} of {len(search.ranked)} trials failed; their run directories: {named} (each one's reason "
+        "is in the report); re-running the search goes on"
+    )
 
 
 def register_search(sub) -> None:

@@ -51,7 +51,7 @@ REQUIREMENTS = {
     "loser_fails": "the other side must have failed (diverged, or loss above "
     f"{LEARNED_NOTHING:g} x chance) in every seed, else the claim is inconclusive",
     "all_learn": f"every run compared must have learned (loss at most {LEARNED_NOTHING:g} x chance): one that learned "
-    "nothing makes a held inconclusive",
+    "nothing says nothing about what training does, and makes the verdict inconclusive either way",
     "converged": "the claim is about converged models: a run still improving its measure at its budget makes it "
     "inconclusive",
 }
@@ -555,7 +555,8 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
         count=claim.contrast.count,
         not_evidence=tuple(judging.excluded),
         unlearned=tuple(dict.fromkeys(judging.unlearned)),
-        unlearned_decides_against=True,
+        # a claimed-better side that learned nothing contradicts the claim; a run of all_learn's says nothing
+        unlearned_decides_against="all_learn" not in claim.requires,
     )
     if judging.not_failed:
         failing = claim.contrast.sides()[1]
