@@ -12,6 +12,16 @@ from kilolayer.nn.transformer import build_model
 
 __version__ = "0.1.0"
 
+
+def load(path, device: str = "cpu", checkpoint=None):
+    """The trained model in ``path`` (a run directory or a folder ``kilolayer export`` wrote) as a
+    :class:`kilolayer.train.trained.Trained`: ``.task``, ``.config``, ``.encode``, ``.decode``, ``.generate``,
+    ``.export`` (docs/models.md#load-generate-export)."""
+    from kilolayer.train.trained import load as load_trained  # the trainer's modules load only when used
+
+    return load_trained(path, device, checkpoint)
+
+
 __all__ = [
     "Config",
     "ModelConfig",
@@ -29,4 +39,5 @@ __all__ = [
     "init_branches",
     "SCHEMES",
     "build_model",
+    "load",
 ]

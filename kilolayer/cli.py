@@ -195,7 +195,7 @@ def cmd_presets(args) -> int:
 
 
 #: commands that compute in this process take their thread count from the policy (``train`` applies it itself)
-COMPUTING = ("doctor", "analyze", "evaluate", "search")
+COMPUTING = ("doctor", "analyze", "evaluate", "search", "generate")
 
 
 @contextlib.contextmanager

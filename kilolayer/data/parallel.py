@@ -39,6 +39,7 @@ from pydantic import ConfigDict, Field
 from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cache_dir, cached
+from kilolayer.data.codec import TokenizerCodec
 from kilolayer.data.options import parse_options
 from kilolayer.data.packages import package_versions
 from kilolayer.data.synthetic import Seq2SeqSource
@@ -577,6 +578,10 @@ class ParallelCorpus(Seq2SeqSource):
         if EOS in ids:
             ids = ids[: ids.index(EOS)]
         return self.tokenizer.decode([i for i in ids if i > UNK or i == UNK])
+
+    def codec(self):
+        """Text to ids and back through the BPE vocabulary (as :meth:`detokenize` reads ids)."""
+        return TokenizerCodec(self.tokenizer, bos=BOS, eos=EOS, pad=PAD, last_special=EOS)
 
 
 def _encode(tok, pairs: list) -> list[tuple[list[int], list[int]]]:

@@ -25,6 +25,7 @@ from pydantic import ConfigDict, Field
 from kilolayer.config import Config, NumbersNotBools
 from kilolayer.data.base import register_source
 from kilolayer.data.cache import TensorOf, cached
+from kilolayer.data.codec import SymbolCodec
 from kilolayer.data.options import parse_options
 from kilolayer.data.stdlib import WindowSource
 from kilolayer.data.text import ByteTokenizer
@@ -71,6 +72,10 @@ class PTBWords:
 
     def decode(self, ids) -> str:
         return " ".join(self.words[int(i)] if int(i) < len(self.words) else "" for i in ids).strip()
+
+    def codec(self) -> SymbolCodec:
+        """Words to ids and back; generation stops at ``<eos>``, the end of a sentence."""
+        return SymbolCodec(dict(enumerate(self.words)), eos=self.eos_id, pad=self.pad_id, unk=self.unk_id)
 
 
 # ------------------------------------------------------------------ the corpus

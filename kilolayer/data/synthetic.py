@@ -23,6 +23,7 @@ from pydantic import ConfigDict, Field, model_validator
 from kilolayer.config import NumbersNotBools
 from kilolayer.data import vocab
 from kilolayer.data.base import Source, register_source
+from kilolayer.data.codec import ByteCodec, SymbolCodec
 from kilolayer.data.options import parse_options
 from kilolayer.data.vocab import BYTE_VOCAB
 from kilolayer.errors import ConfigError, InputError
@@ -103,6 +104,11 @@ class Seq2SeqSource(Source):
 
     def symbol(self, i: int) -> str:
         return str(i - FIRST)
+
+    def codec(self):
+        """Text to ids and back: the task's symbols, those :meth:`detokenize` writes."""
+        symbols = {i: self.symbol(i) for i in range(FIRST, self.vocab_size)}
+        return SymbolCodec(symbols, self.joiner, bos=self.bos, eos=self.eos, pad=self.pad)
 
 
 def stream(*key) -> torch.Generator:
@@ -274,6 +280,9 @@ class Parallel(Seq2SeqSource):
 
     def symbol(self, i: int) -> str:
         return bytes([i]).decode("latin-1")
+
+    def codec(self):
+        return ByteCodec(self.bos, self.eos, self.pad)
 
     def detokenize(self, ids) -> str:
         raw = bytes(

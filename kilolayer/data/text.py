@@ -23,6 +23,7 @@ from pydantic import Field
 from kilolayer.config import Config
 from kilolayer.data import vocab
 from kilolayer.data.base import SOURCES, register_source
+from kilolayer.data.codec import ByteCodec, Codec, HFCodec
 from kilolayer.data.memory import MemorySource, SplitOptions, split_indices
 from kilolayer.data.options import parse_options
 from kilolayer.errors import ConfigError, InputError
@@ -39,6 +40,9 @@ class ByteTokenizer:
 
     def encode(self, text: str | bytes) -> list[int]:
         return list(text) if isinstance(text, bytes) else vocab.encode(text)
+
+    def codec(self) -> ByteCodec:
+        return ByteCodec()
 
 
 class HFTokenizer:
@@ -72,6 +76,9 @@ class HFTokenizer:
             text = text.decode("utf-8", errors="replace")
         return self.tok.encode(text, add_special_tokens=False)
 
+    def codec(self) -> HFCodec:
+        return HFCodec(self.tok, eos=self.tok.eos_token_id, pad=self.pad_id)
+
 
 @lru_cache(maxsize=8)
 def _hf_tokenizer(path: str) -> HFTokenizer:
@@ -88,6 +95,16 @@ def tokenizer_for(config: Config):
     ``tokenizer(config)`` attribute of its registered function), else ``data.options.tokenizer``, else bytes."""
     own = getattr(SOURCES.get(config.data.name), "tokenizer", None)
     return own(config) if own is not None else make_tokenizer(config.data.options.get("tokenizer"))
+
+
+def codec_for(config: Config, source) -> Codec | None:
+    """The codec (text to ids and back) of ``config``'s data: a sequence-to-sequence ``source``'s own, else, for
+    a model reading tokens, its tokenizer's (:func:`tokenizer_for`); None for a model of images."""
+    if hasattr(source, "codec"):
+        return source.codec()
+    if config.model.input != "tokens":
+        return None
+    return tokenizer_for(config).codec()
 
 
 def check_vocab(size: int, tok, field: str = "model.vocab_size") -> None:

@@ -49,6 +49,9 @@ class Objective(nn.Module):
       objective reports one) of the best predictor that ignores the input, on the same evaluation
       targets: the level a model that learned nothing sits at. Objectives with categorical targets
       implement ``eval_targets`` and inherit it.
+    * ``generate(backbone, prompt, decoding, bos=None, eos=None) -> ids`` (optional, for objectives that write
+      text): the ids the model writes for the id list ``prompt`` under a
+      :class:`~kilolayer.objectives.decoding.Decoding`, without BOS or EOS; ``bos``/``eos`` are the data's.
     * ``baselines(batches) -> dict`` (optional): the scores of predictors that do not use what a model learns
       (seq2seq: the source copied, the nearest training pair's target), on the pairs ``evaluate`` scores, as
       ``{"pairs": N, "baselines": {name: scores}}``; {} where the objective has none.

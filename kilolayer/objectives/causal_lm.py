@@ -2,6 +2,7 @@
 
 Batches hold ``tokens`` (B, T+1); the model reads tokens[:, :-1] and predicts
 tokens[:, 1:]. Positions whose target is padding carry no loss. It takes no ``objective.options``.
+It generates: greedily or by sampling (:mod:`kilolayer.objectives.decoding`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from torch import nn
 from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
+from kilolayer.errors import ConfigError, InputError
 from kilolayer.objectives.base import Objective, register_objective
+from kilolayer.objectives.decoding import Decoding
 
 
 class CausalLMOptions(NumbersNotBools):
@@ -56,6 +59,29 @@ class CausalLM(Objective):
     def evaluate(self, backbone, batches):
         out = super().evaluate(backbone, batches)
         out["bits_per_token"] = out["loss"] / math.log(2)
+        return out
+
+    @torch.no_grad()
+    def generate(
+        self, backbone, prompt: list[int], decoding: Decoding, bos: int | None = None, eos: int | None = None
+    ) -> list[int]:
+        """The ids that follow ``prompt`` (at least one id): up to ``decoding.max_new_tokens`` (default 64), ending
+        before ``eos`` if it is drawn (``bos`` is not used: the prompt is the start). The model reads the last
+        ``model.max_len`` ids, the positions it knows."""
+        if not prompt:
+            raise InputError("prompt: gives no tokens; a causal LM continues at least one")
+        if decoding.beams > 1:
+            raise ConfigError(f"beams={decoding.beams}: causal_lm decodes greedily or by sampling, not by beam search")
+        device = self.head.weight.device
+        ids = torch.as_tensor([prompt], dtype=torch.long, device=device)
+        generator, out = decoding.generator(device), []
+        for _ in range(decoding.max_new_tokens or 64):
+            h = backbone(ids[:, -self.config.model.max_len :])
+            nxt = decoding.pick(self.head(h[:, -1]), generator)
+            if eos is not None and int(nxt) == eos:
+                break
+            out.append(int(nxt))
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
         return out
 
     def represent(self, backbone, batch):

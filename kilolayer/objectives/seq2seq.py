@@ -1,6 +1,6 @@
 """``seq2seq``: sequence-to-sequence with teacher forcing; at evaluation, token accuracy, and greedy decoding
 scored by exact match, BLEU and chrF, each with a bootstrap interval (:mod:`kilolayer.objectives.text_scores`);
-the baselines those sit beside: :mod:`kilolayer.objectives.baselines`."""
+the baselines those sit beside: :mod:`kilolayer.objectives.baselines`. It generates greedily or by beam search."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from kilolayer.config import NumbersNotBools
 from kilolayer.data.base import Source
 from kilolayer.data.options import parse_options
 from kilolayer.data.synthetic import Seq2SeqSource
-from kilolayer.errors import ConfigError
+from kilolayer.errors import ConfigError, InputError
 from kilolayer.objectives.base import Objective, batch_size, head_weights, register_objective
 from kilolayer.objectives.baselines import baseline_scores
+from kilolayer.objectives.decoding import Decoding
 from kilolayer.objectives.text_scores import text_scores
 
 
@@ -84,6 +85,71 @@ class Seq2Seq(Objective):
                 break
         return out[:, 1:]
 
+    def max_new(self, source_length: int, requested: int | None = None) -> int:
+        """The most tokens a decoding writes: ``requested``, else ``objective.options.max_new_tokens``, else the
+        source's length + 8; at most ``model.max_len - 1``, the positions the decoder has after BOS."""
+        return min(requested or self.opts.max_new_tokens or source_length + 8, self.config.model.max_len - 1)
+
+    @torch.no_grad()
+    def beam_search(
+        self, backbone, src, src_padding_mask, bos: int, eos: int, max_new: int, beams: int, length_penalty: float = 1.0
+    ) -> list[tuple[list[int], float]]:
+        """The ``beams`` best hypotheses for one source (``src`` (1, S)), best first, each (ids without BOS or EOS,
+        log-probability with EOS). Each step extends every live hypothesis by each token; of the ``beams`` best
+        extensions, those ending in EOS are finished, and the ``beams`` best others live on. The search stops once
+        ``beams`` are finished (or after ``max_new`` tokens, when live ones fill the list). Ranked by
+        log-probability / length ** ``length_penalty``, the length counting EOS. With one beam this is greedy
+        decoding."""
+        memory = backbone.encode(src, src_padding_mask)
+        seqs = torch.full((1, 1), bos, dtype=torch.long, device=src.device)
+        scores = torch.zeros(1, device=src.device)
+        done: list[tuple[list[int], float]] = []
+        for _ in range(max_new):
+            k = seqs.shape[0]
+            h = backbone.decode(seqs, memory.repeat(k, 1, 1), None, src_padding_mask.repeat(k, 1))
+            logp = self.head(h[:, -1]).float().log_softmax(-1)
+            top = (scores[:, None] + logp).flatten().topk(min(2 * beams, logp.numel()))
+            rows, tokens, kept = [], [], []
+            for place, (value, index) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+                row, token = divmod(index, logp.shape[-1])
+                if token == eos:
+                    if place < beams:  # an ending that is not among the best extensions is not taken
+                        done.append((seqs[row, 1:].tolist(), value))
+                elif len(rows) < beams:
+                    rows, tokens, kept = rows + [row], tokens + [token], kept + [value]
+            if len(done) >= beams:
+                break
+            seqs = torch.cat([seqs[rows], torch.as_tensor(tokens, device=src.device)[:, None]], dim=1)
+            scores = torch.as_tensor(kept, device=src.device)
+        else:  # out of length: unfinished hypotheses fill the list
+            done += [(s[1:], v) for s, v in zip(seqs.tolist(), scores.tolist())]
+        rank = lambda hyp: hyp[1] / (len(hyp[0]) + 1) ** length_penalty
+        return sorted(done, key=rank, reverse=True)[:beams]
+
+    @torch.no_grad()
+    def generate(
+        self, backbone, prompt: list[int], decoding: Decoding, bos: int | None = None, eos: int | None = None
+    ) -> list[int]:
+        """The ids of the output for the source ids ``prompt``, without BOS or EOS: greedy (:meth:`greedy`, the
+        evaluation's decoding) or, with ``decoding.beams`` > 1, :meth:`beam_search`; at most :meth:`max_new`
+        tokens. ``bos``/``eos`` default to the data's."""
+        m = self.config.model
+        if not prompt or len(prompt) > m.max_len:
+            raise InputError(f"prompt: {len(prompt)} tokens; a source is 1 to model.max_len={m.max_len} tokens")
+        if decoding.sampling:
+            raise ConfigError(
+                "temperature/top_k/top_p: seq2seq decodes greedily or by beam search (beams), not by sampling"
+            )
+        bos, eos = self.bos if bos is None else bos, self.eos if eos is None else eos
+        src = torch.as_tensor([prompt], dtype=torch.long, device=self.head.weight.device)
+        mask = torch.zeros_like(src, dtype=torch.bool)
+        max_new = self.max_new(len(prompt), decoding.max_new_tokens)
+        if decoding.beams > 1:
+            best = self.beam_search(backbone, src, mask, bos, eos, max_new, decoding.beams, decoding.length_penalty)
+            return best[0][0]
+        out = self.greedy(backbone, src, mask, bos, eos, max_new)[0].tolist()
+        return out[: out.index(eos)] if eos in out else out
+
     @torch.no_grad()
     def evaluate(self, backbone, batches):
         """``loss`` and ``token_accuracy`` (teacher-forced argmax over the target tokens the loss counts, the end
@@ -102,8 +168,7 @@ class Seq2Seq(Objective):
         hyps, refs = [], []
         for batch in self.decoded(batches):
             src, mask = batch["src"], batch["src_padding_mask"]
-            max_new = min(self.opts.max_new_tokens or src.shape[1] + 8, self.config.model.max_len - 1)
-            pred = self.greedy(backbone, src, mask, self.bos, self.eos, max_new)
+            pred = self.greedy(backbone, src, mask, self.bos, self.eos, self.max_new(src.shape[1]))
             hyps += [self.detokenize(row) for row in pred.tolist()]
             refs += [self.detokenize(t) for _, t in pairs_of(batch)]
         self.last_decoded = hyps  # what baselines() sets beside its own hypotheses of the same pairs

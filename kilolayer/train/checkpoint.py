@@ -180,14 +180,22 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | 
     """(config, task) of a finished or running kilolayer run, with the weights of ``checkpoint`` (default: the
     one that stands for the run, :func:`kilolayer.rundir.chosen_checkpoint`: the newest intact one; with early
     stopping, the best), in eval mode. A damaged checkpoint is reported in one line on stderr."""
+    config, _, task, _ = open_run(run_dir, device, checkpoint)
+    return config, task
+
+
+def open_run(run_dir: str | Path, device: str = "cpu", checkpoint: str | Path | None = None):
+    """:func:`load_run` with the data source the task was built for and the checkpoint's step:
+    (config, source, task, step)."""
     run_dir = Path(run_dir)
     if not (run_dir / rundir.CONFIG).is_file():
         raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
     config = load_config(run_dir / rundir.CONFIG)
     ckpt = standing_checkpoint(run_dir, checkpoint, config.train.patience)
-    task = build_task(config, load_source(config))  # the heads are sized for the run's data (e.g. its classes)
-    load_run_weights(run_dir, task, ckpt)
-    return config, task.to(device).eval()
+    source = load_source(config)
+    task = build_task(config, source)  # the heads are sized for the run's data (e.g. its classes)
+    step = load_run_weights(run_dir, task, ckpt)
+    return config, source, task.to(device).eval(), step
 
 
 def standing_checkpoint(
@@ -213,7 +221,13 @@ def load_run_weights(
     checkpoint's weights with another's step. Every reader of a run's weights (analyses, ``kilolayer evaluate``,
     the search, the doctor) loads them here; one line naming the first key that does not fit ``task``."""
     ckpt = standing_checkpoint(run_dir, checkpoint, on_damaged=on_damaged)
-    weights = read_weights(ckpt / "model.safetensors")
-    check_fits(ckpt / "model.safetensors", weights, task.state_dict())
-    task.load_state_dict(weights)
+    load_weights(ckpt / "model.safetensors", task)
     return rundir.checkpoint_step(ckpt)
+
+
+def load_weights(path: str | Path, task: torch.nn.Module) -> None:
+    """Load the safetensors file ``path`` (a checkpoint's or an export's weights) into ``task``; one line naming the
+    first key that does not fit it."""
+    weights = read_weights(Path(path))
+    check_fits(Path(path), weights, task.state_dict())
+    task.load_state_dict(weights)

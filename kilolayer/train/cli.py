@@ -1,4 +1,5 @@
-"""``kilolayer train`` and ``kilolayer evaluate``."""
+"""``kilolayer train``, ``kilolayer evaluate``, and using what a run trained: ``kilolayer generate`` and
+``kilolayer export``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,37 @@ def cmd_evaluate(args) -> int:
     print(eval_line(what, record["metrics"], record.get("baselines", {})))
     print(f"wrote {Path(args.run) / scores_name(record['split'])}")
     return 0
+
+
+def cmd_generate(args) -> int:
+    from kilolayer.objectives.decoding import Decoding
+    from kilolayer.train.trained import load
+
+    decoding = Decoding(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        beams=args.beams,
+        length_penalty=args.length_penalty,
+        seed=args.seed,
+    )
+    trained = load(args.run, device=_device(args.device))
+    print(trained.generate(args.prompt, decoding))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from kilolayer.train.trained import export
+
+    print(f"wrote {export(args.run, args.out)}")
+    return 0
+
+
+def _device(choice: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice
 
 
 def register(sub) -> None:
@@ -100,3 +132,34 @@ def register(sub) -> None:
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser(
+        "generate",
+        help="the text a trained causal LM or seq2seq model writes for a prompt",
+        description="Print the text a run's model (its standing checkpoint) or an export writes for --prompt: a "
+        "causal LM's continuation (greedy; sampling with --temperature, --top-k, --top-p, --seed), a seq2seq "
+        "model's output (greedy; beam search with --beams). A seq2seq prompt is the source, written as the data "
+        "writes it (a synthetic task's symbols separated by spaces, e.g. '3 1 4 1 5').",
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory or a folder written by kilolayer export")
+    p.add_argument("--prompt", required=True, help="the text to continue (causal LM) or translate (seq2seq)")
+    p.add_argument("--max-new-tokens", type=int, help="most tokens to write (default: 64; seq2seq: source + 8)")
+    p.add_argument("--temperature", type=float, help="0 = greedy; above 0 samples (default 0, or 1 with top-k/p)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample among the most likely tokens whose probability reaches p")
+    p.add_argument("--seed", type=int, help="seed of the sampling, for the same text again")
+    p.add_argument("--beams", type=int, default=1, help="seq2seq: beam search with this many beams (default 1)")
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search ranks log-probability / length**this")
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="default: cpu")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "export",
+        help="write a run's model as model.safetensors + config.yaml + tokenizer files, loadable without the run",
+        description="Write the model of a run (its standing checkpoint) to --out: model.safetensors (backbone and "
+        "heads), config.yaml and tokenizer.json (+ the tokenizer's own files). kilolayer.load(OUT) and kilolayer "
+        "generate OUT read it without the run directory or its data.",
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (must not exist, or be empty)")
+    p.set_defaults(func=cmd_export)
