@@ -24,6 +24,10 @@ class InputError(KilolayerError):
     """A tensor or file handed to kilolayer has the wrong shape, dtype or content."""
 
 
+class PluginError(KilolayerError):
+    """An installed package's entry point in one of kilolayer's groups does not load (kilolayer.registry)."""
+
+
 class DivergedError(KilolayerError):
     """Training diverged. A result, not a crash: exit code 3."""
 

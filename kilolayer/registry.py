@@ -15,6 +15,13 @@ the edge is a plain import that a reader and a tool can both see::
 A registry is a read-only mapping (``name in SCHEMES``, ``SCHEMES[name]``, ``sorted(SCHEMES)``), so code that
 iterates the names needs nothing else.
 
+A registry with an entry-point ``group`` also holds what other installed packages declare there (in their
+``pyproject.toml``: ``[project.entry-points."kilolayer.schemes"]``, ``my_scheme = "my_pkg.schemes:MyScheme"``).
+An entry point names one object, which is registered under the entry point's name. They are loaded once, the
+first time the registry is asked for a name it does not hold or for all its names, so ``import kilolayer``
+imports no plugin, and a plugin that fails to load is a :class:`PluginError` naming the entry point, its package
+and the error.
+
 The three registries a config names (:data:`SCHEMES`, :data:`OBJECTIVES`, :data:`SOURCES`) are declared here,
 below :mod:`kilolayer.config`, so that config validates a name without importing the model, the objectives or
 the data; their plugins fill them from above (``kilolayer.nn``, ``kilolayer.objectives``, ``kilolayer.data``),
@@ -25,9 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from importlib import metadata
+from types import ModuleType
 from typing import Generic, TypeVar
 
-from kilolayer.errors import ConfigError
+from kilolayer.errors import ConfigError, PluginError
 
 T = TypeVar("T")
 
@@ -36,13 +45,17 @@ class Registry(Mapping[str, T], Generic[T]):
     """Names -> plugins for one config field.
 
     ``field`` is the config key (or CLI argument) the name comes from and ``kind`` what a plugin is; both
-    appear in the one-line error of :meth:`get`.
+    appear in the one-line error of :meth:`get`. ``group`` is the entry-point group other packages register in
+    (None: built-in plugins only).
     """
 
-    def __init__(self, field: str, kind: str):
+    def __init__(self, field: str, kind: str, group: str | None = None):
         self.field = field
         self.kind = kind
+        self.group = group
         self._items: dict[str, T] = {}
+        self._loaded = group is None
+        self._broken: list[str] = []  # one line per entry point that failed to load
 
     def register(self, name: str | None = None) -> Callable[[T], T]:
         """Decorator: register the decorated object under ``name`` (default: its ``name`` attribute).
@@ -80,7 +93,7 @@ class Registry(Mapping[str, T], Generic[T]):
     def get(self, name: str) -> T:  # type: ignore[override]  # Mapping.get's default is never wanted here
         """The plugin called ``name``, or a :class:`ConfigError` naming the field, the value and what is allowed."""
         try:
-            return self._items[name]
+            return self[name]
         except (KeyError, TypeError):
             raise ConfigError(self.unknown(name)) from None
 
@@ -91,26 +104,59 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def names(self) -> list[str]:
         """The registered names, sorted (the order every "allowed: ..." lists them in)."""
-        return sorted(self._items)
+        return sorted(self)
+
+    def load_plugins(self) -> None:
+        """Register the objects of the group's entry points (once); a :class:`PluginError` while any failed."""
+        if not self._loaded:
+            self._loaded = True  # first: a plugin that looks up a name while it loads must not load the group again
+            for ep in metadata.entry_points(group=self.group):
+                try:
+                    obj = ep.load()
+                    if isinstance(obj, ModuleType):
+                        raise TypeError("it names a module; name the object to register (module:object)")
+                    own = getattr(obj, "name", None)
+                    if isinstance(own, str) and own and own != ep.name:
+                        raise ValueError(f"the object's name is {own!r}; the entry point must have the same name")
+                    self.add(ep.name, obj)
+                except Exception as err:
+                    dist = getattr(ep, "dist", None)
+                    package = f"{dist.name} {dist.version}" if dist is not None else "no installed package"
+                    error = " ".join(f"{type(err).__name__}: {err}".split())
+                    self._broken.append(f"{self.group} entry point {ep.name} = {ep.value} ({package}): {error}")
+        if self._broken:
+            raise PluginError("; ".join(self._broken))
 
     def __getitem__(self, name: str) -> T:
+        if name not in self._items and not self._loaded:
+            self.load_plugins()
         return self._items[name]
 
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
+
     def __iter__(self) -> Iterator[str]:
+        self.load_plugins()
         return iter(self._items)
 
     def __len__(self) -> int:
+        self.load_plugins()
         return len(self._items)
 
     def __repr__(self) -> str:
-        return f"Registry({self.field!r}: {', '.join(self.names())})"
+        return f"Registry({self.field!r}: {', '.join(sorted(self._items))})"
 
 
 def _qualname(obj: object) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
-# the registries of the names a config gives; filled by the modules that define the plugins
-SCHEMES: Registry = Registry("model.scheme", "residual scheme")
-OBJECTIVES: Registry = Registry("objective.name", "objective")
-SOURCES: Registry = Registry("data.name", "data source")
+# the registries of the names a config gives; filled by the modules that define the plugins and by other packages'
+# entry points
+SCHEMES: Registry = Registry("model.scheme", "residual scheme", group="kilolayer.schemes")
+OBJECTIVES: Registry = Registry("objective.name", "objective", group="kilolayer.objectives")
+SOURCES: Registry = Registry("data.name", "data source", group="kilolayer.sources")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from kilolayer.registry import Registry
 from kilolayer.verdicts.rule import Finding
 
-FINDINGS: Registry[Callable] = Registry("study.findings", "finding")
+FINDINGS: Registry[Callable] = Registry("study.findings", "finding", group="kilolayer.findings")
 
 
 def register_finding(name: str) -> Callable[[Callable], Callable]:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kilolayer.registry import Registry
 
-CONTRASTS: Registry[type] = Registry("kilolayer.contrasts", "contrast")
+CONTRASTS: Registry[type] = Registry("kilolayer.contrasts", "contrast", group="kilolayer.contrasts")
 
 
 def register_contrast(cls: type) -> type:

@@ -45,7 +45,7 @@ class Measure:
         return self.better == "lower"
 
 
-MEASURES: Registry[Measure] = Registry("kilolayer.measures", "measure")
+MEASURES: Registry[Measure] = Registry("kilolayer.measures", "measure", group="kilolayer.measures")
 
 
 def register_measure(measure: Measure) -> Measure:
