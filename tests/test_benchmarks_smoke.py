@@ -59,10 +59,25 @@ def train_result_fp32(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gpu_result(tmp_path_factory):
+def gpu_run(tmp_path_factory):
+    """``benchmarks.gpu --smoke --out FILE`` with both shapes named, in the reverse of their listed order: its JSON,
+    and what it handed over after each shape (the shape, the shapes in its result then, the shapes in FILE then)."""
     out = tmp_path_factory.mktemp("bench") / "gpu.json"
-    assert gpu.main(["--smoke", "--out", str(out)]) == 0
-    return json.loads(out.read_text())
+    handed = []
+    real_run = gpu.run
+
+    def run(smoke, rounds, budget_min, configs, done):
+        def spy(result, key):
+            done(result, key)
+            handed.append((key, list(result["configs"]), list(json.loads(out.read_text())["configs"])))
+
+        return real_run(smoke, rounds, budget_min, configs, spy)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu, "run", run)
+        shapes = [a for key in reversed(gpu.SMOKE_CONFIGS) for a in ("--config", key)]
+        assert gpu.main(["--smoke", *shapes, "--out", str(out)]) == 0
+    return json.loads(out.read_text()), handed
 
 
 @pytest.fixture(scope="module")
@@ -355,9 +370,9 @@ def test_reports_where_bf16_is_fast(train_result, memory_result, profile_result)
 
 
 @pytest.mark.slow
-def test_gpu_smoke_json(gpu_result):
+def test_gpu_smoke_json(gpu_run):
     """``benchmarks.gpu --smoke``: the GPU race's code on tiny models (here on the CPU), both shapes."""
-    r = gpu_result
+    r, _ = gpu_run
     assert r["smoke"] is True and r["compile_backend"] == "aot_eager"
     assert _positive(r["peak"]["flops"]["bf16"]) and r["peak"]["source"]["bf16"]
     assert set(r["configs"]) == set(gpu.SMOKE_CONFIGS)
@@ -373,18 +388,13 @@ def test_gpu_smoke_json(gpu_result):
 
 
 @pytest.mark.slow
-def test_gpu_race_hands_over_each_shape_when_it_is_done():
+def test_gpu_race_hands_over_each_shape_when_it_is_done(gpu_run):
     """A GPU run cut short by its host keeps what it finished: each shape's results are handed over (printed,
     and written to --out) as soon as that shape is done, with every shape finished so far."""
-    seen = []
-    result = gpu.run(
-        smoke=True,
-        rounds=1,
-        configs=["smoke_deep", "smoke_wide"],
-        done=lambda r, k: seen.append((k, list(r["configs"]))),
-    )
-    assert seen == [("smoke_deep", ["smoke_deep"]), ("smoke_wide", ["smoke_deep", "smoke_wide"])]
-    assert list(result["configs"]) == ["smoke_deep", "smoke_wide"]
+    r, handed = gpu_run
+    second, first = gpu.SMOKE_CONFIGS  # in the order --config named them
+    assert handed == [(first, [first], [first]), (second, [first, second], [first, second])]
+    assert list(r["configs"]) == [first, second]
 
 
 def test_gpu_without_cuda_is_one_line(capsys, monkeypatch):
