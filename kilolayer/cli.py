@@ -28,6 +28,10 @@ def _model_source(source: str, sets: list[str]):
     return load_config(source, sets).model
 
 
+#: ``kilolayer configs --params``'s head size when none is given
+DEFAULT_HEAD_DIM = 64
+
+
 def _fmt_count(n: float) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= div:
@@ -104,24 +108,28 @@ def cmd_configs(args) -> int:
 
     if args.like is None and args.params is None:
         raise ConfigError("configs: give --like PRESET|CONFIG.yaml or --params COUNT")
+    if args.head_dim is not None and args.head_dim < 1:
+        raise ConfigError(f"--head-dim={args.head_dim}: expected a head size of at least 1")
     if args.like is not None:
         base = _model_source(args.like, args.set)
+        head_dim = args.head_dim or base.head_dim  # the model's own head size unless one is asked for
     else:
+        head_dim = args.head_dim or DEFAULT_HEAD_DIM
         base = ModelConfig(
             arch=args.arch,
             layers=2,
-            width=args.head_dim * 2,
+            width=head_dim * 2,
             heads=2,
-            ffn=args.head_dim * 8,
+            ffn=head_dim * 8,
             decoder_layers=2 if args.arch == "encoder_decoder" else 0,
         )
     target = parse_count(args.params) if args.params is not None else count_parameters(base)
     rows = matched_configs(
-        base, params=target if args.params is not None else None, tolerance=args.tolerance, head_dim=args.head_dim
+        base, params=target if args.params is not None else None, tolerance=args.tolerance, head_dim=head_dim
     )
     title = f"configs within {args.tolerance:.0%} of {_fmt_count(target)} parameters"
     if args.like:
-        title += f", shaped like {args.like} (head size {args.head_dim}, FFN ratio {base.ffn / base.width:g})"
+        title += f", shaped like {args.like} (head size {head_dim}, FFN ratio {base.ffn / base.width:g})"
     table = Table(title=title)
     for col in ("layers", "dec layers", "width", "heads", "ffn", "params", "diff", "FLOPs/token"):
         table.add_column(col, justify="right")
@@ -173,7 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["encoder", "decoder", "encoder_decoder"],
         help="with --params: the architecture (default encoder, 256-token vocabulary)",
     )
-    p.add_argument("--head-dim", type=int, default=64, help="head size to keep (default 64)")
+    p.add_argument(
+        "--head-dim",
+        type=int,
+        help=f"head size of every variant (default: that of --like, else {DEFAULT_HEAD_DIM})",
+    )
     p.add_argument("--tolerance", type=float, default=0.03, help="relative parameter tolerance (default 0.03)")
     p.add_argument("--set", action="append", default=[], metavar="key.path=value", help="override a config key")
     p.set_defaults(func=cmd_configs)
@@ -233,8 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         print("kilolayer: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # output piped into e.g. `head`: the files are written; stop quietly
-        sys.stderr.close()
+        # output piped into e.g. `head`: the files are written; stop quietly (the streams write to /dev/null, so
+        # the interpreter's last flush cannot fail either)
+        from kilolayer.rundir import silence
+
+        silence(sys.stdout)
+        silence(sys.stderr)
         return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -200,7 +201,12 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     """The training loop."""
 
-    steps: int = Field(100, ge=0)
+    steps: int = Field(100, ge=0, description="optimizer steps (kilolayer train needs at least 1 but untrained)")
+    untrained: bool = Field(
+        False,
+        description="an untrained baseline: the freshly initialised model saved as the run, at step 0 (train.steps "
+        "is 0 whatever it is given)",
+    )
     batch_size: int = Field(16, ge=1, description="global batch (all processes, all accumulation steps)")
     accumulate: int = Field(1, ge=1, description="gradient accumulation: micro-batches per step")
     lr: float = Field(5e-4, gt=0, allow_inf_nan=False)
@@ -291,11 +297,24 @@ class TrainConfig(_Section):
             return value
         raise ValueError(f"train.compile={value!r}: expected false, layers or model (true means layers)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _untrained_trains_no_step(cls, data: Any) -> Any:
+        # an untrained baseline trains no step whatever train.steps says: a study's --set train.steps=N shortens
+        # the training of its other groups and leaves its baselines untrained
+        if isinstance(data, dict) and data.get("untrained") is True:
+            return {**data, "steps": 0}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.batch_size % self.accumulate:
             raise ValueError(
                 f"train.batch_size={self.batch_size}: must be divisible by train.accumulate={self.accumulate}"
+            )
+        if self.untrained and self.steps:
+            raise ValueError(
+                f"train.untrained=true: an untrained baseline trains no step; expected train.steps: 0, not {self.steps}"
             )
         if self.freeze_backbone and not self.init_from:
             raise ValueError("train.freeze_backbone=true: needs train.init_from (a pretrained run directory)")
@@ -340,7 +359,12 @@ def format_validation_error(err: ValidationError, prefix: str = "", cls: type | 
         return msg
     if e.get("type") == "extra_forbidden":
         keys = _section_keys(cls, parts[:-1])
-        return f"{where}: unknown key" + (f"; allowed: {', '.join(keys)}" if keys else "")
+        if not keys:
+            return f"{where}: unknown key"
+        near = difflib.get_close_matches(str(parts[-1]), keys, n=1)
+        section = ".".join(p for p in (prefix, *map(str, parts[:-1])) if p)
+        hint = f" did you mean {'.'.join(p for p in (section, near[0]) if p)}?" if near else ""
+        return f"{where}: unknown key;{hint} allowed: {', '.join(keys)}"
     value = e.get("input")
     shown = f"={value!r}" if not isinstance(value, (dict, list)) or len(repr(value)) <= 40 else ""
     return f"{where}{shown}: {msg[0].lower() + msg[1:]}"
@@ -403,6 +427,42 @@ def _looks_like_a_name(source: str | Path) -> bool:
     return not p.exists() and len(p.parts) == 1 and p.suffix.lower() not in (".yaml", ".yml", ".json")
 
 
+def _source(data: dict):
+    """The registered function of the source a config mapping names (None for a name validation will refuse)."""
+    section = data.get("data") if isinstance(data.get("data"), dict) else {}
+    name = section.get("name", DataConfig.model_fields["name"].default)
+    return SOURCES[name] if isinstance(name, str) and name in SOURCES else None
+
+
+def absolute_paths(data: dict, base: str | Path = ".") -> dict:
+    """A copy of ``data`` (a config as a mapping) with each relative path made absolute from the folder ``base``
+    (``~`` expanded): ``data.path``, ``train.init_from`` and the ``data.options`` its source declares paths
+    (``register_source(path_options=...)``). A value that is not a path is left to validation.
+
+    :func:`load_config` takes a file's paths from the file's folder and the rest (``--set``, a mapping) from the
+    working directory, so a run's config.yaml means the same from any directory (``--resume``, ``kilolayer
+    evaluate``, a study's commands)."""
+    out = copy.deepcopy(data)
+    options = getattr(_source(out), "path_options", ())
+    for *sections, key in (("data", "path"), ("train", "init_from"), *(("data", "options", k) for k in options)):
+        node = out
+        for name in sections:
+            node = node.get(name) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key]:
+            node[key] = os.path.abspath(Path(base).expanduser() / Path(node[key]).expanduser())
+    return out
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """Where the parser stopped and why, as the end of one line: ``at line 3, column 9: mapping values are not
+    allowed here (while scanning a simple key)``."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    context = getattr(err, "context", None)
+    return f"{where}: {problem}" + (f" ({' '.join(context.split())})" if context else "")
+
+
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
@@ -410,9 +470,7 @@ def read_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}") from None
+        raise ConfigError(f"{p}: not valid YAML{_yaml_problem(err)}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{p}: cannot read ({err.__class__.__name__})") from None
     if data is None:
@@ -425,7 +483,8 @@ def read_yaml(path: str | Path) -> dict:
 def load_config(source: str | Path | dict | None = None, sets: list[str] | None = None) -> Config:
     """Load a full config from a YAML file, a preset name or a dict, then apply ``--set`` items.
 
-    A file that holds only a model section (or a preset name) gives defaults for the rest.
+    A file that holds only a model section (or a preset name) gives defaults for the rest. Paths come out
+    absolute (:func:`absolute_paths`): a file's relative to its folder, the rest relative to the working directory.
     """
     from kilolayer.presets import PRESETS
 
@@ -442,8 +501,8 @@ def load_config(source: str | Path | dict | None = None, sets: list[str] | None 
         hint = f"did you mean {' or '.join(near)}? " if near else ""
         raise ConfigError(f"{source}: neither a preset nor a config file; {hint}`kilolayer presets` lists the presets")
     else:
-        data = read_yaml(source)
-    data = apply_sets(data, sets or [])
+        data = absolute_paths(read_yaml(source), Path(source).parent)
+    data = absolute_paths(apply_sets(data, sets or []))
     return _validate(Config, data, "")
 
 
@@ -472,4 +531,13 @@ def config_changes(old: Config | None, new: Config) -> dict:
 
 
 def dump_yaml(cfg: BaseModel) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """``cfg`` as YAML. A :class:`Config`'s ``data`` section leaves out a field (``task``, ``path``) that its
+    source does not read (``register_source(reads=...)``) while it holds its default: loading gives it back."""
+    data = cfg.model_dump(mode="json")
+    if isinstance(cfg, Config):
+        reads = getattr(SOURCES.get(cfg.data.name), "data_fields", ())
+        fields = DataConfig.model_fields
+        data["data"] = {
+            k: v for k, v in data["data"].items() if k in ("name", "options") or k in reads or v != fields[k].default
+        }
+    return yaml.safe_dump(data, sort_keys=False)

@@ -40,6 +40,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from kilolayer.errors import InputError, KilolayerError
 from kilolayer.files import write_atomic
@@ -473,8 +474,33 @@ def verify_checkpoint(ckpt: str | Path) -> str | None:
     return None
 
 
+def say(text: str, stream: TextIO | None = None) -> bool:
+    """Print ``text`` as a line on ``stream`` (stdout by default). False when the stream's reader has gone (a
+    pipe into ``head`` that exited): the stream then writes to /dev/null (:func:`silence`), so that output never
+    fails a run."""
+    stream = stream or sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+        return True
+    except BrokenPipeError:
+        silence(stream)
+        return False
+
+
+def silence(stream: TextIO) -> None:
+    """Point ``stream``'s file descriptor at /dev/null, Python's advice for a pipe whose reader has gone: later
+    writes, and the interpreter's last flush, then succeed instead of raising (or exiting 120)."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # no descriptor (output captured in memory)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def warn(message: str) -> None:
-    print(f"kilolayer: warning: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    say(f"kilolayer: warning: {' '.join(message.split())}", sys.stderr)
 
 
 def intact_checkpoint(run_dir: str | Path, on_damaged=warn) -> Path | None:

@@ -140,7 +140,7 @@ def test_build_model_with_a_bad_dict():
     assert "model.layers=0" in one_line(str(info.value))
     with pytest.raises(ConfigError) as info:
         build_model({"width": 64, "hedas": 2})
-    assert "model.hedas: unknown key; allowed:" in one_line(str(info.value))
+    assert "model.hedas: unknown key; did you mean model.heads? allowed:" in one_line(str(info.value))
 
 
 def test_good_config_loads():

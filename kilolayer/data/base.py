@@ -38,9 +38,22 @@ def with_sample_index(batch: dict, step: int, batch_size: int, rank: int = 0, wo
     return {**batch, SAMPLE_INDEX: sample_index(step, batch_size, rank, world)}
 
 
-def register_source(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn(config) -> Source`` under ``name`` (what ``data.name`` selects)."""
-    return SOURCES.register(name)
+def register_source(
+    name: str, reads: tuple[str, ...] = (), path_options: tuple[str, ...] = ()
+) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn(config) -> Source`` under ``name`` (what ``data.name`` selects).
+
+    ``reads`` names the fields of the ``data`` section besides ``name`` and ``options`` that the source reads
+    (``task``, ``path``): a run's config.yaml leaves out the others while they hold their defaults.
+    ``path_options`` names the keys of ``data.options`` that are a file or folder: loading a config makes them
+    absolute, as it does ``data.path`` (:func:`kilolayer.config.absolute_paths`).
+    """
+
+    def register(fn: Callable) -> Callable:
+        fn.data_fields, fn.path_options = tuple(reads), tuple(path_options)
+        return SOURCES.register(name)(fn)
+
+    return register
 
 
 class Source(ABC):

@@ -70,7 +70,7 @@ def _as_pil(value, where: str):
         raise InputError(f"{where}: cannot read an image from a {type(value).__name__} ({err})") from None
 
 
-@register_source("hf_dataset")
+@register_source("hf_dataset", reads=("path",), path_options=("tokenizer",))
 def hf_dataset(config: Config) -> MemorySource:
     import datasets
 

@@ -110,7 +110,7 @@ def class_folders(root: Path) -> list[str]:
     return classes
 
 
-@register_source("image_folder")
+@register_source("image_folder", reads=("path",))
 def image_folder(config: Config) -> MemorySource:
     opts = parse_options(ImageFolderOptions, config.data.options, "data.options")
     check_image_model(config)
@@ -175,7 +175,7 @@ def read_captions(root: Path, captions: str) -> tuple[list[Path], list[str]]:
     return files, [ln for _, ln in lines]
 
 
-@register_source("image_captions")
+@register_source("image_captions", reads=("path",), path_options=("tokenizer",))
 def image_captions(config: Config) -> MemorySource:
     opts = parse_options(ImageCaptionOptions, config.data.options, "data.options")
     check_image_model(config)

@@ -252,7 +252,7 @@ def encode_splits(corpus: dict, max_len: int, add_cls: bool) -> tuple[dict, dict
     return out, repeated
 
 
-@register_source("lo_help")
+@register_source("lo_help", path_options=("root",))
 def lo_help(config: Config) -> MemorySource:
     """Which LibreOffice module (Writer, Calc, ...) a paragraph of English help text is from."""
     opts = parse_options(LOHelpOptions, config.data.options, "data.options")

@@ -376,26 +376,26 @@ def build_source(config: Config, kind: str, captions: bool = False) -> ImageSour
     return source
 
 
-@register_source("mnist")
+@register_source("mnist", reads=("path",))
 def mnist(config: Config) -> ImageSource:
     return build_source(config, "mnist")
 
 
-@register_source("fashion_mnist")
+@register_source("fashion_mnist", reads=("path",))
 def fashion_mnist(config: Config) -> ImageSource:
     return build_source(config, "fashion_mnist")
 
 
-@register_source("idx")
+@register_source("idx", reads=("path",))
 def idx(config: Config) -> ImageSource:
     return build_source(config, "idx")
 
 
-@register_source("mnist_captions")
+@register_source("mnist_captions", reads=("path",))
 def mnist_captions(config: Config) -> ImageSource:
     return build_source(config, "mnist", captions=True)
 
 
-@register_source("fashion_mnist_captions")
+@register_source("fashion_mnist_captions", reads=("path",))
 def fashion_mnist_captions(config: Config) -> ImageSource:
     return build_source(config, "fashion_mnist", captions=True)

@@ -653,13 +653,13 @@ def make_source(name: str, config) -> ParallelCorpus:
     return source
 
 
-@register_source("de_en")
+@register_source("de_en", path_options=("root",))
 def de_en(config) -> ParallelCorpus:
     """German -> English (LibreOffice help, Ding's example sentences, gettext catalogues)."""
     return make_source("de_en", config)
 
 
-@register_source("fr_en")
+@register_source("fr_en", path_options=("root",))
 def fr_en(config) -> ParallelCorpus:
     """French -> English (LibreOffice help and gettext catalogues; Ding has no French)."""
     return make_source("fr_en", config)

@@ -131,7 +131,7 @@ def stdlib_bytes(config) -> ByteWindows:
     return ByteWindows(train, valid, seq, opts.eval_windows, config.train.seed, f"stdlib ({stdlib_dir()})")
 
 
-@register_source("text_bytes")
+@register_source("text_bytes", reads=("path",))
 def text_bytes(config) -> ByteWindows:
     """A user's text file (``data.path``) as a byte corpus; the last ``valid_percent`` of it is validation."""
     from kilolayer.data.options import parse_options
@@ -141,10 +141,12 @@ def text_bytes(config) -> ByteWindows:
     if not config.data.path:
         raise ConfigError("data.path: text_bytes needs a text file")
     p = Path(config.data.path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file (data.path)")
     try:
         data = p.read_bytes()
     except OSError as err:
-        raise InputError(f"{p}: cannot read ({err.strerror or err.__class__.__name__})") from None
+        raise InputError(f"{p}: cannot read ({err.strerror or err.__class__.__name__}; data.path)") from None
     if not data.strip():
         raise InputError(f"{p}: the file is empty")
     cut = len(data) * (100 - opts.valid_percent) // 100

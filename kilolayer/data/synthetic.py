@@ -245,7 +245,7 @@ def _check_fits(config, vocab_size: int, longest: int, what: str) -> None:
         raise ConfigError(f"model.max_len={m.max_len}: {what} has sequences of up to {longest} tokens")
 
 
-@register_source("synthetic")
+@register_source("synthetic", reads=("task",))
 def synthetic(config) -> Synthetic:
     opts = parse_options(SyntheticOptions, config.data.options, "data.options")
     src = Synthetic(config.data.task, opts, config.train.seed)
@@ -317,7 +317,7 @@ def _read_lines(path: str) -> list[str]:
         raise InputError(f"{p}: cannot read as UTF-8 text ({err.__class__.__name__})") from None
 
 
-@register_source("parallel")
+@register_source("parallel", path_options=("source", "target"))
 def parallel(config) -> Parallel:
     """A user's parallel text: ``data.options.source`` and ``data.options.target``, aligned line by line."""
     opts = parse_options(ParallelFilesOptions, config.data.options, "data.options")

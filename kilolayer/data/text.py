@@ -168,7 +168,7 @@ def label_ids(labels: list) -> tuple[torch.Tensor, list]:
     return torch.as_tensor([index[x] for x in labels], dtype=torch.long), names
 
 
-@register_source("text")
+@register_source("text", reads=("path",), path_options=("tokenizer",))
 def text(config: Config) -> MemorySource:
     opts = parse_options(TextOptions, config.data.options, "data.options")
     m = config.model

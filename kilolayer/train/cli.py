@@ -26,6 +26,7 @@ def cmd_train(args) -> int:
         quiet=args.quiet,
         overwrite=args.overwrite,
         choose_threads=True,
+        require_steps=True,
     )
     if os.environ.get("RANK", "0") == "0":
         print(f"{result['status']} at step {result['step']}: {args.out}")

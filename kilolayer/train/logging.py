@@ -73,7 +73,7 @@ class Progress:
             done = step - self.s0
             elapsed = time.perf_counter() - self.t0
             eta = elapsed / done * (self.total - step) if done else float("nan")
-            print(f"step {step}/{self.total} {text} eta {eta:.0f}s", flush=True)
+            self._say(f"step {step}/{self.total} {text} eta {eta:.0f}s")
 
     def note(self, text: str) -> None:
         """A line of its own (an evaluation's), above the bar on a terminal."""
@@ -82,7 +82,11 @@ class Progress:
         if self.bar is not None:
             self.bar.console.print(text, markup=False, highlight=False)
         else:
-            print(text, flush=True)
+            self._say(text)
+
+    def _say(self, text: str) -> None:
+        # a reader that has gone (piped into `head`) ends the progress output, never the run
+        self.enabled = rundir.say(text)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -102,6 +102,7 @@ class Run:
         self.engine: Engine | None = None
         self.started = False  # status.json says running: from here on every exit is recorded
         self.created = False
+        self.had_run = True  # whether --out held a run before this one (rank 0 looks)
         self.replace = False
         self._claim(overwrite)
         try:
@@ -124,6 +125,9 @@ class Run:
         self.last_record = 0  # the step of the newest train record (what the next one counts from)
         if latest is not None:
             self._restore(latest)
+        elif self.resume and not self.had_run and self.env.main and not self.quiet:
+            # resume-or-start (a study's points rely on it), said aloud: the --out may be a typo
+            rundir.say(f"kilolayer: {self.out} holds no run to resume: starting a new run", sys.stderr)
         tc = self.config.train
         if tc.patience and tc.eval_every:
             self.engine.check_early_stop_metric()
@@ -139,6 +143,7 @@ class Run:
             try:
                 rundir.check_out(self.out)
                 self.created = not self.out.exists()
+                self.had_run = rundir.is_run_dir(self.out)
                 self.out.mkdir(parents=True, exist_ok=True)
                 self.lock = rundir.RunLock(self.out).acquire()
                 if not self.resume and rundir.is_run_dir(self.out):
@@ -285,7 +290,7 @@ class Run:
         """Train from the start step to ``train.steps``; every way out is recorded in status.json."""
         tc, engine = self.config.train, self.engine
         if self.env.main and not self.quiet and self.announce:
-            print(self.threads.threads.line(), file=sys.stderr, flush=True)
+            rundir.say(self.threads.threads.line(), sys.stderr)
             if self.crowded:
                 rundir.warn(self.crowded)
         with self._recorded(), self._logs():
@@ -546,6 +551,7 @@ def train(
     choose_threads: bool = False,
     on_eval: Callable[[int, dict], str] | None = None,
     resume_hint: str = "",
+    require_steps: bool = False,
 ) -> dict:
     """Train a config into ``out_dir`` (see module docstring), holding the directory's lock meanwhile.
 
@@ -559,13 +565,19 @@ def train(
     default every usable core, fixed for the run; a default run that finds other kilolayer runs training on this
     machine says so in one line); otherwise a count (or ``auto``) given or recorded is used, else the process's
     own setting. ``on_eval``: see the module docstring; ``resume_hint``: what a stop's message says to continue
-    with (default: this command with ``--resume``).
+    with (default: this command with ``--resume``). ``require_steps`` (the CLI's) refuses ``train.steps: 0``
+    unless ``train.untrained`` says the run is an untrained baseline.
     """
     out = Path(out_dir)
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: give one (continue the run, or replace it)")
     rundir.check_out(out)
     config = resolve_config(config, out, resume, sets)
+    if require_steps and config.train.steps == 0 and not config.train.untrained:
+        raise ConfigError(
+            "train.steps=0: expected at least 1; for an untrained baseline (the initialised model saved as a "
+            "run) set train.untrained=true as well"
+        )
     check_early_stopping(config)
     if config.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda': no CUDA device is available here; use cpu or auto")
