@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli
 from objective_helpers import tiny_lm
 
 from kilolayer import rundir
+from kilolayer.cli import main
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.train.checkpoint import load_run, read_weights
 from kilolayer.train.policies import early_stop_mode
@@ -145,7 +145,6 @@ def test_mode_inferred_from_the_metric():
     assert early_stop_mode(tc.model_copy(update={"early_stop_metric": "accuracy", "early_stop_mode": "min"})) == "min"
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     "sets, needles",
     [
@@ -159,13 +158,14 @@ def test_mode_inferred_from_the_metric():
         ),
     ],
 )
-def test_bad_values_are_one_line_and_leave_no_directory(tmp_path, sets, needles):
+def test_bad_values_are_one_line_and_leave_no_directory(tmp_path, capsys, sets, needles):
     config = tmp_path / "cfg.yaml"
     config.write_text(dump_yaml(load_config(LM)))
     out = tmp_path / "run"
-    p = cli("train", str(config), "--out", str(out), "--quiet", *[a for s in sets for a in ("--set", s)])
-    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("kilolayer: error: "), p.stderr
+    rc = main(["train", str(config), "--out", str(out), "--quiet", *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert rc != 0 and len(lines) == 1 and lines[0].startswith("kilolayer: error: "), err
     for n in needles:
         assert n in lines[0], (n, lines[0])
     assert not out.exists()

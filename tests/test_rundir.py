@@ -11,9 +11,10 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, cli
+from helpers import ROOT
 
 from kilolayer import rundir
+from kilolayer.cli import main
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.rundir import RunDirError, RunLock, RunLocked
 
@@ -209,16 +210,18 @@ def test_a_run_dir_answers_what_its_readers_ask(tmp_path):
     assert run.mark_failed("Ray task: lost", keep=()) and (run.state, run.step) == ("failed", 8)
 
 
-@pytest.mark.integration
-def test_a_folder_with_someone_elses_config_and_metrics_is_not_a_run(tmp_path):
+def test_a_folder_with_someone_elses_config_and_metrics_is_not_a_run(tmp_path, capsys):
     folder = tmp_path / "mine"
     (folder / "analysis").mkdir(parents=True)
     (folder / "config.yaml").write_text("lr: 3\n")
     (folder / "metrics.jsonl").write_text("epoch,loss\n")
     (folder / "analysis" / "report.txt").write_text("important\n")
     assert not rundir.is_run_dir(folder)
-    p = cli("train", "configs/stdlib_gpt.yaml", "--out", folder, "--overwrite", "--set", "train.steps=1")
-    assert p.returncode == 2 and "not a kilolayer run directory" in p.stderr and len(p.stderr.splitlines()) == 1
+    rc = main(
+        ["train", str(ROOT / "configs/stdlib_gpt.yaml"), "--out", str(folder), "--overwrite", "--set", "train.steps=1"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "not a kilolayer run directory" in err and len(err.splitlines()) == 1
     assert (folder / "analysis" / "report.txt").read_text() == "important\n"
     assert (folder / "config.yaml").read_text() == "lr: 3\n" and (
         folder / "metrics.jsonl"

@@ -266,7 +266,6 @@ def test_accumulation_matches_full_batch(tmp_path):
         assert s1 == s2 and x == pytest.approx(y, rel=1e-4)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     "args, needles",
     [
@@ -325,11 +324,14 @@ def test_accumulation_matches_full_batch(tmp_path):
         (["train", "--resume", "--out", "{tmp}/none"], ["nothing to resume"]),
     ],
 )
-def test_bad_input_is_one_line(tmp_path, args, needles):
+def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, needles):
+    """In-process, from the repository root as ``cli()`` runs: the command's exit status and its whole stderr (the
+    process boundary itself is the corrupt and mismatched checkpoints' tests above)."""
+    monkeypatch.chdir(ROOT)
     (tmp_path / "empty.txt").write_text("")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    p = cli(*args)
-    assert_one_line_error(p.returncode, p.stderr, *needles)
+    rc = main(args)
+    assert_one_line_error(rc, capsys.readouterr().err, *needles)
 
 
 def test_parallel_text_files(tmp_path, monkeypatch):

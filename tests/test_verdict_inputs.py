@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli
 
 from kilolayer.analysis.chance import chance_level
 from kilolayer.analysis.smoothness import SmoothnessObserver, smoothness, token_cosine
+from kilolayer.cli import main
 from kilolayer.config import load_config
 from kilolayer.data import load_source
 from kilolayer.errors import ConfigError
@@ -116,12 +116,12 @@ def test_constant_patch_fraction():
     assert constant_patch_fraction(up, 2) == 1.0 and constant_patch_fraction(up, 4) == 0.0
 
 
-@pytest.mark.integration
-def test_mae_guard_refuses_upscaled_digits_in_one_line():
+def test_mae_guard_refuses_upscaled_digits_in_one_line(capsys):
     sets = ("--set", "data.options.upscale=2", "--set", "model.image_size=16")
-    p = cli("train", "configs/digits_mae.yaml", *sets, "--out", "/nonexistent/never")
-    assert p.returncode == 2 and p.stdout == ""
-    lines = p.stderr.strip().splitlines()
+    rc = main(["train", str(ROOT / "configs/digits_mae.yaml"), *sets, "--out", "/nonexistent/never"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "100% of the 2x2 patches" in lines[0] and "norm_pix_loss" in lines[0]
     assert "model.patch_size" in lines[0] and "upscale" in lines[0]
 
