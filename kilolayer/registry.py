@@ -100,7 +100,9 @@ class Registry(Mapping[str, T], Generic[T]):
     def unknown(self, name: object, field: str | None = None) -> str:
         """The one-line message for a name that is not registered; ``field`` names another config key that
         takes the same kind of name (e.g. MAE's ``objective.options.decoder_scheme``)."""
-        return f"{field or self.field}={name!r}: unknown {self.kind}; allowed: {', '.join(self.names())}"
+        names = self.names()
+        allowed = f"allowed: {', '.join(names)}" if names else "none is registered (a plug-in registers one)"
+        return f"{field or self.field}={name!r}: unknown {self.kind}; {allowed}"
 
     def names(self) -> list[str]:
         """The registered names, sorted (the order every "allowed: ..." lists them in)."""

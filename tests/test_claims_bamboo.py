@@ -44,6 +44,15 @@ def groups(tmp_path_factory) -> dict:
         "description": "constructed evidence for the claim features",
         "groups": [
             *({"name": g, "base": BASE, **by_depth} for g in ("a", "b", "base")),
+            *(
+                {
+                    "name": g,
+                    "base": BASE,
+                    "grid": {"model.layers,model.decoder_layers": [[d, d] for d in DEPTHS], "train.lr": [1e-3, 1e-2]},
+                    "seeds": SEEDS,
+                }
+                for g in ("p", "q")
+            ),
             {
                 "name": "sweep",
                 "base": BASE,
@@ -149,20 +158,34 @@ def test_relative_to_subtracts_the_baseline_at_the_same_settings_and_seed(groups
     f = _judge(groups, claim, _results(groups, loss), tmp_path)
     assert f.verdict.per_seed == pytest.approx({0: 0.1, 1: 0.12, 2: 0.14})
     assert f.verdict.verdict == HELD
-    assert "each run's eval_loss less that of the group base run at its settings (its own seed's, else any)" in f.rule
+    assert "each run's eval_loss less that of the group base run at its settings and seed" in f.rule
     assert f.headers[-3] == "eval_loss of base"
     # without the baseline subtracted, the same runs are flat
     flat = _claim(groups, runs="a", slope={"key": "model.layers", "claimed": "decreases"})
     assert _judge(groups, flat, _results(groups, loss), tmp_path).verdict.per_seed == pytest.approx(
         dict.fromkeys(SEEDS, 0.0)
     )
-    # a seed whose baseline run is missing takes another seed's
+    # a seed whose baseline run is missing is not evidence, named: another seed's initialisation is no baseline
     no_seed_2 = [r for r in _results(groups, loss) if not (r.point.group == "base" and _seed(r.point) == 2)]
     v = _judge(groups, claim, no_seed_2, tmp_path).verdict
-    assert not [w for w in v.reason.split(";") if "missing" in w] and v.per_seed[2] in (
-        pytest.approx(0.1),
-        pytest.approx(0.12),
+    assert v.verdict == INCONCLUSIVE and "the base baseline of a/" in v.reason and "(missing)" in v.reason
+    assert 2 not in v.per_seed
+
+
+def test_a_diverged_runs_score_is_measured_from_the_same_baseline(groups, tmp_path):
+    """b diverged (it scores the chance loss, 2.4), a ended at 2.6, the baseline at 3.0: relative to it, a's -0.4
+    and b's -0.6. A diverged side never wins on a quality measure, so d = 0 (b's raw chance score less a's
+    baseline-relative one would be +2.8)."""
+    claim = _claim(
+        groups, runs=["a", "b"], relative_to="base", compare={"key": "group", "claimed_better": "a", "against": "b"}
     )
+
+    def loss(p):
+        return {"a": 2.6, "b": 2.0, "base": 3.0}[p.group] if p.group in ("a", "b", "base") else None
+
+    diverged = _results(groups, loss, status=lambda p: "diverged" if p.group == "b" else "completed")
+    v = _judge(groups, claim, diverged, tmp_path).verdict
+    assert v.per_seed == pytest.approx(dict.fromkeys(SEEDS, 0.0)) and v.verdict == INCONCLUSIVE
 
 
 def test_a_missing_or_failed_baseline_is_named_and_leaves_the_claim_inconclusive(groups, tmp_path):
@@ -227,6 +250,25 @@ def test_slope_than_subtracts_the_other_groups_slope(groups, tmp_path):
     ]
     v = _judge(groups, claim, runs, tmp_path).verdict
     assert v.verdict == INCONCLUSIVE and "model.layers=4 seed 1 at group=a (missing)" in v.reason
+
+
+def test_slope_than_with_combine_worst_pairs_the_groups_cell_by_cell(groups, tmp_path):
+    """p's loss falls 0.3 per doubling at lr 1e-3 and 0.1 at 1e-2, q's 0 and 0.15: p falls faster at 1e-3 only.
+    The worst matched cell (lr 1e-2: 0.1 - 0.15) decides "must hold at each"; the mean of the cells holds."""
+    rates = {("p", 1e-3): 0.3, ("p", 1e-2): 0.1, ("q", 1e-3): 0.0, ("q", 1e-2): 0.15}
+
+    def loss(p):
+        rate = rates.get((p.group, p.values.get("train.lr")))
+        return None if rate is None else 2.0 - (rate + NOISE[_seed(p)] * (p.group == "p")) * math.log2(_depth(p))
+
+    slope = {"key": "model.layers", "claimed": "decreases", "than": "q"}
+    worst = _judge(
+        groups, _claim(groups, runs=["p", "q"], slope=slope, combine="worst"), _results(groups, loss), tmp_path
+    )
+    assert worst.verdict.per_seed == pytest.approx({s: -0.05 + NOISE[s] for s in SEEDS})
+    assert worst.verdict.verdict == NOT_HELD
+    mean = _judge(groups, _claim(groups, runs=["p", "q"], slope=slope), _results(groups, loss), tmp_path)
+    assert mean.verdict.per_seed == pytest.approx({s: 0.125 + NOISE[s] for s in SEEDS}) and mean.verdict.verdict == HELD
 
 
 def test_slope_than_names_one_of_the_claims_groups(groups):

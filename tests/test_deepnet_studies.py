@@ -366,6 +366,14 @@ def test_robust_deepnorm_that_learned_nothing_makes_a_held_inconclusive(tmp_path
     assert v.verdict == INCONCLUSIVE and "learned nothing" in v.reason
 
 
+def test_robust_post_ln_training_better_is_no_did_not_hold_for_a_deepnorm_that_learned(tmp_path):
+    """At the largest learning rate both learned, Post-LN to a lower loss: the claim's premise (Post-LN fails) is
+    unmet, so the verdict is inconclusive, not a did not hold of a DeepNorm that trained."""
+    better = {("robust_lr", "post_ln"): lambda x, s: 0.7 + 0.01 * s, ("robust_lr", "deepnorm"): lambda x, s: 1.2}
+    v = _by_axis(deepnet_robust(_robust(loss=better), tmp_path))["robust_lr"].verdict
+    assert v.mean < -v.margin and v.verdict == INCONCLUSIVE and "to fail in every seed" in v.reason
+
+
 def test_robust_seeds_that_disagree_a_failed_run_or_one_seed_are_inconclusive(tmp_path):
     unstable = {("robust_lr", "post_ln"): lambda x, s: x == 1e-2 and s == 0}
     v = _by_axis(deepnet_robust(_robust(unstable=unstable), tmp_path))["robust_lr"].verdict

@@ -14,7 +14,7 @@ from kilolayer.errors import ConfigError
 from kilolayer.objectives import OBJECTIVES
 from kilolayer.presets import PRESETS
 from kilolayer.registry import Registry
-from kilolayer.study.builtin import BUILTIN, builtin_claims
+from kilolayer.study.builtin import BUILTIN, builtin_claim_sets, builtin_claims
 from kilolayer.study.findings import FINDINGS
 from kilolayer.study.spec import load_spec
 
@@ -35,8 +35,9 @@ def test_each_kind_of_plugin_is_a_registry_with_its_field():
     assert set(fields) == {"objective.name", "data.name", "study.findings", "study"}
     assert set(OBJECTIVES) == OBJECTIVE_NAMES  # every module in kilolayer/objectives/__init__.py registered
     assert SOURCE_NAMES <= set(SOURCES)
-    assert {"bamboo_smoothing", "deepnet_robust"} <= set(FINDINGS)
+    assert set(FINDINGS) == set()  # every built-in claim is data; a finding in Python is a user's plug-in
     assert {"deepnet_postln", "deepnet_update"} <= set(builtin_claims())  # DeepNet's claims, written as data
+    assert {"bamboo_smoothing", "deepnet_robust"} <= set(builtin_claim_sets())  # one verdict per pair or axis
     assert list(BUILTIN)[:2] == ["quick", "deepnet"]  # `kilolayer study --list` keeps the order they are added in
     assert all(OBJECTIVES[name].name == name for name in OBJECTIVES)
 
@@ -85,7 +86,7 @@ def test_study_names_use_the_registry_wording(tmp_path):
         load_spec("quik")
     assert str(err.value).startswith(BUILTIN.unknown("quik") + "; nor is it a spec file")
     spec = tmp_path / "s.yaml"
-    spec.write_text("name: s\ngroups: [{name: g}]\nfindings: [bamboo_smoothing, nope]\n")
+    spec.write_text("name: s\ngroups: [{name: g}]\nfindings: [nope]\n")
     with pytest.raises(ConfigError) as err:
         load_spec(spec)
     assert str(err.value) == FINDINGS.unknown("nope")

@@ -365,8 +365,13 @@ def test_a_studys_final_table_reads_the_test_scores_analysis(trained_run, tmp_pa
     note = bleu.note([r], tmp_path, "test")[0]
     assert "same test pairs: nearest BLEU 15.00, chrF 41.00" in note and "0 of 1 completed runs translate" in note
     without = Result(point=Point(), status="completed", eval=val)
-    # one split for all: a run without test scores puts every run of the comparison on validation
-    assert _split(bleu, [r, r]) == "test" and _split(bleu, [r, without]) == "validation"
+    # one split for all: where the groups do not score test, a run without test scores puts every run of the
+    # comparison on validation; where they do, test is read and the run without it is not evidence
+    from types import SimpleNamespace
+
+    plain, scored = SimpleNamespace(analyses=set()), SimpleNamespace(analyses={"test_scores"})
+    assert _split(bleu, [r, r], plain) == "test" and _split(bleu, [r, without], plain) == "validation"
+    assert _split(bleu, [r, without], scored) == "test"
 
 
 def test_a_paired_bootstrap_compares_model_and_baseline_on_the_same_sentences():

@@ -156,9 +156,14 @@ def _named(raw: Any, where: str) -> Any:
     name = raw if isinstance(raw, str) else raw.get("use") if isinstance(raw, dict) else None
     if name is None:
         return raw
-    from kilolayer.study.builtin import builtin_claims
+    from kilolayer.study.builtin import builtin_claim_sets, builtin_claims
 
-    known = builtin_claims()
+    known, sets = builtin_claims(), builtin_claim_sets()
+    if name in sets:
+        raise ValueError(
+            f"{where}={name!r}: names a set of built-in claims ({', '.join(sets[name])}); use one of them to rebind "
+            "its runs"
+        )
     if name not in known:
         raise ValueError(f"{where}={name!r}: no built-in claim of that name; built-in: {', '.join(sorted(known))}")
     extra = {k: v for k, v in raw.items() if k != "use"} if isinstance(raw, dict) else {}

@@ -49,7 +49,8 @@ REQUIREMENTS = {
     "winner_learns": f"the claimed-better side must have learned (loss at most {LEARNED_NOTHING:g} x chance) in "
     "every seed: one that learned nothing makes a held inconclusive, and leaves a did not hold standing",
     "loser_fails": "the other side must have failed (diverged, or loss above "
-    f"{LEARNED_NOTHING:g} x chance) in every seed, else the claim is inconclusive",
+    f"{LEARNED_NOTHING:g} x chance) in every seed, else the claim is inconclusive (a did not hold stands only where "
+    "the claimed-better side learned nothing)",
     "all_learn": f"every run compared must have learned (loss at most {LEARNED_NOTHING:g} x chance): one that learned "
     "nothing says nothing about what training does, and makes the verdict inconclusive either way",
     "converged": "the claim is about converged models: a run still improving its measure at its budget makes it "
@@ -211,6 +212,10 @@ def check_claim(claim: Claim, groups: dict, where: str) -> None:
             raise ValueError(f"{kind}.{field}={key}: group {group.name!r} does not vary it (it varies {varied})")
     claim.contrast.check(grid, kind)
     for key, value in claim.where.items():
+        if value in ("max", "min") and not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in grid.get(key, [])
+        ):
+            raise ValueError(f"{where}.where.{key}={value}: max and min need numbers (its values: {shown(grid[key])})")
         if key not in grid and value in ("max", "min"):
             continue  # a key the group does not vary: every run has its one value, and max and min are it
         if key not in grid:
@@ -304,14 +309,19 @@ class Judging:
         return min(parts) if self.claim.combine == "worst" else statistics.fmean(parts)
 
     def _baseline_of(self, r):
-        """The baseline run at ``r``'s settings of the baseline group's grid: the same seed's, else any seed's."""
+        """The baseline run at ``r``'s settings of the baseline group's grid and of its seed (another seed's
+        initialisation would enter every difference as a constant that the bounds never see), or None."""
         keys = list(grid_values(self.baseline))
-        found = [
-            b
-            for b in self.results
-            if b.point.group == self.baseline.name and all(same(grid_value(b, k), grid_value(r, k)) for k in keys)
-        ]
-        return next((b for b in found if self.seed(b) == self.seed(r)), found[0] if found else None)
+        return next(
+            (
+                b
+                for b in self.results
+                if b.point.group == self.baseline.name
+                and self.seed(b) == self.seed(r)
+                and all(same(grid_value(b, k), grid_value(r, k)) for k in keys)
+            ),
+            None,
+        )
 
     def _exclude(self, why: str) -> None:
         if why not in self.excluded:
@@ -344,13 +354,13 @@ class Judging:
                     f"no finite value here)"
                 )
                 return None
-            return v
-        v = m.read(r, self.out, self.split)
-        if v is None or not math.isfinite(v):
-            where = " on its test split" if self.split == TEST else ""
-            self._exclude(f"{r.point.key} (no finite {m.name}{where})")
-            return None
-        if self.baseline is not None:
+        else:
+            v = m.read(r, self.out, self.split)
+            if v is None or not math.isfinite(v):
+                where = " on its test split" if self.split == TEST else ""
+                self._exclude(f"{r.point.key} (no finite {m.name}{where})")
+                return None
+        if self.baseline is not None:  # a diverged run's score is measured from the same baseline
             b = self._baseline_of(r)
             base = m.read(b, self.out, self.split) if b is not None and b.ok else None
             if base is None or not math.isfinite(base):
@@ -385,8 +395,10 @@ def _runs_of(claim: Claim, results: list) -> tuple[list, dict]:
     return runs, resolved
 
 
-def _split(measure: Measure, runs: list) -> str:
-    if measure.test_only:
+def _split(measure: Measure, runs: list, group: Runs) -> str:
+    """Test where the claim's groups score it (a run without its test score is then not evidence, named), or
+    where every completed run was scored there; else validation."""
+    if measure.test_only or (measure.split_key and "test_scores" in group.analyses):
         return TEST
     done = [r for r in runs if r.status == "completed"]
     if measure.split_key and done and all(has_test(r, measure.split_key) for r in done):
@@ -414,10 +426,7 @@ def rule_text(
     unit = c.unit(measure)
     what = c.describe(measure, claim.direction())
     if claim.relative_to:
-        what += (
-            f", each run's {claim.measure} less that of the group {claim.relative_to} run at its settings (its own "
-            "seed's, else any)"
-        )
+        what += f", each run's {claim.measure} less that of the group {claim.relative_to} run at its settings and seed"
     parts = [what + ", per seed"]
     if tied:
         parts[0] += f" ({c.key} moves together with {' and '.join(tied)} in the grid)"
@@ -543,7 +552,7 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
     group = runs_of(claim, groups)
     runs, where = _runs_of(claim, results)
     measure = claim.the_measure()
-    split = _split(measure, runs)
+    split = _split(measure, runs, group)
     baseline = groups[claim.relative_to] if claim.relative_to else None
     judging = Judging(claim, group, out, split, results, baseline)
     per_seed = claim.contrast.per_seed(runs, judging)
@@ -564,7 +573,9 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
             f"; the claim needs {claim.contrast.key}={failing} to fail in every seed, but "
             f"{', '.join(dict.fromkeys(judging.not_failed))} learned"
         )
-        if v.verdict == HELD:
+        # the claim's premise is unmet: a held says nothing, and so does a did not hold, unless the claimed-better
+        # side learned nothing (which contradicts the claim whatever the other side did)
+        if v.verdict == HELD or (v.verdict == NOT_HELD and not judging.unlearned):
             v.verdict = INCONCLUSIVE
     improving, moving = _improving(claim, measure, list(judging.read.values()))
     unshown = [r for r in judging.read.values() if r.status == "completed" and len(r.evals) < 2]

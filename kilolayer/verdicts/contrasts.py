@@ -274,9 +274,10 @@ class Slope(Contrast):
         for r in runs:
             if not any(same(grid_value(r, self.key), v) for v in values[r.point.group]):
                 values[r.point.group].append(grid_value(r, self.key))
+        others = judge.other_keys(self.key)
         out = {}
         for seed, combos in _cells(runs, judge, self.key).items():
-            mine, theirs = [], []
+            mine, theirs = {}, {}  # the other keys' values but the group's -> slope
             for combo, rs in combos.items():
                 lacking = [v for v in values[rs[0].point.group] if _count(rs, self.key, v) == 0]
                 if lacking:  # named, as a missing run of a comparison is
@@ -287,15 +288,22 @@ class Slope(Contrast):
                 if fitted is None:
                     mine = None
                     break
-                (theirs if self.than is not None and rs[0].point.group == self.than else mine).append(fitted)
-            if mine is not None and self.than is not None and bool(mine) != bool(theirs):
-                judge.value(None, f"group {self.than if mine else 'other than ' + self.than}, seed {seed}")
-                continue
+                cell = json.dumps([v for k, v in zip(others, json.loads(combo)) if k != GROUP])
+                (theirs if self.than is not None and rs[0].point.group == self.than else mine)[cell] = fitted
             if not mine:
                 continue
-            # signed first, so that the worst of the cells is the one least in the claim's direction
-            d = judge.combine([sign * m for m in mine]) - sign * (statistics.fmean(theirs) if theirs else 0.0)
-            out[seed] = d
+            if self.than is not None:  # each cell against the than group's at the same other settings
+                unmatched = sorted(set(mine) ^ set(theirs))
+                if unmatched:
+                    lacks = self.than if unmatched[0] in mine else f"other than {self.than}"
+                    keys = [k for k in others if k != GROUP]
+                    at = ", ".join(f"{k}={v}" for k, v in zip(keys, json.loads(unmatched[0])))
+                    judge.value(None, f"group {lacks}, seed {seed}" + (f" at {at}" if at else ""))
+                    continue
+                cells = [sign * (mine[c] - theirs[c]) for c in mine]
+            else:
+                cells = [sign * m for m in mine.values()]
+            out[seed] = judge.combine(cells)  # signed first: the worst cell is the least in the claim's direction
         return out
 
     def unit(self, measure):
