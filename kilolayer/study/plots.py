@@ -240,7 +240,9 @@ def depth_curves(results, path: Path) -> bool:
         if len(depths) < 2:
             continue
         metric = next((k for k in QUALITY if k in rs[0].eval), None)
-        panels = ([(acc_ax, metric)] if metric else []) + ([(loss_ax, "loss")] if rs[0].point.config.objective.name in LOSS_PANEL else [])
+        panels = ([(acc_ax, metric)] if metric else []) + (
+            [(loss_ax, "loss")] if rs[0].point.config.objective.name in LOSS_PANEL else []
+        )
         for ax, key in panels:
             # the task metric on the test split where every run was scored on it (as the verdicts read it)
             test = key != "loss" and all(key in ((r.test or {}).get("metrics") or {}) for r in rs)
