@@ -63,4 +63,17 @@ def pytest_collection_modifyitems(config, items):
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         if any(d and d[-1].scope == "module" for d in defs.values()):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            _name_group(config, item, item.module.__name__)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def _name_group(config, item, group: str) -> None:
+    """The scheduler of ``--dist loadgroup`` reads a test's group from an ``@group`` suffix of the node id it is
+    sent. pytest-xdist 3.8 appends it to ``item._nodeid``, which pytest 9 no longer reads (the node id is
+    ``str(item._id)``), so that without this every test would be scheduled alone and each worker would build
+    the module fixtures again."""
+    if not getattr(config.option, "loadgroup", False) or "@" in item.nodeid or not hasattr(item, "_id"):
+        return
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")
