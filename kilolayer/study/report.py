@@ -107,7 +107,7 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         "Nothing here was written in advance.",
         "",
         _table(
-            ["finding", "verdict", "measured", "still improving at the budget"],
+            ["claim", "verdict", "measured", "still improving at the budget"],
             [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason, f.improving or "-"] for f in findings],
         ),
     ]
@@ -224,7 +224,8 @@ def diagnoses(results, out: Path) -> dict[str, str]:
 
 CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;
 padding:0 1em;line-height:1.45;color:#222}table{border-collapse:collapse;margin:1em 0;font-size:0.9em}
-td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top}th{background:#f3f3f3}img{max-width:100%;
+td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top;overflow-wrap:anywhere}
+td:first-child{min-width:12em}td strong{white-space:nowrap}th{background:#f3f3f3}img{max-width:100%;
 border:1px solid #eee}code{background:#f6f6f6;padding:1px 3px;font-size:0.85em}
 pre{background:#f6f6f6;padding:0.6em;overflow-x:auto;font-size:0.8em}.held{color:#176b1d}.not-held{color:#b3261e}
 .inconclusive{color:#8a6d00}.skipped{color:#666}"""
