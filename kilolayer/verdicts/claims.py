@@ -470,7 +470,11 @@ def _table(claim: Claim, runs: list, judging: Judging) -> tuple[list, list]:
     headers = [*keys, "seed", claim.measure + (" (test)" if judging.split == TEST else ""), *extra]
     headers += ["loss / chance", "status"]
     rows = []
-    for r in sorted(runs, key=lambda r: (json.dumps([grid_value(r, k) for k in keys], default=str), judging.seed(r))):
+    def order(r):  # numbers by value (2 before 16), other values by their text
+        values = [grid_value(r, k) for k in keys]
+        return [(0, v, "") if isinstance(v, (int, float)) else (1, 0, json.dumps(v, default=str)) for v in values]
+
+    for r in sorted(runs, key=lambda r: (order(r), judging.seed(r))):
         if r.status == "completed" or r.status == "diverged":
             v = (
                 judging.measure.read(r, judging.out, judging.split)
