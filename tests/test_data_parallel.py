@@ -175,7 +175,7 @@ def config(root, name="de_en", vocab=120, max_len=64, **options):
             },
             "objective": {"name": "seq2seq"},
             "data": {"name": name, "options": options},
-            "train": {"steps": 0},
+            "train": {"steps": 1},
         }
     )
 
