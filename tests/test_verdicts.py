@@ -367,6 +367,8 @@ def _bamboo(cosine=None, accuracy=None, loss=None, status=None, out=None):
                 "after_final_norm": False,
             }
         r = Result(point=p, status=st_, eval=ev, smoothness=smooth, reason="" if st_ == "completed" else "boom")
+        if "test_scores" in p.analyses and st_ == "completed":  # its test split scored as its validation
+            r.test = {"metrics": dict(ev)}
         r.chance = dict(CHANCE)
         results.append(r)
     return results
@@ -511,7 +513,8 @@ def test_non_finite_or_missing_metrics_are_named_not_dropped(tmp_path):
     assert nt.verdict.verdict == INCONCLUSIVE and "seed=2 (evaluation loss nan)" in nt.verdict.reason
     acc = _acc(lambda l, s: 0.8, lambda l, s: float("nan") if (l == 24 and s == 0) else 0.8 + 0.05 * math.log2(l))
     absolute = _by_name(bamboo_depth(_bamboo(accuracy=acc, out=tmp_path), tmp_path), "bamboo_depth_mae")
-    assert absolute.verdict.verdict == INCONCLUSIVE and "seed=0 (no finite accuracy)" in absolute.verdict.reason
+    assert absolute.verdict.verdict == INCONCLUSIVE
+    assert "seed=0 (no finite accuracy on its test split)" in absolute.verdict.reason
     update = {"post_ln": lambda l, s: float("nan") if s == 1 else 3.0, "deepnorm": lambda l, s: 0.1}
     f = deepnet_update(_deepnet(GOOD, update=update), tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and "seed=1 (no finite first_update)" in f.verdict.reason
@@ -562,11 +565,11 @@ def test_depth_absolute_and_relative_are_separate_verdicts(tmp_path):
     assert text.verdict.verdict == HELD and {r[column] for r in text.rows} == {"mlm_finetune", "text_classify"}
 
 
-def test_depth_reads_test_accuracy_only_when_every_classifier_compared_has_it(tmp_path):
+def test_depth_reads_test_accuracy_where_the_groups_score_it_and_names_a_run_without_it(tmp_path):
     """Validation accuracy says depth pays off (+0.05 per doubling, the checkpoints chosen on it); the test split,
-    scored whole, is flat (within the margin). With every classifier scored on test the verdict reads test; with one
-    of them unscored, every run it compares is read on validation (a test score beside a validation one measures
-    nothing); a claim that does not compare that run still reads test."""
+    scored whole, is flat (within the margin). The bamboo groups score test (the test_scores analysis), so the
+    verdict reads test; a classifier whose test score is missing is not evidence, named (never a fall-back to the
+    validation split that chose the checkpoints); a claim that does not compare that run still reads test."""
     acc = _acc(lambda l, s: 0.8, lambda l, s: 0.8 + (0.05 + NOISE[s] / 10) * math.log2(l))
     results = _bamboo(accuracy=acc, out=tmp_path)
     classifiers = [r for r in results if r.point.group in _acc(0, 0)]
@@ -575,12 +578,13 @@ def test_depth_reads_test_accuracy_only_when_every_classifier_compared_has_it(tm
     on_test = _by_name(bamboo_depth(results, tmp_path), "bamboo_depth_mae")
     assert on_test.verdict.verdict == INCONCLUSIVE and on_test.verdict.mean == pytest.approx(0.0, abs=1e-9)
     assert "read on the whole test split" in on_test.rule and on_test.headers[-3] == "accuracy (test)"
-    next(r for r in classifiers if r.point.group == "finetune").test = None
+    unscored = next(r for r in classifiers if r.point.group == "finetune")
+    unscored.test = None
     found = bamboo_depth(results, tmp_path)
-    on_val = _by_name(found, "bamboo_depth_mae")
-    assert on_val.verdict.verdict == HELD and on_val.verdict.mean == pytest.approx(0.05)
-    assert "read on validation" in on_val.rule
-    assert "read on validation" in _by_name(found, "bamboo_depth_relative_mae").rule
+    missing = _by_name(found, "bamboo_depth_mae")
+    assert missing.verdict.verdict == INCONCLUSIVE and "read on the whole test split" in missing.rule
+    assert f"{unscored.point.key} (no finite accuracy on its test split)" in missing.verdict.reason
+    assert unscored.point.key in _by_name(found, "bamboo_depth_relative_mae").verdict.reason
     assert "read on the whole test split" in _by_name(found, "bamboo_depth_mlm").rule  # its runs all have test
 
 
