@@ -592,13 +592,14 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
             assert status["stopped_early"] and status["step"] < caps[r.point.group], (r.point.key, status)
     md, _, findings = write_report(spec, results, out, 1.0)
     # smoothing level x 3 encoder pairs, smoothing trend x 3 sequence-level groups, depth (absolute, relative) x 2,
-    # depth_tokens x 2 objectives
-    assert [f.name.split(":")[0] for f in findings] == (
-        ["bamboo_smoothing"] * 3
-        + ["bamboo_smoothing_trend"] * 3
-        + ["bamboo_depth", "bamboo_depth_relative"] * 2
-        + ["bamboo_depth_tokens"] * 2
-    )
+    # depth_tokens x 2 objectives: the claims of the three sets bamboo_cpu names
+    assert [f.name for f in findings] == [
+        *(f"bamboo_smoothing_{pair}" for pair in ("supervised", "contrastive", "text")),
+        *(f"bamboo_smoothing_trend_{group}" for group in ("supervised", "contrastive", "text")),
+        *(f"bamboo_depth{kind}_{pre}" for pre in ("mae", "mlm") for kind in ("", "_relative")),
+        "bamboo_depth_tokens_next_token",
+        "bamboo_depth_tokens_mlm",
+    ]
     by_name = {f.name: f.verdict for f in findings}
 
     def run(group: str, layers: int, seed: int) -> Path:
@@ -614,20 +615,20 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
         _standing_eval(run("next_token", 1, s))["loss"] - _standing_eval(run("next_token", 2, s))["loss"]
         for s in (0, 1)
     ]
-    v = by_name["bamboo_depth_tokens:next_token"]
+    v = by_name["bamboo_depth_tokens_next_token"]
     assert (v.mean, v.lower, v.upper) == pytest.approx(_bounds(d), rel=1e-9)
     # over-smoothing, supervised vs MAE: last-layer cosine difference averaged over the two shapes, per seed
     d = [
         sum(_last_cosine(run("supervised", n, s)) - _last_cosine(run("mae", n, s)) for n in (1, 2)) / 2 for s in (0, 1)
     ]
-    v = by_name["bamboo_smoothing:supervised:mae"]
+    v = by_name["bamboo_smoothing_supervised"]
     assert (v.mean, v.lower, v.upper) == pytest.approx(_bounds(d), rel=1e-9)
     text = md.read_text()
-    assert "text: text_classify vs mlm" in text and "vs next_token" not in text
+    assert "(text: classification vs MLM)" in text and "vs next_token" not in text
     # every text model was measured on the same inputs (the help paragraphs), stamped beside its result
     texts = [r for r in results if r.point.config.model.input == "tokens"]
     assert {r.smoothness["input"] for r in texts} == {"data:lo_help"}
-    assert "measured on the same inputs: the validation split of data:lo_help" in text
+    assert "Measured on the validation split of data:lo_help" in text
 
 
 def test_report_runs_table_says_whether_a_run_ended_on_a_plateau_or_its_step_budget(tmp_path):
