@@ -470,6 +470,7 @@ def _table(claim: Claim, runs: list, judging: Judging) -> tuple[list, list]:
     headers = [*keys, "seed", claim.measure + (" (test)" if judging.split == TEST else ""), *extra]
     headers += ["loss / chance", "status"]
     rows = []
+
     def order(r):  # numbers by value (2 before 16), other values by their text
         values = [grid_value(r, k) for k in keys]
         return [(0, v, "") if isinstance(v, (int, float)) else (1, 0, json.dumps(v, default=str)) for v in values]
