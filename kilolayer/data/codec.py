@@ -9,6 +9,7 @@ exported model reads and writes text without its data. Sequence-to-sequence sour
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from kilolayer.data import vocab
@@ -17,7 +18,7 @@ from kilolayer.errors import InputError
 FILE = "tokenizer.json"
 
 
-class Codec:
+class Codec(ABC):
     """``encode(text) -> ids``, ``decode(ids) -> text`` (up to the first ``eos``, special ids left out)."""
 
     kind = ""
@@ -25,11 +26,11 @@ class Codec:
     eos: int | None = None
     pad: int | None = None
 
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, ids) -> str: ...
 
     def specials(self) -> dict:
         return {"bos": self.bos, "eos": self.eos, "pad": self.pad}
