@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -389,6 +390,23 @@ def model_config(cfg: ModelConfig | dict) -> ModelConfig:
 # ---------------------------------------------------------------- YAML and --set
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers as YAML 1.2 does: its YAML 1.1 resolver takes a float only with a dot
+    (``1.0e-3``), so ``1e-3`` or ``5E4`` would load as strings; here they are floats."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` parsed as YAML by :class:`YamlLoader` (safe: plain data only; ``1e-3`` a float)."""
+    return yaml.load(text, Loader=YamlLoader)
+
+
 def parse_set(item: str) -> tuple[list[str], Any]:
     """``key.path=value`` -> (["key", "path"], value parsed as YAML scalar)."""
     if "=" not in item:
@@ -398,7 +416,7 @@ def parse_set(item: str) -> tuple[list[str], Any]:
     if not all(path):
         raise ConfigError(f"--set {item!r}: empty key segment")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return path, value
@@ -468,7 +486,7 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML{_yaml_problem(err)}") from None
     except (OSError, UnicodeDecodeError) as err:

@@ -14,8 +14,7 @@ import functools
 from collections.abc import Callable
 from importlib.resources import files
 
-import yaml
-
+from kilolayer.config import load_yaml
 from kilolayer.registry import Registry
 
 STUDIES = files("kilolayer") / "studies"
@@ -50,13 +49,13 @@ class _Study:
         self.name = name
 
     def __call__(self) -> dict:
-        return _unshared(yaml.safe_load((STUDIES / f"{self.name}.yaml").read_text(encoding="utf-8")))
+        return _unshared(load_yaml((STUDIES / f"{self.name}.yaml").read_text(encoding="utf-8")))
 
 
 @functools.lru_cache(maxsize=16)
 def _parsed(text: str) -> dict:
     """A claims file's YAML, parsed once per text (every spec that names claims reads them; callers copy)."""
-    return yaml.safe_load(text)
+    return load_yaml(text)
 
 
 def _claim_files() -> dict:
