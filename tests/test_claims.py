@@ -310,3 +310,26 @@ def test_the_example_runs_from_the_cli_and_its_report_has_the_claims_row(tmp_pat
     assert any(v in row for v in ("**held**", "**did not hold**", "**inconclusive**")), row
     assert "d = final evaluation loss of model.layers=2 minus that of model.layers=8" in report
     assert "Margin 0.02 nats." in report
+
+
+@pytest.mark.parametrize("kind", ["compare", "ratio", "slope"])
+def test_two_seeds_equal_up_to_float_rounding_never_hold_by_a_degenerate_bound(tmp_path, kind):
+    """The deep model's loss is 0.3 nats lower in both seeds, the seeds' differences 1e-7 apart (float32 rounding
+    of a 2.3-nat loss is about 1e-7): each contrast carries the rounding of the values it read to its *d*, and
+    the two seeds are a sign test (p = 0.25), not t-bounds of width 1e-7. Seeds 0.01 apart are seed noise."""
+
+    def use(d):
+        if kind != "compare":
+            d["claims"][0].pop("compare")
+        if kind == "ratio":
+            d["claims"][0].update(ratio={"key": "model.layers", "claimed_better": 8, "against": 2}, margin=1.05)
+        if kind == "slope":
+            d["claims"][0]["slope"] = {"key": "model.layers", "claimed": "decreases"}
+
+    spec = load_spec(_spec_file(tmp_path, use, seeds=(0, 1)))
+    near = _judge(spec, _results(spec, lambda l, s: 2.0 if l == 8 else 2.3 + 1e-7 * s), tmp_path)
+    assert near.verdict.n == 2 and near.verdict.mean > near.verdict.margin
+    assert near.verdict.verdict == INCONCLUSIVE and near.verdict.test == "sign", near.verdict.reason
+    assert near.verdict.p == pytest.approx(0.25) and "within float rounding" in near.verdict.reason
+    noisy = _judge(spec, _results(spec, lambda l, s: 2.0 if l == 8 else 2.3 + 0.01 * s), tmp_path)
+    assert noisy.verdict.verdict == HELD and noisy.verdict.test == "t"

@@ -832,3 +832,20 @@ def test_one_learned_rule_for_doctor_and_verdicts_including_an_unknown_chance():
     assert learned_something(float("nan"), 2.4) is False  # a non-finite loss learned nothing
     assert learned_something(1.0, float("nan")) is None and learned_something(1.0, None) is None
     assert learned_something(1.0, 0.0) is None
+
+
+def test_near_zero_variance_within_float_rounding_is_decided_by_the_sign_test():
+    """Two seeds whose differences agree to 1e-7 would give t-bounds [0.29999, 0.30001] and a held: a bound that
+    narrow measures float rounding, not seed noise. Within the rounding the judge gives, it is a sign test (two
+    agreeing seeds: p = 0.25, inconclusive); a spread beyond it is seed noise, and the t-bounds decide."""
+    near = {0: 0.3, 1: 0.3 + 1e-7}
+    v = decide(near, 0.1, rounding=4e-6)
+    assert v.verdict == INCONCLUSIVE and v.test == "sign" and v.p == pytest.approx(0.25)
+    assert math.isnan(v.lower) and "zero-variance" in v.reason and "within float rounding" in v.reason
+    assert decide(near, 0.1).verdict == HELD and decide(near, 0.1).test == "t"  # what the rounding floor prevents
+    # five seeds agreeing up to rounding: the sign test holds it, p = 1/32
+    v = decide({s: 0.3 + 1e-7 * s for s in range(5)}, 0.1, rounding=4e-6)
+    assert v.verdict == HELD and v.test == "sign" and v.p == pytest.approx(1 / 32)
+    # a spread well beyond rounding is seed noise: t-bounds
+    v = decide({0: 0.30, 1: 0.31}, 0.1, rounding=4e-6)
+    assert v.verdict == HELD and v.test == "t" and v.lower == pytest.approx(0.305 - t_quantile(1) * 0.005)

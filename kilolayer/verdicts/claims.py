@@ -43,7 +43,7 @@ from kilolayer.verdicts.evidence import (
     pretraining_problem,
 )
 from kilolayer.verdicts.measures import MEASURES, TEST, VALIDATION, Measure, convergence_of, has_test
-from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, Finding, decide
+from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, ROUNDING, Finding, decide
 
 REQUIREMENTS = {
     "winner_learns": f"the claimed-better side must have learned (loss at most {LEARNED_NOTHING:g} x chance) in "
@@ -295,6 +295,9 @@ class Judging:
         self.unlearned: list[str] = []
         self.not_failed: list[str] = []
         self.read: dict = {}  # the runs the contrast read, by key
+        self.used: dict = {}  # the value of each run read (before a baseline is subtracted), by key
+        self.rounding = 0.0  # the most float rounding moved one value (ROUNDING of the values it came from)
+        self.relative_rounding = 0.0  # the same, as a share of that value
 
     def other_keys(self, key: str) -> list[str]:
         fixed = {t for k in [key, *self.claim.where] for t in ties(self.group, k)}
@@ -360,6 +363,8 @@ class Judging:
                 where = " on its test split" if self.split == TEST else ""
                 self._exclude(f"{r.point.key} (no finite {m.name}{where})")
                 return None
+        raw, base = v, None
+        self.used[r.point.key] = v
         if self.baseline is not None:  # a diverged run's score is measured from the same baseline
             b = self._baseline_of(r)
             base = m.read(b, self.out, self.split) if b is not None and b.ok else None
@@ -368,7 +373,15 @@ class Judging:
                 self._exclude(f"the {self.baseline.name} baseline of {r.point.key} ({state})")
                 return None
             v -= base
+        self._rounded(v, raw, base)
         return v
+
+    def _rounded(self, v: float, raw: float, base: float | None) -> None:
+        """Record how far float rounding can have moved ``v`` (``raw``, less ``base`` where a baseline is)."""
+        moved = ROUNDING * (abs(raw) + (abs(base) if base is not None else 0.0))
+        self.rounding = max(self.rounding, moved)
+        if v != 0:
+            self.relative_rounding = max(self.relative_rounding, moved / abs(v))
 
     def trained(self, r, what: str) -> bool | None:
         if not self._evidence(r, what):
@@ -571,6 +584,7 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
         unlearned=tuple(dict.fromkeys(judging.unlearned)),
         # a claimed-better side that learned nothing contradicts the claim; a run of all_learn's says nothing
         unlearned_decides_against="all_learn" not in claim.requires,
+        rounding=claim.contrast.rounding(judging),
     )
     if judging.not_failed:
         failing = claim.contrast.sides()[1]

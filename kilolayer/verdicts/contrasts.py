@@ -73,6 +73,11 @@ class Contrast(BaseModel):
     def unit(self, measure) -> str:
         return measure.unit
 
+    def rounding(self, judge) -> float:
+        """How far float rounding can move *d*, given the most it moved one value read (``judge.rounding``): *d* is
+        a difference of two values, or a mean or the least of such differences."""
+        return 2 * judge.rounding
+
     # each kind defines per_seed(runs, judge) -> {seed: d} and describe(measure, better) -> the rule's words
 
     # the two sides of a two-sided contrast: (claimed better value, against value)
@@ -223,6 +228,10 @@ class Ratio(_TwoSides):
     def unit(self, measure):
         return " (ln ratio)"
 
+    def rounding(self, judge):
+        # ln(a / b) moves by the relative rounding of a plus that of b
+        return 2 * judge.relative_rounding
+
     def describe(self, measure, better):
         big, small = (self.against, self.claimed_better) if better == "lower" else (self.claimed_better, self.against)
         return f"d = ln({measure.what} of {self.key}={big} / that of {self.key}={small})"
@@ -309,6 +318,14 @@ class Slope(Contrast):
     def unit(self, measure):
         return f"{measure.unit} per doubling"
 
+    def rounding(self, judge):
+        # a least-squares slope moves by at most e * sum|x - mean x| / sum (x - mean x)^2 when each value moves by e
+        xs = [math.log2(v) for v in {grid_value(r, self.key) for r in judge.read.values()}]
+        mx = statistics.fmean(xs) if xs else 0.0
+        spread = sum((x - mx) ** 2 for x in xs)
+        gain = sum(abs(x - mx) for x in xs) / spread if spread > 0 else 0.0
+        return judge.rounding * gain * (2 if self.than is not None else 1)
+
     def describe(self, measure, better):
         text = f"d = the least-squares slope of {measure.what} against log2({self.key}) (its change per doubling)"
         if self.than is not None:
@@ -334,6 +351,9 @@ class Survived(_TwoSides):
 
     def unit(self, measure):
         return " settings"
+
+    def rounding(self, judge):
+        return 0.0  # counts: decided by the sign test whatever their spread
 
     def per_seed(self, runs, judge):
         out = {}

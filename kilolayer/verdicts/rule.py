@@ -2,9 +2,9 @@
 
 The seed is the unit of replication. A claim reduces its runs to one difference *d* per seed, positive when the
 claim holds. Continuous differences are decided by one-sided Student-t bounds on their mean; count-valued ones
-(settings survived) and any set of seeds whose differences do not vary are decided by an exact one-sided sign
-test, because a t-bound of zero width says nothing about seed noise (two agreeing seeds are a sign test at
-p = 0.25, never 5%).
+(settings survived) and any set of seeds whose differences vary by no more than float rounding are decided by an
+exact one-sided sign test, because a t-bound of (next to) zero width says nothing about seed noise (two agreeing
+seeds are a sign test at p = 0.25, never 5%).
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from kilolayer.analysis.chance import LEARNED_NOTHING
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
 VERDICTS = (HELD, NOT_HELD, INCONCLUSIVE)
 LEVEL = 0.95  # one-sided confidence of each bound, and 1 - the sign test's level
+# How far float rounding can move a value read from a run, relative to its size. The values are float32 results
+# (2^-24, about 6e-8, relative per rounding) averaged over batches, layers or steps, which adds a few roundings;
+# 1e-6 is above what rounding gives and far below any difference that training with another seed makes. Seeds whose
+# differences vary by less than the rounding this allows have not measured seed noise: no t-bound is drawn from them.
+ROUNDING = 1e-6
 
 RULE = (
     "The seed is the unit of replication: each claim reduces its runs to one difference *d* per seed, positive "
@@ -27,7 +32,8 @@ RULE = (
     "deviation *sd*, the one-sided 95% Student-t bounds are *m* ∓ t(0.95, n−1)·*sd*/√n: **held** if the lower "
     "bound exceeds the margin, **did not hold** if the upper bound is below minus the margin, otherwise "
     "**inconclusive** — always with fewer than 2 seeds. Count-valued differences, and seeds whose differences "
-    "are all equal (zero-variance bounds decide nothing), are decided by an exact one-sided sign test at 5% "
+    "are equal up to float rounding of the values read (zero-variance bounds decide nothing), are decided by an "
+    "exact one-sided sign test at 5% "
     "instead: *held* needs enough seeds beyond the margin for p ≤ 0.05 (5 of 5, 6 of 6, 7 of 7 or 7 of 8, …). "
     "A failed or missing run is never evidence "
     "(inconclusive, named); a diverged run scores what its measure says (the chance loss for a loss), so it "
@@ -122,10 +128,13 @@ def decide(
     unlearned: tuple = (),
     unlearned_decides_against: bool = False,
     level: float = LEVEL,
+    rounding: float = 0.0,
 ) -> Verdict:
     """The verdict of :data:`RULE` from one difference per seed (a dict seed -> d, or a list).
 
     ``count``: the differences are counts (settings survived), decided by the exact sign test.
+    ``rounding``: how far float rounding of the values read can move each *d* (:data:`ROUNDING` carried through
+    the contrast); differences whose standard deviation is no larger are decided by the sign test, as equal ones.
     ``not_evidence``: runs that failed or are missing (named in the reason; the verdict is inconclusive).
     ``unlearned``: runs the claim needs to have learned that did not. They are named, and the verdict becomes
     inconclusive, unless it is "did not hold" and ``unlearned_decides_against`` (a claim such as "DeepNorm
@@ -137,10 +146,15 @@ def decide(
     v = Verdict(INCONCLUSIVE, m, n=n, margin=margin)
     if count and n:
         desc = f"mean d {_num(m, unit)} over {n} seeds; " + _sign_decision(v, values, margin, unit, level, "count data")
-    elif n >= 2 and statistics.stdev(values) <= 1e-9 * max(1.0, abs(m)):  # equal up to float rounding
-        desc = f"d {_num(m, unit)} in every one of {n} seeds; " + _sign_decision(
-            v, values, margin, unit, level, "zero-variance t-bounds decide nothing"
+    elif n >= 2 and statistics.stdev(values) <= max(rounding, 1e-9 * max(1.0, abs(m))):  # equal up to rounding
+        spread = max(values) - min(values)
+        desc = (
+            f"d {_num(m, unit)} in every one of {n} seeds"
+            if spread == 0
+            else f"d {_num(m, unit)} in every one of {n} seeds up to {spread:.2g}{unit}, within float rounding of "
+            f"the values read ({max(rounding, 1e-9):.2g}{unit})"
         )
+        desc += "; " + _sign_decision(v, values, margin, unit, level, "zero-variance t-bounds decide nothing")
     elif n >= 2:
         _, _, half = t_bound(values, level)
         v.lower, v.upper = m - half, m + half
