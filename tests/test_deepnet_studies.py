@@ -142,6 +142,10 @@ def test_top_layer_gradient_reads_only_the_steps_both_runs_logged(tmp_path):
     }
     f = deepnet_init_gradient(_analysis(grad=g, status=diverged, steps=steps), tmp_path)
     assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx((math.log(3.0) + math.log(3.3)) / 2)
+    # the table shows what the verdict used: Post-LN-init over steps 1-10 (3 and 3.3), never its full window's
+    rows = {(r[0], r[1]): r[2] for r in f.rows}
+    assert rows == {("post_ln_init", 0): "3", ("post_ln_init", 1): "3.3", ("post_ln", 0): "1", ("post_ln", 1): "1"}
+    assert any("over the diagnostics steps that both runs of its pair logged" in n for n in f.notes)
     # the steps window is the pair's: the same Post-LN-init runs beside a Post-LN that logged every step read 300x
     f = deepnet_init_gradient(_analysis(grad=g, status=diverged), tmp_path)
     assert f.verdict.mean > math.log(50)

@@ -490,11 +490,14 @@ def _table(claim: Claim, runs: list, judging: Judging) -> tuple[list, list]:
 
     for r in sorted(runs, key=lambda r: (order(r), judging.seed(r))):
         if r.status == "completed" or r.status == "diverged":
-            v = (
-                judging.measure.read(r, judging.out, judging.split)
-                if r.status == "completed"
-                else (judging.measure.on_diverged(r, judging.out) if judging.measure.on_diverged else None)
-            )
+            # the value the verdict used (a shared_steps measure: over the steps both runs of its pair logged)
+            v = judging.used.get(r.point.key)
+            if v is None:
+                v = (
+                    judging.measure.read(r, judging.out, judging.split)
+                    if r.status == "completed"
+                    else (judging.measure.on_diverged(r, judging.out) if judging.measure.on_diverged else None)
+                )
             value = "-" if v is None else f"{v:.4g}"
             ratio = loss_ratio(r, judging.out) if r.status == "completed" else None
             status = r.status if r.status == "completed" else f"diverged at step {r.step}"
@@ -606,6 +609,11 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
     notes = _chance_note(runs, out)
     if measure.note is not None:
         notes += measure.note(list(judging.read.values()), out, split)
+    if measure.shared_steps and claim.contrast.sides() is not None:
+        notes.append(
+            f"Each {claim.measure} in the table is read over the diagnostics steps that both runs of its pair "
+            "logged, as the verdict compares them (a diverged run stops logging)."
+        )
     if not runs:
         notes.append(f"No run of {claim.groups()} matches {claim.where}.")
     return Finding(
