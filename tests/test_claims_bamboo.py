@@ -364,3 +364,58 @@ def test_all_learn_needs_every_run_compared_to_have_learned(groups, tmp_path):
     )
     v = _judge(groups, base, results, tmp_path).verdict
     assert v.verdict == HELD and "learned nothing" not in v.reason
+
+
+# ---------------------------------------------------------------- fine-tuned runs: their pre-training's budget
+
+
+def test_a_claim_on_fine_tuned_runs_reports_its_pre_training_runs_still_improving(tmp_path):
+    """Bamboo's depth claims read fine-tuned runs; whether the pre-training behind them had converged at its budget
+    is reported beside the verdict too: here the deepest pre-training runs were still lowering their loss by 10%
+    over their last quarter (how many, which group, and the largest gain), while every fine-tuned run was flat."""
+    from kilolayer.rundir import write_status
+
+    by_depth = {"grid": {"model.layers,model.decoder_layers": [[d, d] for d in DEPTHS]}, "seeds": SEEDS}
+    spec = {
+        "name": "finetuned",
+        "groups": [
+            {"name": "pre", "base": BASE, **by_depth},
+            {"name": "tuned", "base": BASE, "after": "pre", "init_from": "pre", **by_depth},
+        ],
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    loaded = load_spec(path)
+    built = {"points": expand(loaded), "by_name": {g.name: g for g in loaded.groups}}
+    out = tmp_path / "out"
+
+    def loss(p):
+        return 1.0 - (0.05 + NOISE[_seed(p)]) * math.log2(_depth(p)) if p.group == "tuned" else 0.5
+
+    results = _results(built, loss)
+    for r in results:
+        final = r.eval["loss"]
+        moving = r.point.group == "pre" and _depth(r.point) == 4
+        earlier = final / 0.9 if moving else final  # 10% lower in the last quarter, or flat
+        r.evals = [{"step": 100, "loss": earlier + 0.2}, {"step": 300, "loss": earlier}, {"step": 400, "loss": final}]
+        r.point.run_dir(out).mkdir(parents=True)
+        when = ("02", "03") if r.point.init_from_point else ("00", "01")
+        write_status(
+            r.point.run_dir(out),
+            "completed",
+            400,
+            started=f"2026-01-01T{when[0]}:00:00+00:00",
+            finished=f"2026-01-01T{when[1]}:00:00+00:00",
+        )  # fine-tuning started after pre-training ended
+    claim = _claim(built, runs="tuned", slope={"key": "model.layers", "claimed": "decreases"})
+    f = _judge(built, claim, results, out)
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(0.05)
+    fine_tuned, pretraining = f.improving.split("; their pre-training runs (pre), ")
+    assert fine_tuned == "budget 400 steps: 0 of 9 runs still improving loss by more than 2%"
+    assert pretraining.startswith("budget 400 steps: 3 of 9 runs still improving loss by more than 2% at their budget")
+    assert "(most: pre/layers=4_decoder_layers=4_seed=" in pretraining and "10.0% in its last quarter" in pretraining
+    # a claim on runs trained from scratch names no pre-training
+    scratch = _judge(
+        built, _claim(built, runs="pre", slope={"key": "model.layers", "claimed": "decreases"}), results, out
+    )
+    assert "pre-training" not in scratch.improving and scratch.improving.startswith("budget 400 steps: 3 of 9 runs")

@@ -602,10 +602,17 @@ def test_depth_is_decided_at_the_budget_and_reports_runs_still_improving(tmp_pat
     images, text = _by_name(found, "bamboo_depth_mae"), _by_name(found, "bamboo_depth_mlm")
     assert images.verdict.verdict == HELD
     assert "12 of 12 runs still improving accuracy by more than 0.01 at their budget" in images.improving
-    assert text.verdict.verdict == HELD and text.improving.endswith(
-        "0 of 12 runs still improving accuracy by more than 0.01"
+    assert text.verdict.verdict == HELD and text.improving.startswith(
+        "budget 4,000 steps: 0 of 12 runs still improving accuracy by more than 0.01; "
     )
     assert "still improving" not in images.verdict.reason  # reported beside the verdict, not a gate
+    # the pre-training runs behind the fine-tuned ones are reported too, on the loss that chose their checkpoints
+    assert images.improving.endswith(
+        "their pre-training runs (mae), budget 10,000 steps: 0 of 12 runs still improving loss by more than 2%"
+    )
+    assert text.improving.endswith(
+        "their pre-training runs (mlm), budget 10,000 steps: 0 of 12 runs still improving loss by more than 2%"
+    )
 
 
 def test_depth_trend_in_the_middle_shapes_only(tmp_path):

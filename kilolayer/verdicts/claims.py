@@ -42,7 +42,15 @@ from kilolayer.verdicts.evidence import (
     not_evidence,
     pretraining_problem,
 )
-from kilolayer.verdicts.measures import MEASURES, TEST, VALIDATION, Measure, convergence_of, has_test
+from kilolayer.verdicts.measures import (
+    MEASURES,
+    TEST,
+    VALIDATION,
+    Measure,
+    convergence_of,
+    has_test,
+    selection_convergence,
+)
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, ROUNDING, Finding, decide
 
 REQUIREMENTS = {
@@ -548,12 +556,12 @@ def _chance_note(runs, out) -> list[str]:
     ]
 
 
-def _improving(claim: Claim, measure: Measure, runs: list) -> tuple[str, list]:
-    """Whether the runs read were still improving at their budget, each on the measure of its convergence (a
-    measure's own, else the one that chose the run's checkpoint)."""
+def _improving(runs: list, convergence) -> tuple[str, list]:
+    """Whether ``runs`` were still improving at their budget, each on the (key, tolerance, relative) that
+    ``convergence(run)`` gives; one line for the report, and the runs still improving."""
     by: dict[tuple, list] = {}
     for r in runs:
-        by.setdefault(convergence_of(measure, r), []).append(r)
+        by.setdefault(convergence(r), []).append(r)
     texts, moving = [], []
     for (key, tol, relative), rs in sorted(by.items()):
         text, moved = improving_summary(rs, key, tol, key == "loss", relative)
@@ -564,6 +572,33 @@ def _improving(claim: Claim, measure: Measure, runs: list) -> tuple[str, list]:
         at = f"{budgets[0]:,}" if len(budgets) == 1 else f"{budgets[0]:,}-{budgets[-1]:,}"
         texts[0] = f"budget {at} steps: {texts[0]}"
     return "; ".join(texts), moving
+
+
+def pretraining_of(runs: list, results: list) -> list:
+    """The pre-training runs behind fine-tuned ``runs`` (each one's ``init_from`` point, followed back to a run
+    trained from scratch), as found among ``results``."""
+    by_key = {r.point.key: r for r in results}
+    found: dict = {}
+    todo = [r.point.init_from_point for r in runs if getattr(r.point, "init_from_point", None)]
+    while todo:
+        key = todo.pop()
+        if key in found or key not in by_key:
+            continue
+        found[key] = by_key[key]
+        todo += [found[key].point.init_from_point] if found[key].point.init_from_point else []
+    return list(found.values())
+
+
+def _pretraining_improving(runs: list, results: list) -> str:
+    """Beside a claim on fine-tuned runs: how many of the pre-training runs behind them were still improving at
+    their budget, each on the measure that chose its checkpoint (a fine-tuned model inherits what its
+    pre-training had not finished learning)."""
+    behind = pretraining_of(runs, results)
+    text, _ = _improving(behind, selection_convergence)
+    if not text:
+        return ""
+    groups = ", ".join(dict.fromkeys(r.point.group for r in behind))
+    return f"their pre-training runs ({groups}), {text}"
 
 
 def judge(claim: Claim, results: list, groups, out) -> Finding:
@@ -599,7 +634,9 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
         # side learned nothing (which contradicts the claim whatever the other side did)
         if v.verdict == HELD or (v.verdict == NOT_HELD and not judging.unlearned):
             v.verdict = INCONCLUSIVE
-    improving, moving = _improving(claim, measure, list(judging.read.values()))
+    improving, moving = _improving(list(judging.read.values()), lambda r: convergence_of(measure, r))
+    pretraining = _pretraining_improving(list(judging.read.values()), results)
+    improving = "; ".join(t for t in (improving, pretraining) if t)
     unshown = [r for r in judging.read.values() if r.status == "completed" and len(r.evals) < 2]
     if "converged" in claim.requires and v.verdict in (HELD, NOT_HELD) and (moving or unshown):
         why = "some were still improving" if moving else f"{len(unshown)} had fewer than 2 evaluations"

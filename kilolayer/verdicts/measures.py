@@ -58,6 +58,12 @@ def convergence_of(measure: Measure, r) -> tuple[str, float, bool]:
     own, else that of the measure which chose the run's checkpoint (its ``train.early_stop_metric``)."""
     if measure.convergence is not None:
         return measure.convergence
+    return selection_convergence(r)
+
+
+def selection_convergence(r) -> tuple[str, float, bool]:
+    """The (evaluation key, tolerance, relative) of the measure that chose run ``r``'s checkpoint (its
+    ``train.early_stop_metric``; the evaluation loss for a key no measure reads)."""
     chosen = r.point.config.train.early_stop_metric
     found = next((m for m in MEASURES.values() if m.split_key == chosen and m.convergence), None)
     return (found or MEASURES["eval_loss"]).convergence
