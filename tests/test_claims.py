@@ -124,6 +124,43 @@ def test_a_test_split_measure_needs_the_test_scores_analysis(tmp_path):
         load_spec(path)
 
 
+@pytest.mark.parametrize("relative_to", [False, True])
+def test_a_measure_that_reads_an_analysis_needs_its_groups_to_run_it(tmp_path, capsys, relative_to):
+    """last_layer_cosine reads the smoothness analysis: a claim on a group that does not run it (or measured
+    relative to a baseline group that does not) is one line naming the field and what to add, exit 2 from the
+    command, before anything trains and with nothing written."""
+    from kilolayer.cli import main
+    from kilolayer.verdicts import MEASURES
+
+    assert MEASURES["last_layer_cosine"].analysis == "smoothness"
+    assert MEASURES["test_accuracy"].analysis == "test_scores"
+
+    def cosine(d):
+        d["claims"][0].update(measure="last_layer_cosine", margin=0.01)
+        d["groups"][0]["analyses"] = ["smoothness"]
+        if relative_to:
+            base = copy.deepcopy(d["groups"][0])
+            base.update(name="untrained", analyses=[])
+            d["groups"].append(base)
+            d["claims"][0]["relative_to"] = "untrained"
+
+    path = _spec_file(tmp_path, cosine)
+    lacking = "'untrained'" if relative_to else "'shapes'"
+    if not relative_to:
+        assert load_spec(path).claims[0].measure == "last_layer_cosine"  # the group runs it: accepted
+        data = yaml.safe_load(path.read_text())
+        data["groups"][0]["analyses"] = []
+        path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as err:
+        load_spec(path)
+    expected = "claims[0] (deeper_is_better).measure=last_layer_cosine: reads the smoothness analysis; add smoothness "
+    assert str(err.value) == expected + f"to the analyses of group {lacking}"
+    out = tmp_path / "out"
+    assert main(["study", str(path), "--out", str(out)]) == 2 and not out.exists()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].endswith(f"add smoothness to the analyses of group {lacking}")
+
+
 @pytest.mark.integration
 def test_the_cli_refuses_a_bad_claim_with_exit_2_and_writes_nothing(tmp_path):
     path = _spec_file(tmp_path, lambda d: d["claims"][0]["compare"].update(claimed_better=16))

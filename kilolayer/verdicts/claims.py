@@ -254,11 +254,15 @@ def check_claim(claim: Claim, groups: dict, where: str) -> None:
             "is read on its loss: use eval_loss or loss_vs_chance"
         )
     _check_margin(claim, measure, grid, where)
-    if measure.test_only and "test_scores" not in group.analyses:
-        raise ValueError(
-            f"{where}.measure={claim.measure}: reads the test split; add test_scores to the analyses of "
-            f"{'group' if len(claim.groups()) == 1 else 'groups'} {group.name!r}"
-        )
+    if measure.analysis is not None:
+        reading = [*claim.groups(), *([claim.relative_to] if claim.relative_to else [])]
+        lacking = [name for name in reading if measure.analysis not in groups[name].analyses]
+        if lacking:
+            raise ValueError(
+                f"{where}.measure={claim.measure}: reads the {measure.analysis} analysis; add {measure.analysis} "
+                f"to the analyses of {'group' if len(lacking) == 1 else 'groups'} "
+                f"{', '.join(repr(name) for name in lacking)}"
+            )
 
 
 def _check_margin(claim: Claim, measure: Measure, grid: dict, where: str) -> None:

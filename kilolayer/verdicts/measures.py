@@ -39,6 +39,7 @@ class Measure:
     quality: bool = True  # a score of the trained model: a run that diverged never beats one that did not
     columns: tuple = ()  # (header, read) pairs the report's table shows beside the measure, for the reader
     shared_steps: bool = False  # two runs compared are read over the diagnostics steps both logged
+    analysis: str | None = None  # the study analysis whose result it reads: every group it reads must list it
 
     @property
     def lower_is_better(self) -> bool:
@@ -284,6 +285,7 @@ for _m in (
         None,
         "a diverged run has no representation to measure and is not evidence",
         fraction=True,
+        analysis="smoothness",
         note=smoothness_note,
         quality=False,
         columns=(("centred", _last("cosine_centred")), ("same - other sample", _last("cosine_same_minus_different"))),
@@ -321,5 +323,6 @@ register_measure(
         name="test_accuracy",
         what="accuracy on the whole test split, of the checkpoint chosen on validation",
         test_only=True,
+        analysis="test_scores",
     )
 )
