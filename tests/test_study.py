@@ -286,7 +286,7 @@ def test_estimate_tiny_study(tmp_path, monkeypatch):
         )
         assert p["seconds"] == pytest.approx(parts)
     assert est["wall_seconds"] == pytest.approx(est["compute_seconds"])  # one job: one after the other
-    from kilolayer.study import forked
+    from kilolayer.study.executors import forked
 
     assert (est["startup_seconds"] == 0.0) == forked.available()  # forked points pay no interpreter start-up
     assert not list(tmp_path.glob("study*"))  # probing leaves nothing behind in the project

@@ -730,7 +730,7 @@ def test_kilolayer_started_ray_stays_on_loopback(tmp_path):
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from test_study_ray import group_pids, listening
-from kilolayer.study.ray_executor import connect, import_ray
+from kilolayer.study.executors.cluster import connect, import_ray
 ray = import_ray(None)
 connect(ray, None)
 pids = [p for p in group_pids(os.getpgid(0)) if p != os.getpid()]

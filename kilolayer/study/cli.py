@@ -28,13 +28,13 @@ def cmd_study(args) -> int:
             first = spec.description.strip().split(". ")[0].rstrip(".")
             print(f"{name:{pad}s} {len(expand(spec)):3d} runs, {mins}\n{'':{pad}s} {first}.")
         return 0
-    _check_executor(args)
-    if args.jobs is None:
-        args.jobs = 1
-    if args.jobs < 1:
-        raise ConfigError(f"--jobs={args.jobs}: expected an integer >= 1")
+    from kilolayer.study import executors
+
+    if args.estimate and args.executor == "ray":
+        raise ConfigError("--estimate times points on this machine; use it without --executor ray")
+    executor = executors.from_args(args, "study")
     if args.estimate:
-        return _estimate(args)
+        return _estimate(args, executor.jobs)
     if not args.spec or not args.out:
         raise ConfigError("study: give NAME|SPEC.yaml and --out DIR (or --list, or --estimate)")
     from kilolayer.study.report import write_report
@@ -42,7 +42,7 @@ def cmd_study(args) -> int:
 
     spec = load_spec(args.spec, args.set)
     points = expand(spec)  # every point's config and claim checked before --out is touched
-    if args.executor != "ray":  # a cluster's nodes may hold data the driver does not
+    if executor.name != "ray":  # a cluster's nodes may hold data the driver does not
         check_data(points)
     t0 = time.perf_counter()
     with study_lock(Path(args.out)):
@@ -92,36 +92,47 @@ def study_lock(out: Path):
 
 
 def _run(spec, args):
-    if args.executor == "ray":
+    from kilolayer.study import executors
+
+    executor, out = executors.from_args(args, "study"), Path(args.out)
+    if executor.name == "ray":
         from kilolayer.study.ray_executor import run_study_ray
 
-        nproc = args.nproc_per_run or 1
-        return run_study_ray(
-            spec,
-            Path(args.out),
-            address=args.address,
-            cpus_per_run=args.cpus_per_run if args.cpus_per_run is not None else nproc,
-            gpus_per_run=args.gpus_per_run or 0,
-            nproc_per_run=nproc,
-        )
+        return run_study_ray(spec, out, executor)
     from kilolayer.study.runner import run_study
 
-    return run_study(spec, Path(args.out), jobs=args.jobs)
+    return run_study(spec, out, jobs=executor.jobs, threads=executor.threads)
 
 
-RAY_OPTIONS = ("address", "cpus_per_run", "gpus_per_run", "nproc_per_run")
+def add_executor_options(p, command: str) -> None:
+    """The executor options of ``kilolayer study`` and ``kilolayer search`` (read by
+    :func:`kilolayer.study.executors.from_args`): ``--executor`` (a name of
+    :data:`~kilolayer.study.executors.EXECUTORS`), the local executor's ``--jobs``, each run's ``--threads``
+    (``kilolayer train``'s option), and the Ray executor's ``--address``, ``--cpus-per-run``, ``--gpus-per-run``
+    and ``--nproc-per-run``."""
+    from kilolayer.study.executors import EXECUTORS, UNITS
+    from kilolayer.train.cli import add_threads_option
 
-
-def add_executor_options(p, unit: str, local: str, cpus_default: str) -> None:
-    """``--executor local|ray`` and the Ray executor's ``--address``, ``--cpus-per-run``, ``--gpus-per-run``, the
-    same for ``kilolayer study`` (each ``unit`` a grid point) and ``kilolayer search`` (each a trial)."""
+    unit = UNITS[command][0]
+    local = {
+        "point": "local (default): each point a process on this machine",
+        "trial": "local (default): one trial after another in this process",
+    }[unit]
     p.add_argument(
         "--executor",
-        choices=("local", "ray"),
         default="local",
+        metavar="|".join(EXECUTORS),
         help=f"{local}; ray: one Ray task per {unit}, on a cluster (pip install 'kilolayer[ray]'); results never "
         "depend on which",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        metavar="K",
+        help=f"local: train K {unit}s at once (default 1)"
+        + ("" if unit == "point" else "; a search's local trials train one at a time"),
+    )
+    add_threads_option(p, f"each {unit}'s run")
     p.add_argument(
         "--address",
         metavar="ADDR",
@@ -131,7 +142,7 @@ def add_executor_options(p, unit: str, local: str, cpus_default: str) -> None:
         "--cpus-per-run",
         type=float,
         metavar="C",
-        help=f"ray: CPUs each {unit} reserves, and its torch threads (default: {cpus_default})",
+        help=f"ray: CPUs each {unit} reserves, and its torch threads (default: --nproc-per-run)",
     )
     p.add_argument(
         "--gpus-per-run",
@@ -139,41 +150,16 @@ def add_executor_options(p, unit: str, local: str, cpus_default: str) -> None:
         metavar="G",
         help=f"ray: GPUs each {unit} reserves (default 0); train.device auto then uses CUDA",
     )
+    p.add_argument(
+        "--nproc-per-run",
+        type=int,
+        metavar="N",
+        help=f"ray: train each {unit} with torchrun --nproc-per-node N on its node (default 1)"
+        + ("" if unit == "point" else "; a search's trials train in one process"),
+    )
 
 
-def _check_executor(args) -> None:
-    """Options that belong to the other executor are one line, not silently ignored."""
-    from kilolayer.errors import ConfigError
-
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-
-    if args.executor == "local":
-        given = [flag(n) for n in RAY_OPTIONS if getattr(args, n, None) is not None]
-        if given:
-            raise ConfigError(f"{', '.join(given)}: only with --executor ray")
-        return
-    if getattr(args, "jobs", None) is not None:
-        raise ConfigError(
-            "--jobs: only with --executor local; Ray runs as many points at once as the cluster's "
-            "CPUs and GPUs allow (size each with --cpus-per-run and --gpus-per-run)"
-        )
-    if getattr(args, "estimate", False):
-        raise ConfigError("--estimate times points on this machine; use it without --executor ray")
-    if getattr(args, "nproc_per_run", None) is not None and args.nproc_per_run < 1:
-        raise ConfigError(f"--nproc-per-run={args.nproc_per_run}: expected an integer >= 1")
-    if args.cpus_per_run is not None and not args.cpus_per_run >= 1:
-        raise ConfigError(f"--cpus-per-run={args.cpus_per_run:g}: expected a number >= 1")
-    if args.gpus_per_run is not None and not args.gpus_per_run >= 0:
-        raise ConfigError(f"--gpus-per-run={args.gpus_per_run:g}: expected a number >= 0")
-    if args.address is not None and not args.address.strip():
-        raise ConfigError("--address: empty; give auto, HOST:PORT, or leave it out to start Ray on this machine")
-    from kilolayer.study.ray_executor import preflight
-
-    preflight(args.address)  # Ray missing, a bad --address: one line before --out is touched
-
-
-def _estimate(args) -> int:
+def _estimate(args, jobs: int) -> int:
     import json
 
     from kilolayer.errors import ConfigError
@@ -186,11 +172,11 @@ def _estimate(args) -> int:
         raise ConfigError(f"--probe-steps={args.probe_steps}: expected an integer >= 1")
     spec = load_spec(args.spec, args.set)
     t0 = time.perf_counter()
-    est = estimate(spec, jobs=args.jobs, probe_steps=args.probe_steps)
+    est = estimate(spec, jobs=jobs, probe_steps=args.probe_steps)
     for name, seconds in est["groups"].items():
         print(f"{name:16s} {seconds / 60:8.1f} min of compute")
     print(
-        f"{spec.name}: about {est['wall_seconds'] / 60:.0f} min wall-clock with --jobs {args.jobs} "
+        f"{spec.name}: about {est['wall_seconds'] / 60:.0f} min wall-clock with --jobs {jobs} "
         f"({est['compute_seconds'] / 60:.0f} min of compute, {len(est['points'])} runs, "
         f"{est['threads_per_point']} thread(s) per run); probing took {(time.perf_counter() - t0) / 60:.1f} min"
     )
@@ -212,14 +198,7 @@ def register(sub) -> None:
     )
     p.add_argument("spec", nargs="?", metavar="NAME|SPEC.yaml", help="a built-in study (see --list) or a spec file")
     p.add_argument("--out", metavar="DIR", help="the study directory")
-    p.add_argument("--jobs", type=int, metavar="K", help="local executor: train K points at once (default 1)")
-    add_executor_options(p, "point", "local (default): subprocesses on this machine", "--nproc-per-run")
-    p.add_argument(
-        "--nproc-per-run",
-        type=int,
-        metavar="N",
-        help="ray: train each point with torchrun --nproc-per-node N on its node (default 1)",
-    )
+    add_executor_options(p, "study")
     p.add_argument(
         "--set",
         action="append",
@@ -248,6 +227,7 @@ def register(sub) -> None:
 def cmd_search(args) -> int:
     from kilolayer.config import load_config
     from kilolayer.nn.budget import parse_count
+    from kilolayer.study import executors
     from kilolayer.study.search import Settings, parse_depths, run_search
     from kilolayer.study.search_report import write_report
 
@@ -267,14 +247,9 @@ def cmd_search(args) -> int:
     )
     if args.forecast_steps is not None and args.forecast_steps < 1:
         raise ConfigError(f"--forecast-steps {args.forecast_steps}: expected an integer >= 1")
-    _check_executor(args)
-    race = None
-    if args.executor == "ray":
-        from kilolayer.study.search_ray import RayRace
-
-        race = RayRace(args.address, args.cpus_per_run or 1, args.gpus_per_run or 0)
+    executor = executors.from_args(args, "search")
     config = load_config(args.config, args.set)
-    search = run_search(config, Path(args.out), settings, race=race)
+    search = run_search(config, Path(args.out), settings, executor=executor)
     md, html = write_report(search)
     done = [t for t in search.ranked if t.state == "completed"]
     rc = 0
@@ -375,5 +350,5 @@ def register_search(sub) -> None:
         metavar="K",
         help="steps the pre-screen replays per shape (default: the doctor's, through warm-up + 10)",
     )
-    add_executor_options(p, "trial", "local (default): one trial after another in this process", "1")
+    add_executor_options(p, "search")
     p.set_defaults(func=cmd_search)

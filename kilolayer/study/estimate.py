@@ -5,7 +5,7 @@ only in their seed cost the same) in a scratch directory, with the thread count 
 would give it, and measures its pieces on this machine:
 
 * start-up: none where points fork from the fork server that imported kilolayer once
-  (:mod:`kilolayer.study.forked`, Linux); elsewhere a fresh process importing the trainer (measured once);
+  (:mod:`kilolayer.study.executors.forked`, Linux); elsewhere a fresh process importing the trainer (measured once);
 * set-up: building data, model and optimizer (``Run(...)``);
 * one training step: the mean over ``probe_steps`` steps, after two warm-up steps;
 * one evaluation, one checkpoint, one stability-diagnostics probe and each analysis.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from kilolayer.config import Config, load_config
-from kilolayer.study import forked
+from kilolayer.study.executors import forked
 from kilolayer.study.runner import run_analysis, threads_per_job
 from kilolayer.study.spec import Point, StudySpec, expand
 

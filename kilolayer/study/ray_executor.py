@@ -1,4 +1,5 @@
-"""Run a study's points as Ray tasks, on one machine or a cluster (``kilolayer study ... --executor ray``).
+"""Run a study's points as Ray tasks, on one machine or a cluster (``kilolayer study ... --executor ray``), on
+the Ray executor's pool (:mod:`kilolayer.study.executors.cluster`, the same as a search's trials use).
 
 Each point is one Ray task that runs the same ``kilolayer train CONFIG --out RUN --resume --quiet`` as the
 local executor (under ``torchrun --standalone --nproc-per-node N`` with ``nproc``), on whichever node Ray
@@ -12,18 +13,17 @@ executor.
 ``--out`` must be one shared file system, mounted at the same path on every node: the driver writes a token
 there and every node that could run a point must read it back before the grid starts.
 
-Faults: a task whose training process or worker dies is retried (at most ``MAX_RETRIES`` times) and resumes
-from the run's newest intact checkpoint; Ctrl-C on the driver cancels every task (each training process
-saves a checkpoint and records ``interrupted``); re-running skips finished points and resumes the rest.
+Faults: a task whose training process or worker dies is retried (Ray's retries, at most
+:data:`~kilolayer.study.executors.cluster.MAX_RETRIES`) and resumes from the run's newest intact checkpoint;
+Ctrl-C on the driver cancels every task (each training process saves a checkpoint and records
+``interrupted``); re-running skips finished points and resumes the rest.
 
 Ray is imported here only when this executor runs; ``import kilolayer`` never imports it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import secrets
 import signal
 import sys
 import time
@@ -31,15 +31,12 @@ from pathlib import Path
 
 from kilolayer.errors import ConfigError
 from kilolayer.rundir import FINISHED, STATUSES, RunDir, analysis_file
+from kilolayer.study.executors import Executor
+from kilolayer.study.executors.cluster import Lost, RayPool, not_shared, read_token
 from kilolayer.study.runner import Result, collect_all, run_analyses, stale_init, train_point
 from kilolayer.study.spec import Point, StudySpec, expand
 
-INSTALL_HINT = "pip install 'kilolayer[ray]'"
-MAX_RETRIES = 3  # per task, for a dead worker, node or training process (Ray's own retries)
 LOCK_WAIT_S = 300  # a retried point waits this long for the previous attempt's process to save and exit
-CHECK_TIMEOUT_S = 300  # for every node to read the shared-storage token back (includes starting workers)
-CANCEL_WAIT_S = 90  # after Ctrl-C, for the cancelled tasks' training processes to save and exit
-PROBE_TIMEOUT_S = 10  # for --address HOST:PORT to accept a TCP connection (Ray's own connect retries for minutes)
 
 
 class TrainingProcessDied(RuntimeError):
@@ -47,95 +44,7 @@ class TrainingProcessDied(RuntimeError):
     not get from us: Ray retries the task, which resumes the run from its newest checkpoint."""
 
 
-def import_ray(address: str | None = None):
-    """The ``ray`` module, or one line naming the extra that installs it. Without ``address`` the Ray this
-    process starts stays on loopback; no Ray this process touches sends usage statistics."""
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    if address is None or is_loopback(address):
-        # read when ray is imported: without it Ray swaps 127.0.0.1 for the machine's network address, both
-        # for a Ray it starts and for the address it joins
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError(f"--executor ray: Ray is not installed; install it with {INSTALL_HINT}") from None
-    return ray
-
-
-def is_loopback(address: str) -> bool:
-    """Whether ``address`` (``HOST:PORT``, ``ray://HOST:PORT``) names this machine's loopback interface."""
-    import ipaddress
-
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def preflight(address: str | None):
-    """What can be refused before anything is written: Ray missing (one line naming the extra), and an
-    ``--address`` that is malformed or where nothing accepts connections (checked here in seconds: Ray's
-    own connect retries for minutes, deaf to Ctrl-C). Returns the ``ray`` module."""
-    ray = import_ray(address)
-    if address is not None:
-        check_address(address)
-    return ray
-
-
-def check_address(address: str) -> None:
-    """One line unless ``address`` is ``auto`` or a ``[ray://]HOST:PORT`` that accepts a TCP connection."""
-    import socket
-
-    if address.strip() == "auto":
-        return
-    host, sep, port = address.split("://", 1)[-1].rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(
-            f"--address {address}: expected auto or HOST:PORT (the head's address that `ray start --head` "
-            f"prints, port 6379 by default), or leave it out to start Ray on this machine"
-        )
-    try:
-        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
-            pass
-    except OSError as err:
-        why = f"no answer within {PROBE_TIMEOUT_S}s" if isinstance(err, TimeoutError) else err.strerror or str(err)
-        raise ConfigError(
-            f"--address {address}: nothing accepts connections at {host}:{port} ({why}); is Ray running "
-            f"there (ray start --head --port {port}), and is the address the one it printed?"
-        ) from None
-
-
-def connect(ray, address: str | None) -> None:
-    """Join the cluster at ``address`` (``auto``, ``HOST:PORT``), or start a Ray instance on this machine, on
-    127.0.0.1 only, when it is None."""
-    quiet = {"log_to_driver": False, "logging_level": logging.ERROR}  # task output lives in the points' logs
-    try:
-        if address is None:
-            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, **quiet)
-        else:
-            ray.init(address=address, **quiet)
-    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as err:
-        first = (str(err).strip().splitlines() or [err.__class__.__name__])[0]
-        where = f"--address {address}" if address else "a local Ray instance"
-        raise ConfigError(
-            f"{where}: cannot connect to Ray ({first}); is it running, and if it uses token "
-            f"authentication, is RAY_AUTH_MODE=token set here (with its token)?"
-        ) from None
-
-
 # ---------------------------------------------------------------- what runs on the nodes
-
-
-def read_token(path: str) -> str | None:
-    """Task: the token the driver wrote, as this node sees it (None if it cannot read it)."""
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return None
 
 
 def _node_ip() -> str:
@@ -152,7 +61,9 @@ def _wait_unlocked(run_dir: Path, seconds: float) -> None:
         time.sleep(0.5)
 
 
-def train_task(point: Point, out: str, token_path: str, token: str, threads: int, nproc: int, cwd: str) -> dict:
+def train_task(
+    point: Point, out: str, token_path: str, token: str, threads: int, nproc: int, cwd: str, train_threads=None
+) -> dict:
     """Task: train one point (skipped if finished). Returns its status, seconds, whether it trained, the node
     and the runner's other lines for the driver to write; raises :class:`TrainingProcessDied` (Ray retries)
     when the training process was killed."""
@@ -180,6 +91,7 @@ def train_task(point: Point, out: str, token_path: str, token: str, threads: int
             cwd=Path(cwd) if os.path.isdir(cwd) else None,
             env=env,
             remote=True,
+            train_threads=train_threads,
         )
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -204,58 +116,6 @@ def analysis_task(point: Point, out: str, threads: int) -> list[str]:
 
 
 # ---------------------------------------------------------------- the driver
-
-
-def check_shared(ray, out: Path, cpus: float, gpus: float) -> tuple[Path, str]:
-    """Write a token under ``out`` and have every node that can run a point read it back; one line if any
-    cannot. Returns (token path, token); the caller removes the file."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    nodes = [
-        n
-        for n in ray.nodes()
-        if n.get("Alive") and n["Resources"].get("CPU", 0) >= cpus and n["Resources"].get("GPU", 0) >= gpus
-    ]
-    if not nodes:
-        have = ", ".join(
-            f"{n['NodeManagerAddress']}: {n['Resources'].get('CPU', 0):g} CPU, {n['Resources'].get('GPU', 0):g} GPU"
-            for n in ray.nodes()
-            if n.get("Alive")
-        )
-        raise ConfigError(
-            f"no Ray node has what one point asks for (--cpus-per-run {cpus:g}, --gpus-per-run "
-            f"{gpus:g}); the nodes have {have or 'nothing'}"
-        )
-    token = secrets.token_hex(16)
-    path = out / f".shared-check-{token[:12]}"
-    path.write_text(token)
-    reader = ray.remote(read_token)
-    refs = [
-        reader.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            str(path)
-        )
-        for n in nodes
-    ]
-    try:
-        seen = ray.get(refs, timeout=CHECK_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        path.unlink(missing_ok=True)
-        raise ConfigError(
-            f"--out {out}: the Ray nodes did not report within {CHECK_TIMEOUT_S}s whether they see it "
-            f"(is the cluster busy or its workers failing to start?)"
-        ) from None
-    for node, got in zip(nodes, seen):
-        if got != token:
-            path.unlink(missing_ok=True)
-            raise ConfigError(not_shared(out, node["NodeManagerAddress"], path))
-    return path, token
-
-
-def not_shared(out: Path, ip: str, path: Path) -> str:
-    return (
-        f"--out {out} is not on a shared file system: a Ray task on node {ip} cannot read {path}, which "
-        f"the driver wrote; give --out a directory that every node mounts at the same path"
-    )
 
 
 class Progress:
@@ -326,37 +186,19 @@ def _dependencies(spec: StudySpec, points: list[Point]) -> dict[str, set[str]]:
     return deps
 
 
-def run_study_ray(
-    spec: StudySpec,
-    out: Path,
-    address: str | None = None,
-    cpus_per_run: float = 1,
-    gpus_per_run: float = 0,
-    nproc_per_run: int = 1,
-    log=print,
-) -> list[Result]:
-    """Train every point of ``spec`` as a Ray task (see the module docstring), run analyses, return the
-    results read back from ``out`` exactly as :func:`kilolayer.study.runner.run_study` does."""
+def run_study_ray(spec: StudySpec, out: Path, executor: Executor, log=print) -> list[Result]:
+    """Train every point of ``spec`` as a Ray task on ``executor``'s cluster (see the module docstring), run
+    analyses, return the results read back from ``out`` exactly as :func:`kilolayer.study.runner.run_study`
+    does."""
     points = expand(spec)  # a bad spec is one line before any cluster is touched
-    ray = preflight(address)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    root = out.resolve()  # tasks run elsewhere: they get the absolute path
-    connect(ray, address)
-    token_path = None
-    try:
-        token_path, token = check_shared(ray, root, cpus_per_run, gpus_per_run)
-        res = ray.cluster_resources()
+    with executor.pool(out) as pool:
         log(
-            f"[study] Ray: {len(ray.nodes())} node(s), {res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU; "
-            f"{len(points)} points, each {cpus_per_run:g} CPU, {gpus_per_run:g} GPU, {nproc_per_run} process(es)"
+            f"[study] {pool.cluster}; {len(points)} points, each {executor.cpus:g} CPU, {executor.gpus:g} GPU, "
+            f"{executor.nproc} process(es)"
         )
-        driver = _Driver(ray, spec, points, root, token_path, token, cpus_per_run, gpus_per_run, nproc_per_run, log)
-        ran = driver.run()
-    finally:
-        if token_path is not None:
-            token_path.unlink(missing_ok=True)
-        ray.shutdown()
+        ran = _Driver(pool, spec, points, out.resolve(), executor, log).run()
     return collect_all(points, out, ran)
 
 
@@ -364,24 +206,17 @@ class _Driver:
     """Submits each point when its dependencies are done and its analyses when it completed, books what
     comes back, shows progress; on any exit but success, cancels what is still out."""
 
-    def __init__(self, ray, spec, points, root, token_path, token, cpus, gpus, nproc, log):
+    def __init__(self, pool: RayPool, spec, points, root, executor: Executor, log):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.ray, self.root, self.token_path, self.token, self.nproc = ray, root, token_path, token, nproc
+        self.pool, self.root, self.nproc, self.train_threads = pool, root, executor.nproc, executor.threads
         self.affinity = NodeAffinitySchedulingStrategy
-        self.threads = max(1, int(cpus) // nproc)  # torch threads per training process
-        self.trainer = ray.remote(train_task).options(
-            num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES, retry_exceptions=[TrainingProcessDied]
-        )
-        self.analyser = ray.remote(analysis_task)
-        self.analysis_options = {"num_cpus": cpus, "max_retries": MAX_RETRIES}
+        self.threads = max(1, int(executor.cpus) // executor.nproc)  # torch threads per training process
         self.points = points
         self.by_key = {p.key: p for p in points}
         self.deps = _dependencies(spec, points)
         self.cwd = os.getcwd()  # relative paths in configs mean what they mean to the driver
         self.waiting = [p.key for p in points]
-        self.pending: dict = {}  # ObjectRef -> ("train" | "analyse", key)
-        self.submitted: dict = {}  # ObjectRef -> time.time() when submitted
         self.ended: set[str] = set()  # trained and analysed, or given up
         self.failed: set[str] = set()
         self.ran: set[str] = set()
@@ -389,21 +224,14 @@ class _Driver:
         self.progress = Progress(len(points), log)
 
     def run(self) -> set[str]:
-        ray = self.ray
+        pool = self.pool
         try:
             self.submit_ready()
-            while self.waiting or self.pending:
+            while self.waiting or pool.busy:
                 self.show()
-                if not self.pending:
+                if not pool.busy:
                     break  # waiting points whose dependencies can never end: cannot happen (expand orders groups)
-                done, _ = ray.wait(list(self.pending), num_returns=1, timeout=1.0)
-                for ref in done:
-                    kind, key = self.pending.pop(ref)
-                    self.submitted.pop(ref)
-                    try:
-                        value = ray.get(ref)
-                    except ray.exceptions.RayError as err:
-                        value = err
+                for (kind, key), value in pool.wait(timeout=1.0):
                     if kind == "train":
                         self.trained(self.by_key[key], value)
                     else:
@@ -413,13 +241,9 @@ class _Driver:
         except BaseException:
             # Ctrl-C, or a refusal: cancel every task; each forwards the interrupt to its training process,
             # which saves a checkpoint and records ``interrupted``
-            if self.pending:
-                self.progress.say(f"[study] cancelling {len(self.pending)} task(s); re-run the same command to resume")
-                for ref in self.pending:
-                    ray.cancel(ref)
-                _, left = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=CANCEL_WAIT_S)
-                for ref in left:
-                    ray.cancel(ref, force=True)  # kills the worker; its training process gets SIGTERM
+            if pool.busy:
+                self.progress.say(f"[study] cancelling {pool.busy} task(s); re-run the same command to resume")
+                pool.cancel()
             raise
         finally:
             self.progress.close()
@@ -450,43 +274,39 @@ class _Driver:
         elif finished:
             self.analyse(p)
         else:
-            ref = self.trainer.remote(
-                p, str(self.root), str(self.token_path), self.token, self.threads, self.nproc, self.cwd
-            )
-            self.pending[ref] = ("train", p.key)
-            self.submitted[ref] = time.time()
+            pool = self.pool
+            args = (p, str(self.root), str(pool.token_path), pool.token, self.threads, self.nproc, self.cwd)
+            pool.submit(("train", p.key), train_task, *args, self.train_threads, retry_exceptions=[TrainingProcessDied])
 
     def analyse(self, p: Point, node: str | None = None) -> None:
-        options = dict(self.analysis_options)
+        options = {"num_gpus": 0}
         if node is not None:
             options["scheduling_strategy"] = self.affinity(node, soft=True)
-        ref = self.analyser.options(**options).remote(p, str(self.root), self.threads)
-        self.pending[ref] = ("analyse", p.key)
-        self.submitted[ref] = time.time()
+        self.pool.submit(("analyse", p.key), analysis_task, p, str(self.root), self.threads, **options)
 
     def show(self) -> None:
         # a training task runs once its process has written the run's status (Ray does not say when a queued
         # task starts); an analysis task counts as running
         running = sum(
             1
-            for ref, (kind, key) in self.pending.items()
-            if kind == "analyse" or self.submitted[ref] <= RunDir(self.by_key[key].run_dir(self.root)).status_time
+            for (kind, key), since in self.pool.submitted.items()
+            if kind == "analyse" or since <= RunDir(self.by_key[key].run_dir(self.root)).status_time
         )
-        queued = len(self.waiting) + len(self.pending) - running
+        queued = len(self.waiting) + self.pool.busy - running
         self.progress.update(len(self.ended) - len(self.failed), running, queued, len(self.failed))
 
     def trained(self, p: Point, value) -> None:
         """Book one training task; submit the point's analyses next to its data."""
         if isinstance(value, dict) and value["status"] == "not_shared":
-            raise ConfigError(not_shared(self.root, value["ip"], self.token_path))
+            raise ConfigError(not_shared(self.root, value["ip"], self.pool.token_path))
         self.ran.add(p.key)
-        if isinstance(value, BaseException):
+        if isinstance(value, Lost):
             # Ray gave up (retries spent): record it unless the training process said why itself
             said = tuple(s for s in STATUSES if s != "running")  # a final status of the process's own
-            RunDir(p.run_dir(self.root)).mark_failed(f"Ray task: {_error_line(value)}", keep=said)
+            RunDir(p.run_dir(self.root)).mark_failed(f"Ray task: {value.reason}", keep=said)
             self.failed.add(p.key)
             self.ended.add(p.key)
-            self.progress.say(f"[study] {p.key}: failed ({_error_line(value)})")
+            self.progress.say(f"[study] {p.key}: failed ({value.reason})")
             return
         for line in value.get("log", ()):
             self.progress.say(line)
@@ -503,13 +323,7 @@ class _Driver:
             self.ended.add(p.key)
 
     def analysed(self, key: str, value) -> None:
-        lines = value if isinstance(value, list) else [f"[study] analyses of {key} failed: {_error_line(value)}"]
+        lines = value if isinstance(value, list) else [f"[study] analyses of {key} failed: {value.reason}"]
         for line in lines:
             self.progress.say(line)
         self.ended.add(key)
-
-
-def _error_line(err) -> str:
-    """One line of an error: its last (a Ray error's is the exception itself, after the traceback)."""
-    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
-    return (lines[-1].strip() if lines else err.__class__.__name__)[:300]

@@ -1,5 +1,5 @@
 """Run a study: every point is a ``kilolayer train`` process of its own, K at a time (locally forked from a
-process that has imported kilolayer once: :mod:`kilolayer.study.forked`).
+process that has imported kilolayer once: :mod:`kilolayer.study.executors.forked`).
 
 Finished points (completed or diverged: both are results) are skipped on a
 re-run, unless the config a point was launched with differs from its config now
@@ -16,10 +16,10 @@ reason, and a re-run trains it); one whose recorded start (status.json
 ``init_from.step``) is no longer the source's chosen checkpoint is trained again
 from scratch, its old run directory kept beside it as ``<run>.stale-<n>``.
 
-This module is the local executor and what every executor shares: how one point
-is trained (:func:`train_point`), analysed (:func:`run_analyses`) and read back
-(:func:`collect_all`). ``kilolayer.study.ray_executor`` runs the same functions
-as Ray tasks.
+This module is what a study runs on every executor (:mod:`kilolayer.study.executors`): how one
+point is trained (:func:`train_point`), analysed (:func:`run_analyses`) and read back
+(:func:`collect_all`), and the study on the local executor's pool (:func:`run_study`);
+``kilolayer.study.ray_executor`` runs the same functions as Ray tasks.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +39,9 @@ from kilolayer.config import config_changes, dump_yaml, load_config
 from kilolayer.errors import KilolayerError
 from kilolayer.record import RunRecord
 from kilolayer.rundir import RunDir
-from kilolayer.study import forked
 from kilolayer.study.analyses import analysis_stamp, run_analysis
+from kilolayer.study.executors import drain, forked
+from kilolayer.study.executors.local import LocalPool
 from kilolayer.study.spec import Point, StudySpec, expand
 from kilolayer.train.host import usable_cpus
 
@@ -60,12 +60,14 @@ class Result(RunRecord):
             self.config = self.point.config
 
 
-def train_command(point: Point, out: Path, nproc: int = 1) -> list[str]:
-    """``python -m kilolayer train CONFIG --out RUN --resume --quiet``; with ``nproc`` > 1 the same module under
-    ``torchrun --standalone --nproc-per-node nproc`` (standalone: a free rendezvous port, so several points
-    can share a node)."""
+def train_command(point: Point, out: Path, nproc: int = 1, threads: int | str | None = None) -> list[str]:
+    """``python -m kilolayer train CONFIG --out RUN --resume --quiet [--threads N]``; with ``nproc`` > 1 the
+    same module under ``torchrun --standalone --nproc-per-node nproc`` (standalone: a free rendezvous port, so
+    several points can share a node)."""
     cfg = out / "configs" / point.group / f"{point.name}.yaml"
     train = ["kilolayer", "train", str(cfg), "--out", str(point.run_dir(out)), "--resume", "--quiet"]
+    if threads is not None:
+        train += ["--threads", str(threads)]
     if nproc > 1:
         return [
             sys.executable,
@@ -80,9 +82,9 @@ def train_command(point: Point, out: Path, nproc: int = 1) -> list[str]:
     return [sys.executable, "-m", *train]
 
 
-def shell_command(point: Point, out: Path) -> str:
+def shell_command(point: Point, out: Path, threads: int | str | None = None) -> str:
     """The command as a user would type it (to rerun a point by hand, or send it to a cluster)."""
-    cmd = train_command(point, out)
+    cmd = train_command(point, out, threads=threads)
     return shlex.join(["kilolayer", *cmd[3:]])
 
 
@@ -249,9 +251,11 @@ def train_point(
     cwd: Path | None = None,
     env: dict | None = None,
     remote: bool = False,
+    train_threads: int | str | None = None,
 ) -> Attempt:
     """Train one point unless it already finished, in a subprocess (``nproc`` > 1: under torchrun) with
-    ``threads`` torch threads per process and ``env`` added to its environment. ``remote``: the child is not
+    ``threads`` torch threads per process (``train_threads``, ``--threads``: the run's train.threads instead)
+    and ``env`` added to its environment. ``remote``: the child is not
     in the driver's terminal process group (a Ray worker's child): forward an interrupt to it, and stop it
     when its parent dies. A point initialised from another's run waits for that run to complete, and trains
     again from scratch when it started from another checkpoint of it than the chosen one now."""
@@ -282,7 +286,7 @@ def train_point(
     if threads:
         # K concurrent points share the cores instead of each taking them all
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = train_command(point, out, nproc)
+    cmd = train_command(point, out, nproc, train_threads)
     launched = time.time()
     with open(logfile, "a") as fh:
         if nproc == 1 and not remote and forked.available():  # no interpreter start-up to pay
@@ -312,9 +316,11 @@ def train_point(
     return Attempt(status, seconds, True, returncode, crashed)
 
 
-def run_point(point: Point, out: Path, log=print, threads: int | None = None) -> tuple[str, float, bool]:
+def run_point(
+    point: Point, out: Path, log=print, threads: int | None = None, train_threads: int | str | None = None
+) -> tuple[str, float, bool]:
     """Train one point unless it already finished. Returns (status, seconds, trained now)."""
-    a = train_point(point, out, log, threads)
+    a = train_point(point, out, log, threads, train_threads=train_threads)
     return a.status, a.seconds, a.trained
 
 
@@ -356,9 +362,10 @@ def collect_all(points: list[Point], out: Path, ran: set[str]) -> list[Result]:
     return results
 
 
-def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Result]:
-    """Train every point (groups in order, ``jobs`` at a time), run analyses, return the results. The analyses
-    run in this process beside the points still training, at a point's share of the CPUs."""
+def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int | str | None = None) -> list[Result]:
+    """Train every point on the local executor (groups in order, ``jobs`` at a time; ``threads``: each run's
+    train.threads, default the CPUs shared among the jobs), run analyses, return the results. The analyses run in
+    this process beside the points still training, at a point's share of the CPUs."""
     import torch
 
     out = Path(out)
@@ -371,26 +378,24 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print) -> list[Resu
         with lock:
             log(line)
 
-    threads = threads_per_job(jobs)
+    def one(p: Point) -> None:
+        status, _, trained = run_point(p, out, say, threads=share, train_threads=threads)
+        if trained:
+            ran.add(p.key)
+        run_analyses(p, out, say)
+
+    share = threads_per_job(jobs)
     before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    if share:
+        torch.set_num_threads(share)
+    pool = LocalPool(jobs)
     try:
         for group in spec.groups:
-            mine = [p for p in points if p.group == group.name]
-
-            def one(p: Point):
-                status, _, trained = run_point(p, out, say, threads=threads)
-                if trained:
-                    ran.add(p.key)
-                run_analyses(p, out, say)
-
-            if jobs > 1:
-                with ThreadPoolExecutor(max_workers=jobs) as pool:
-                    list(pool.map(one, mine))
-            else:
-                for p in mine:
-                    one(p)
+            for p in points:
+                if p.group == group.name:
+                    pool.submit(p.key, one, p)
+            drain(pool)
     finally:
+        pool.close()
         torch.set_num_threads(before)
     return collect_all(points, out, ran)

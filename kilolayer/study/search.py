@@ -21,8 +21,9 @@ objective instead of inheriting 12 x 768. From the user's config (objective, dat
    The trials, their reported evaluations and states live in Optuna's storage; the rung decisions are recorded
    in the study. Each trial is an ordinary run directory trained by :func:`kilolayer.train.run.train`, which
    reports every evaluation; a pruned trial stays at its rung's checkpoint (status ``interrupted``: resumable,
-   and diagnosable by ``kilolayer doctor``). A rung's trials train one after another in this process
-   (:func:`race_here`), or at once as Ray tasks (:mod:`kilolayer.study.search_ray`), with the same leaderboard.
+   and diagnosable by ``kilolayer doctor``). :func:`race` runs a rung's trials on an executor's pool
+   (:mod:`kilolayer.study.executors`, the study's): one after another in this process (local), or at once as
+   Ray tasks (:func:`trial_task`), with the same leaderboard.
 
 The search lives in its directory: ``search.json`` (its settings), ``prescreen.json`` (the forecasts),
 ``starts/`` (the replays the trials start from, until they do), ``optuna.journal`` (Optuna's journal storage:
@@ -47,6 +48,7 @@ from kilolayer import rundir
 from kilolayer.config import Config, ModelConfig, load_config
 from kilolayer.errors import ConfigError, DivergedError, KilolayerError
 from kilolayer.nn.budget import count_parameters, matched_configs, training_flops
+from kilolayer.study.executors import Executor
 from kilolayer.train.policies import early_stop_mode
 
 SETTINGS = "search.json"
@@ -526,13 +528,14 @@ class _Racer:
     its evaluations reported to its Optuna trial. The race is synchronous successive halving over the fixed set
     of planned trials: every trial still in the race trains to a rung (it pauses there with a checkpoint), and
     once all of them have reached it or stopped, :meth:`judge` keeps the best 1/eta and prunes the rest. The
-    local executor trains a rung's trials one at a time here; the Ray executor (:mod:`kilolayer.study.search_ray`)
-    trains them at once, one per task, on the same study's journal. Either way no decision depends on the order
+    local executor trains a rung's trials one at a time here; the Ray executor trains them at once, one per task
+    (:func:`trial_task`), on the same study's journal. Either way no decision depends on the order
     of the trials or on which finished first."""
 
-    def __init__(self, optuna, study, config, settings, kept: dict[str, Shape], out: Path, log):
+    def __init__(self, optuna, study, config, settings, kept: dict[str, Shape], out: Path, log, threads=None):
         self.optuna, self.study, self.config, self.settings = optuna, study, config, settings
         self.kept, self.out, self.log = kept, out, log
+        self.threads = threads  # train.threads of every trial's run (``--threads``); None: this process's count
         self.lr = config.train.lr
         self.rung = first_rung(config, settings)
         self.rungs = rung_steps(config, settings)
@@ -753,7 +756,8 @@ class _Racer:
             if start:
                 trial.set_user_attr("from_prescreen", start)
         try:
-            train(cfg, run, resume=True, quiet=True, on_eval=on_eval, resume_hint=RESUME_HINT)
+            threads = {"sets": [f"train.threads={self.threads}"]} if self.threads is not None else {}
+            train(cfg, run, resume=True, quiet=True, on_eval=on_eval, resume_hint=RESUME_HINT, **threads)
         except Halted:
             trial.set_user_attr("seconds", seconds0 + time.perf_counter() - t0)
             return "" if verdict["paused"] else verdict["budget"]  # left running: a re-run continues it
@@ -995,21 +999,104 @@ def _write_choice(search: Search) -> None:
     rundir.write_json(out / CHOICE, written)
 
 
-def race_here(racer: _Racer, planned: int) -> str:
-    """The local executor: synchronous successive halving, the trials racing at each rung trained one after
-    another in this process, then the rung judged; returns why a budget stopped them."""
+def race(racer: _Racer, planned: int, pool) -> str:
+    """Synchronous successive halving on an executor's ``pool`` (:mod:`kilolayer.study.executors`): the trials
+    racing at each rung trained (as many at once as the pool has slots), then the rung judged here once all have
+    returned (:meth:`_Racer.judge`); returns why a budget stopped them. A trial trains in this process
+    (:meth:`_Racer.run`, which hears each evaluation) where the pool runs units here, else as
+    :func:`trial_task`, which opens the same study from its journal."""
     racer.create(planned)
     for level in range(len(racer.rungs) + 1):
-        for trial in racer.todo(level):
-            stop = racer.over_budget(*racer.spent())
-            if stop:
-                return stop
-            stop = racer.run(trial, level)
-            if stop:
-                return stop
+        stop = _race_rung(racer, level, pool)
+        if stop:
+            return stop
         if level < len(racer.rungs):
             racer.judge(level)
     return ""
+
+
+def race_here(racer: _Racer, planned: int) -> str:
+    """:func:`race` on the local executor: one trial after another in this process."""
+    from kilolayer.study.executors.local import LocalPool
+
+    return race(racer, planned, LocalPool())
+
+
+def _race_rung(racer: _Racer, level: int, pool) -> str:
+    queue = racer.todo(level)
+    stop = ""
+    if not pool.in_process:
+        args = (racer.config, racer.settings, racer.kept, racer.out.resolve(), racer.threads)
+    try:
+        while True:
+            while not stop and queue and pool.busy < pool.slots:
+                stop = racer.over_budget(*racer.spent())
+                if stop:
+                    break
+                trial = queue.pop(0)
+                if pool.in_process:
+                    pool.submit(trial, _run_here, racer, trial, level)
+                else:
+                    pool.submit(trial, trial_task, args, trial._trial_id, level, pool.threads)
+            if not pool.busy:
+                return stop
+            for trial, value in pool.wait():
+                if not isinstance(value, dict):  # the executor gave up on the unit (Ray: its retries spent)
+                    _lost(racer, trial, value.reason)
+                    continue
+                for line in value["log"]:
+                    racer.log(line)
+                stop = stop or value["stop"]
+    except BaseException:
+        if pool.busy:  # Ctrl-C or a refusal: every trial saves a checkpoint and stays running in the study
+            racer.log(f"[search] cancelling {pool.busy} trial(s); re-run the same command to continue them")
+            pool.cancel()
+        raise
+
+
+def _run_here(racer: _Racer, trial, level: int) -> dict:
+    return {"stop": racer.run(trial, level), "log": []}  # it logs as it goes
+
+
+def _lost(racer: _Racer, trial, reason: str) -> None:
+    """A unit the executor gave up on: its trial is failed unless it recorded an end of its own."""
+    from optuna.trial import TrialState
+
+    frozen = racer.study._storage.get_trial(trial._trial_id)
+    if frozen.state == TrialState.RUNNING:
+        racer.failed(trial, f"Ray task: {reason}", float(frozen.user_attrs.get("seconds", 0.0)))
+
+
+def trial_task(racer_args: tuple, trial_id: int, level: int, threads: int) -> dict:
+    """A unit of a pool outside this process (a Ray task): train one trial to rung ``level`` (:meth:`_Racer.run`
+    on the search's study, opened from its journal); returns why the search must stop ("" to go on) and the lines
+    it logged."""
+    import os
+    import signal
+
+    import ray
+
+    if not ray.get_runtime_context().get_accelerator_ids().get("GPU"):
+        # a trial uses the GPUs it reserved, and none without (Ray leaves them all visible then); read when this
+        # worker first touches CUDA, and every trial of a search reserves alike
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+    from optuna.trial import Trial
+
+    config, settings, kept, out, train_threads = racer_args
+    optuna = _import_optuna()
+    study = _open_study(optuna, out, config, settings, first_rung(config, settings), direction(config, settings.metric))
+    lines: list[str] = []
+    racer = _Racer(optuna, study, config, settings, kept, out, lines.append, train_threads)
+    torch.set_num_threads(threads)
+    # Ray workers ignore SIGINT, and ray.cancel interrupts a running task by simulating one: let training's
+    # stop signals see it (a checkpoint, the trial left running)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        stop = racer.run(Trial(study, trial_id), level)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return {"stop": stop, "log": lines}
 
 
 def percent(x: float) -> str:
@@ -1043,13 +1130,12 @@ def run_search(
     settings: Settings,
     log=print,
     forecaster: Callable[[Config], tuple] | None = None,
-    race: Callable[[_Racer, int], str] | None = None,
+    executor: Executor | None = None,
 ) -> Search:
     """The whole search (module docstring) into ``out``; returns what the report shows. ``forecaster(config)``
     gives (verdict, reason[, {"score", "steps"}]) for the pre-screen (default: the doctor's forecast);
-    ``race(racer, planned)`` runs the trials and says why a budget stopped them (default :func:`race_here`;
-    Ray's: :class:`kilolayer.study.search_ray.RayRace`)."""
-    race = race or race_here
+    ``executor`` trains the trials (:func:`race`; default: local, in this process)."""
+    executor = executor or Executor()
     out = Path(out)
     config = check_settings(config, settings)
     optuna = _import_optuna()
@@ -1092,8 +1178,14 @@ def run_search(
             study = _open_study(optuna, out, config, settings, rung, dirn)
             study.set_user_attr("lr", config.train.lr)
             _enqueue(study, list(kept), config.train.lr if settings.lr_factor is not None else None)
-            racer = _Racer(optuna, study, config, settings, kept, out, log)
-            search.stopped_by_budget = race(racer, planned)
+            racer = _Racer(optuna, study, config, settings, kept, out, log, executor.threads)
+            with executor.pool(out) as pool:
+                if not pool.in_process:
+                    log(
+                        f"[search] {pool.cluster}; up to {pool.slots} trial(s) at once, each {executor.cpus:g} CPU, "
+                        f"{executor.gpus:g} GPU"
+                    )
+                search.stopped_by_budget = race(racer, planned, pool)
             search.trials = collect(study, kept, out, settings.metric)
             search.decisions = racer.decisions()
         else:

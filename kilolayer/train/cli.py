@@ -76,6 +76,22 @@ def _device(choice: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice
 
 
+def add_threads_option(p, whose: str = "") -> None:
+    """``--threads N|auto``: train.threads of a run (``whose``: of each run a command starts, e.g. each point of
+    a study), declared here once for ``kilolayer train``, ``study`` and ``search``."""
+    default = (
+        "default: every usable core"
+        if not whose
+        else "default: the usable cores shared among the runs at once (ray: --cpus-per-run / --nproc-per-run)"
+    )
+    p.add_argument(
+        "--threads",
+        metavar="N|auto",
+        help=f"intra-op threads of {whose or 'the run'} (train.threads), fixed for the run; {default}, and a "
+        "resume reuses the count its run recorded; auto: follow the machine's load (not bit-reproducible)",
+    )
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -107,12 +123,7 @@ def register(sub) -> None:
         action="store_true",
         help="replace the run in --out (its config, metrics, status and checkpoints) with a new one",
     )
-    p.add_argument(
-        "--threads",
-        metavar="N|auto",
-        help="intra-op threads (train.threads), fixed for the run; default: every usable core, and a resume "
-        "reuses the count its run recorded; auto: follow the machine's load (not bit-reproducible)",
-    )
+    add_threads_option(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_train)
 
