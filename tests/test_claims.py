@@ -370,3 +370,36 @@ def test_two_seeds_equal_up_to_float_rounding_never_hold_by_a_degenerate_bound(t
     assert near.verdict.p == pytest.approx(0.25) and "within float rounding" in near.verdict.reason
     noisy = _judge(spec, _results(spec, lambda l, s: 2.0 if l == 8 else 2.3 + 0.01 * s), tmp_path)
     assert noisy.verdict.verdict == HELD and noisy.verdict.test == "t"
+
+
+def test_a_claims_plots_show_only_the_runs_its_where_selects(tmp_path, monkeypatch):
+    """A claim at the deepest setting (``where: {model.layers: max}``) plots the runs of that setting only, the
+    cells its verdict compares; a plot drawn from the whole study still gets every run."""
+    from kilolayer.study import plots
+    from kilolayer.study.claim_plots import claim_plots
+
+    def at_depth(d):
+        d["groups"][0]["grid"] = {"model.scheme": ["pre_ln", "deepnorm"], "model.layers": [2, 4]}
+        d["claims"][0].update(
+            compare={"key": "model.scheme", "claimed_better": "deepnorm", "against": "pre_ln"},
+            where={"model.layers": "max"},
+            plots=["loss_curves", "depth"],
+        )
+
+    spec = load_spec(_spec_file(tmp_path, at_depth, seeds=(0, 1)))
+    results = _results(spec, lambda l, s: 2.0)
+    drawn = {}
+
+    def fake(name):
+        def draw(runs, path, **kw):
+            drawn[name] = sorted(r.point.key for r in runs)
+            return True
+
+        return draw
+
+    monkeypatch.setattr(plots, "loss_curves", fake("loss_curves"))
+    monkeypatch.setattr(plots, "depth_curves", fake("depth"))
+    found = claim_plots(spec.claims[0], results, tmp_path)
+    assert [Path(path).name for path, _ in found] == ["deeper_is_better_loss.png", "deeper_is_better_depth.png"]
+    assert drawn["loss_curves"] == sorted(r.point.key for r in results if r.point.config.model.layers == 4)
+    assert len(drawn["loss_curves"]) == 4 and len(drawn["depth"]) == 8  # the depth plot is of the whole study

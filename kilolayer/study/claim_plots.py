@@ -1,6 +1,6 @@
-"""The plots a claim may ask for (``plots: [loss_curves, ...]``), drawn by the report from the runs of the claim's
-groups (or, for a plot marked ``whole_study``, of every group) into ``report_files/``. Each gives
-``[(path, caption)]`` (empty when it has nothing to draw)."""
+"""The plots a claim may ask for (``plots: [loss_curves, ...]``), drawn by the report from the runs the claim reads
+(its groups' runs with its ``where`` values; for a plot marked ``whole_study``, every group's) into
+``report_files/``. Each gives ``[(path, caption)]`` (empty when it has nothing to draw)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,22 @@ from pathlib import Path
 from kilolayer.registry import Registry
 
 CLAIM_PLOTS: Registry = Registry("claims.plots", "claim plot")
+
+
+def claim_plots(claim, results, out: Path) -> list[tuple[str, str]]:
+    """The plots ``claim`` asks for, each drawn from the runs the claim reads (its groups' runs with its ``where``
+    values, so a plot shows the cells its verdict compares), or, for a plot marked ``whole_study``, from every run
+    of the study."""
+    from kilolayer.verdicts.claims import claim_runs
+
+    runs = claim_runs(claim, results)
+    return [
+        plot
+        for name in claim.plots
+        for plot in CLAIM_PLOTS[name](
+            results if getattr(CLAIM_PLOTS[name], "whole_study", False) else runs, out, claim.name
+        )
+    ]
 
 
 def _drawn(ok: bool, path: Path, caption: str) -> list[tuple[str, str]]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kilolayer.rundir import RunDir
-from kilolayer.study.claim_plots import CLAIM_PLOTS
+from kilolayer.study.claim_plots import claim_plots
 from kilolayer.study.findings import evaluate_findings
 from kilolayer.verdicts.claims import judge
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding
@@ -324,14 +324,7 @@ def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, P
     findings = []
     for c in spec.claims:
         f = judge(c, results, groups, out)
-        runs = [r for r in results if r.point.group in c.groups()]
-        f.plots = [
-            p
-            for name in c.plots
-            for p in CLAIM_PLOTS[name](
-                results if getattr(CLAIM_PLOTS[name], "whole_study", False) else runs, out, c.name
-            )
-        ]
+        f.plots = claim_plots(c, results, out)
         findings.append(f)
     findings += evaluate_findings(spec.findings, results, out)
     md = render_markdown(spec, results, findings, out, wall_seconds)

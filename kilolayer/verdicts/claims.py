@@ -404,6 +404,11 @@ class Judging:
         return got
 
 
+def claim_runs(claim: Claim, results: list) -> list:
+    """The runs ``claim`` reads of a study's ``results``: its groups' runs with its ``where`` values."""
+    return _runs_of(claim, results)[0]
+
+
 def _runs_of(claim: Claim, results: list) -> tuple[list, dict]:
     """The runs of the claim's groups with its ``where`` values, and those values (``max``/``min`` resolved)."""
     runs = [r for r in results if r.point.group in claim.groups()]
