@@ -175,35 +175,73 @@ def test_vanishing_bottom_gradients(tmp_path):
     assert any(line.startswith("fine: encoder bottom/top gradient 1 at step 1") for line in d.lines)
 
 
-def test_exploding_first_update(tmp_path):
-    config = tiny()
+def test_exploding_first_update_of_a_deep_model(tmp_path):
+    config = tiny(model__layers=18, model__decoder_layers=18)
     d = diagnose(fake_run(tmp_path / "run", config, updates=(50.0, 60.0)), smoothness_samples=0)
     f = finding(d, "large_update")
     reference = deepnorm_first_update(config)
     assert f.evidence["deepnorm"] == pytest.approx(reference)
     assert f.evidence["ratio"] == pytest.approx(50.0 / reference)
     assert f"{50.0 / reference:.3g}x that of a DeepNorm model of this shape" in f.text
-    # DeepNet's bound at 3L-3L: Post-LN 6M + 4NM = 54 vs DeepNorm's 2.01
-    assert "27x DeepNorm's (54 vs 2.01 x lr: a bound, not a prediction)" in f.text
+    # DeepNet's bound at 18L-18L: Post-LN 6M + 4NM = 1404 vs DeepNorm's 2.01
+    bound = update_coefficient(config.model, "deepnorm")
+    assert f"{1404 / bound:.0f}x DeepNorm's (1404 vs 2.01 x lr: a bound, not a prediction)" in f.text
     assert "train.lr" in f.suggestion and "model.scheme=deepnorm" in f.suggestion
 
 
-def test_growing_layernorm_inputs(tmp_path):
-    config = tiny(model__scheme="pre_ln")
+def test_a_shallow_models_large_first_update_is_not_flagged(tmp_path):
+    """Below 18 layers per side (the depth of DeepNet's analysis) a first update 10x DeepNorm's is stated, not
+    blamed on depth: no finding, no DeepNorm advice, the ratio on the fine line."""
+    config = tiny()  # 3L-3L
+    d = diagnose(fake_run(tmp_path / "run", config, updates=(1.0, 1.2)), smoothness_samples=0)
+    ratio = 1.0 / deepnorm_first_update(config)
+    assert ratio >= 10 and codes(d) == []
+    assert (
+        f"first update 1 = {ratio:.3g}x DeepNorm's at this shape and lr (not flagged at 3L-3L, below the 18 "
+        "layers per side where DeepNet shows depth's trouble)"
+    ) in fine_line(d)
+    assert not any("deepnorm" in line for line in d.lines)
+
+
+def fine_line(d) -> str:
+    return next(line for line in d.lines if line.startswith("fine: "))
+
+
+def pre_ln_run(path, layers: int, growth: float = 2.0):
+    """A Pre-LN encoder-decoder of ``layers`` per side whose LayerNorm inputs grow by ``growth`` each layer."""
+    config = tiny(model__scheme="pre_ln", model__layers=layers, model__decoder_layers=layers)
     names = [n.replace("post_norm", "pre_norm") for n in LN]
-    ln = [2.0 ** int(n.split(".")[2]) for n in names]  # 1, 2, 4 by layer on both sides
-    run = fake_run(tmp_path / "run", config, ln=ln)
+    ln = [growth ** int(n.split(".")[2]) for n in names]  # 1, 2, 4 by logged layer on both sides
+    run = fake_run(path, config, ln=ln)
     records = rundir.read_metrics(run)
     for r in records:
         if r["split"] == "diagnostics":
             r["ln_names"] = names
     write_atomic(run / rundir.METRICS, "".join(rundir.metrics_line(r) for r in records))
-    d = diagnose(run, smoothness_samples=0)
+    return run
+
+
+def test_growing_layernorm_inputs_of_a_deep_pre_ln_model(tmp_path):
+    d = diagnose(pre_ln_run(tmp_path / "run", 18), smoothness_samples=0)
     growth = [f for f in d.findings if f.code == "ln_growth"]
     assert {f.evidence["side"] for f in growth} == {"encoder", "decoder"}
     assert all(f.evidence["growth"] == pytest.approx(4.0) for f in growth)
     assert "LayerNorm inputs grow layer by layer in the encoder: 4x from the first layer to the last" in growth[0].text
-    assert "Pre-LN" in growth[0].text and "deepnorm" in growth[0].suggestion
+    assert "(Pre-LN's weakness at depth)" in growth[0].text and "model.scheme=deepnorm" in growth[0].suggestion
+
+
+def test_a_shallow_pre_ln_model_gets_no_depth_advice(tmp_path):
+    """A 3-layer Pre-LN model whose LayerNorm inputs grow 4x: the residual stream adding up, stated on the fine
+    line; neither Pre-LN's weakness at depth nor DeepNorm is named."""
+    d = diagnose(pre_ln_run(tmp_path / "run", 3), smoothness_samples=0)
+    assert codes(d) == []
+    fine = fine_line(d)
+    for side in ("encoder", "decoder"):
+        assert (
+            f"{side} LayerNorm inputs 4x first to last layer (Pre-LN's residual stream adds up each layer's output; "
+            "not flagged at 3L-3L, below the 18 layers per side where DeepNet shows depth's trouble)"
+        ) in fine
+    assert not any("deepnorm" in line or "weakness at depth" in line for line in d.lines)
 
 
 def test_over_smoothed_tokens(tmp_path):
@@ -563,3 +601,14 @@ def test_the_checkpoint_measured_gives_both_the_weights_and_the_step(tmp_path):
     finally:
         checkpoint.load_run = real
     assert m is not None and m.step == 4 and seen["ckpt"] == newest
+
+
+def test_the_forecast_warns_of_a_large_first_update_only_in_a_deep_model():
+    from kilolayer.doctor.forecast import warnings
+
+    m = {"per_step": {"grad_ratio": [{"decoder": 0.5}]}, "update1": 2.0, "deepnorm_update1": 0.1}
+    assert warnings({**m, "deep": False}) == []
+    assert warnings({**m, "deep": True}) == [
+        "the first update is 20x a DeepNorm model's of this shape (flagged at 10x): model.scheme=deepnorm, or a "
+        "lower train.lr / longer train.warmup"
+    ]

@@ -20,9 +20,10 @@ The rules (each a threshold on one measurement; every number is printed with the
 
 * vanishing bottom gradients: per side, the first layer's gradient norm below ``GRAD_RATIO`` x the
   last layer's, at any measured step;
-* large first update: the step-1 update at least ``UPDATE_RATIO`` x the DeepNorm reference's;
+* large first update: the step-1 update at least ``UPDATE_RATIO`` x the DeepNorm reference's, in a model
+  deep enough for DeepNet's effects of depth (:func:`kilolayer.doctor.theory.deep_enough`);
 * LayerNorm inputs growing with layer: the last layer's mean LayerNorm input (residual-path norms only)
-  at least ``LN_GROWTH`` x the first layer's, on a side;
+  at least ``LN_GROWTH`` x the first layer's, on a side (in a Pre-LN-family model, only a deep one);
 * over-smoothing: last-layer token cosine similarity at least ``COSINE``;
 * never below chance: the best evaluation loss at or above the chance level; otherwise, a final
   evaluation loss above ``LEARNED_NOTHING`` x chance is "learned nothing" (the study report's rule);
@@ -39,6 +40,7 @@ from pathlib import Path
 from kilolayer.analysis.chance import LEARNED_NOTHING, learned_something
 from kilolayer.analysis.stability import read_diagnostics
 from kilolayer.config import Config, load_config
+from kilolayer.doctor.theory import DEEP_LAYERS, deep_enough, shape_name, update_coefficient
 from kilolayer.errors import InputError, KilolayerError
 from kilolayer.record import RunRecord
 from kilolayer.rundir import CONFIG, METRICS, logged_number, read_metrics, read_status
@@ -192,10 +194,12 @@ def ln_growth(names: list[str], values: list[float]) -> dict[str, float]:
 
 
 def _shape(config: Config) -> str:
-    m = config.model
-    if m.arch == "encoder_decoder":
-        return f"{m.encoder_depth}L-{m.decoder_depth}L"
-    return f"{m.encoder_depth or m.decoder_depth}L"
+    return shape_name(config.model)
+
+
+def _shallow(config: Config) -> str:
+    """Why depth is not named for a model below DeepNet's depth, as the end of a line."""
+    return f"at {_shape(config)}, below the {DEEP_LAYERS} layers per side where DeepNet shows depth's trouble"
 
 
 def _alpha_text(config: Config) -> str:
@@ -220,13 +224,19 @@ def gradient_findings(config: Config, m: Measurements) -> tuple[list[Problem], l
         )
         if worst["ratio"] < GRAD_RATIO:
             pattern = " (Post-LN's vanishing pattern)" if scheme in POST_LN_FORM else ""
-            if scheme in POST_LN_FORM:
+            if scheme in POST_LN_FORM:  # the measured pattern DeepNorm's up-weighted shortcut removes
                 fix = (
                     f"set model.scheme=deepnorm ({_alpha_text(config)}): DeepNet up-weights the shortcut so "
                     f"the gradient reaches the bottom layers; or model.scheme=pre_ln"
                 )
-            else:
+            elif deep_enough(config.model):
                 fix = "fewer layers, or a scheme whose shortcut carries the gradient (deepnorm, pre_ln)"
+            else:
+                fix = (
+                    f"lower train.lr (now {_e(config.train.lr)}) or lengthen train.warmup (now "
+                    f"{config.train.warmup}): large early updates inflate the LayerNorm inputs, which shrinks the "
+                    f"gradient below them ({_shallow(config)}, depth is not the cause)"
+                )
             findings.append(
                 Problem(
                     "vanishing_gradients",
@@ -262,6 +272,13 @@ def update_findings(config: Config, m: Measurements) -> tuple[list[Problem], lis
             ]
         return [], [f"first update {_e(first['value'])} at lr {_e(first['lr'])}"]
     ratio = first["value"] / ref["value"]
+    if ratio >= UPDATE_RATIO and not deep_enough(config.model):
+        # DeepNet's update grows with the number of sublayers: a shallow model's larger update is its scheme's
+        # and init's ordinary size, not the burst that stalls a deep one
+        return [], [
+            f"first update {_e(first['value'])} = {ratio:.3g}x DeepNorm's at this shape and lr (not flagged "
+            f"{_shallow(config)})"
+        ]
     text = (
         f"the first update ||F(x,θ1) - F(x,θ0)|| is {_e(first['value'])}, {ratio:.3g}x that of a DeepNorm model "
         f"of this shape at the same lr {_e(first['lr'])} ({_e(ref['value'])}, measured: an empirical "
@@ -286,8 +303,15 @@ def ln_findings(config: Config, m: Measurements) -> tuple[list[Problem], list[st
             continue
         worst = max(points, key=lambda p: p["growth"])
         per = ", ".join(_e(v) for v in worst["per_layer"])
-        if worst["growth"] >= LN_GROWTH:
-            if config.model.scheme in ("pre_ln", "sub_ln", "sandwich_ln", "normformer", "layerscale"):
+        pre_ln = config.model.scheme in ("pre_ln", "sub_ln", "sandwich_ln", "normformer", "layerscale")
+        if worst["growth"] >= LN_GROWTH and pre_ln and not deep_enough(config.model):
+            # a Pre-LN residual stream adds up every layer's output; over a few layers that is no weakness
+            fine.append(
+                f"{side} LayerNorm inputs {worst['growth']:.3g}x first to last layer (Pre-LN's residual stream "
+                f"adds up each layer's output; not flagged {_shallow(config)})"
+            )
+        elif worst["growth"] >= LN_GROWTH:
+            if pre_ln:
                 why = (
                     "the residual stream outgrows what each layer adds, so the top layers change it little "
                     "(Pre-LN's weakness at depth)"
@@ -454,7 +478,6 @@ def measure(
     """Every measurement the rules read, with its source, and notes on what could not be measured (``record``:
     the run's record, which holds its standing evaluation and chance level)."""
     from kilolayer.doctor.measure import at_checkpoint, deepnorm_first_update, replay
-    from kilolayer.doctor.theory import update_coefficient
 
     m = Measurements(status=status.get("status"))
     notes: list[str] = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kilolayer.analysis.chance import LEARNED_NOTHING
 from kilolayer.config import Config
+from kilolayer.doctor.theory import shape_name
 
 VERSION = 1  # of the measurements: calibration caches are re-measured when it changes
 MAX_AUTO_STEPS = 200
@@ -46,7 +47,7 @@ def _measure(config: Config, steps: int | None, device: str, keep_state: bool = 
     from kilolayer.doctor.diagnose import ln_growth, side_ratios
     from kilolayer.doctor.measure import deepnorm_first_update, replay
     from kilolayer.doctor.outcome import chance
-    from kilolayer.doctor.theory import update_coefficient
+    from kilolayer.doctor.theory import deep_enough, update_coefficient
     from kilolayer.errors import ConfigError
 
     if config.train.steps < 1:
@@ -74,6 +75,7 @@ def _measure(config: Config, steps: int | None, device: str, keep_state: bool = 
             "lr_sum_total": lr_sum(config, 1, tc.steps),
         },
         "scheme": config.model.scheme,
+        "deep": deep_enough(config.model),
         "output_norm": r.output_norm,
         "eval_loss0": r.eval_loss0,
         "has_layernorm": bool(r.ln_names),
@@ -273,7 +275,7 @@ def warnings(m: dict) -> list[str]:
                 f"model.scheme=deepnorm keeps the bottom ones"
             )
     u1, dn = m.get("update1"), m.get("deepnorm_update1")
-    if u1 and dn and u1 / dn >= UPDATE_RATIO:
+    if u1 and dn and u1 / dn >= UPDATE_RATIO and m["deep"]:  # a shallow model's: see diagnose.update_findings
         out.append(
             f"the first update is {u1 / dn:.3g}x a DeepNorm model's of this shape (flagged at "
             f"{UPDATE_RATIO:g}x): model.scheme=deepnorm, or a lower train.lr / longer train.warmup"
@@ -368,13 +370,8 @@ def forecast(
     m, state = _measure(config, steps, device, keep_state)
     verdict, reason, numbers = decide(m)
     mc = config.model
-    shape = (
-        f"{mc.encoder_depth}L-{mc.decoder_depth}L"
-        if mc.arch == "encoder_decoder"
-        else f"{mc.encoder_depth or mc.decoder_depth}L"
-    )
     title = (
-        f"{name + ': ' if name else ''}{mc.scheme} {mc.arch} {shape} x {mc.width}, {config.objective.name} on "
+        f"{name + ': ' if name else ''}{mc.scheme} {mc.arch} {shape_name(mc)} x {mc.width}, {config.objective.name} on "
         f"{config.data.name}, lr {config.train.lr:.2g}, warm-up {config.train.warmup}, "
         f"{config.train.schedule}, {config.train.steps} steps"
     )

@@ -34,6 +34,25 @@ from kilolayer.config import ModelConfig
 # schemes of the form x <- LN(alpha x + G(x)) with no other norm, which the theorem covers
 POST_LN_FORM = ("post_ln", "post_ln_init", "deepnorm", "ds_init", "admin")
 
+# DeepNet shows depth's trouble on 18L-18L models, the depth of its whole section-3 analysis: there Post-LN
+# fails to converge while Post-LN-init, whose early updates are small, converges (Figure 3(c)). Below this many
+# layers on every side, the doctor does not name depth as a cause or DeepNorm as the cure.
+DEEP_LAYERS = 18
+
+
+def deep_enough(model: ModelConfig) -> bool:
+    """Whether a side of ``model`` has at least :data:`DEEP_LAYERS` layers: deep enough for DeepNet's effects
+    of depth (an update that grows with the number of sublayers, Pre-LN's top layers changing a residual
+    stream that has outgrown them) to be the reason for what is measured."""
+    return max(model.encoder_depth, model.decoder_depth) >= DEEP_LAYERS
+
+
+def shape_name(model: ModelConfig) -> str:
+    """``6L-6L`` for an encoder-decoder, ``4L`` for one stack."""
+    if model.arch == "encoder_decoder":
+        return f"{model.encoder_depth}L-{model.decoder_depth}L"
+    return f"{model.encoder_depth or model.decoder_depth}L"
+
 
 def _side_sum(scheme, side: str, depth) -> float:
     from kilolayer.nn.residual import Site
