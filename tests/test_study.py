@@ -872,3 +872,47 @@ def test_a_study_with_unfinished_points_exits_1_and_its_last_line_says_where_the
         assert f"their logs: {out / 'logs'}/GROUP/POINT.log" in last
     else:
         assert last.startswith("        ") and last.endswith("report.md")
+
+
+def test_a_baseline_is_the_point_that_says_train_untrained(tmp_path):
+    """The estimate prices an untrained point as built, saved once and analysed; a group that trains no step
+    without saying it is a baseline is refused before anything runs, as kilolayer train refuses it."""
+    from kilolayer.study import estimate as E
+
+    spec = load_spec(tiny_spec(tmp_path, grid={"train.untrained": [True, False]}, findings=[]))
+    baseline, trained = expand(spec)
+    assert (baseline.config.train.untrained, baseline.config.train.steps) == (True, 0)
+    cost = E.PointCost(setup=1.0, step=0.5, evaluation=2.0, checkpoint=3.0, diagnostics=0.0, analyses=4.0)
+    assert E.extrapolate(baseline.config, cost, startup=10.0) == 10.0 + 1.0 + 3.0 + 4.0
+    tc = trained.config.train
+    evaluations = tc.steps // tc.eval_every + (tc.steps % tc.eval_every != 0) if tc.eval_every else 1
+    checkpoints = tc.steps // tc.checkpoint_every + (tc.steps % tc.checkpoint_every != 0) if tc.checkpoint_every else 1
+    expected = 10.0 + 1.0 + tc.steps * 0.5 + evaluations * 2.0 + checkpoints * 3.0 + 4.0
+    assert E.extrapolate(trained.config, cost, startup=10.0) == pytest.approx(expected)
+
+    with pytest.raises(ConfigError) as info:
+        expand(load_spec(tiny_spec(tmp_path, grid={"train.steps": [0]}, findings=[])))
+    assert str(info.value).startswith("groups.deepnet point ")
+    assert str(info.value).endswith(
+        ": train.steps=0: expected at least 1; for an untrained baseline (the "
+        "initialised model saved as a run) set train.untrained=true as well"
+    )
+
+
+def test_the_smoothness_plot_dots_the_untrained_groups_lines(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kilolayer.config import load_config
+    from kilolayer.study import plots
+
+    def result(group, **train):
+        config = load_config({"model": {"layers": 2}, "train": train})
+        point = SimpleNamespace(group=group, config=config, values={"train.seed": 0})
+        return SimpleNamespace(point=point, smoothness={"cosine": [0.1, 0.5, 0.9]})
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or True)
+    assert plots.smoothness_curves([result("baseline", untrained=True), result("trained", steps=5)], tmp_path / "s.png")
+    (ax,) = figures[0].axes
+    drawn = [line for line in ax.get_lines() if len(line.get_xdata())]
+    assert sorted((line.get_linestyle(), len(line.get_xdata())) for line in drawn) == [("-", 3), (":", 3)]

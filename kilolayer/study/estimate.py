@@ -70,7 +70,7 @@ def diagnostic_steps(cfg: Config) -> int:
 def extrapolate(cfg: Config, cost: PointCost, startup: float) -> float:
     """Seconds a full run of ``cfg`` takes, from its measured pieces."""
     tc = cfg.train
-    if tc.steps == 0:  # an untrained point: build, save once, analyse
+    if tc.untrained:  # an untrained baseline: build, save once, analyse
         return startup + cost.setup + cost.checkpoint + cost.analyses
     return (
         startup
@@ -116,7 +116,7 @@ def probe(point: Point, probe_steps: int = 5) -> PointCost:
     from kilolayer.train.run import Run
 
     warm = 2  # step 1 pays for lazy initialisation, step 2 for step 1's diagnostics
-    untrained = point.config.train.steps == 0  # only built, saved and analysed
+    untrained = point.config.train.untrained  # only built, saved and analysed
     cfg = _probe_config(point.config, 0 if untrained else warm + probe_steps)
     with tempfile.TemporaryDirectory(prefix="kilolayer-estimate-") as tmp:
         run_dir = Path(tmp) / "run"

@@ -195,7 +195,7 @@ def smoothness_curves(results, path: Path) -> bool:
         mine = [r for r in rs if r.point.config.model.input == kind]
         groups = sorted({r.point.group for r in mine})
         # one colour and style per group in every panel of the row, every group in the row's legend
-        untrained = {r.point.group for r in mine if r.point.config.train.steps == 0}  # dotted: the baselines
+        untrained = {r.point.group for r in mine if r.point.config.train.untrained}  # dotted: the baselines
         look = {g: dict(ls=":" if g in untrained else "-", color=f"C{i}") for i, g in enumerate(groups)}
         for g in groups:
             seeds = len({r.point.values.get("train.seed") for r in mine if r.point.group == g})

@@ -40,7 +40,7 @@ from kilolayer.config import Config, apply_sets, format_validation_error, load_c
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.study.analyses import ANALYSES
 from kilolayer.study.claim_plots import CLAIM_PLOTS
-from kilolayer.train.run import check_early_stopping
+from kilolayer.train.run import check_early_stopping, check_steps
 from kilolayer.verdicts.claims import Claim, check_claim, parse_claim
 
 
@@ -244,6 +244,7 @@ def expand(spec: StudySpec) -> list[Point]:
                 data = apply_sets(g.base, [*_sets(g.set), *sets])
                 try:
                     cfg = load_config(data)
+                    check_steps(cfg)
                     check_early_stopping(cfg)
                 except ConfigError as err:
                     raise ConfigError(f"groups.{g.name} point {point_name(values)}: {err}") from None

@@ -516,6 +516,16 @@ def resolve_config(config, out_dir: Path, resume: bool, sets: list[str] | None =
     return load_config(config, sets)
 
 
+def check_steps(config: Config) -> None:
+    """A run trains at least one step unless ``train.untrained`` says it is an untrained baseline: that flag, not
+    a step count of 0, is what marks a baseline to every reader (the study's estimate and plots)."""
+    if config.train.steps == 0 and not config.train.untrained:
+        raise ConfigError(
+            "train.steps=0: expected at least 1; for an untrained baseline (the initialised model saved as a "
+            "run) set train.untrained=true as well"
+        )
+
+
 def check_early_stopping(config: Config) -> None:
     """Early stopping compares evaluations: ``train.patience`` needs ``train.eval_every``. (Checked here, not in
     the config, so tools that probe a config with evaluations off, like the study estimator, still can.)"""
@@ -573,11 +583,8 @@ def train(
         raise ConfigError("--resume and --overwrite: give one (continue the run, or replace it)")
     rundir.check_out(out)
     config = resolve_config(config, out, resume, sets)
-    if require_steps and config.train.steps == 0 and not config.train.untrained:
-        raise ConfigError(
-            "train.steps=0: expected at least 1; for an untrained baseline (the initialised model saved as a "
-            "run) set train.untrained=true as well"
-        )
+    if require_steps:
+        check_steps(config)
     check_early_stopping(config)
     if config.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda': no CUDA device is available here; use cpu or auto")
