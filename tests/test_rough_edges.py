@@ -169,3 +169,40 @@ def test_a_closed_stdout_does_not_fail_the_run(tmp_path):
         r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"
     ]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_study_groups_base_config_resolves_every_path_from_its_own_folder(tmp_path, monkeypatch):
+    from kilolayer.study.spec import expand, load_spec
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "base.yaml").write_text(
+        yaml.safe_dump(
+            {
+                **TINY,
+                "data": {"name": "parallel", "options": {"source": "../data/a.de", "target": "../data/a.en"}},
+                "train": {**TINY["train"], "init_from": "../runs/pretrained"},
+            }
+        )
+    )
+    (tmp_path / "study").mkdir()
+    spec = tmp_path / "study" / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "paths",
+                "groups": [
+                    {"name": "from_file", "base": "../configs/base.yaml"},
+                    {"name": "inline", "base": {**TINY, "data": {"name": "text_bytes", "path": "corpus.txt"}}},
+                ],
+            }
+        )
+    )
+    (tmp_path / "elsewhere" / "deeper").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "elsewhere" / "deeper")
+    from_file, inline = expand(load_spec(spec))
+    assert from_file.config.data.options == {
+        "source": str(tmp_path / "data/a.de"),
+        "target": str(tmp_path / "data/a.en"),
+    }
+    assert from_file.config.train.init_from == str(tmp_path / "runs/pretrained")
+    assert inline.config.data.path == str(tmp_path / "study" / "corpus.txt")

@@ -36,7 +36,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kilolayer.config import Config, apply_sets, format_validation_error, load_config, parse_set, read_yaml
+from kilolayer.config import (
+    Config,
+    absolute_paths,
+    apply_sets,
+    format_validation_error,
+    load_config,
+    parse_set,
+    read_yaml,
+)
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.study.analyses import ANALYSES
 from kilolayer.study.claim_plots import CLAIM_PLOTS
@@ -329,7 +337,9 @@ def load_spec(source: str | Path, sets: list[str] | None = None) -> StudySpec:
 
 def _resolve_base(group: dict, index: int, root: Path | None, sets: list[str]) -> None:
     """A group's ``base`` given as a config file read in place (relative to the spec's folder), and the study's
-    ``--set`` values applied to it: every group then holds its config as a mapping."""
+    ``--set`` values applied to it: every group then holds its config as a mapping. Its paths come out absolute
+    as :func:`kilolayer.config.load_config` makes them: a config file's relative to that file's folder, a
+    mapping written in the spec relative to the spec's."""
     base = group.get("base", {})
     where = f"groups[{index}]" + (f" ({group['name']})" if isinstance(group.get("name"), str) else "")
     if isinstance(base, str):
@@ -339,9 +349,9 @@ def _resolve_base(group: dict, index: int, root: Path | None, sets: list[str]) -
         base = read_yaml(path)
         if not isinstance(base, dict):
             raise ConfigError(f"{where}.base={base!r}: expected a config mapping in {path}")
-        data = base.get("data")
-        if isinstance(data, dict) and isinstance(data.get("path"), str) and not Path(data["path"]).is_absolute():
-            data["path"] = str((path.parent / data["path"]).resolve())  # a config's paths are its own folder's
+        base = absolute_paths(base, path.parent)
+    elif isinstance(base, dict) and root is not None:
+        base = absolute_paths(base, root)
     group["base"] = base
     if sets:  # after the group's own set, before its grid values
         own = group.get("set") or {}
