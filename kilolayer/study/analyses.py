@@ -79,3 +79,21 @@ def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
     fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
     write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")
     return target
+
+
+def analysis_current(name: str, run_dir: Path, data: dict | None = None) -> bool:
+    """Whether ``run_dir`` holds a result of analysis ``name`` measured as it would be now (the same stamp)."""
+    saved = rundir.read_json(rundir.analysis_dir(run_dir, name) / STAMP, None)
+    return rundir.analysis_file(run_dir, name).exists() and saved == analysis_stamp(name, data, run_dir)
+
+
+def failed_analyses(results, out: Path) -> list[str]:
+    """``NAME of GROUP/POINT`` for each analysis of a completed point (``results``: the study's, read back after
+    its analyses ran) without a current result on disk: it failed, and the study said why when it ran it."""
+    return [
+        f"{name} of {r.point.key}"
+        for r in results
+        if r.status == "completed"
+        for name in r.point.analyses
+        if not analysis_current(name, r.point.run_dir(out), r.point.analysis_data)
+    ]

@@ -42,6 +42,8 @@ def cmd_study(args) -> int:
 
     spec = load_spec(args.spec, args.set)
     points = expand(spec)  # every point's config and claim checked before --out is touched
+    for line in spec.claims_left_out:
+        print(f"left out: {line}")
     if executor.name != "ray":  # a cluster's nodes may hold data the driver does not
         check_data(points)
     t0 = time.perf_counter()
@@ -60,8 +62,16 @@ def cmd_study(args) -> int:
             f"{Path(args.out) / 'logs'}/GROUP/POINT.log; "
             "re-running the study resumes them"
         )
-        return 1
-    return 0
+    from kilolayer.study.analyses import failed_analyses
+
+    failed = failed_analyses(results, Path(args.out))
+    if failed:
+        named = ", ".join(failed[:3]) + (", ..." if len(failed) > 3 else "")
+        print(
+            f"{len(failed)} analyses of completed points failed ({named}); why each failed is printed above "
+            "('[study] NAME of POINT failed: ...'); re-running the study runs them again"
+        )
+    return 1 if unfinished or failed else 0
 
 
 @contextlib.contextmanager
@@ -171,6 +181,8 @@ def _estimate(args, jobs: int) -> int:
     if args.probe_steps < 1:
         raise ConfigError(f"--probe-steps={args.probe_steps}: expected an integer >= 1")
     spec = load_spec(args.spec, args.set)
+    for line in spec.claims_left_out:
+        print(f"left out: {line}")
     t0 = time.perf_counter()
     est = estimate(spec, jobs=jobs, probe_steps=args.probe_steps)
     for name, seconds in est["groups"].items():

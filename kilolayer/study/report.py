@@ -111,6 +111,15 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
             [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason, f.improving or "-"] for f in findings],
         ),
     ]
+    left_out = getattr(spec, "claims_left_out", [])
+    if left_out:
+        lines += [
+            "**Claims left out.** Of the sets of claims the spec names, these read groups it does not have, so they "
+            "have no verdict here:",
+            "",
+            *[f"- {_text(line)}" for line in left_out],
+            "",
+        ]
     for f in findings:
         lines += [
             f"## {_text(f.title)}",

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from kilolayer.config import (
     Config,
@@ -112,6 +112,13 @@ class StudySpec(BaseModel):
     groups: list[GroupSpec] = Field(..., min_length=1)
     findings: list[str] = Field(default_factory=list)
     claims: list[Any] = Field(default_factory=list)
+    _left_out: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def claims_left_out(self) -> list[str]:
+        """The claims of a named set that the spec left out, each with why (``"NAME (of SET): this spec has no
+        group G"``)."""
+        return list(self._left_out)
 
     @model_validator(mode="after")
     def _claims(self):
@@ -123,7 +130,7 @@ class StudySpec(BaseModel):
         known, sets = builtin_claims(), builtin_claim_sets()
         moved = [f for f in self.findings if (f in known or f in sets) and not any(c == f for c in self.claims)]
         self.findings = [f for f in self.findings if f not in moved]
-        self.claims = [c for raw in [*moved, *self.claims] for c in _members(raw, sets, known, groups)]
+        self.claims = [c for raw in [*moved, *self.claims] for c in _members(raw, sets, known, groups, self._left_out)]
         parsed, names = [], set()
         for i, raw in enumerate(self.claims):
             where = f"claims[{i}]"
@@ -140,14 +147,20 @@ class StudySpec(BaseModel):
         return self
 
 
-def _members(raw: Any, sets: dict, known: dict, groups: dict) -> list:
-    """``raw``, or where it names a set of built-in claims, those of its claims whose groups the spec has."""
+def _members(raw: Any, sets: dict, known: dict, groups: dict, left_out: list[str]) -> list:
+    """``raw``, or where it names a set of built-in claims, those of its claims whose groups the spec has; each
+    claim of the set left out is added to ``left_out`` with the groups it lacks."""
     if not (isinstance(raw, str) and raw in sets):
         return [raw]
     found = [name for name in sets[raw] if all(g in groups for g in _group_names(known[name]))]
     if not found:
         needed = sorted({g for name in sets[raw] for g in _group_names(known[name])})
         raise ValueError(f"claims: {raw!r} reads groups this spec does not have ({', '.join(needed)})")
+    for name in sets[raw]:
+        lacking = [g for g in dict.fromkeys(_group_names(known[name])) if g not in groups]
+        if lacking:
+            plural = "groups" if len(lacking) > 1 else "group"
+            left_out.append(f"{name} (of {raw}): this spec has no {plural} {', '.join(lacking)}")
     return found
 
 
