@@ -70,8 +70,15 @@ def test_failed_analyses_make_the_study_exit_1_with_a_last_line_naming_them(tmp_
     spec = load_spec(path)
     broken = [p.key for p in expand(spec)][:failing]
 
-    def run_study(spec, out, *args, **kwargs):  # the executor: every point finished, `broken` not analysed
-        return _finished(spec, out, lambda p: p.key not in broken)
+    analyse = runner.run_analyses
+
+    def run_study(spec, out, *args, **kwargs):
+        """The executor: every point finished; the `broken` ones have no checkpoint to measure, so their
+        smoothness analysis, run as the study runs it, fails."""
+        results = _finished(spec, out, lambda p: p.key not in broken)
+        for r in results:
+            analyse(r.point, out)
+        return results
 
     monkeypatch.setattr(runner, "run_study", run_study)
     monkeypatch.setattr(spec_module, "check_data", lambda points: None)
@@ -85,6 +92,9 @@ def test_failed_analyses_make_the_study_exit_1_with_a_last_line_naming_them(tmp_
         assert rc == 0 and lines[-1].strip().endswith("report.md")
         return
     assert rc == 1
+    assert [line.split(": ")[0] for line in lines if line.startswith("[study] smoothness")] == [
+        f"[study] smoothness of {key} failed" for key in broken
+    ]
     assert lines[-1] == (
         f"2 analyses of completed points failed (smoothness of {broken[0]}, smoothness of {broken[1]}); why each "
         "failed is printed above ('[study] NAME of POINT failed: ...'); re-running the study runs them again"
