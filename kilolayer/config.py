@@ -395,16 +395,27 @@ class YamlLoader(yaml.SafeLoader):
     (``1.0e-3``), so ``1e-3`` or ``5E4`` would load as strings; here they are floats."""
 
 
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
+class YamlDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, quoting a string that :class:`YamlLoader` reads as a number (``'1e3'``), so what it
+    writes loads back as it was."""
+
+
+for _cls in (YamlLoader, YamlDumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
 
 
 def load_yaml(text: str) -> Any:
     """``text`` parsed as YAML by :class:`YamlLoader` (safe: plain data only; ``1e-3`` a float)."""
     return yaml.load(text, Loader=YamlLoader)
+
+
+def to_yaml(data: Any, **options) -> str:
+    """``data`` as YAML that :func:`load_yaml` reads back as it was (``options``: :func:`yaml.dump`'s)."""
+    return yaml.dump(data, Dumper=YamlDumper, **options)
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -558,4 +569,4 @@ def dump_yaml(cfg: BaseModel) -> str:
         data["data"] = {
             k: v for k, v in data["data"].items() if k in ("name", "options") or k in reads or v != fields[k].default
         }
-    return yaml.safe_dump(data, sort_keys=False)
+    return to_yaml(data, sort_keys=False)

@@ -71,3 +71,17 @@ claims:
     assert claim.margin == 0.02 and claim.contrast.claimed_better == 0.001
     # the same spec as YAML 1.1 reads it: the values are strings, so the claim could not name them as numbers
     assert yaml.safe_load(text)["groups"][0]["grid"]["train.lr"] == ["1e-3", "3e-3"]
+
+
+def test_a_string_that_reads_as_a_number_is_written_quoted_and_loads_back_a_string():
+    """What kilolayer writes as YAML (a run's config.yaml, a study point's grid values as --set items) loads back
+    as it was: a string such as ``1e3``, which unquoted reads as a float, is written quoted."""
+    from kilolayer.config import to_yaml
+    from kilolayer.study.spec import _sets
+
+    data = {"tag": "1e3", "lr": 1e-3, "big": 1e20, "name": "deepnorm"}
+    assert load_yaml(to_yaml(data)) == data
+    assert [parse_set(item) for item in _sets({"data.options.tag": "1e3", "train.lr": 1e-3})] == [
+        (["data", "options", "tag"], "1e3"),
+        (["train", "lr"], 0.001),
+    ]

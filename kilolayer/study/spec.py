@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from kilolayer.config import (
@@ -44,6 +43,7 @@ from kilolayer.config import (
     load_config,
     parse_set,
     read_yaml,
+    to_yaml,
 )
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.study.analyses import ANALYSES
@@ -224,10 +224,7 @@ def _short(key: str) -> str:
 
 def _sets(values: dict[str, Any]) -> list[str]:
     """``key.path=value`` strings of a mapping of dotted keys (YAML flow values, as ``--set`` reads them)."""
-    return [
-        f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-        for k, v in values.items()
-    ]
+    return [f"{k}={to_yaml(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in values.items()]
 
 
 def point_name(values: dict[str, Any]) -> str:
