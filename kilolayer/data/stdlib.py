@@ -126,14 +126,22 @@ def stdlib_bytes(config) -> ByteWindows:
     opts = parse_options(StdlibOptions, config.data.options, "data.options")
     seq = byte_window_len(config, opts.seq_len)
     train, valid, _ = stdlib_corpus(opts.valid_percent)
-    if opts.max_bytes:
-        train, valid = train[: opts.max_bytes], valid[: max(opts.max_bytes // 8, 4 * (seq + 1))]
+    train, valid = capped(train, valid, opts.max_bytes, seq)
     return ByteWindows(train, valid, seq, opts.eval_windows, config.train.seed, f"stdlib ({stdlib_dir()})")
+
+
+def capped(train: bytes, valid: bytes, max_bytes: int, seq: int) -> tuple[bytes, bytes]:
+    """``data.options.max_bytes``: the first ``max_bytes`` of the training bytes and an eighth as many of the
+    validation bytes (at least four windows); 0 keeps all."""
+    if not max_bytes:
+        return train, valid
+    return train[:max_bytes], valid[: max(max_bytes // 8, 4 * (seq + 1))]
 
 
 @register_source("text_bytes", reads=("path",))
 def text_bytes(config) -> ByteWindows:
-    """A user's text file (``data.path``) as a byte corpus; the last ``valid_percent`` of it is validation."""
+    """A user's text file (``data.path``) as a byte corpus: its first (100 - ``valid_percent``)% of bytes train, the
+    rest is validation (there is no test split)."""
     from kilolayer.data.options import parse_options
 
     opts = parse_options(StdlibOptions, config.data.options, "data.options")
@@ -150,4 +158,5 @@ def text_bytes(config) -> ByteWindows:
     if not data.strip():
         raise InputError(f"{p}: the file is empty")
     cut = len(data) * (100 - opts.valid_percent) // 100
-    return ByteWindows(data[:cut], data[cut:], seq, opts.eval_windows, config.train.seed, str(p))
+    train, valid = capped(data[:cut], data[cut:], opts.max_bytes, seq)
+    return ByteWindows(train, valid, seq, opts.eval_windows, config.train.seed, str(p))
