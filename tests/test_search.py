@@ -45,21 +45,51 @@ def trains(config):
 
 
 def settings(**kw):
-    return S.Settings(**{"params": PARAMS, "depths": (1, 8), "tolerance": 0.1, **kw})
+    return S.Settings(**{"params": PARAMS, "depths": (1, 3), "tolerance": 0.1, **kw})
 
 
 def test_shapes_have_the_parameters_of_the_models_built_from_them():
     config = load_config("configs/digits_mae.yaml")
     found = S.shapes(config, 200_000, depths=(1, 16), tolerance=0.03)
-    assert [s.name for s in found] == ["1x128", "4x64", "7x48", "16x32"]
+    assert [s.layers for s in found] == list(range(1, 17))  # every depth in the range
     for s in found:
         built = sum(p.numel() for p in build_model(s.model).parameters())
         assert built == s.parameters
-        assert abs(built - 200_000) <= 0.03 * 200_000
-        assert s.model.width == 16 * s.model.heads  # the config's head size (64 / 4) held
-        assert s.model.ffn == 4 * s.model.width  # and its FFN ratio
-    assert found[1].parameters == 201_536  # the shipped 4 x 64 itself
+        assert s.deviation == pytest.approx(built / 200_000 - 1) and abs(s.deviation) <= 0.03
+        assert 8 <= s.head_size <= 32 and s.model.width == s.head_size * s.model.heads
+    assert found[3].model == config.model and found[3].parameters == 201_536  # the shipped 4 x 64 itself
+    # where the config's head size (16) and FFN ratio (4) come within 3%, they are kept
+    kept = [s.name for s in found if s.head_size == 16 and s.model.ffn == 4 * s.model.width]
+    assert kept == ["1x128", "4x64", "7x48", "16x32"]
     assert found[0].flops_per_token < found[-1].flops_per_token  # deeper-narrower costs more per token here
+
+
+def test_every_depth_is_offered_at_the_shape_closest_to_the_budget_with_its_deviation():
+    """A 6+6-layer encoder-decoder of head size 16 at 150k parameters: one shape per depth 2..12 (head size 16 alone
+    gives one within 3%), each the closest the widths, heads and FFN sizes allow, its deviation in the report."""
+    config = load_config("configs/reverse_deepnorm.yaml")
+    found = S.shapes(config, 150_000, depths=(2, 12), tolerance=0.03)
+    assert [(s.model.layers, s.model.decoder_layers) for s in found] == [(d, d) for d in range(2, 13)]
+    for s in found:
+        assert s.parameters == sum(p.numel() for p in build_model(s.model).parameters())
+        assert abs(s.deviation) <= 0.03 and s.deviation == pytest.approx(s.parameters / 150_000 - 1)
+    shipped = {s.name: s for s in found}["5+5x32"]  # the config's head size and FFN ratio, 151,040 parameters
+    assert (shipped.head_size, shipped.model.ffn, shipped.parameters) == (16, 128, 151_040)
+    # the closest: no other width, head size (8..32) or FFN (half to twice the ratio's) at depth 12 comes closer
+    deepest = found[-1]
+    assert deepest.name == "12+12x20" and deepest.parameters == 149_584
+    m = config.model
+    for q in range(8, 33, 2):
+        for h in (1, 2):
+            held = 4 * q * h
+            for ffn in (held, held // 2, 2 * held):
+                other = S.count_parameters(S._shaped(m, 12, h, q, ffn))
+                assert abs(other - 150_000) >= abs(deepest.parameters - 150_000) or abs(other / 150_000 - 1) <= 0.03
+
+    # depths whose narrowest shape is already over the budget are left out, and said so
+    small = S.shapes(config, 12_000, depths=(1, 12), tolerance=0.03)
+    assert [s.layers for s in small] == list(range(1, 8))  # at 8 layers even 1 head of 8, FFN 16 has 12,672
+    assert S.count_parameters(S.narrowest(m, 8)) == 12_672 > 12_000 * 1.03
 
 
 def test_depths_parse_and_refuse_in_one_line():
@@ -85,7 +115,7 @@ def _fake_race(tmp_path, monkeypatch, order, streams):
 
     s = settings()
     config = S.check_settings(tiny("train.steps=90", "train.eval_every=10"), s)
-    found = {sh.name: sh for sh in S.shapes(config, PARAMS, (1, 8), 0.1)}
+    found = {sh.name: sh for sh in S.shapes(config, PARAMS, (1, 3), 0.1)}
     kept = {name: found[name] for name in order}
     progress = {}
 
@@ -120,7 +150,7 @@ def test_the_race_does_not_depend_on_the_order_of_the_shapes(tmp_path, monkeypat
     streams = {
         "1x48": lambda step: 2.0 - step / 100,
         "2x32": lambda step: 1.5 - step / 100,
-        "8x16": lambda step: 1.6 - step / 200,
+        "3x28": lambda step: 1.6 - step / 200,
     }
     results = []
     for i, order in enumerate(itertools.permutations(streams)):
@@ -128,13 +158,13 @@ def test_the_race_does_not_depend_on_the_order_of_the_shapes(tmp_path, monkeypat
         results.append(trials)
         assert [d["step"] for d in decisions] == [10, 30]
     assert all(r == results[0] for r in results)
-    assert results[0] == {"2x32": ("COMPLETE", 80), "1x48": ("PRUNED", 10), "8x16": ("PRUNED", 10)}
+    assert results[0] == {"2x32": ("COMPLETE", 80), "1x48": ("PRUNED", 10), "3x28": ("PRUNED", 10)}
 
 
 def test_a_search_races_shapes_in_run_directories_and_recommends_one(tmp_path):
     out = tmp_path / "s"
     search = S.run_search(tiny("train.eval_batches=4"), out, settings(), forecaster=trains, log=lambda _: None)
-    assert [s.name for s in search.shapes] == ["1x48", "2x32", "8x16"]
+    assert [s.name for s in search.shapes] == ["1x48", "2x32", "3x28"]
     assert search.rungs == [3, 9]
     states = {t.shape.name: (t.state, t.step) for t in search.trials}
     # synchronous successive halving: all three reach step 3, the best third (one) goes on
@@ -223,10 +253,10 @@ def test_a_pruned_trial_continued_by_hand_shows_its_own_final_evaluation(tmp_pat
 
 
 def test_a_stall_is_dropped_only_behind_a_shape_forecast_clearly_better(tmp_path):
-    found = S.shapes(tiny(), PARAMS, (1, 8), 0.1)
+    found = S.shapes(tiny(), PARAMS, (1, 3), 0.1)
 
     def near_chance(config):
-        score = {"1x48": 0.92, "2x32": 0.93, "8x16": 0.88}[S.shape_name(config.model)]
+        score = {"1x48": 0.92, "2x32": 0.93, "3x28": 0.88}[S.shape_name(config.model)]
         return ("stalls" if score > 0.9 else "trains"), f"{score} x chance", {"score": score, "steps": 5}
 
     (tmp_path / "a").mkdir()
@@ -236,18 +266,18 @@ def test_a_stall_is_dropped_only_behind_a_shape_forecast_clearly_better(tmp_path
     assert screens[0].steps == 5
 
     def one_clearly_better(config):
-        score = {"1x48": 0.92, "2x32": 0.95, "8x16": 0.5}[S.shape_name(config.model)]
+        score = {"1x48": 0.92, "2x32": 0.95, "3x28": 0.5}[S.shape_name(config.model)]
         return ("stalls" if score > 0.9 else "trains"), f"{score} x chance", {"score": score, "steps": 5}
 
     screens = S.prescreen(tiny(), found, tmp_path / "b", forecaster=one_clearly_better, log=lambda _: None)
     assert [sc.kept for sc in screens] == [False, False, True]
     search = S.run_search(tiny(), tmp_path / "c", settings(), forecaster=one_clearly_better, log=lambda _: None)
-    assert any("left only 8x16 of the 3 shapes" in n for n in search.notes)
+    assert any("left only 3x28 of the 3 shapes" in n for n in search.notes)
 
 
 def test_a_pre_screened_diverging_shape_never_trains(tmp_path):
     out = tmp_path / "s"
-    names = [s.name for s in S.shapes(tiny(), PARAMS, (1, 8), 0.1)]
+    names = [s.name for s in S.shapes(tiny(), PARAMS, (1, 3), 0.1)]
     doomed = names[-1]
 
     def forecaster(config):
@@ -400,7 +430,7 @@ def test_a_search_with_other_settings_is_refused_in_its_directory(tmp_path):
     out = tmp_path / "s"
     S.run_search(tiny(), out, settings(budget_steps=1), forecaster=trains, log=lambda _: None)
     with pytest.raises(ConfigError, match=r"other settings \(tolerance differ\)"):
-        S.run_search(tiny(), out, S.Settings(params=PARAMS, depths=(1, 8), tolerance=0.2), forecaster=trains)
+        S.run_search(tiny(), out, S.Settings(params=PARAMS, depths=(1, 3), tolerance=0.2), forecaster=trains)
 
 
 def test_the_learning_rate_is_searched_log_uniformly_around_the_configs(tmp_path):
@@ -424,13 +454,15 @@ def test_search_errors_are_one_line(tmp_path, capsys):
     assert "kilolayer: error: --params '1e400': expected a count" in capsys.readouterr().err
     tiny_model = ["--set", "model.width=32", "--set", "model.heads=2"]
     assert main([*base, "--params", "10", "--depths", "1..100000", *tiny_model]) == 2  # returns: depths capped
-    assert "no shape of head size 16 at depths 1..100000 is within 3% of it" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kilolayer: error: --params 10: even the narrowest shape at depth 1 (1x8, " in err
+    assert "exceeds it by more than 3%; raise --params or --tolerance" in err
     assert main([*base, "--params", "10", "--tolerance", "0.0001", *tiny_model]) == 2
-    assert "is within 0.01% of it" in capsys.readouterr().err
+    assert "by more than 0.01%" in capsys.readouterr().err
     assert main([*base, "--params", "28k", "--depths", "1..2", "--tolerance", "0.1", "--metric", "accuracy"]) == 2
     assert "kilolayer: error: --metric accuracy: not an evaluation metric of mae" in capsys.readouterr().err
-    assert main([*base, "--params", "10", "--depths", "1..4", "--set", "model.width=32", "--set", "model.heads=2"]) == 2
-    assert "kilolayer: error: --params 10: no shape of head size 16 at depths 1..4" in capsys.readouterr().err
+    assert main([*base, "--params", "10", "--depths", "2..4", "--set", "model.width=32", "--set", "model.heads=2"]) == 2
+    assert "kilolayer: error: --params 10: even the narrowest shape at depth 2 (2x8, " in capsys.readouterr().err
     assert main([*base, "--params", "26k", "--address", "127.0.0.1:6379", "--cpus-per-run", "2"]) == 2
     assert "kilolayer: error: --address, --cpus-per-run: only with --executor ray" in capsys.readouterr().err
     assert main([*base, "--params", "26k", "--executor", "ray", "--cpus-per-run", "0.5"]) == 2
@@ -448,7 +480,7 @@ def test_a_killed_search_continues_where_it_stopped(tmp_path):
 
     out = tmp_path / "s"
     cmd = [sys.executable, "-m", "kilolayer", "search", "configs/digits_mae.yaml", "--params", "28k", "--depths"]
-    cmd += ["1..8", "--tolerance", "0.1", "--min-steps", "59", "--out", str(out), "--forecast-steps", "3"]
+    cmd += ["1..3", "--tolerance", "0.1", "--min-steps", "59", "--out", str(out), "--forecast-steps", "3"]
     cmd += ["--keep-forecast-failures", *[f"--set={s}" for s in [*TINY, "train.steps=60"]]]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     second = None
@@ -466,9 +498,78 @@ def test_a_killed_search_continues_where_it_stopped(tmp_path):
     assert rundir.read_status(first)["status"] == "completed"
     finished = (first / rundir.STATUS).stat().st_mtime_ns
     config = load_config("configs/digits_mae.yaml", [*TINY, "train.steps=60"])
-    s = S.Settings(PARAMS, (1, 8), 0.1, min_steps=59, forecast_steps=3, keep_forecast_failures=True)
+    s = S.Settings(PARAMS, (1, 3), 0.1, min_steps=59, forecast_steps=3, keep_forecast_failures=True)
     search = S.run_search(config, out, s, log=lambda _: None)
     assert (first / rundir.STATUS).stat().st_mtime_ns == finished  # never trained again
     assert rundir.read_resume_history(second)[-1]["step"] >= 3  # continued from its checkpoint
     assert sorted(t.state for t in search.trials) == ["completed"] * len(search.trials)
     assert len(search.trials) == 3
+
+
+def test_the_time_plan_prices_the_pre_screen_and_each_rungs_legs():
+    """tiny(): 12 steps, an evaluation every 3, rungs at 3 and 9, the pre-screen replaying 2 steps (below the
+    first rung) that the trials continue. Three shapes whose costs are given; the race's later legs are priced as
+    the costliest shape (the one that would go on is not known before)."""
+    s = settings()
+    config = S.check_settings(tiny(), s)
+    assert (S.rung_steps(config, s), S.forecast_steps(config, s), S.starts_from_prescreen(config, s)) == (
+        [3, 9],
+        2,
+        True,
+    )
+    costs = [S.Cost(1.0, 0.1, 0.5), S.Cost(2.0, 0.3, 0.7), S.Cost(1.5, 0.2, 0.6)]
+    replay_evals = 20 * 4 / 3  # 20 evaluations of 64 samples, 4 batches of 16, a forward pass each
+    prescreen = sum(2 * c.setup + c.step * (2 + 1 + replay_evals) for c in costs)
+    first = sum(c.setup + c.step * 1 + c.evaluation * 1 for c in costs)  # steps 3 - 2, the evaluation at 3
+    costliest = costs[1]
+    later = costliest.setup + 6 * costliest.step + 2 * costliest.evaluation  # 3 -> 9, evaluations at 6 and 9
+    later += costliest.setup + 3 * costliest.step + 1 * costliest.evaluation  # 9 -> 12
+    assert S.estimate_seconds(config, s, costs) == pytest.approx(prescreen + first + later)
+
+
+def test_the_time_plan_makes_the_trials_as_long_as_the_minutes_allow():
+    s = settings()
+    config = S.check_settings(tiny(), s)
+    costs = [S.Cost(0.5, 0.01, 0.05), S.Cost(0.5, 0.02, 0.05), S.Cost(0.5, 0.04, 0.1)]
+
+    def estimate(steps):
+        return S.estimate_seconds(S.with_steps(config, steps), s, costs)
+
+    for seconds in (10.0, 20.0, 40.0):
+        steps, spent = S.plan_steps(config, s, costs, seconds)
+        assert spent == estimate(steps) <= seconds < estimate(steps + 1)  # the longest trials that fit
+        assert spent >= 0.97 * seconds  # and so the time is used
+    assert S.plan_steps(config, s, costs, 10.0)[0] < S.plan_steps(config, s, costs, 40.0)[0]
+    longer = S.with_steps(config, 120)  # ten times the config's 12 steps: evaluations and checkpoints keep count
+    assert (longer.train.eval_every, longer.train.checkpoint_every, longer.train.warmup) == (30, 30, 2)
+
+
+def test_a_search_given_minutes_trains_trials_of_the_planned_length(tmp_path):
+    out = tmp_path / "s"
+    s = settings(minutes=0.5)  # priced above what these trials take, so the budget's own stop never cuts them
+    costs = {"1x48": S.Cost(0.5, 0.1, 0.1), "2x32": S.Cost(0.5, 0.15, 0.1), "3x28": S.Cost(0.5, 0.2, 0.1)}
+    measured = []
+
+    def measure(config):
+        measured.append(config.train.steps)
+        return costs[S.shape_name(config.model)]
+
+    search = S.run_search(tiny(), out, s, forecaster=trains, measure=measure, log=lambda _: None)
+    plan = search.plan
+    assert measured == [12, 12, 12] and plan.config_steps == 12
+    assert plan.seconds <= 30.0 and (plan.steps, plan.estimate) == S.plan_steps(
+        S.check_settings(tiny(), settings()), s, list(costs.values()), plan.seconds
+    )
+    assert plan.steps > 12 and plan.estimate >= 0.97 * plan.seconds
+    assert search.config.train.steps == plan.steps
+    for t in search.trials:
+        assert load_config(t.run / rundir.CONFIG).train.steps == plan.steps
+    assert max(t.step for t in search.trials) == plan.steps
+    text = write_report(search)[0].read_text()
+    assert f"the trials' length was then set to {plan.steps:,} steps (the config's 12)" in text
+
+    # a re-run keeps the plan whatever minutes it is given, and trains nothing again
+    s.minutes = 5
+    again = S.run_search(tiny(), out, s, forecaster=trains, measure=measure, log=lambda _: None)
+    assert again.plan == plan and measured == [12, 12, 12]
+    assert [(t.state, t.step) for t in again.trials] == [(t.state, t.step) for t in search.trials]

@@ -306,10 +306,11 @@ def register_search(sub) -> None:
     p = sub.add_parser(
         "search",
         help="search the best depth and width for a config's objective at a parameter budget, and write a report",
-        description="From CONFIG (its objective, data and training settings): generate parameter-matched shapes "
-        "across a depth range (the config's head size held, widths multiples of it), drop those the doctor "
-        "forecasts to diverge (or to stall behind another shape), and race the rest by successive halving judged "
-        "synchronously (a rung decided once every trial in the race has reached it); each trial "
+        description="From CONFIG (its objective, data and training settings): offer one shape per depth in a "
+        "range, at the width, heads and FFN closest to the parameter budget (each with its deviation from it), "
+        "drop those the doctor forecasts to diverge (or to stall behind another shape), and race the rest by "
+        "successive halving judged synchronously (a rung decided once every trial in the race has reached it); "
+        "each trial "
         "is an ordinary run directory under DIR/trials/. Writes DIR/report.md, DIR/report.html and the "
         "recommended config DIR/best.yaml (unless the top two are within noise). Re-running continues the "
         "search. Trials run one at a time in this process, or at once as Ray tasks (--executor ray), with the "
@@ -318,15 +319,25 @@ def register_search(sub) -> None:
     p.add_argument("config", metavar="CONFIG", help="a YAML config file or a preset name")
     p.add_argument("--params", required=True, metavar="N", help="the parameter budget, e.g. 5M, 350k")
     p.add_argument("--out", required=True, metavar="DIR", help="the search directory")
-    p.add_argument("--depths", metavar="A..B", help="the depth range (inclusive; default: any depth up to 256)")
     p.add_argument(
-        "--tolerance", type=float, default=0.03, help="relative parameter tolerance of a shape (default 0.03)"
+        "--depths", metavar="A..B", help="the depth range (inclusive; default: half to twice the config's depth)"
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.03,
+        help="within this share of the budget, keep the config's head size and FFN ratio where possible (default 0.03)",
     )
     p.add_argument(
         "--set", action="append", default=[], metavar="key.path=value", help="override a config key (repeatable)"
     )
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=float, metavar="M", help="budget: minutes of training over all trials")
+    budget.add_argument(
+        "--minutes",
+        type=float,
+        metavar="M",
+        help="budget: minutes for the pre-screen and the race; the trials' length is planned to spend them",
+    )
     budget.add_argument("--budget-steps", type=int, metavar="S", help="budget: optimizer steps over all trials")
     p.add_argument(
         "--metric",

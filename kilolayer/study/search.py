@@ -3,9 +3,9 @@
 Bamboo's advice as a tool: a Transformer's best shape depends on its training objective, so search it per
 objective instead of inheriting 12 x 768. From the user's config (objective, data, training settings):
 
-1. :func:`shapes`: parameter-matched shapes across a depth range (:func:`kilolayer.nn.budget.matched_configs`:
-   the config's head size held, widths multiples of it, parameters within a tolerance), with their FLOPs per
-   token;
+1. :func:`shapes`: one shape per depth in a range, at the width, heads and FFN closest to the parameter budget
+   (:func:`closest_shape`), each with its deviation from it and its FLOPs per token; with ``--minutes``, the
+   trials' length planned to spend them (:func:`time_plan`);
 2. :func:`prescreen`: each shape forecast by the doctor (:func:`kilolayer.doctor.forecast`); those forecast to
    diverge, or to stall while another shape is forecast clearly better, are dropped with its reason, unless
    kept on purpose. The forecast's replay of the shape's first steps ends below the first rung
@@ -40,14 +40,14 @@ import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 from kilolayer import rundir
 from kilolayer.config import Config, ModelConfig, load_config
 from kilolayer.errors import ConfigError, DivergedError, KilolayerError
-from kilolayer.nn.budget import count_parameters, matched_configs, training_flops
+from kilolayer.nn.budget import count_parameters, training_flops
 from kilolayer.study.executors import Executor
 from kilolayer.train.policies import early_stop_mode
 
@@ -57,6 +57,7 @@ JOURNAL = "optuna.journal"
 LOCK = "search.lock"
 TRIALS = "trials"
 CHOICE = "choice.json"  # the config files the search wrote (name: sha256), the only ones it replaces
+PLAN = "plan.json"  # the trial length --minutes chose, kept for re-runs
 STARTS = "starts"  # the pre-screen's replays saved as checkpoints, one folder per trial config (its hash)
 DROPPED = ("diverges", "stalls")  # forecast verdicts the pre-screen drops
 
@@ -66,16 +67,22 @@ DROPPED = ("diverges", "stalls")  # forecast verdicts the pre-screen drops
 
 @dataclass(frozen=True)
 class Shape:
-    """One parameter-matched model: its name (``LAYERSxWIDTH``), config, parameters and training FLOPs per token."""
+    """One parameter-matched model: its name (``LAYERSxWIDTH``), config, parameters, training FLOPs per token, and
+    its parameters' deviation from the budget (``parameters / budget - 1``)."""
 
     name: str
     model: ModelConfig
     parameters: int
     flops_per_token: float
+    deviation: float = 0.0
 
     @property
     def layers(self) -> int:
         return self.model.layers
+
+    @property
+    def head_size(self) -> int:
+        return self.model.width // self.model.heads
 
     def step_flops(self, batch_size: int) -> float:
         """Model FLOPs of one training step at the model's full length (:func:`kilolayer.nn.budget.training_flops`)."""
@@ -88,17 +95,89 @@ def shape_name(model: ModelConfig) -> str:
     return f"{model.layers}x{model.width}"
 
 
+MAX_WIDTH = 8192
+
+
+def default_depths(model: ModelConfig) -> tuple[int, int]:
+    """The depth range without ``--depths``: half to twice the config's depth."""
+    return max(1, model.layers // 2), 2 * model.layers
+
+
+def _shaped(m: ModelConfig, layers: int, heads: int, head_size: int, ffn: int) -> ModelConfig:
+    data = m.model_dump()
+    data.update(layers=layers, width=heads * head_size, heads=heads, ffn=max(1, ffn))
+    if m.arch == "encoder_decoder":  # the config's decoder-to-encoder ratio
+        data["decoder_layers"] = max(1, round(layers * m.decoder_layers / m.layers))
+    return ModelConfig.model_validate(data)
+
+
+def _head_sizes(m: ModelConfig) -> range:
+    """Half to twice the config's head size, in steps of an eighth of it."""
+    head = m.width // m.heads
+    step = max(1, head // 8)
+    return range(max(step, head // 2 // step * step), 2 * head + 1, step)
+
+
+def narrowest(m: ModelConfig, layers: int) -> ModelConfig:
+    """The smallest model :func:`closest_shape` considers at ``layers``: one head of the smallest head size, half
+    the FFN ratio."""
+    q = _head_sizes(m)[0]
+    return _shaped(m, layers, 1, q, max(1, round(m.ffn / m.width * q) // 2))
+
+
+def closest_shape(m: ModelConfig, layers: int, params: int, tolerance: float) -> ModelConfig:
+    """The model like ``m`` at ``layers`` whose width, heads and FFN bring it closest to ``params``: of the shapes
+    within ``tolerance``, the one least changed from the config's head size and FFN ratio (the sum of the two
+    factors' |ln|), then the smallest deviation; with none within ``tolerance``, the closest one. Head sizes range
+    over half to twice the config's (in steps of an eighth of it) and widths are heads x head size; the FFN is
+    the config's ratio, or, where that does not come within ``tolerance``, the size that comes closest (half to
+    twice the ratio's)."""
+    head = m.width // m.heads
+    ratio = m.ffn / m.width
+    best = None
+
+    def count(h: int, q: int, ffn: int | None = None) -> int:
+        return count_parameters(_shaped(m, layers, h, q, round(ratio * h * q) if ffn is None else ffn))
+
+    for q in _head_sizes(m):
+        lo, hi = 1, max(1, MAX_WIDTH // q)
+        while lo < hi:  # the fewest heads at or over the budget: parameters grow with width
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if count(mid, q) < params else (lo, mid)
+        for h in {max(1, lo - 1), lo}:
+            held = round(ratio * h * q)
+            sizes = [held]
+            base, more = count(h, q, held), count(h, q, held + 1)
+            if abs(base - params) > tolerance * params and more > base:  # parameters are linear in the FFN size
+                fitted = held + round((params - base) / (more - base))
+                sizes.append(min(max(fitted, max(1, held // 2)), 2 * held))
+            for ffn in sizes:
+                c = _shaped(m, layers, h, q, ffn)
+                dev = abs(count_parameters(c) - params) / params
+                change = abs(math.log(q / head)) + abs(math.log(max(1, ffn) / max(1, held)))
+                key = (0, change, dev) if dev <= tolerance else (1, dev, change)
+                if best is None or key < best[0]:
+                    best = (key, c)
+    return best[1]
+
+
 def shapes(config: Config, params: int, depths: tuple[int, int] | None = None, tolerance: float = 0.03) -> list[Shape]:
-    """Shapes like ``config.model`` (its head size and FFN ratio) within ``tolerance`` of ``params`` parameters,
-    one per width (the depth whose count comes closest, within ``depths`` = (A, B) inclusive), shallowest first."""
+    """One shape like ``config.model`` per depth in ``depths`` = (A, B) inclusive (default
+    :func:`default_depths`), at the width, heads and FFN closest to ``params`` parameters
+    (:func:`closest_shape`), shallowest first; each with its deviation from ``params``, which may exceed
+    ``tolerance`` where no shape at that depth comes within it. The depths from the first whose
+    :func:`narrowest` model exceeds ``params`` by more than ``tolerance`` on are left out (deeper is larger)."""
     from kilolayer.nn.budget import budget
 
-    m = config.model
-    head = m.width // m.heads
-    found = matched_configs(
-        m, params=params, tolerance=tolerance, head_dim=head, depths=range(depths[0], depths[1] + 1) if depths else None
-    )
-    return [Shape(shape_name(c), c, count_parameters(c), budget(c).flops_per_token) for c in found]
+    lo, hi = depths or default_depths(config.model)
+    out = []
+    for layers in range(lo, hi + 1):
+        if count_parameters(narrowest(config.model, layers)) > params * (1 + tolerance):
+            break
+        c = closest_shape(config.model, layers, params, tolerance)
+        n = count_parameters(c)
+        out.append(Shape(shape_name(c), c, n, budget(c).flops_per_token, n / params - 1))
+    return out
 
 
 def parse_depths(text: str) -> tuple[int, int]:
@@ -334,6 +413,151 @@ def first_rung(config: Config, settings: Settings) -> int:
     return max(every, math.ceil(raw / every) * every)
 
 
+# ---------------------------------------------------------------- the time plan
+
+
+@dataclass
+class Plan:
+    """The trial length chosen to spend ``--minutes``: ``steps`` (train.steps of every trial; evaluations and
+    checkpoints keep their number per trial), from each shape's measured :class:`Cost` (``costs``), with the
+    seconds the pre-screen and race are estimated to take (``estimate``) of those they had (``seconds``: the
+    minutes less ``probe_seconds``, what measuring the costs took)."""
+
+    steps: int
+    config_steps: int
+    seconds: float
+    estimate: float
+    costs: dict[str, list[float]]
+    probe_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Seconds one shape's trial pays here: ``setup`` (data, model and optimizer, paid again by each resume at a
+    rung), one training ``step`` and one ``evaluation`` (``train.eval_batches`` batches)."""
+
+    setup: float
+    step: float
+    evaluation: float
+
+
+def measure_cost(config: Config) -> Cost:
+    """:class:`Cost` of ``config`` on this machine, in memory: the engine built, one warm-up step (lazy
+    initialisation), the mean of two steps, one evaluation batch (times train.eval_batches; an untrained model
+    decodes to the longest output, so a sequence-to-sequence evaluation is priced high). Writes nothing; the
+    global random state is left as it was."""
+    import torch
+
+    from kilolayer.doctor.measure import _in_memory
+    from kilolayer.train.distributed import Dist
+    from kilolayer.train.engine import Engine
+
+    device = "cuda" if config.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+
+    def now() -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    with torch.random.fork_rng(devices=[]):
+        t0 = now()
+        engine = Engine(_in_memory(config), Dist(device=torch.device(device)))
+        engine.train_step(1)
+        t1 = now()
+        for step in (2, 3):
+            engine.train_step(step)
+        t2 = now()
+        engine.evaluate(1)
+        t3 = now()
+    step = (t2 - t1) / 2
+    return Cost(setup=max(0.0, t1 - t0 - step), step=step, evaluation=(t3 - t2) * config.train.eval_batches)
+
+
+def with_steps(config: Config, steps: int) -> Config:
+    """``config`` trained for ``steps`` steps, with as many evaluations and checkpoints as it has over its own
+    train.steps (the warm-up is kept: it is a property of the optimisation, not of the run's length)."""
+    tc = config.train
+    if steps == tc.steps:
+        return config
+
+    def scaled(every: int) -> int:
+        return max(1, round(every * steps / tc.steps)) if every else 0
+
+    train = {**tc.model_dump(), "steps": steps, "eval_every": scaled(tc.eval_every)}
+    train["checkpoint_every"] = scaled(tc.checkpoint_every)
+    return load_config({**config.model_dump(), "train": train})
+
+
+# the replay's evaluation loss on 64 samples, about every k // 20 steps: a forward pass, about a third of a step
+REPLAY_EVALUATIONS = 20
+FORWARD_COST = 1 / 3
+
+
+def estimate_seconds(config: Config, settings: Settings, costs: list[Cost]) -> float:
+    """Seconds the pre-screen and race of shapes that cost ``costs`` should take with ``config``'s train.steps:
+    every shape replayed by the pre-screen (set-up, its steps, one step of a DeepNorm twin, the replay's
+    evaluations) and trained to the first rung (from the replay's last step when the trials start from it), then
+    at each rung the best 1/eta trained to the next, priced as the costliest shapes (which go on is not known
+    before). Each leg of a trial pays its set-up, its steps and its evaluations."""
+    tc, eta, every = config.train, settings.reduction_factor, config.train.eval_every
+    replayed = forecast_steps(config, settings)
+    replay_evals = REPLAY_EVALUATIONS * math.ceil(64 / tc.batch_size) * FORWARD_COST
+    total = sum(2 * c.setup + c.step * (replayed + 1 + replay_evals) for c in costs)  # the pre-screen, its twin
+    alive, start = len(costs), replayed if starts_from_prescreen(config, settings) else 0
+    costliest = sorted(costs, key=lambda c: c.step, reverse=True)
+    for i, end in enumerate([*rung_steps(config, settings), tc.steps]):
+        evals = end // every - start // every if every else int(end == tc.steps)
+        legs = costs if i == 0 else costliest[:alive]
+        total += sum(c.setup + c.step * (end - start) + c.evaluation * evals for c in legs)
+        start, alive = end, max(alive // eta, 1)
+    return total
+
+
+def plan_steps(config: Config, settings: Settings, costs: list[Cost], seconds: float) -> tuple[int, float]:
+    """The longest trial length (train.steps, at least the warm-up plus 10 steps) whose pre-screen and race
+    (:func:`estimate_seconds`) fit in ``seconds``, and that estimate."""
+    floor = max(2, min(config.train.steps, config.train.warmup + 10))
+
+    def cost(steps: int) -> float:
+        return estimate_seconds(with_steps(config, steps), settings, costs)
+
+    lo, hi = floor, max(floor, 100 * config.train.steps)
+    if cost(lo) > seconds:
+        return lo, cost(lo)
+    while lo < hi:  # the longest that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= seconds else (lo, mid - 1)
+    return lo, cost(lo)
+
+
+def time_plan(config: Config, settings: Settings, found: list[Shape], out: Path, measure=None, log=print) -> Plan:
+    """The :class:`Plan` for ``--minutes``, read from ``plan.json`` when a run of this search made it (a re-run
+    keeps the trials' length whatever minutes it is given), else made and saved there: each shape's
+    :class:`Cost` measured by ``measure`` (default :func:`measure_cost`), then :func:`plan_steps` on what is left
+    of the minutes."""
+    saved = rundir.read_json(out / PLAN, None)
+    if saved:
+        return Plan(**saved)
+    measure = measure or measure_cost
+    t0 = time.perf_counter()
+    costs = {s.name: measure(trial_config(config, s, config.train.lr)) for s in found}
+    probe = time.perf_counter() - t0
+    budget = settings.minutes * 60 - probe
+    steps, estimate = plan_steps(config, settings, list(costs.values()), budget)
+    plan = Plan(
+        steps, config.train.steps, budget, estimate, {k: list(asdict(c).values()) for k, c in costs.items()}, probe
+    )
+    rundir.write_json(out / PLAN, plan.to_dict())
+    log(
+        f"[search] time plan: trials of {steps:,} steps (the config's {config.train.steps:,}), an estimated "
+        f"{estimate / 60:.1f} of the {budget / 60:.1f} minutes left after measuring each shape's cost"
+    )
+    return plan
+
+
 # ---------------------------------------------------------------- the trials
 
 
@@ -395,6 +619,7 @@ class Search:
     stopped_by_budget: str = ""
     decisions: list[dict] = field(default_factory=list)  # each rung's judgement (:meth:`_Racer.judge`)
     rungs: list[int] = field(default_factory=list)
+    plan: Plan | None = None  # the trials' length chosen for --minutes
 
     def compute(self) -> dict:
         """What the search spent against a full grid of the planned trials (each trained for all train.steps,
@@ -1131,21 +1356,26 @@ def run_search(
     log=print,
     forecaster: Callable[[Config], tuple] | None = None,
     executor: Executor | None = None,
+    measure: Callable[[Config], Cost] | None = None,
 ) -> Search:
     """The whole search (module docstring) into ``out``; returns what the report shows. ``forecaster(config)``
     gives (verdict, reason[, {"score", "steps"}]) for the pre-screen (default: the doctor's forecast);
-    ``executor`` trains the trials (:func:`race`; default: local, in this process)."""
+    ``executor`` trains the trials (:func:`race`; default: local, in this process); ``measure(config)`` gives a
+    shape's :class:`Cost` for the time plan of ``settings.minutes`` (default :func:`measure_cost`)."""
     executor = executor or Executor()
     out = Path(out)
     config = check_settings(config, settings)
     optuna = _import_optuna()
     found = shapes(config, settings.params, settings.depths, settings.tolerance)
+    lo, hi = settings.depths or default_depths(config.model)
     if not found:
-        span = f" at depths {settings.depths[0]}..{settings.depths[1]}" if settings.depths else ""
+        least = narrowest(config.model, lo)
         raise ConfigError(
-            f"--params {settings.params:,}: no shape of head size {config.model.width // config.model.heads}{span} "
-            f"is within {percent(settings.tolerance)} of it; widen --tolerance or --depths"
+            f"--params {settings.params:,}: even the narrowest shape at depth {lo} ({shape_name(least)}, "
+            f"{count_parameters(least):,} parameters) exceeds it by more than {percent(settings.tolerance)}; raise "
+            f"--params or --tolerance"
         )
+    left_out = (found[-1].layers + 1, hi) if found[-1].layers < hi else None
     _check_out(out)
     saved = rundir.read_json(out / SETTINGS, None) if out.is_dir() else None
     if settings.metric != config.train.early_stop_metric and (saved or {}).get("metric") != settings.metric:
@@ -1153,6 +1383,10 @@ def run_search(
     out.mkdir(parents=True, exist_ok=True)
     with rundir.RunLock(out, LOCK, "kilolayer search"):
         _check_same_search(out, config, settings)
+        plan = None
+        if settings.minutes is not None:  # the trials' length spends the minutes
+            plan = time_plan(config, settings, found, out, measure, log)
+            config = with_steps(config, plan.steps)
         steps, keep = forecast_steps(config, settings), starts_from_prescreen(config, settings)
         screens = prescreen(
             config,
@@ -1165,8 +1399,13 @@ def run_search(
         kept = {s.name: s for s, sc in zip(found, screens) if sc.kept}
         rung = first_rung(config, settings)
         dirn = direction(config, settings.metric)
-        search = Search(config, settings, out, found, screens, [], 0, dirn, rung)
+        search = Search(config, settings, out, found, screens, [], 0, dirn, rung, plan=plan)
         search.rungs = rung_steps(config, settings)
+        if left_out:
+            search.notes.append(
+                f"depths {left_out[0]}..{left_out[1]} left out: even their narrowest shape exceeds "
+                f"{settings.params:,} parameters by more than {percent(settings.tolerance)}"
+            )
         if kept:
             if len(kept) == 1 and len(found) > 1:
                 search.notes.append(

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from kilolayer.study.report import _fenced, _table, _text, machine, render_html, versions
-from kilolayer.study.search import Search, TrialResult, percent
+from kilolayer.study.search import Search, TrialResult, default_depths, percent
 
 
 def _count(n: float) -> str:
@@ -185,6 +185,26 @@ def _compute(search: Search) -> list[str]:
         _table(["", "optimizer steps", "model FLOPs", "FLOPs / full grid"], rows),
         f"Training time: {minutes:.1f} min over all trials; the pre-screen's forecasts took {forecast_s:.0f} s.",
         "",
+        *_plan(search, minutes * 60 + forecast_s),
+    ]
+
+
+def _deviations(search: Search) -> str:
+    devs = [sh.deviation for sh in search.shapes]
+    return f"{min(devs):+.2%} to {max(devs):+.2%}" if devs else "-"
+
+
+def _plan(search: Search, used: float) -> list[str]:
+    p = search.plan
+    if p is None:
+        return []
+    return [
+        f"Time plan (--minutes {search.settings.minutes:g}): measuring each shape's set-up, step and evaluation "
+        f"took {p.probe_seconds:.0f} s; the trials' length was then set to {p.steps:,} steps (the config's "
+        f"{p.config_steps:,}), the longest whose pre-screen and race were estimated to fit the {p.seconds / 60:.1f} "
+        f"minutes left: {p.estimate / 60:.1f} min estimated, {used / 60:.1f} min spent (the pre-screen and the "
+        f"trials' training).",
+        "",
     ]
 
 
@@ -211,7 +231,7 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
     better = "higher" if search.direction == "maximize" else "lower"
     kept = sum(sc.kept for sc in search.screens)
     eta = s.reduction_factor
-    span = f"{s.depths[0]}..{s.depths[1]}" if s.depths else "any"
+    span = "{}..{}".format(*(s.depths or default_depths(cfg.model)))
     lr_text = (
         f"searched jointly, log-uniform in [{tc.lr / s.lr_factor:.3g}, {tc.lr * s.lr_factor:.3g}] (Optuna's TPE "
         f"sampler, seed {tc.seed}; each shape first at the config's {tc.lr:.3g})"
@@ -226,8 +246,10 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
         f"- **versions**: {versions()}",
         f"- **objective**: {_text(metric)} on the evaluation split, {better} is better; each trial up to {tc.steps:,} "
         f"steps, evaluated every {tc.eval_every}, seed {tc.seed}",
-        f"- **shapes**: {len(search.shapes)} within {percent(s.tolerance)} of {s.params:,} parameters (head size "
-        f"{cfg.model.width // cfg.model.heads} held, depths {span}); {kept} raced after the pre-screen",
+        f"- **shapes**: {len(search.shapes)}, one per depth {span}, each at the width, heads and FFN closest to "
+        f"{s.params:,} parameters (deviation {_deviations(search)}; the config's head size "
+        f"{cfg.model.width // cfg.model.heads} and FFN ratio kept where a shape within {percent(s.tolerance)} "
+        f"allows); {kept} raced after the pre-screen",
         f"- **learning rate**: {lr_text}",
         f"- **trials**: {len(search.trials)} started of {search.planned} planned",
         f"- **race**: successive halving judged synchronously (reduction factor {eta}; rungs at steps "
@@ -276,13 +298,28 @@ def render_markdown(search: Search, out: Path, plot: Path | None) -> str:
         + ".",
         "",
         _table(
-            ["shape", "layers", "width", "params", "FLOPs/token", "forecast", "raced", "the doctor's reason"],
+            [
+                "shape",
+                "layers",
+                "width",
+                "heads",
+                "FFN",
+                "params",
+                "vs budget",
+                "FLOPs/token",
+                "forecast",
+                "raced",
+                "the doctor's reason",
+            ],
             [
                 [
                     sh.name,
                     sh.layers,
                     sh.model.width,
+                    sh.model.heads,
+                    sh.model.ffn,
                     f"{sh.parameters:,}",
+                    f"{sh.deviation:+.2%}",
                     _count(sh.flops_per_token),
                     sc.verdict,
                     "yes" if sc.kept else "**dropped**",
