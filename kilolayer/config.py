@@ -224,7 +224,12 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(10, ge=1)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "auto"] = Field(
+        "fp32",
+        description="the steps' precision: fp32, bf16 (autocast), or auto: bf16 where this machine has bf16 "
+        "instructions and its bf16 GEMM is faster, else fp32, decided once at the run's start and kept on resume "
+        "(kilolayer.train.host.precision)",
+    )
     compile: Literal[False, "layers", "model"] = Field(
         False,
         description="torch.compile: false (eager), layers (each Transformer layer, the objective's towers' too; "

@@ -39,6 +39,18 @@ def _quiet(message: str) -> None:
     """A damaged checkpoint is said where the run's weights are loaded, not again by its readers."""
 
 
+def _precision(status: dict, run_dir: Path) -> dict:
+    """``precision`` and ``precision_reason`` of a run: as its status.json records them, else (a run that recorded
+    none) the fp32 or bf16 its config.yaml names."""
+    if status.get("precision") in ("fp32", "bf16"):
+        return {"precision": status["precision"], "precision_reason": str(status.get("precision_reason", ""))}
+    try:
+        named = load_config(Path(run_dir) / CONFIG).train.precision
+    except KilolayerError:
+        return {}
+    return {"precision": named, "precision_reason": "train.precision"} if named in ("fp32", "bf16") else {}
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -57,6 +69,8 @@ class RunRecord:
     smoothness: dict | None = None  # its smoothness analysis, when it has one
     test: dict | None = None  # its test split scored whole (the test_scores analysis), when it has been
     seconds: float = 0.0  # training time over all its attempts, as a study records it
+    precision: str = ""  # what its steps ran at (fp32 | bf16; "" where nothing says) and why
+    precision_reason: str = ""
     chance: dict | None = None  # the chance level of its evaluation data, once read (:meth:`chance_level`)
     path: Path | None = None  # its run directory (None: made up in memory)
     config: Config | None = None  # the config it is judged by (None: its config.yaml)
@@ -97,6 +111,7 @@ class RunRecord:
             smoothness=read_analysis(run.path, "smoothness"),
             test=read_analysis(run.path, "test_scores"),
             seconds=float(st.get("seconds", 0.0)),
+            **_precision(st, run.path),
             path=run.path,
             config=config,
             read_only=read_only,

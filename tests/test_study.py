@@ -658,7 +658,7 @@ def test_report_runs_table_says_whether_a_run_ended_on_a_plateau_or_its_step_bud
     md = render_markdown(SimpleNamespace(name="ended", description="constructed", findings=[]), results, [], out, 1)
     runs = md.split("## Runs", 1)[1]
     header = next(line for line in runs.splitlines() if line.startswith("| point |"))
-    assert header == "| point | status | ended | last evaluation | MFU | seconds |"
+    assert header == "| point | status | ended | last evaluation | MFU | precision | seconds |"
     rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:3] for r in runs.splitlines() if r.startswith("| deepnet/")}
     assert rows == {
         plateau.key: ["completed", "plateau (best step 90)"],

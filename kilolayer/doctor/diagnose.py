@@ -613,6 +613,10 @@ def diagnose(
     records = read_metrics(run)
     status = read_status(run)
     record = RunRecord.read(run, config, read_only=True, records=records)
+    if config.train.precision == "auto" and record.precision:  # replayed at the precision the run trained at
+        config = load_config(
+            {**config.model_dump(), "train": {**config.train.model_dump(), "precision": record.precision}}
+        )
     m, notes = measure(
         run,
         config,
@@ -639,15 +643,16 @@ def diagnose(
         notes.append(f"outcome not decided: {err}")
     mc = config.model
     st = status.get("status") or ("status.json unreadable" if (run / "status.json").exists() else "no status.json")
+    precision = f", {record.precision}" if record.precision else ""
     summary = (
         f"{run}: {mc.scheme} {mc.arch} {_shape(config)} x {mc.width}, {config.objective.name} on "
         f"{config.data.name}; {st} at step {status.get('step', '?')} of {config.train.steps} "
-        f"(lr {_e(config.train.lr)}, warm-up {config.train.warmup}, {config.train.schedule})"
+        f"(lr {_e(config.train.lr)}, warm-up {config.train.warmup}, {config.train.schedule}{precision})"
     )
     return Diagnosis(
         str(run),
         summary,
-        {k: status.get(k) for k in ("status", "step", "reason") if k in status},
+        {k: status.get(k) for k in ("status", "step", "reason", "precision", "precision_reason") if k in status},
         out,
         found,
         fine,

@@ -76,6 +76,17 @@ def _fenced(lines: list[str]) -> list[str]:
     return [fence, *lines, fence]
 
 
+def precision_line(results) -> str:
+    """The precisions the runs trained at, with why, in one line (runs that recorded none are left out)."""
+    counts: dict[tuple[str, str], int] = {}
+    for r in results:
+        if r.precision:
+            counts[r.precision, r.precision_reason] = counts.get((r.precision, r.precision_reason), 0) + 1
+    return "; ".join(
+        f"{value} for {n} run{'s' * (n != 1)}" + (f" ({why})" if why else "") for (value, why), n in counts.items()
+    )
+
+
 def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seconds: float) -> str:
     now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     train_s = sum(r.seconds for r in results)
@@ -86,6 +97,7 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         except (TypeError, ValueError):
             pass
     seeds = sorted({r.point.config.train.seed for r in results})
+    precisions = precision_line(results)
     lines = [
         f"# kilolayer study: {_text(spec.name)}",
         "",
@@ -98,6 +110,7 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         f"seeds {seeds}",
         f"- **compute**: {train_s / 60:.1f} min of training time in total, {tokens:,} tokens processed; "
         f"this invocation took {wall_seconds / 60:.1f} min wall-clock",
+        *([f"- **precision**: {_text(precisions)}"] if precisions else []),
         "",
         "## Verdicts",
         "",
@@ -144,7 +157,8 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
     lines += ["## Runs", "", "Every grid point is an ordinary `kilolayer train` run directory under `runs/`.", ""]
     lines += [
         "*ended*: a completed run either used its step budget or stopped early on a validation plateau "
-        "(`train.patience`); *MFU*: model FLOPs per second over the device's peak, the run's mean.",
+        "(`train.patience`); *MFU*: model FLOPs per second over the device's peak, the run's mean; *precision*: "
+        "what its steps ran at (`train.precision`, `auto` decided at the run's start).",
         "",
     ]
     rows = []
@@ -163,10 +177,11 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
                 ended,
                 ev or "-",
                 f"{mfu:.1%}" if isinstance(mfu, (int, float)) else "-",
+                r.precision or "-",
                 f"{r.seconds:.0f}",
             ]
         )
-    lines.append(_table(["point", "status", "ended", "last evaluation", "MFU", "seconds"], rows))
+    lines.append(_table(["point", "status", "ended", "last evaluation", "MFU", "precision", "seconds"], rows))
     diagnosed = diagnoses(results, out)
     if diagnosed:
         lines += [

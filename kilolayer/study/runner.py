@@ -44,6 +44,7 @@ from kilolayer.study.executors import drain, forked
 from kilolayer.study.executors.local import LocalPool
 from kilolayer.study.spec import Point, StudySpec, expand
 from kilolayer.train.host import usable_cpus
+from kilolayer.train.run import trained_as_asked
 
 
 @dataclass(kw_only=True)
@@ -135,7 +136,9 @@ def changed_config(point: Point, out: Path) -> str | None:
     """Why ``point``'s finished run is not its result any more: the config it was launched with
     (``OUT/configs/GROUP/NAME.yaml``) differs from the point's now (a study whose spec changed, re-run into
     the same folder). None when they agree, the run has not finished, or no launch config is recorded.
-    ``train.init_from`` is left out: where a source run lies is :func:`stale_init`'s question."""
+    ``train.init_from`` is left out: where a source run lies is :func:`stale_init`'s question. A changed
+    ``train.precision`` counts only where the run trained at another precision than the point asks for here
+    (:func:`~kilolayer.train.run.trained_as_asked`)."""
     path = Path(out) / "configs" / point.group / f"{point.name}.yaml"
     if not path.is_file() or not RunDir(point.run_dir(out)).finished:
         return None
@@ -144,6 +147,8 @@ def changed_config(point: Point, out: Path) -> str | None:
     except (KilolayerError, OSError, ValueError):
         return None  # a launch config this version cannot read: nothing to compare
     changes = {k: v for k, v in config_changes(launched, point.config).items() if k != "train.init_from"}
+    if "train.precision" in changes and trained_as_asked(point.run_dir(out), point.config):
+        del changes["train.precision"]
     if not changes:
         return None
     shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changes.items())[:3])

@@ -366,7 +366,10 @@ class Settings:
 
 
 def check_settings(config: Config, settings: Settings) -> Config:
-    """One line for a setting that cannot work; returns the config the trials train with (evaluations on)."""
+    """One line for a setting that cannot work; returns the config the trials train with (evaluations on, and
+    ``train.precision: auto`` unless the config names a precision)."""
+    if "precision" not in config.train.model_fields_set:
+        config = load_config({**config.model_dump(), "train": {**config.train.model_dump(), "precision": "auto"}})
     tc = config.train
     if settings.params < 1:
         raise ConfigError(f"--params {settings.params}: expected a positive count")
@@ -727,10 +730,20 @@ def _check_same_search(out: Path, config: Config, settings: Settings) -> None:
         from kilolayer.config import differences
 
         keys = list(differences(saved, mine))
+        if keys == ["config.train.precision"] and _same_precision(config, saved["config"]["train"]["precision"]):
+            return
         raise ConfigError(
             f"--out {out}: holds a search with other settings ({', '.join(keys[:5])} differ); give the same config "
             f"and options to continue it (only --budget-steps and --minutes may change), or choose another --out"
         )
+
+
+def _same_precision(config: Config, saved: str) -> bool:
+    """Whether a search saved with ``train.precision`` ``saved`` trained at what ``config``'s asks for here (fp32
+    and an ``auto`` that decides fp32 on this machine: one search)."""
+    from kilolayer.train.run import precision_here
+
+    return precision_here(config, saved) == precision_here(config)
 
 
 def _check_out(out: Path) -> None:

@@ -171,6 +171,15 @@ def all_max(value: int, env: Dist) -> int:
     return int(t.item())
 
 
+def from_main(value, env: Dist):
+    """Rank 0's ``value`` (any picklable object) on every process: one decision for the whole group."""
+    if not env.active:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
+    return box[0]
+
+
 def barrier(env: Dist) -> None:
     if env.active:
         dist.barrier()

@@ -76,7 +76,8 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
 
 
 def autocast(precision: str, device: torch.device):
-    """bf16 autocast for ``train.precision: bf16``; nothing for fp32."""
+    """bf16 autocast for a step that runs in bf16; nothing for fp32 (``precision``: a run's decided precision,
+    :mod:`kilolayer.train.host.precision`)."""
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -144,11 +145,16 @@ class Engine:
 
     ``fresh=True`` initialises the weights (``train.init_from``, then the schemes' data-dependent
     initialisation); ``fresh=False`` leaves them for :meth:`load_state`. ``source`` reuses a loaded data source.
+    ``precision`` (fp32 | bf16) is what the steps run at; None: ``train.precision``, ``auto`` decided here
+    (:mod:`kilolayer.train.host.precision`; a run decides it once and hands it over).
     """
 
-    def __init__(self, config: Config, env: D.Dist | None = None, fresh: bool = True, source=None):
+    def __init__(
+        self, config: Config, env: D.Dist | None = None, fresh: bool = True, source=None, precision: str | None = None
+    ):
         self.config, tc = config, config.train
         self.env = env if env is not None else D.Dist(device=torch.device("cpu"))
+        self.precision = precision or host.precision_policy(tc.precision, self.env.device, config.model.width).value
         self.source = source if source is not None else load_source(config)
         seed_everything(tc.seed)
         self.task = build_task(config, self.source)
@@ -197,7 +203,7 @@ class Engine:
 
     def train_step(self, step: int, layer_grads: bool = False) -> StepStats:
         """Forward and backward over step ``step``'s micro-batches (``train.accumulate``; DDP all-reduces on the
-        last one only), under autocast for ``train.precision``, normalised by the step's targets on all
+        last one only), under autocast for the engine's precision, normalised by the step's targets on all
         processes (:func:`forward_backward`); then the per-layer gradient norms (on diagnostic steps, and on
         every step with ``layer_grads``) and clipping to ``train.clip``. The gradients are left for
         :meth:`update`, which a diverged step never reaches."""
@@ -215,7 +221,7 @@ class Engine:
             mb = self.objective.prepare(to_device(mb, env.device))
             tokens += self.objective.tokens(mb)
             flops += self.objective.train_flops(mb)
-            with autocast(tc.precision, env.device):
+            with autocast(self.precision, env.device):
                 return self.model(mb)[0], self.objective.loss_weight(mb)
 
         micro = split_batch(batch, tc.accumulate)
@@ -278,11 +284,11 @@ class Engine:
     def evaluating(self):
         """Eval mode, gathered parameters and autocast, in a forked RNG stream: what evaluation runs in, so that
         it never consumes the training's random numbers (bit-exact resume)."""
-        env, tc = self.env, self.config.train
+        env = self.env
         self.task.eval()
         try:
             with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []):
-                with torch.no_grad(), self.full_params(), autocast(tc.precision, env.device):
+                with torch.no_grad(), self.full_params(), autocast(self.precision, env.device):
                     yield
         finally:
             self.task.train()
@@ -358,7 +364,12 @@ class Engine:
                 "scheduler": self.scheduler.state_dict(),
             },
             "rng": tensors,
-            "state": {"step": self.step if step is None else step, "rng": plain, "trainer": self.trainer_state()},
+            "state": {
+                "step": self.step if step is None else step,
+                "rng": plain,
+                "trainer": self.trainer_state(),
+                "precision": self.precision,  # what the weights trained at: a resume of an auto run keeps it
+            },
             "extra": {"reference": self.reference.cpu()} if self.reference is not None else None,
         }
 

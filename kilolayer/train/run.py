@@ -28,7 +28,10 @@ Its intra-op thread count is one count for the whole run (:mod:`kilolayer.train.
 ``train.threads: auto`` follows the machine's load); ``status.json`` records it (``threads``,
 ``threads_reason``, ``threads_adaptive``), every train record carries the count it ran at, and a resume reuses
 the recorded count unless ``train.threads`` says otherwise (float reductions are ordered by the thread count, so
-a resume is bit-exact only at the same count). While it trains, :func:`train` marks the process as a kilolayer
+a resume is bit-exact only at the same count). Its precision is decided once, before the engine is built
+(:mod:`kilolayer.train.host.precision`: ``train.precision`` as given, or ``auto``); ``status.json`` records it
+(``precision``, ``precision_reason``) and so does each checkpoint's state.json, the run's first lines say it,
+and a resume of an ``auto`` run reuses it. While it trains, :func:`train` marks the process as a kilolayer
 run on this machine, so that a run started beside it sees it.
 """
 
@@ -120,7 +123,8 @@ class Run:
             if self.resume
             else None
         )
-        self.engine = Engine(self.config, self.env, fresh=latest is None)
+        self.precision = self._precision(latest)
+        self.engine = Engine(self.config, self.env, fresh=latest is None, precision=self.precision.value)
         self.start_step = 0
         self.last_record = 0  # the step of the newest train record (what the next one counts from)
         if latest is not None:
@@ -186,12 +190,22 @@ class Run:
             self.lock.release()
             self.lock = None
 
+    def _precision(self, latest: Path | None) -> host.Precision:
+        """The precision of the whole run, decided by rank 0 (a resume of an ``auto`` run keeps its own)."""
+        chosen = None
+        if self.env.main:
+            tc = self.config.train
+            recorded = recorded_precision(self.out, latest) if self.resume and tc.precision == "auto" else None
+            chosen = host.precision_policy(tc.precision, self.env.device, self.config.model.width, recorded)
+        return D.from_main(chosen, self.env)
+
     def _begin(self, latest: Path | None) -> None:
         """Set-up succeeded: from here on the run directory changes. status.json says running, config.yaml
         holds the config trained with now, and a resume is recorded in resume.json."""
         if self.env.main:
             self.life = rundir.Lifecycle(self.out)
             self._record_threads()
+            self.life.fields.update(precision=self.precision.value, precision_reason=self.precision.reason)
             if self.engine.init_from is not None:  # every status of the run says what it started from
                 self.life.fields["init_from"] = self.engine.init_from
             previous = self._saved_config() if self.resume else None
@@ -293,6 +307,8 @@ class Run:
             rundir.say(self.threads.threads.line(), sys.stderr)
             if self.crowded:
                 rundir.warn(self.crowded)
+        if self.env.main and not self.quiet:
+            rundir.say(self.precision.line(), sys.stderr)
         with self._recorded(), self._logs():
             if self.signals is not None:
                 self.signals.armed = True  # from here a signal waits for the step boundary
@@ -454,11 +470,11 @@ class Run:
     def _meter(self) -> M.Efficiency:
         """Rank 0's efficiency meter, with the device's peak from :mod:`kilolayer.train.host.peak` (given, a vendor
         figure, or measured once per machine, before any step is timed)."""
-        tc = self.config.train
-        slow = host.cpu_bf16_warning(tc.precision, self.env.device)
+        tc, precision = self.config.train, self.precision.value
+        slow = host.cpu_bf16_warning(precision, self.env.device)
         if slow:
             rundir.warn(slow)
-        self.peak = host.device_peak(self.env.device, tc.precision, tc.peak_flops)
+        self.peak = host.device_peak(self.env.device, precision, tc.peak_flops)
         self.peak_warned = False
         return M.Efficiency(self.peak, self.env.device, processes=self.env.world)
 
@@ -549,6 +565,46 @@ def recorded_threads(out_dir: Path) -> int | None:
         rundir.warn(f"{Path(out_dir) / rundir.STATUS}: threads={value!r} is not a thread count; the policy chooses")
         return None
     return value
+
+
+def recorded_precision(out_dir: Path, checkpoint: Path | None = None) -> host.Precision | None:
+    """The precision the run in ``out_dir`` trained at, for a resume of an ``auto`` run to keep: its checkpoint's
+    (state.json ``precision``: what the weights trained at), else its status.json's, else the fp32 or bf16 of its
+    config.yaml (a run that recorded none: its config named it); None where none of them says. A value that is not
+    a precision is said once and passed over."""
+    status = rundir.read_status(out_dir)
+    found = []
+    if checkpoint is not None:
+        state = rundir.read_json(Path(checkpoint) / "state.json", {})
+        found.append(("in its checkpoint", state.get("precision") if isinstance(state, dict) else None))
+    found.append(("in its status.json", status.get("precision")))
+    with contextlib.suppress(KilolayerError):
+        found.append(("in its config.yaml", load_config(Path(out_dir) / rundir.CONFIG).train.precision))
+    for where, value in found:
+        if value is None or value == "auto":
+            continue
+        if value not in ("fp32", "bf16"):
+            rundir.warn(f"{Path(out_dir)}: precision={value!r} {where} is not fp32 or bf16; passed over")
+            continue
+        said = status.get("precision_reason")
+        reason = said if status.get("precision") == value and isinstance(said, str) and said else f"as recorded {where}"
+        return host.Precision(value, reason, source="recorded")
+    return None
+
+
+def precision_here(config: Config, asked: str | None = None) -> str:
+    """What ``asked`` (default: ``config``'s train.precision) runs at for ``config`` on this machine now: fp32 or
+    bf16 as given, ``auto`` as a new run of ``config`` would decide it."""
+    tc = config.train
+    device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return host.precision_policy(asked or tc.precision, device, config.model.width).value
+
+
+def trained_as_asked(run_dir: Path, config: Config) -> bool:
+    """Whether the run in ``run_dir`` trained at the precision ``config`` asks for on this machine now (a run
+    started at fp32 is one that ``auto`` asks for where ``auto`` decides fp32, and the other way round)."""
+    recorded = recorded_precision(run_dir)
+    return recorded is not None and recorded.value == precision_here(config)
 
 
 def train(

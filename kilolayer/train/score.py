@@ -22,6 +22,7 @@ from kilolayer.objectives.baselines import translates
 from kilolayer.train import distributed as D
 from kilolayer.train.checkpoint import load_run_weights, standing_checkpoint
 from kilolayer.train.engine import Engine
+from kilolayer.train.run import recorded_precision
 
 
 def for_split(config: Config, split: str | None) -> Config:
@@ -60,7 +61,10 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
             ) from None
         raise
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    engine = Engine(config, D.Dist(device=torch.device("cuda" if use_cuda else "cpu")), fresh=False, source=source)
+    # scored at the precision the run trained and evaluated at (an auto run's recorded one)
+    recorded = recorded_precision(run_dir, ckpt) if config.train.precision == "auto" else None
+    dev = torch.device("cuda" if use_cuda else "cpu")
+    engine = Engine(config, D.Dist(device=dev), fresh=False, source=source, precision=recorded and recorded.value)
     step = load_run_weights(run_dir, engine.task, ckpt)
     batches = max(1, math.ceil(source.eval_size / config.train.batch_size))
     record = {

@@ -239,7 +239,7 @@ def estimate_memory(
     n_params = n_backbone + n_objective
     n_trainable = n_objective + (0 if tc.freeze_backbone else n_backbone)
 
-    bf16 = tc.precision == "bf16"
+    bf16 = tc.precision == "bf16"  # auto counts as fp32 (the larger figure): the run decides it after this check
     prec = _Precision(
         matmul=2 if bf16 else 4, attention=4 if not bf16 or (cpu and m.attention_fp32_cpu) else 2, cpu=cpu
     )

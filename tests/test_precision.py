@@ -1,0 +1,216 @@
+"""``train.precision: auto``: decided from a constructed CPU probe and GEMM ratio (no bf16 instructions: fp32 and why;
+bf16 instructions and a faster bf16 GEMM: bf16; bf16 slower: fp32), cached per machine and width; recorded in
+status.json and the checkpoints and reused by a resume whatever the probe says then (bit-exact); an explicit fp32
+never overridden; the built-in studies and the search asking for auto while a study directory and a search
+trained at fp32 on a CPU without bf16 keep their points; the report's and the doctor's precision."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from objective_helpers import tiny_lm
+
+from kilolayer import rundir
+from kilolayer.config import dump_yaml, load_config
+from kilolayer.errors import ConfigError
+from kilolayer.train.host import precision as P
+from kilolayer.train.run import recorded_precision, train
+
+NO_BF16 = "auto: this CPU has no bf16 instructions (avx2)"
+
+
+def cpu(monkeypatch, tmp_path: Path, bf16: bool, ratio: float | None = None) -> list[int]:
+    """This CPU as the probe sees it: bf16 instructions or AVX2 only, and the bf16 GEMM ``ratio`` x fp32 (None:
+    measuring fails the test). Returns the widths measured. The cache is the test's own."""
+    monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(P, "cpu_bf16", lambda: (True, "avx512_bf16") if bf16 else (False, "avx2"))
+    measured: list[int] = []
+
+    def speedup(width: int) -> float:
+        assert ratio is not None, "auto measured a GEMM where it needs none"
+        measured.append(width)
+        return ratio
+
+    monkeypatch.setattr(P, "gemm_speedup", speedup)
+    return measured
+
+
+def test_auto_is_fp32_without_bf16_instructions_and_measures_nothing(monkeypatch, tmp_path):
+    cpu(monkeypatch, tmp_path, bf16=False)
+    assert P.policy("auto", "cpu", 256) == P.Precision("fp32", NO_BF16, P.DECIDED)
+
+
+def test_auto_is_bf16_where_the_bf16_gemm_is_faster_measured_once_per_width(monkeypatch, tmp_path):
+    measured = cpu(monkeypatch, tmp_path, bf16=True, ratio=1.9)
+    chosen = P.policy("auto", "cpu", 256)
+    assert chosen == P.Precision("bf16", "auto: bf16 GEMM 1.90x fp32 at width 256", P.DECIDED)
+    assert P.policy("auto", "cpu", 256) == chosen and P.policy("auto", "cpu", 64).value == "bf16"
+    assert measured == [256, 64]  # the second ask at 256 is the cache's
+    assert (tmp_path / "cache" / P.CACHE_FILE).is_file()
+
+
+def test_auto_is_fp32_where_bf16_is_there_but_slower(monkeypatch, tmp_path):
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=0.6)
+    chosen = P.policy("auto", "cpu", 128)
+    assert (chosen.value, chosen.reason) == (
+        "fp32",
+        "auto: bf16 GEMM 0.60x fp32 at width 128, not faster (avx512_bf16)",
+    )
+
+
+def test_a_given_precision_is_never_overridden(monkeypatch, tmp_path):
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=3.0)
+    recorded = P.Precision("bf16", "auto: bf16 GEMM 3.00x fp32 at width 32", P.DECIDED)
+    assert P.policy("fp32", "cpu", 32, recorded) == P.Precision("fp32", "train.precision", P.GIVEN)
+    assert P.policy("bf16", "cpu", 32) == P.Precision("bf16", "train.precision", P.GIVEN)
+
+
+def test_the_gemm_ratio_is_a_positive_number_and_leaves_the_random_streams_alone():
+    before = torch.get_rng_state()
+    ratio = P.gemm_speedup(32, seconds=0.02)
+    assert 0 < ratio < float("inf")
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_this_cpus_probe_names_what_it_found():
+    has, what = P.cpu_bf16()
+    assert isinstance(has, bool) and what
+    if not has:  # e.g. "avx2": torch's vector capability in lower case
+        assert what == torch.backends.cpu.get_cpu_capability().lower()
+
+
+def test_a_precision_other_than_fp32_bf16_or_auto_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_lm(precision="fp16"))
+    assert str(err.value) == "train.precision='fp16': input should be 'fp32', 'bf16' or 'auto'"
+
+
+# ---------------------------------------------------------------- a run
+
+
+def lm(steps: int, **train) -> dict:
+    return tiny_lm(steps=steps, batch_size=4, checkpoint_every=3, log_every=1, peak_flops=1e11, **train)
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in rundir.read_metrics(run) if r.get("split") == "train"]
+
+
+def test_an_auto_run_records_its_precision_says_it_first_and_a_resume_keeps_it_bit_exact(monkeypatch, tmp_path, capsys):
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=2.0)
+    whole, legs = tmp_path / "whole", tmp_path / "legs"
+    train(lm(6, precision="auto"), whole)
+    assert (
+        capsys.readouterr().err.splitlines()[0] == "kilolayer: precision bf16 (auto: bf16 GEMM 2.00x fp32 at width 32)"
+    )
+    st = rundir.read_status(whole)
+    assert (st["precision"], st["precision_reason"]) == ("bf16", "auto: bf16 GEMM 2.00x fp32 at width 32")
+
+    train(lm(3, precision="auto"), legs, quiet=True)
+    rundir.write_status(legs, "failed", 3, "killed")  # a status that lost the fields: the checkpoint still says
+    cpu(monkeypatch, tmp_path / "now", bf16=False)  # the probe would now decide fp32
+    capsys.readouterr()
+    train(None, legs, resume=True, sets=["train.steps=6"])
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "kilolayer: precision bf16 (as recorded in its checkpoint; the run's own, reused on resume)"
+    )
+    assert rundir.read_status(legs)["precision"] == "bf16"
+    assert losses(legs) == losses(whole)  # bf16 steps all the way: bit for bit
+
+    # a fresh auto run on the CPU as it is now trains in fp32, and its losses are not the bf16 run's
+    fresh = tmp_path / "fresh"
+    train(lm(6, precision="auto"), fresh, quiet=True)
+    assert rundir.read_status(fresh)["precision_reason"] == NO_BF16
+    assert losses(fresh) != losses(whole)
+
+
+def test_a_resume_given_fp32_trains_fp32_and_a_run_from_before_auto_keeps_its_configs(monkeypatch, tmp_path):
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=2.0)
+    run = tmp_path / "run"
+    train(lm(3, precision="auto"), run, quiet=True)
+    train(None, run, resume=True, quiet=True, sets=["train.steps=4", "train.precision=fp32"])
+    assert (rundir.read_status(run)["precision"], rundir.read_status(run)["precision_reason"]) == (
+        "fp32",
+        "train.precision",
+    )
+    old = tmp_path / "old"  # trained at fp32 before runs recorded a precision: its config.yaml names it
+    train(lm(3), old, quiet=True)
+    rundir.write_status(old, "interrupted", 3, "stopped")
+    for ckpt in (old / "checkpoints").iterdir():
+        shutil.rmtree(ckpt)
+    assert recorded_precision(old) == P.Precision("fp32", "as recorded in its config.yaml", P.RECORDED)
+
+
+# ---------------------------------------------------------------- studies, search, report, doctor
+
+
+def test_the_builtin_studies_ask_for_auto_and_a_study_trained_at_fp32_keeps_its_points(monkeypatch, tmp_path):
+    from kilolayer.study.builtin import BUILTIN
+    from kilolayer.study.runner import changed_config
+    from kilolayer.study.spec import expand, load_spec
+
+    for name in BUILTIN:
+        points, forced = expand(load_spec(name)), expand(load_spec(name, ["train.precision=fp32"]))
+        assert {p.config.train.precision for p in points} == {"auto"}, name
+        assert {p.config.train.precision for p in forced} == {"fp32"}, name  # one flag gives fp32
+        assert [p.key for p in points] == [p.key for p in forced], name  # run directories keep their names
+
+    # a point of `quick` trained at fp32 (launch config and run both fp32), re-run with the study's auto
+    point = expand(load_spec("quick"))[0]
+    out = tmp_path / "study"
+    launched = load_config(point.config.model_dump(), ["train.precision=fp32"])
+    (out / "configs" / point.group).mkdir(parents=True)
+    (out / "configs" / point.group / f"{point.name}.yaml").write_text(dump_yaml(launched))
+    point.run_dir(out).mkdir(parents=True)
+    (point.run_dir(out) / rundir.CONFIG).write_text(dump_yaml(launched))
+    rundir.write_status(point.run_dir(out), "completed", point.config.train.steps, "step budget")
+    cpu(monkeypatch, tmp_path, bf16=False)
+    assert changed_config(point, out) is None  # auto decides fp32 here: the same run, reused
+    cpu(monkeypatch, tmp_path / "bf16", bf16=True, ratio=1.5)
+    assert changed_config(point, out) == "its config changed since it ran (train.precision: 'fp32' -> 'auto')"
+
+
+def test_the_search_trains_at_auto_unless_told_and_continues_a_search_trained_at_fp32(monkeypatch, tmp_path):
+    from kilolayer.study import search as S
+
+    settings = S.Settings(params=28_000, depths=(1, 3), tolerance=0.1)
+    tiny = load_config("configs/digits_mae.yaml", ["train.steps=12"])
+    assert S.check_settings(tiny, settings).train.precision == "auto"
+    given = load_config("configs/digits_mae.yaml", ["train.steps=12", "train.precision=fp32"])
+    assert S.check_settings(given, settings).train.precision == "fp32"
+
+    out = tmp_path / "search"
+    out.mkdir()
+    S._check_same_search(out, S.check_settings(given, settings), settings)  # a search from before auto, at fp32
+    cpu(monkeypatch, tmp_path, bf16=False)
+    S._check_same_search(out, S.check_settings(tiny, settings), settings)  # auto decides fp32: continued
+    cpu(monkeypatch, tmp_path / "bf16", bf16=True, ratio=1.5)
+    with pytest.raises(ConfigError, match=r"config\.train\.precision differ"):
+        S._check_same_search(out, S.check_settings(tiny, settings), settings)
+
+
+def test_the_report_and_the_doctor_say_the_precision(monkeypatch, tmp_path):
+    from kilolayer.doctor.diagnose import diagnose
+    from kilolayer.record import RunRecord
+    from kilolayer.study.report import precision_line
+
+    cpu(monkeypatch, tmp_path, bf16=False)
+    run = tmp_path / "run"
+    train(lm(3, precision="auto"), run, quiet=True)
+    record = RunRecord.read(run)
+    assert (record.precision, record.precision_reason) == ("fp32", NO_BF16)
+    made_up = [
+        SimpleNamespace(precision="fp32", precision_reason=NO_BF16),
+        SimpleNamespace(precision="fp32", precision_reason=NO_BF16),
+        SimpleNamespace(precision="bf16", precision_reason="train.precision"),
+        SimpleNamespace(precision="", precision_reason=""),  # not started: left out
+    ]
+    assert precision_line(made_up) == f"fp32 for 2 runs ({NO_BF16}); bf16 for 1 run (train.precision)"
+
+    d = diagnose(run, replay_steps=0, smoothness_samples=0)
+    assert d.summary.endswith(", fp32)")
+    assert d.status["precision"] == "fp32" and d.status["precision_reason"] == NO_BF16
