@@ -21,6 +21,10 @@ layout is defined once::
       analysis/NAME/NAME.json
                             the result of analysis NAME (a study's analyses, the chance-level cache
                             ``chance``), stamp.json beside it saying what it was measured with
+      analysis/NAME/error.txt
+                            why a study's last attempt at analysis NAME failed: one line, then the
+                            traceback of an exception that is not a kilolayer error; removed when
+                            the analysis next succeeds
       tensorboard/, samples/
 
 Readers (analysis, study reports) never take the lock; only one training process
@@ -56,6 +60,7 @@ COMPLETE = "COMPLETE"
 BASELINES = "baselines.json"
 ANALYSIS = "analysis"
 STAMP = "stamp.json"
+ANALYSIS_ERROR = "error.txt"
 SCORED_SPLITS = ("validation", "test")  # the splits kilolayer evaluate scores a run on
 
 
@@ -72,6 +77,11 @@ def analysis_dir(run_dir: str | Path, name: str) -> Path:
 def analysis_file(run_dir: str | Path, name: str) -> Path:
     """The result of analysis ``name`` of a run: ``RUN/analysis/NAME/NAME.json``."""
     return analysis_dir(run_dir, name) / f"{name}.json"
+
+
+def analysis_error_file(run_dir: str | Path, name: str) -> Path:
+    """Why a study's last attempt at analysis ``name`` of a run failed: ``RUN/analysis/NAME/error.txt``."""
+    return analysis_dir(run_dir, name) / ANALYSIS_ERROR
 
 
 def read_analysis(run_dir: str | Path, name: str) -> dict | None:

@@ -3,14 +3,17 @@
 An analysis is ``fn(run_dir, target[, data=...])`` that writes ``target/NAME.json`` for one completed run,
 registered in :data:`ANALYSES`; a spec's validation reads the registry. Each saved result carries a stamp of
 what it was measured with (:func:`analysis_stamp`), so a result from another version of the measurement, other
-inputs or another checkpoint is measured again.
+inputs or another checkpoint is measured again. An analysis that fails for a run leaves why in
+``RUN/analysis/NAME/error.txt`` (:func:`record_failure`).
 """
 
 from __future__ import annotations
 
 import json
+import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from kilolayer import rundir
 from kilolayer.errors import KilolayerError
@@ -73,12 +76,35 @@ def analysis_stamp(name: str, data: dict | None = None, run_dir: Path | None = N
 
 def run_analysis(name: str, run_dir: Path, data: dict | None = None) -> Path:
     """Run analysis ``name`` (registered in :data:`ANALYSES`) on a finished run, on ``data`` if given (else the
-    run's own); results go to run_dir/analysis/name, with the stamp of :func:`analysis_stamp`."""
+    run's own); results go to run_dir/analysis/name, with the stamp of :func:`analysis_stamp`, and the reason of
+    an earlier failure there is removed."""
     target = rundir.analysis_dir(run_dir, name)
     fn = ANALYSES.get(name)
     fn(run_dir, target) if data is None else fn(run_dir, target, data=data)
     write_atomic(target / STAMP, json.dumps(analysis_stamp(name, data, run_dir)) + "\n")
+    rundir.analysis_error_file(run_dir, name).unlink(missing_ok=True)
     return target
+
+
+def record_failure(name: str, run_dir: Path, err: BaseException | str) -> str:
+    """Write why analysis ``name`` of a run failed to ``RUN/analysis/NAME/error.txt`` and return its first line:
+    a kilolayer error's message, any other exception's type and message followed in the file by its traceback
+    (a bug in the analysis, to be read there), or ``err`` itself when it is a line of text."""
+    if isinstance(err, str):
+        line, detail = err, ""
+    elif isinstance(err, KilolayerError):
+        line, detail = str(err), ""
+    else:
+        line = f"{type(err).__name__}: {err}" if str(err).strip() else type(err).__name__
+        detail = "".join(traceback.format_exception(err))
+    line = " ".join(line.split())
+    path = rundir.analysis_error_file(run_dir, name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, line + "\n" + (f"\n{detail}" if detail else ""))
+    except OSError as os_err:
+        return f"{line} ({path} not written: {os_err.strerror or type(os_err).__name__})"
+    return line
 
 
 def analysis_current(name: str, run_dir: Path, data: dict | None = None) -> bool:
@@ -87,11 +113,22 @@ def analysis_current(name: str, run_dir: Path, data: dict | None = None) -> bool
     return rundir.analysis_file(run_dir, name).exists() and saved == analysis_stamp(name, data, run_dir)
 
 
-def failed_analyses(results, out: Path) -> list[str]:
-    """``NAME of GROUP/POINT`` for each analysis of a completed point (``results``: the study's, read back after
-    its analyses ran) without a current result on disk: it failed, and the study said why when it ran it."""
+class FailedAnalysis(NamedTuple):
+    """An analysis of a completed point without a current result after the study ran it."""
+
+    name: str
+    point: str  # GROUP/POINT
+    why: Path  # the file :func:`record_failure` wrote
+
+    def __str__(self) -> str:
+        return f"{self.name} of {self.point}"
+
+
+def failed_analyses(results, out: Path) -> list[FailedAnalysis]:
+    """Each analysis of a completed point (``results``: the study's, read back after its analyses ran) without a
+    current result on disk: it failed, and the study wrote why beside it (:func:`record_failure`)."""
     return [
-        f"{name} of {r.point.key}"
+        FailedAnalysis(name, r.point.key, rundir.analysis_error_file(r.point.run_dir(out), name))
         for r in results
         if r.status == "completed"
         for name in r.point.analyses

@@ -62,14 +62,21 @@ def cmd_study(args) -> int:
             f"{Path(args.out) / 'logs'}/GROUP/POINT.log; "
             "re-running the study resumes them"
         )
+    from kilolayer import rundir
     from kilolayer.study.analyses import failed_analyses
 
     failed = failed_analyses(results, Path(args.out))
-    if failed:
-        named = ", ".join(failed[:3]) + (", ..." if len(failed) > 3 else "")
+    if len(failed) == 1:
         print(
-            f"{len(failed)} analyses of completed points failed ({named}); why each failed is printed above "
-            "('[study] NAME of POINT failed: ...'); re-running the study runs them again"
+            f"1 analysis of a completed point failed ({failed[0]}); why: {failed[0].why}; "
+            "re-running the study runs it again"
+        )
+    elif failed:
+        named = ", ".join(map(str, failed[:3])) + (", ..." if len(failed) > 3 else "")
+        where = rundir.analysis_error_file("RUN", "NAME")
+        print(
+            f"{len(failed)} analyses of completed points failed ({named}); why each failed: {where} of its point's "
+            f"run (the first: {failed[0].why}); re-running the study runs them again"
         )
     return 1 if unfinished or failed else 0
 

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from kilolayer.errors import ConfigError
-from kilolayer.rundir import FINISHED, STATUSES, RunDir, analysis_file
+from kilolayer.rundir import FINISHED, STATUSES, RunDir
+from kilolayer.study.analyses import analysis_current, record_failure
 from kilolayer.study.executors import Executor
 from kilolayer.study.executors.cluster import Lost, RayPool, not_shared, read_token
 from kilolayer.study.runner import Result, collect_all, run_analyses, stale_init, train_point
@@ -255,7 +256,9 @@ class _Driver:
 
     def analyses_missing(self, p: Point) -> bool:
         run_dir = p.run_dir(self.root)
-        return RunDir(run_dir).state == "completed" and any(not analysis_file(run_dir, a).exists() for a in p.analyses)
+        return RunDir(run_dir).state == "completed" and any(
+            not analysis_current(a, run_dir, p.analysis_data) for a in p.analyses
+        )
 
     def submit_ready(self) -> None:
         while True:  # a point found finished may free the points that wait for it
@@ -323,7 +326,15 @@ class _Driver:
             self.ended.add(p.key)
 
     def analysed(self, key: str, value) -> None:
-        lines = value if isinstance(value, list) else [f"[study] analyses of {key} failed: {value.reason}"]
+        lines = value
+        if isinstance(value, Lost):  # the task itself was lost: each analysis it left undone failed for that reason
+            p = self.by_key[key]
+            run_dir = p.run_dir(self.root)
+            lines = [
+                f"[study] {name} of {key} failed: {record_failure(name, run_dir, f'Ray task: {value.reason}')}"
+                for name in p.analyses
+                if not analysis_current(name, run_dir, p.analysis_data)
+            ]
         for line in lines:
             self.progress.say(line)
         self.ended.add(key)

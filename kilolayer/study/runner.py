@@ -39,7 +39,7 @@ from kilolayer.config import config_changes, dump_yaml, load_config
 from kilolayer.errors import KilolayerError
 from kilolayer.record import RunRecord
 from kilolayer.rundir import RunDir
-from kilolayer.study.analyses import analysis_stamp, run_analysis
+from kilolayer.study.analyses import analysis_current, record_failure, run_analysis
 from kilolayer.study.executors import drain, forked
 from kilolayer.study.executors.local import LocalPool
 from kilolayer.study.spec import Point, StudySpec, expand
@@ -330,22 +330,21 @@ def run_point(
 
 
 def run_analyses(point: Point, out: Path, log=print) -> None:
-    """The point's analyses on its finished run, each unless a result with the same stamp is saved."""
+    """The point's analyses on its completed run, each unless its result is current
+    (:func:`~kilolayer.study.analyses.analysis_current`). An analysis that raises fails for this point alone: why
+    is written beside its result (:func:`~kilolayer.study.analyses.record_failure`) and said in a line."""
     run_dir = point.run_dir(out)
     if RunDir(run_dir).state != "completed":
         return
-    from kilolayer.errors import KilolayerError
-
     for name in point.analyses:
-        stamp = analysis_stamp(name, point.analysis_data, run_dir)
-        saved = rundir.read_json(rundir.analysis_dir(run_dir, name) / rundir.STAMP, None)
-        if rundir.analysis_file(run_dir, name).exists() and saved == stamp:
-            continue
         try:
+            if analysis_current(name, run_dir, point.analysis_data):
+                continue
             run_analysis(name, run_dir, point.analysis_data)
+        except Exception as err:  # any analysis's error, its bugs too: the study's other points and report go on
+            log(f"[study] {name} of {point.key} failed: {record_failure(name, run_dir, err)}")
+        else:
             log(f"[study] {name} of {point.key}")
-        except KilolayerError as err:
-            log(f"[study] {name} of {point.key} failed: {err}")
 
 
 def collect(point: Point, out: Path) -> Result:
