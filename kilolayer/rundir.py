@@ -85,7 +85,10 @@ def analysis_error_file(run_dir: str | Path, name: str) -> Path:
 
 
 def read_analysis(run_dir: str | Path, name: str) -> dict | None:
-    """The saved result of analysis ``name`` of a run; None if there is none or it cannot be read."""
+    """The saved result of analysis ``name`` of a run; None if there is none, it cannot be read, or the last
+    attempt to measure it again failed (its ``error.txt`` stands: the result left from before is out of date)."""
+    if analysis_error_file(run_dir, name).exists():
+        return None
     data = read_json(analysis_file(run_dir, name))
     return data if isinstance(data, dict) else None
 

@@ -253,3 +253,16 @@ def test_final_status_is_written_in_place_on_a_full_disk(tmp_path, monkeypatch):
     }
     with pytest.raises(OSError):  # with no status file to reuse, the error is the caller's to report
         rundir.write_status(tmp_path / "none", "failed", 1, "x")
+
+
+def test_an_analysis_result_is_not_read_while_the_attempt_to_measure_it_again_stands_failed(tmp_path):
+    """A study that re-measures an analysis (new version, data or checkpoint) and fails leaves the old result on
+    disk beside ``error.txt``: the report must not read the out-of-date numbers as current."""
+    result = rundir.analysis_file(tmp_path, "smoothness")
+    result.parent.mkdir(parents=True)
+    result.write_text(json.dumps({"cosine": [0.5, 0.9]}))
+    assert rundir.read_analysis(tmp_path, "smoothness") == {"cosine": [0.5, 0.9]}
+    rundir.analysis_error_file(tmp_path, "smoothness").write_text("RuntimeError: boom\n")
+    assert rundir.read_analysis(tmp_path, "smoothness") is None
+    rundir.analysis_error_file(tmp_path, "smoothness").unlink()
+    assert rundir.read_analysis(tmp_path, "smoothness") == {"cosine": [0.5, 0.9]}
