@@ -136,45 +136,63 @@ def test_hold_heap_is_a_boolean():
 
 
 FAULTS = r"""
-import resource, sys, torch
+import json, os, resource, torch
 from kilolayer.train.host import heap as H
 from benchmarks.common import EAGER, TrainStep, fixed_batch
 from benchmarks.peers import Spec, build
 torch.set_num_threads(1)
-spec = Spec(arch="decoder", scheme="pre_ln", width=128, layers=12, heads=2, ffn=512, seq_len=128, vocab=256)
+spec = Spec(arch="decoder", scheme="pre_ln", width=128, layers=6, heads=2, ffn=512, seq_len=128, vocab=256)
 torch.manual_seed(0)
 step = TrainStep(build("kilolayer", spec), EAGER)
 inputs, targets = fixed_batch(spec, 16)
-if sys.argv[1] == "hold":  # after building, as the trainer's engine does
-    assert H.hold_heap()
-for _ in range(3):
-    step(inputs, targets)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(4):
-    step(inputs, targets)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4)
+
+def faults_per_step(hold):  # in a forked child: this process's allocator stays as glibc started it
+    if hold:  # after building, as the trainer's engine does
+        assert H.hold_heap()
+    for _ in range(3):
+        step(inputs, targets)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(4):
+        step(inputs, targets)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
+
+faults = {"hold": [], "default": []}
+for mode in ("hold", "default", "hold", "default"):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, json.dumps(faults_per_step(mode == "hold")).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        faults[mode].append(json.loads(pipe.read()))
+    assert os.waitpid(pid, 0)[1] == 0
+print(json.dumps(faults))
 """
 
 
-def _faults_per_step(mode: str) -> float:
+def _faults_per_step() -> dict[str, list[float]]:
+    """Minor faults a step in steady state, two forked processes each with the heap held and with glibc's
+    default, forked from one interpreter that built the model and never changed its allocator."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != H.HOLD_ENV}
     env.pop("GLIBC_TUNABLES", None)
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-c", FAULTS, mode]
+    cmd = [sys.executable, "-c", FAULTS]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.integration
 @pytest.mark.skipif(H._glibc() is None, reason="needs Linux with glibc")
 def test_a_held_heap_reuses_the_last_steps_pages():
-    # a step of 12 layers, width 128, batch 16 x 128 tokens frees over 100 MB of activations; with glibc's
-    # dynamic thresholds the next step faults much of it in again (measured here: 3,200-16,800 faults a step
-    # in steady state); held, 0-450. Two pairs of processes, summed, so one odd process does not decide.
-    held = sum(_faults_per_step("hold") for _ in range(2))
-    default = sum(_faults_per_step("default") for _ in range(2))
-    assert default > 2000, default  # the premise: glibc's default does hand pages back between steps
-    assert held < default / 4, (held, default)
+    # a step of 6 layers, width 128, batch 16 x 128 tokens frees tens of MB of activations; with glibc's
+    # dynamic thresholds the next step faults much of it in again (thousands of faults a step in steady state);
+    # held, next to none. Two pairs of processes, summed, so one odd process does not decide.
+    faults = _faults_per_step()
+    held, default = sum(faults["hold"]), sum(faults["default"])
+    assert default > 2000, faults  # the premise: glibc's default does hand pages back between steps
+    assert held < default / 4, faults
 
 
 def test_the_held_heap_is_recorded_and_stays_held(libc):
