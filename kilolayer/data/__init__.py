@@ -11,6 +11,7 @@ from kilolayer.data import (  # noqa: F401
     hf_dataset,
     images,
     lo_help,
+    lo_multi,
     mnist,
     parallel,
     ptb,

@@ -1,8 +1,9 @@
 """Debian packages as data: extract them into a folder without installing, and record their versions.
 
-``python -m kilolayer.data.debian fetch de_en fr_en lo_help [--root DIR]`` runs ``apt-get download`` for the
-packages the ``de_en``/``fr_en`` sources (:mod:`kilolayer.data.parallel`) and the ``lo_help`` source
-(:mod:`kilolayer.data.lo_help`) read, ``dpkg -x`` each into ``DIR`` (default
+``python -m kilolayer.data.debian fetch de_en fr_en lo_help lo_multi:en,de,ja [--root DIR]`` runs ``apt-get
+download`` for the packages the ``de_en``/``fr_en`` sources (:mod:`kilolayer.data.parallel`), the ``lo_help`` source
+(:mod:`kilolayer.data.lo_help`) and the ``lo_multi`` source (:mod:`kilolayer.data.lo_multi`: the help of the
+languages after the colon, English's included; ``lo_multi`` alone: all 34) read, ``dpkg -x`` each into ``DIR`` (default
 ``$KILOLAYER_PARALLEL_ROOT``, else ``$KILOLAYER_CACHE/parallel/root``) and records each package's version in
 ``DIR/kilolayer-packages.json`` (:mod:`kilolayer.data.packages` reads it). No root rights and no system
 install are needed; a package already recorded with its files present is not fetched again.
@@ -17,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kilolayer.data import lo_help, parallel
+from kilolayer.data import lo_help, lo_multi, parallel
 from kilolayer.data.packages import MANIFEST, read_manifest
 
 
@@ -45,7 +46,24 @@ def fetch_packages(wanted: dict[str, str], root: Path) -> dict[str, str]:
 
 def fetchable() -> dict[str, dict[str, str]]:
     """Source name -> the packages it reads, each with a path (under the root) that shows it is there."""
-    return {**{name: parallel.all_packages(name) for name in sorted(parallel.PAIRS)}, "lo_help": lo_help.PACKAGES}
+    return {
+        **{name: parallel.all_packages(name) for name in sorted(parallel.PAIRS)},
+        "lo_help": lo_help.PACKAGES,
+        lo_multi.NAME: lo_multi.packages(lo_multi.LANGUAGES),
+    }
+
+
+def packages_of(name: str, sources: dict[str, dict[str, str]]) -> dict[str, str] | str:
+    """The packages a fetch argument names (a source, or ``lo_multi:LANG,LANG,...``), or why it names none."""
+    base, _, langs = name.partition(":")
+    if base == lo_multi.NAME and langs:
+        bad = [lang for lang in langs.split(",") if lang not in lo_multi.LANGUAGES]
+        if bad:
+            return f"unknown language {', '.join(bad)} in {name}; allowed: {', '.join(lo_multi.LANGUAGES)}"
+        return lo_multi.packages(langs.split(","))
+    if name not in sources:
+        return f"unknown {name}; allowed: {', '.join(sources)} ({lo_multi.NAME}:LANG,LANG,... for some languages)"
+    return sources[name]
 
 
 def main(argv=None) -> int:
@@ -53,16 +71,21 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="download and extract the packages of Debian-package sources (no system install)")
     sources = fetchable()
-    f.add_argument("names", nargs="*", metavar="NAME", help=f"{' '.join(sources)} (default: all)")
+    f.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"{' '.join(sources)} or {lo_multi.NAME}:LANG,... (default: all but {lo_multi.NAME})",
+    )
     f.add_argument("--root", default=None, help=f"default: ${parallel.ENV_ROOT}, else {parallel.default_root()}")
     args = ap.parse_args(argv)
-    bad = [n for n in args.names if n not in sources]
-    if bad:
-        ap.error(f"unknown {', '.join(bad)}; allowed: {', '.join(sources)}")
     root = Path(args.root) if args.root else parallel.resolve_root(None)
     wanted = {}
-    for name in args.names or sources:
-        wanted.update(sources[name])
+    for name in args.names or [n for n in sources if n != lo_multi.NAME]:
+        found = packages_of(name, sources)
+        if isinstance(found, str):
+            ap.error(found)
+        wanted.update(found)
     try:
         versions = fetch_packages(wanted, root)
     except (OSError, subprocess.CalledProcessError) as err:

@@ -233,6 +233,10 @@ MARKUP = re.compile(r"<[A-Za-z/!?][^<>]*>|&(#\d+|#x[0-9a-fA-F]+|[A-Za-z]\w*);")
 LETTER = re.compile(r"[^\W\d_]")
 
 
+class Dropped(str):
+    """The name of the rule that drops a text (what :func:`clean_text` gives instead of the text)."""
+
+
 def normalise(text: str) -> str:
     """NFKC with whitespace collapsed: the text a pair keeps."""
     return " ".join(unicodedata.normalize("NFKC", text).split())
@@ -255,31 +259,47 @@ def strip_accelerators(text: str) -> str | None:
     return text.replace("\x00", "&")
 
 
+def clean_text(text: str, opts, catalogue: bool = False) -> str:
+    """One side's cleaned text, or the :class:`Dropped` name of the rule that drops it (``opts``: ``min_chars``,
+    ``max_chars``)."""
+    text = text.replace("%PRODUCTNAME", "LibreOffice")
+    if catalogue:
+        text = strip_accelerators(text)
+        if text is None:
+            return Dropped("accelerator")
+    if FORMAT_STRING.search(text):
+        return Dropped("format_string")
+    if MARKUP.search(text):
+        return Dropped("markup")
+    text = normalise(text)
+    if not LETTER.search(text):
+        return Dropped("no_letter")
+    if not opts.min_chars <= len(text) <= opts.max_chars:
+        return Dropped("length")
+    return text
+
+
+def pair_problem(src: str, tgt: str, max_ratio: float, length=len, key=None) -> str | None:
+    """The rule that drops a pair of cleaned texts (``ratio``: ``length``s too far apart; ``identical``: the same
+    near-key, an untranslated text), or None. ``key``: :func:`near_key`, or a lookup of it already computed."""
+    short, long = sorted((length(src), length(tgt)))
+    if (long + 10) / (short + 10) > max_ratio:
+        return "ratio"
+    key = key or near_key
+    if key(src) == key(tgt):
+        return "identical"
+    return None
+
+
 def clean_pair(src: str, tgt: str, opts: ParallelOptions, catalogue: bool = False) -> tuple[str, str] | str:
     """The cleaned (source, target), or the name of the rule that drops the pair."""
     texts = []
     for text in (src, tgt):
-        text = text.replace("%PRODUCTNAME", "LibreOffice")
-        if catalogue:
-            text = strip_accelerators(text)
-            if text is None:
-                return "accelerator"
-        if FORMAT_STRING.search(text):
-            return "format_string"
-        if MARKUP.search(text):
-            return "markup"
-        text = normalise(text)
-        if not LETTER.search(text):
-            return "no_letter"
-        if not opts.min_chars <= len(text) <= opts.max_chars:
-            return "length"
+        text = clean_text(text, opts, catalogue)
+        if isinstance(text, Dropped):
+            return str(text)
         texts.append(text)
-    short, long = sorted(len(t) for t in texts)
-    if (long + 10) / (short + 10) > opts.max_ratio:
-        return "ratio"
-    if near_key(texts[0]) == near_key(texts[1]):
-        return "identical"
-    return texts[0], texts[1]
+    return pair_problem(texts[0], texts[1], opts.max_ratio) or (texts[0], texts[1])
 
 
 # ------------------------------------------------------------------ gathering and splitting
@@ -430,15 +450,16 @@ def build_corpus(root: Path, name: str, kinds: list[str], opts: ParallelOptions)
 # ------------------------------------------------------------------ tokenizer
 
 
-def train_tokenizer(texts, vocab: int, alphabet: str = ""):
+def train_tokenizer(texts, vocab: int, alphabet: str = "", tags: tuple[str, ...] = ()):
     """A joint BPE tokenizer of ``vocab`` ids trained on ``texts``: NFKC, split at spaces (kept as ``▁``) and
-    around punctuation; the characters of ``alphabet`` are single tokens even where ``texts`` lack them. BPE's
-    merges depend only on the texts, so the same texts give the same vocabulary file."""
+    around punctuation; the characters of ``alphabet`` are single tokens even where ``texts`` lack them; ``tags``
+    are special tokens with the ids after :data:`SPECIALS`'. BPE's merges depend only on the texts, so the same
+    texts give the same vocabulary file."""
     try:
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     except ImportError:
         raise ConfigError(
-            "data.name de_en/fr_en: the subword vocabulary needs the tokenizers library "
+            "data.name de_en/fr_en/lo_multi: the subword vocabulary needs the tokenizers library "
             "(pip install 'kilolayer[mt]', or pip install 'tokenizers>=0.15')"
         ) from None
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -447,7 +468,7 @@ def train_tokenizer(texts, vocab: int, alphabet: str = ""):
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation("isolated")])
     tok.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=list(SPECIALS), initial_alphabet=sorted(set(alphabet)), show_progress=False
+        vocab_size=vocab, special_tokens=[*SPECIALS, *tags], initial_alphabet=sorted(set(alphabet)), show_progress=False
     )
     tok.train_from_iterator(texts, trainer)
     assert [tok.token_to_id(s) for s in SPECIALS] == [PAD, BOS, EOS, UNK]

@@ -11,7 +11,9 @@ references the model is scored on, with the same detokenizer and the same
   training sources): retrieval, no translation. A model whose BLEU and chrF are not above it has not learned to
   translate (:func:`translates`).
 
-A source names the ones that apply (``Seq2SeqSource.baselines``). Each baseline's scores are those of
+A source names the ones that apply (``Seq2SeqSource.baselines``). A many-to-many source (one with
+``direction(d)``, whose pairs carry their direction) is searched direction by direction: the nearest training pair
+of the same source and target language. Each baseline's scores are those of
 ``text_scores`` plus ``token_accuracy``: the share of the reference's tokens, its end token included, that the
 hypothesis has at the same position. A model's teacher-forced ``token_accuracy`` is read against it on symbol
 tasks; on text a shift by one token loses every later one, so BLEU and chrF are the measures there.
@@ -105,15 +107,39 @@ def positional_accuracy(hyps: list[list[int]], refs: list[list[int]], eos: int) 
     return right / max(total, 1)
 
 
-def baseline_scores(source: Seq2SeqSource, pairs: Pairs, model: list[str] | None = None) -> dict[str, dict]:
+def baseline_hypotheses(
+    source: Seq2SeqSource, pairs: Pairs, directions: list[int] | None = None
+) -> dict[str, list[list[int]]]:
+    """``{name: hypothesis ids of each pair}`` of each baseline ``source`` names; given each pair's direction, the
+    baselines of the pairs of a direction are those of ``source.direction(d)``."""
+    if directions is None:
+        return {name: HYPOTHESES[name](source, pairs) for name in source.baselines}
+    out = {name: [None] * len(pairs) for name in source.baselines}
+    for d in sorted(set(directions)):
+        at = [i for i, x in enumerate(directions) if x == d]
+        view = source.direction(d)
+        for name in source.baselines:
+            for i, h in zip(at, HYPOTHESES[name](view, [pairs[i] for i in at])):
+                out[name][i] = h
+    return out
+
+
+def baseline_scores(
+    source: Seq2SeqSource,
+    pairs: Pairs,
+    model: list[str] | None = None,
+    hypotheses: dict[str, list[list[int]]] | None = None,
+) -> dict[str, dict]:
     """``{name: scores}`` of each baseline ``source`` names, on ``pairs`` (source ids, target ids without the end
     token), the references being the targets through ``source.detokenize``. Given ``model``, the model's decoded
     hypotheses of the same pairs, each baseline also holds ``model_minus``: the model's BLEU and chrF minus the
-    baseline's with a 95% paired bootstrap interval (:func:`~kilolayer.objectives.text_scores.paired_difference`)."""
+    baseline's with a 95% paired bootstrap interval (:func:`~kilolayer.objectives.text_scores.paired_difference`).
+    ``hypotheses``: the baselines' ids already found (:func:`baseline_hypotheses`)."""
     refs = [source.detokenize(t) for _, t in pairs]
+    hypotheses = hypotheses or baseline_hypotheses(source, pairs)
     out = {}
     for name in source.baselines:
-        ids = HYPOTHESES[name](source, pairs)
+        ids = hypotheses[name]
         hyps = [source.detokenize(h) for h in ids]
         scores = text_scores(hyps, refs)
         out[name] = {**scores, "token_accuracy": positional_accuracy(ids, [t for _, t in pairs], source.eos)}

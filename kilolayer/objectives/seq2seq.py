@@ -15,8 +15,9 @@ from kilolayer.data.options import parse_options
 from kilolayer.data.synthetic import Seq2SeqSource
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.objectives.base import Objective, batch_size, head_weights, register_objective
-from kilolayer.objectives.baselines import baseline_scores
+from kilolayer.objectives.baselines import baseline_hypotheses, baseline_scores
 from kilolayer.objectives.decoding import Decoding
+from kilolayer.objectives.directions import direction_table
 from kilolayer.objectives.text_scores import text_scores
 
 
@@ -185,15 +186,27 @@ class Seq2Seq(Objective):
             seen += rows
 
     def baselines(self, batches, paired: bool = False):
-        """:func:`~kilolayer.objectives.baselines.baseline_scores` of the pairs decoding scores, and their number."""
+        """:func:`~kilolayer.objectives.baselines.baseline_scores` of the pairs decoding scores, and their number;
+        where the batches carry each pair's ``direction`` (a many-to-many source), also ``directions``: the model's
+        (when ``paired``) and the baselines' scores per direction (:func:`~kilolayer.objectives.directions.
+        direction_table`)."""
         if self.source is None:
             return {}
-        pairs = [p for batch in self.decoded(list(batches)) for p in pairs_of(batch)]
+        decoded = list(self.decoded(list(batches)))
+        pairs = [p for batch in decoded for p in pairs_of(batch)]
         if not pairs:
             return {}
         model = getattr(self, "last_decoded", None) if paired else None
         model = model if model is not None and len(model) == len(pairs) else None
-        return {"pairs": len(pairs), "baselines": baseline_scores(self.source, pairs, model)}
+        of_pair = [d for b in decoded for d in b["direction"].tolist()] if "direction" in decoded[0] else None
+        hypotheses = baseline_hypotheses(self.source, pairs, of_pair)
+        out = {"pairs": len(pairs), "baselines": baseline_scores(self.source, pairs, model, hypotheses)}
+        if of_pair is not None:
+            refs = [self.detokenize(t) for _, t in pairs]
+            systems = {"model": model} if model is not None else {}
+            systems.update({name: [self.detokenize(h) for h in ids] for name, ids in hypotheses.items()})
+            out["directions"] = direction_table(self.source.directions, of_pair, refs, systems)
+        return out
 
     def represent(self, backbone, batch):
         return backbone(batch["src"], batch["tgt_in"], batch["src_padding_mask"], batch["tgt_padding_mask"])

@@ -41,6 +41,10 @@ def cmd_evaluate(args) -> int:
     record = score_run(args.run, args.split, args.device)
     what = f"{record['split']} ({record['samples']} samples, {record['checkpoint']})"
     print(eval_line(what, record["metrics"], record.get("baselines", {})))
+    if record.get("directions"):
+        from kilolayer.objectives.directions import table_lines
+
+        print("\n".join(table_lines(record["directions"])))
     print(f"wrote {Path(args.run) / scores_name(record['split'])}")
     return 0
 

@@ -39,8 +39,9 @@ def for_split(config: Config, split: str | None) -> Config:
 def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto") -> dict:
     """Score the run in ``run_dir`` on all of ``split`` (default: the split it evaluates on) and write the record
     to ``scores_SPLIT.json`` there: ``data``, ``split``, ``samples``, ``checkpoint``, ``step``, ``metrics``
-    (those of its evaluations), and for seq2seq ``baselines`` (name -> scores on the same pairs) and, beside a
-    nearest-neighbour baseline, ``translates`` (:func:`kilolayer.objectives.baselines.translates`)."""
+    (those of its evaluations), and for seq2seq ``baselines`` (name -> scores on the same pairs), beside a
+    nearest-neighbour baseline ``translates`` (:func:`kilolayer.objectives.baselines.translates`) and, for a
+    many-to-many source, ``directions`` (:func:`kilolayer.objectives.directions.direction_table`)."""
     run_dir = Path(run_dir)
     if split is not None and split not in rundir.SCORED_SPLITS:
         raise InputError(f"--split {split}: expected one of {', '.join(rundir.SCORED_SPLITS)}")
@@ -75,11 +76,13 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
         "step": step,
         "metrics": engine.evaluate(batches),
     }
-    found = engine.baselines(batches, paired=True).get("baselines")
-    if found:
-        record["baselines"] = found
-        verdict = translates(record["metrics"], found)
+    found = engine.baselines(batches, paired=True)
+    if found.get("baselines"):
+        record["baselines"] = found["baselines"]
+        verdict = translates(record["metrics"], found["baselines"])
         if verdict is not None:
             record["translates"] = verdict.as_dict()
+    if found.get("directions"):
+        record["directions"] = found["directions"]
     rundir.write_json(run_dir / rundir.scores_name(source.eval_split), record)
     return record
