@@ -15,12 +15,10 @@ TASKS = ("reverse", "copy", "sort", "add")
 
 def pairs_of(batch: dict) -> list[tuple[tuple, tuple]]:
     """(source, target) id tuples of a seq2seq batch, padding and EOS removed."""
-    out = []
-    for src, smask, tgt, tmask in zip(
-        batch["src"], batch["src_padding_mask"], batch["tgt_out"], batch["tgt_padding_mask"]
-    ):
-        out.append((tuple(src[~smask].tolist()), tuple(tgt[~tmask].tolist()[:-1])))
-    return out
+    src, tgt = batch["src"].tolist(), batch["tgt_out"].tolist()
+    src_len = (~batch["src_padding_mask"]).sum(1).tolist()
+    tgt_len = (~batch["tgt_padding_mask"]).sum(1).tolist()
+    return [(tuple(s[:n]), tuple(t[: m - 1])) for s, n, t, m in zip(src, src_len, tgt, tgt_len)]
 
 
 @pytest.mark.parametrize("task", TASKS)

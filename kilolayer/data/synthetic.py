@@ -50,10 +50,9 @@ class SyntheticOptions(NumbersNotBools):
 def pad_batch(seqs: list[list[int]], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (B, T) padded with ``pad``, padding mask (B, T) True = padding)."""
     T = max(1, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-    lengths = torch.as_tensor([len(s) for s in seqs])
+    # padded as lists, then one tensor: a copy per row costs more than the batch's data
+    ids = torch.tensor([[*s, *[pad] * (T - len(s))] for s in seqs], dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in seqs])
     return ids, torch.arange(T)[None, :] >= lengths[:, None]
 
 
