@@ -4,8 +4,9 @@
 glibc has no getter for the threshold, so each check reproduces what the pin prevents: a 16 MiB block is
 mapped and freed, which makes glibc's dynamic threshold rise to 16 MiB; a 4 MiB block then comes from the heap
 (``mallinfo2().hblks``, the blocks served by their own mapping, stays put) unless the threshold is pinned, when
-it is mapped (hblks goes up by one). Each case runs in a fresh interpreter, since the setting is process-wide
-and glibc's environment variable is read at start-up.
+it is mapped (hblks goes up by one). Each case runs in a process of its own, since the setting is process-wide:
+forked from an interpreter that has imported torch and never set it, and a fresh interpreter for each value of
+glibc's environment variable, which glibc reads at start-up.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
-import ctypes, ctypes.util, json, sys
+import ctypes, ctypes.util, json, os, sys
 import torch
 from kilolayer.config import ModelConfig
 from kilolayer.nn.transformer import build_model
@@ -47,23 +48,39 @@ def after_a_big_free():
     libc.free(p)
     return mapped
 
-model = build_model(ModelConfig(arch="encoder", layers=2, width=16, heads=2, ffn=32))
-if sys.argv[1] == "checkpoint":
-    checkpoint_layers(model, prepare_checkpointing())
-elif sys.argv[1] == "checkpoint_pinned":
-    checkpoint_layers(model, prepare_checkpointing(pin_mmap=True))
-elif sys.argv[1] == "config_pinned":
-    from types import SimpleNamespace
-    from kilolayer.config import load_config
-    from kilolayer.train.host.heap import apply
-    from kilolayer.train.parallelize import apply_checkpointing
-    cfg = load_config({"model": {"arch": "encoder", "layers": 2, "width": 16, "heads": 2, "ffn": 32,
-                                 "checkpoint_activations": True, "vocab_size": 16, "max_len": 8},
-                       "objective": {"name": "mlm"}, "data": {"name": "synthetic"},
-                       "train": {"pin_mmap": True}})
-    task = SimpleNamespace(backbone=model, objective=SimpleNamespace(modules=lambda: iter(())))
-    apply_checkpointing(task, cfg, apply(task, cfg, "cpu"))
-print(json.dumps({"mapped": after_a_big_free()}))
+def probe(mode):
+    model = build_model(ModelConfig(arch="encoder", layers=2, width=16, heads=2, ffn=32))
+    if mode == "checkpoint":
+        checkpoint_layers(model, prepare_checkpointing())
+    elif mode == "checkpoint_pinned":
+        checkpoint_layers(model, prepare_checkpointing(pin_mmap=True))
+    elif mode == "config_pinned":
+        from types import SimpleNamespace
+        from kilolayer.config import load_config
+        from kilolayer.train.host.heap import apply
+        from kilolayer.train.parallelize import apply_checkpointing
+        cfg = load_config({"model": {"arch": "encoder", "layers": 2, "width": 16, "heads": 2, "ffn": 32,
+                                     "checkpoint_activations": True, "vocab_size": 16, "max_len": 8},
+                           "objective": {"name": "mlm"}, "data": {"name": "synthetic"},
+                           "train": {"pin_mmap": True}})
+        task = SimpleNamespace(backbone=model, objective=SimpleNamespace(modules=lambda: iter(())))
+        apply_checkpointing(task, cfg, apply(task, cfg, "cpu"))
+    return after_a_big_free()
+
+mapped = []
+for mode, env in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.environ.update(env)  # KILOLAYER_PIN_MMAP, read when the pin is asked for
+        os.write(write, json.dumps(probe(mode)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        mapped.append(json.loads(pipe.read()))
+    assert os.waitpid(pid, 0)[1] == 0
+print(json.dumps(mapped))
 """
 
 
@@ -81,30 +98,35 @@ def _glibc() -> bool:
 pytestmark = pytest.mark.skipif(not _glibc(), reason="needs Linux with glibc >= 2.33")
 
 
-def _probe(mode: str, **env) -> int:
+def _probe(*cases: tuple[str, dict], malloc_env: dict | None = None) -> list[int]:
+    """Blocks mapped after a big free, for each (mode, KILOLAYER_PIN_MMAP setting) of ``cases``: each in a process
+    forked from one interpreter started with glibc's environment ``malloc_env``."""
     full = {k: v for k, v in os.environ.items() if k not in ("KILOLAYER_PIN_MMAP", "MALLOC_MMAP_THRESHOLD_")}
-    full.update(env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=full, cwd=ROOT, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["mapped"]
+    full.update(malloc_env or {}, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-c", PROBE, json.dumps(cases)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=full, cwd=ROOT, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+PIN = {"KILOLAYER_PIN_MMAP": "1"}
+NO_PIN = {"KILOLAYER_PIN_MMAP": "0"}
 
 
 @pytest.mark.integration
 def test_checkpointing_pins_the_threshold_only_when_asked():
-    assert _probe("plain") == 0
-    assert _probe("checkpoint") == 0  # the default: glibc's dynamic threshold, faster steps
-    assert _probe("checkpoint_pinned") == 1
-    assert _probe("config_pinned") == 1  # train.pin_mmap, as the trainer's engine applies it
-    assert _probe("checkpoint", KILOLAYER_PIN_MMAP="1") == 1
+    cases = [("plain", {}), ("checkpoint", {}), ("checkpoint_pinned", {}), ("config_pinned", {})]
+    cases.append(("checkpoint", PIN))
+    # the default (checkpoint): glibc's dynamic threshold, faster steps; config_pinned: train.pin_mmap, as the
+    # trainer's engine applies it
+    assert _probe(*cases) == [0, 0, 1, 1, 1]
 
 
 @pytest.mark.integration
 def test_the_pin_can_be_turned_off_and_glibc_setting_wins():
-    assert _probe("checkpoint_pinned", KILOLAYER_PIN_MMAP="0") == 0
+    assert _probe(("checkpoint_pinned", NO_PIN)) == [0]
     # the user's own glibc setting is left as it is (here one that maps nothing below 8 MiB)
-    assert _probe("checkpoint_pinned", MALLOC_MMAP_THRESHOLD_=str(8 << 20)) == 0
-    assert _probe("plain", MALLOC_MMAP_THRESHOLD_=str(64 * 1024)) == 1
+    assert _probe(("checkpoint_pinned", {}), malloc_env={"MALLOC_MMAP_THRESHOLD_": str(8 << 20)}) == [0]
+    assert _probe(("plain", {}), malloc_env={"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}) == [1]
 
 
 def test_pin_reports_whether_it_took_effect(monkeypatch):
