@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from helpers import ROOT, cli
+from helpers import ROOT
 
 from kilolayer import build_model
 from kilolayer.cli import main
@@ -164,6 +164,8 @@ def test_the_command_line_prints_a_broken_plugin_as_its_one_error_line(install, 
     )
 
 
+# what a fresh interpreter sees of the plugin, then `kilolayer ARGS` (the command's own main) in it; the JSON is
+# the last line of stdout, the command's exit status the process's
 PROBE = """
 import json, sys
 import kilolayer
@@ -171,10 +173,13 @@ from kilolayer.config import load_config
 from kilolayer.data import load_source
 
 imported = "kilolayer_example_plugin" in sys.modules
+from kilolayer.cli import main
 config = load_config("examples/plugin/config.yaml")
 tokens = load_source(config).train_batch(0, 4)["tokens"]
 w2 = kilolayer.build_model(config.model).decoder.layers[0].ffn.branch.fc2.weight.detach()
+code = main(sys.argv[1:])
 print(json.dumps({"imported_by_import_kilolayer": imported, "tokens": tokens.tolist(), "w2_std": float(w2.std())}))
+sys.exit(code)
 """
 
 
@@ -190,21 +195,18 @@ def test_the_example_plugin_installs_and_trains_with_its_scheme_and_source_by_na
     # the shared .venv is not changed: the package and its entry points are found on PYTHONPATH
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
 
-    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=env)
+    out = tmp_path / "run"
+    steps = ["train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "train.log_every=1"]
+    train = ["train", "examples/plugin/config.yaml", "--out", str(out), *(a for s in steps for a in ("--set", s))]
+    probe = subprocess.run([sys.executable, "-c", PROBE, *train], capture_output=True, text=True, cwd=ROOT, env=env)
     assert probe.returncode == 0, probe.stderr
-    seen = json.loads(probe.stdout)
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
     assert seen["imported_by_import_kilolayer"] is False
     tokens = torch.tensor(seen["tokens"])
     assert tokens.shape == (4, 16) and bool((tokens[:, :8] == tokens[:, 8:]).all()) and int(tokens.max()) < 16
     # GPT-2's 1/sqrt(N) on w2, N = 8 residual sublayers of the 4-layer decoder, times Xavier's std for 64 x 256
     assert seen["w2_std"] == pytest.approx(8**-0.5 * math.sqrt(2 / (256 + 64)), rel=0.03)
 
-    out = tmp_path / "run"
-    steps = ["train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "train.log_every=1"]
-    train = cli(
-        "train", "examples/plugin/config.yaml", "--out", out, *(a for s in steps for a in ("--set", s)), env=env
-    )
-    assert train.returncode == 0, train.stderr
     assert json.loads((out / "status.json").read_text())["status"] == "completed"
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert (resolved["model"]["scheme"], resolved["data"]["name"]) == ("gpt2_pre_ln", "repeat")
