@@ -533,3 +533,81 @@ def test_the_documented_example_runs_and_initialises_as_deepnorm():
     assert float(q.std()) == pytest.approx(math.sqrt(2 / 128), rel=0.03)
     assert float(model[0].weight.detach().std()) == pytest.approx(1.0, rel=0.03)  # nn.Embedding's own N(0, 1)
     assert kilolayer.init_branches is init_branches
+
+
+# ---------------------------------------------------------------- weights no role names, layouts, widths
+
+
+class GatedFFN(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, d: int, ffn: int):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(d, ffn), nn.Linear(d, ffn), nn.Linear(ffn, d)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Conv1DAttention(nn.Module):
+    """GPT-2's attention projections: ``Conv1D`` weights stored ``(in, out)``, Q/K/V fused in ``c_attn``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.c_attn, self.c_attn_bias = nn.Parameter(torch.zeros(d, 3 * d)), nn.Parameter(torch.zeros(3 * d))
+        self.c_proj = nn.Parameter(torch.zeros(d, d))
+
+    def forward(self, x):
+        q, k, v = (x @ self.c_attn + self.c_attn_bias).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v) @ self.c_proj
+
+
+def test_a_branch_weight_no_role_names_is_refused_and_a_gated_ffn_takes_both_gates_as_w1():
+    scheme = residual_scheme("deepnorm", "encoder", encoder_layers=1)
+    ffn = GatedFFN(D, FFN_WIDTH)
+    model = nn.Sequential(residual(ffn, D, scheme, kind="ffn", layer=0))
+    with pytest.raises(ConfigError, match=r"^0\.branch\.w3\.weight: a 2-D weight .* w1=\['w1', 'w3'\]") as e:
+        init_branches(model, scheme, w1="w1", w2="w2")
+    assert "\n" not in str(e.value)
+    done = init_branches(model, scheme, w1=["w1", "w3"], w2="w2")
+    beta = scheme.constants["encoder"][1]
+    assert {name: role for name, role, _ in done}["0.branch.w3.weight"] == "w1"
+    for w in (ffn.w1.weight.detach(), ffn.w3.weight.detach(), ffn.w2.weight.detach()):
+        assert float(w.std()) == pytest.approx(xavier_std(w, beta), rel=REL)
+
+
+def test_a_fused_qkv_stored_in_out_is_refused_untransposed_and_split_by_columns_when_transposed():
+    d = 192  # rows divisible by 3: split by rows, a (d, 3d) weight would mix Q, K and V without a word
+    scheme = residual_scheme("deepnorm", "encoder", encoder_layers=1)
+    attn = Conv1DAttention(d)
+    model = nn.Sequential(residual(attn, d, scheme, kind="self_attn", layer=0))
+    with pytest.raises(ConfigError, match=r"^qkv='c_attn': .* shape \(192, 576\) is laid out \(in, out\).*transposed="):
+        init_branches(model, scheme, qkv="c_attn", o="c_proj")
+    assert torch.count_nonzero(attn.c_attn) == 0  # refused before any weight is touched
+    done = init_branches(model, scheme, qkv="c_attn", o="c_proj", transposed=True)
+    beta = scheme.constants["encoder"][1]
+    std = xavier_std(attn.c_attn[:, :d].T, 1.0)
+    thirds = [float(attn.c_attn[:, i * d : (i + 1) * d].std()) for i in range(3)]
+    assert thirds == pytest.approx([std, std, beta * std], rel=REL)
+    assert ("0.branch.c_attn[:, 384:576]", "v", pytest.approx(beta)) in done
+    fused = nn.Sequential(residual(FusedAttention(d, H), d, scheme, kind="self_attn", layer=0))
+    with pytest.raises(ConfigError, match=r"laid out \(out, in\); leave out transposed=True"):
+        init_branches(fused, scheme, qkv="qkv", o="out", transposed=True)
+
+
+def test_a_width_that_does_not_fit_the_branch_or_its_input_is_one_line():
+    scheme = residual_scheme("deepnorm", "encoder", encoder_layers=1)
+    with pytest.raises(ConfigError, match=r"^width=64: the branch \(Linear\) is 48 wide \(in_features=48\)"):
+        residual(nn.Linear(48, 48), 64, scheme, kind="ffn", layer=0)
+    res = residual(FeedForward(48, 96), 64, scheme, kind="ffn", layer=0)  # states no width: checked on input
+    with pytest.raises(ConfigError, match=r"^width=64: the ffn residual of layer 0 got an input 48 wide") as e:
+        res(torch.zeros(2, 3, 48))
+    assert "\n" not in str(e.value)
+    ok = residual(FeedForward(48, 96), 48, scheme, kind="ffn", layer=0)
+    assert ok(torch.zeros(2, 3, 48)).shape == (2, 3, 48) and not ok._forward_pre_hooks  # the check ran once
+
+
+@pytest.mark.parametrize("count", [12.7, True, "abc", -1])
+def test_a_layer_count_that_is_not_a_non_negative_int_is_one_line(count):
+    with pytest.raises(ConfigError, match=rf"^encoder_layers={re.escape(repr(count))}: expected a layer count"):
+        residual_scheme("deepnorm", "encoder", encoder_layers=count)

@@ -39,6 +39,9 @@ def residual_scheme(name: str, arch: str, encoder_layers: int = 0, decoder_layer
     """
     if name not in SCHEMES:
         raise ConfigError(f"name={name!r}: unknown residual scheme; allowed: {', '.join(sorted(SCHEMES))}")
+    for field, value in (("encoder_layers", encoder_layers), ("decoder_layers", decoder_layers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{field}={value!r}: expected a layer count, an int of 0 or more")
     deepnorm_constants(arch, encoder_layers, decoder_layers)  # checks arch and the layer counts it needs
     if arch == "encoder" and decoder_layers:
         raise ConfigError(f"decoder_layers={decoder_layers}: an encoder has no decoder layers")
@@ -47,7 +50,7 @@ def residual_scheme(name: str, arch: str, encoder_layers: int = 0, decoder_layer
     unknown = sorted(set(options) - set(SCHEME_OPTIONS))
     if unknown:
         raise ConfigError(f"{unknown[0]}: not a scheme option; allowed: {', '.join(SCHEME_OPTIONS)}")
-    return make_scheme(name, Depth(arch, int(encoder_layers), int(decoder_layers)), **options)
+    return make_scheme(name, Depth(arch, encoder_layers, decoder_layers), **options)
 
 
 def residual(
@@ -69,7 +72,8 @@ def residual(
     (``res(x, memory=m)``). A pre-norm scheme also wants ``scheme.final_part(side, width, eps)`` after the
     last layer. Schemes that place parts inside the branch or across layers (Sub-LN, NormFormer, R-Fixup,
     ReZero, DLCL, BranchNorm, profiled Admin) are refused with what they need: build those with
-    ``build_model``.
+    ``build_model``. A branch that states its width (a ``width``, ``embed_dim``, ``d_model``, ``hidden_size`` or
+    ``in_features`` attribute) is checked against ``width`` here; any branch, on its first input.
     """
     if not isinstance(scheme, Scheme):
         raise ConfigError(f"scheme: expected a scheme from kilolayer.residual_scheme(...), got {type(scheme).__name__}")
@@ -77,6 +81,11 @@ def residual(
         raise ConfigError(f"branch: expected an nn.Module (your attention or FFN), got {type(branch).__name__}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ConfigError(f"width={width!r}: expected a positive int, the model width")
+    stated = _stated_width(branch)
+    if stated is not None and stated[1] != width:
+        raise ConfigError(
+            f"width={width}: the branch ({type(branch).__name__}) is {stated[1]} wide ({stated[0]}={stated[1]})"
+        )
     if kind not in KINDS:
         raise ConfigError(f"kind={kind!r}: expected one of {', '.join(KINDS)}")
     depth = scheme.depth
@@ -98,7 +107,33 @@ def residual(
             f"scheme={scheme.name!r} at {kind} needs {'; '.join(needs)}, which residual() cannot add to your "
             "module; build this scheme with kilolayer.build_model"
         )
-    return Residual(branch, width, site, scheme, eps, dropout)
+    res = Residual(branch, width, site, scheme, eps, dropout)
+    res._width_check = res.register_forward_pre_hook(_check_input_width, with_kwargs=True)
+    return res
+
+
+WIDTH_ATTRIBUTES = ("width", "embed_dim", "d_model", "hidden_size", "in_features")
+
+
+def _stated_width(branch: nn.Module) -> tuple[str, int] | None:
+    """(attribute, value) of the first width attribute ``branch`` has, if any."""
+    for name in WIDTH_ATTRIBUTES:
+        value = getattr(branch, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return name, value
+    return None
+
+
+def _check_input_width(res: Residual, args: tuple, kwargs: dict) -> None:
+    """Before the first forward of a user's residual: its input is ``width`` wide, or one line saying so (a
+    mismatch would otherwise surface deep in a LayerNorm or a matmul); then the check removes itself."""
+    x = args[0] if args else kwargs.get("x")
+    if isinstance(x, torch.Tensor) and x.dim() and x.shape[-1] != res.width:
+        raise ConfigError(
+            f"width={res.width}: the {res.site.kind} residual of layer {res.site.layer} got an input "
+            f"{x.shape[-1]} wide (shape {tuple(x.shape)}); give residual() the model width of its input"
+        )
+    res._width_check.remove()
 
 
 @torch.no_grad()
@@ -114,6 +149,7 @@ def init_branches(
     o: Target | list[Target] | None = None,
     w1: Target | list[Target] | None = None,
     w2: Target | list[Target] | None = None,
+    transposed: bool = False,
 ) -> list[tuple[str, str, float]]:
     """Initialise the weights of every residual branch in ``module`` (the sublayers made by :func:`residual`) as
     ``scheme`` does: Xavier with the scheme's gain for each weight's role at the branch's site, biases zero.
@@ -124,7 +160,14 @@ def init_branches(
     object, or a list of these. ``qkv`` is a fused ``[Q; K; V]`` projection and ``kv`` a fused ``[K; V]`` one:
     each third (half) of its rows gets its own role's init. Attention roles are looked up in attention branches
     only, ``w1``/``w2`` in FFN branches only. Every attention branch must end up with Q, K, V and O, every FFN
-    branch with W1 and W2; nothing outside the branches (embeddings, heads) is touched.
+    branch with W1 and W2, and every 2-D weight of a branch with a role (a gated FFN's third matrix too:
+    ``w1=["w1", "w3"]``), so that none keeps PyTorch's default init unnoticed; biases and norm weights are
+    1-D and left to the rule above. Nothing outside the branches (embeddings, heads) is touched.
+
+    ``transposed=True`` reads every given weight as laid out ``(in, out)``, as GPT-2's ``Conv1D`` stores it
+    (``c_attn.weight`` of shape ``(d, 3d)``): a fused weight then splits along its columns. A fused weight of
+    shape ``(width, 3 * width)`` (``(width, 2 * width)`` for ``kv``) given without it is refused, since split by
+    rows it would mix Q, K and V.
 
     Returns ``(parameter name, role, gain)`` per initialised weight, fused slices as ``name[start:stop]``.
     """
@@ -141,6 +184,7 @@ def init_branches(
     plan: list[tuple[str, Site, str, torch.Tensor, torch.Tensor | None]] = []
     hits = {(role, i): 0 for role, targets in roles.items() for i in range(len(targets))}
     uncovered = ""  # the first branch left without a weight for one of its roles
+    unroled = ""  # the first 2-D weight of a branch that no role names
     for path, res in residuals:
         prefix = f"{path}.branch." if path else "branch."
         attention = res.site.kind != "ffn"
@@ -157,14 +201,26 @@ def init_branches(
                         raise ConfigError(f"{role}: {prefix}{weights[name][2]} is already given as {owner[name]}")
                     owner[name] = role
                     weight, bias, param = weights[name]
-                    for part, w, b, rows in _split(role, target, weight, bias):
+                    for part, w, b, rows in _split(role, target, weight, bias, res.width, transposed):
                         plan.append((f"{prefix}{param}{rows}", res.site, part, w, b))
                         covered.add(part)
+        hint = "q=, k=, v= or qkv=, kv=, o=" if attention else "w1=, w2="
         missing = [r for r in (ATTENTION_ROLES if attention else FFN_ROLES) if r not in covered]
         if missing and not uncovered:
-            hint = "q=, k=, v= or qkv=, kv=, o=" if attention else "w1=, w2="
             uncovered = (
                 f"{missing[0]}: the {res.site.kind} branch of {path or 'module'} has no weight given for it ({hint})"
+            )
+        idle = [name for name in weights if name not in owner]
+        if idle and not unroled:
+            param = weights[idle[0]][2]
+            given = [(r, t) for r, ts in roles.items() for t in ts if (r in FFN_ROLES) != attention]
+            role, pattern = next(
+                ((r, t) for r, t in given if isinstance(t, str)), ("w1" if not attention else "v", "...")
+            )
+            example = f"{role}=[{pattern!r}, {idle[0]!r}]"
+            unroled = (
+                f"{prefix}{param}: a 2-D weight of the {res.site.kind} branch of {path or 'module'} that no role "
+                f"names, so it would keep PyTorch's default init; give it one of {hint} (e.g. {example})"
             )
     # a pattern that matches nothing explains a branch left without a weight, so it is reported first
     for (role, i), count in hits.items():
@@ -177,6 +233,8 @@ def init_branches(
             )
     if uncovered:
         raise ConfigError(uncovered)
+    if unroled:
+        raise ConfigError(unroled)
     done = []
     for name, site, part, weight, bias in plan:  # as kilolayer's own layers do (Layer.reset_parameters)
         gain = scheme.init_gain(site, part)
@@ -213,20 +271,35 @@ def _matches(role: str, target: Target, weights: dict) -> list[str]:
     )
 
 
-def _split(role: str, target: Target, weight: torch.Tensor, bias: torch.Tensor | None):
-    """(role of the part, weight rows, bias rows, rows label) for each part of ``weight``: its fused slices."""
+def _split(role: str, target: Target, weight: torch.Tensor, bias: torch.Tensor | None, width: int, transposed: bool):
+    """(role of the part, weight rows, bias rows, rows label) for each part of ``weight`` (laid out ``(out, in)``,
+    or ``(in, out)`` when ``transposed``): its fused slices, as views that the init writes through."""
+    shown = repr(target) if isinstance(target, str) else f"a {type(target).__name__}"
+    if transposed:
+        weight = weight.T
     parts = FUSED.get(role, (role,))
     if len(parts) == 1:
         yield role, weight, bias, ""
         return
-    rows = weight.shape[0]
-    if rows % len(parts):
-        shown = repr(target) if isinstance(target, str) else f"a {type(target).__name__}"
+    rows, cols = weight.shape
+    fused = "/".join(p.upper() for p in parts)
+    if rows == width and cols == len(parts) * width:
+        if transposed:
+            raise ConfigError(
+                f"{role}={shown}: a fused {fused} weight of shape {tuple(weight.T.shape)} is laid out (out, in); "
+                "leave out transposed=True for it"
+            )
         raise ConfigError(
-            f"{role}={shown}: a fused {'/'.join(p.upper() for p in parts)} weight needs a row count divisible by "
+            f"{role}={shown}: a fused {fused} weight of shape {tuple(weight.shape)} is laid out (in, out), as "
+            f"GPT-2's Conv1D stores it; pass transposed=True to init_branches to split it by columns"
+        )
+    if rows % len(parts):
+        raise ConfigError(
+            f"{role}={shown}: a fused {fused} weight needs a row count divisible by "
             f"{len(parts)}, got shape {tuple(weight.shape)}"
         )
     n = rows // len(parts)
+    axis = "[:, {}:{}]" if transposed else "[{}:{}]"
     for i, part in enumerate(parts):
         s = slice(i * n, (i + 1) * n)
-        yield part, weight[s], None if bias is None else bias[s], f"[{s.start}:{s.stop}]"
+        yield part, weight[s], None if bias is None else bias[s], axis.format(s.start, s.stop)

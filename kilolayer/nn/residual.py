@@ -280,7 +280,7 @@ class Residual(nn.Module):
 
     def __init__(self, branch: nn.Module, width: int, site: Site, scheme: Scheme, eps: float, dropout: float = 0.0):
         super().__init__()
-        self.site = site
+        self.site, self.width = site, width
         self.shortcut = scheme.shortcut(site, width)
         self.branch_scale = scheme.branch_scale_module(site, width, eps)
         self.branch = branch
