@@ -130,6 +130,7 @@ def test_held_out_pages_train_in_no_language_and_counts_are_per_language_and_dir
     assert record["directions"]["en-de"]["train"] == PARAGRAPHS * train_pages
     assert record["directions"]["fr-en"]["train"] == train_pages
     assert set(record["directions"]) == {f"{s}-{t}" for s in LANGS for t in LANGS if s != t}
+    assert f"| `fr` | {train_pages:,} | {train_pages:,} | - |" in M.sizes_table(record)  # fr-en, fr-de
 
 
 def test_english_centric_and_listed_directions(root):

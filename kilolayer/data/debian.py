@@ -7,6 +7,8 @@ languages after the colon, English's included; ``lo_multi`` alone: all 34) read,
 ``$KILOLAYER_PARALLEL_ROOT``, else ``$KILOLAYER_CACHE/parallel/root``) and records each package's version in
 ``DIR/kilolayer-packages.json`` (:mod:`kilolayer.data.packages` reads it). No root rights and no system
 install are needed; a package already recorded with its files present is not fetched again.
+``python -m kilolayer.data.debian sizes CONFIG`` prints a ``lo_multi`` config's corpus sizes per language and
+direction.
 """
 
 from __future__ import annotations
@@ -66,6 +68,24 @@ def packages_of(name: str, sources: dict[str, dict[str, str]]) -> dict[str, str]
     return sources[name]
 
 
+def sizes(config_path: str, sets: list[str], as_json: bool) -> int:
+    """Print the corpus sizes of a ``lo_multi`` config: texts per language, pairs per direction (built and cached
+    as a run would build them)."""
+    from kilolayer.config import load_config
+    from kilolayer.errors import ConfigError, KilolayerError
+
+    try:
+        config = load_config(config_path, sets)
+        if config.data.name != lo_multi.NAME:
+            raise ConfigError(f"data.name={config.data.name!r}: sizes reads a {lo_multi.NAME!r} config")
+        record = lo_multi.make_source(config).record
+    except KilolayerError as err:
+        print(f"kilolayer: error: {err}", file=sys.stderr)
+        return err.exit_code
+    print(json.dumps(record, indent=2, sort_keys=True) if as_json else lo_multi.sizes_table(record))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kilolayer.data.debian", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -78,7 +98,13 @@ def main(argv=None) -> int:
         help=f"{' '.join(sources)} or {lo_multi.NAME}:LANG,... (default: all but {lo_multi.NAME})",
     )
     f.add_argument("--root", default=None, help=f"default: ${parallel.ENV_ROOT}, else {parallel.default_root()}")
+    z = sub.add_parser("sizes", help=f"print the corpus sizes of a {lo_multi.NAME} config (per language and direction)")
+    z.add_argument("config", help=f"a config whose data.name is {lo_multi.NAME}")
+    z.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    z.add_argument("--json", action="store_true", help="every count of the source's record, as JSON")
     args = ap.parse_args(argv)
+    if args.command == "sizes":
+        return sizes(args.config, args.set, args.json)
     root = Path(args.root) if args.root else parallel.resolve_root(None)
     wanted = {}
     for name in args.names or [n for n in sources if n != lo_multi.NAME]:

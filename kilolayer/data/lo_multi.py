@@ -605,33 +605,3 @@ def sizes_table(record: dict) -> str:
         f"{per_split(rows)}; pages {per_split(pages)}.",
     ]
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    import argparse
-    import sys
-
-    from kilolayer.config import load_config
-    from kilolayer.errors import KilolayerError
-
-    ap = argparse.ArgumentParser(
-        prog="python -m kilolayer.data.lo_multi", description="print the corpus sizes of a lo_multi config"
-    )
-    ap.add_argument("config", help="a config whose data.name is lo_multi")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--json", action="store_true", help="the whole record as JSON")
-    args = ap.parse_args(argv)
-    try:
-        config = load_config(args.config, args.set)
-        if config.data.name != NAME:
-            raise ConfigError(f"data.name={config.data.name!r}: expected {NAME!r}")
-        record = make_source(config).record
-    except KilolayerError as err:
-        print(f"kilolayer: error: {err}", file=sys.stderr)
-        return err.exit_code
-    print(json.dumps(record, indent=2) if args.json else sizes_table(record))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

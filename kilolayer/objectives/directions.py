@@ -103,7 +103,7 @@ def table_lines(table: dict) -> list[str]:
     if not rows:
         return []
     systems = [k for k in next(iter(rows.values())) if k not in ("source", "target", "pairs", "tokenize")]
-    head = f"{'direction':<14} {'pairs':>6} " + " ".join(f"{s + ' BLEU':>13} {s + ' chrF':>13}" for s in systems)
+    head = f"{'direction':<20} {'pairs':>6} " + " ".join(f"{s + ' BLEU':>13} {s + ' chrF':>13}" for s in systems)
     lines = [head + "  BLEU tokenizer"]
 
     def cell(scores: dict, key: str) -> str:
@@ -112,7 +112,7 @@ def table_lines(table: dict) -> list[str]:
     for name, row in rows.items():
         scores = " ".join(f"{cell(row[s], 'bleu')} {cell(row[s], 'chrf')}" for s in systems)
         tok = row["tokenize"] or "none: chrF alone"
-        lines.append(f"{name:<14} {row['pairs']:>6} {scores}  {tok}")
+        lines.append(f"{name:<20} {row['pairs']:>6} {scores}  {tok}")
     for group in GROUPS:
         if group not in table["averages"].get(systems[0], {}):
             continue
@@ -120,5 +120,5 @@ def table_lines(table: dict) -> list[str]:
         scores = " ".join(
             f"{cell(table['averages'][s][group], 'bleu')} {cell(table['averages'][s][group], 'chrf')}" for s in systems
         )
-        lines.append(f"{'mean ' + group:<14} {'':>6} {scores}  over {n} directions")
+        lines.append(f"{'mean ' + group:<20} {'':>6} {scores}  over {n} directions")
     return lines
