@@ -550,30 +550,44 @@ def test_cli_names_what_to_install(tmp_path, capsys):
 # ------------------------------------------------------------------ slow: learning on MNIST
 
 
-def final_eval(run: Path) -> dict:
+def _evals(run: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["split"] == "eval"][-1]
+    return [r for r in rows if r["split"] == "eval"]
+
+
+def final_eval(run: Path) -> dict:
+    return _evals(run)[-1]
+
+
+def _sets(steps: int, every: int) -> list[str]:
+    """A config's schedule shortened to ``steps``, evaluated every ``every`` on 2,048 validation images."""
+    return [
+        f"train.steps={steps}",
+        f"train.eval_every={every}",
+        f"train.checkpoint_every={steps}",
+        "train.eval_batches=32",
+    ]
 
 
 def _short(steps: int, every: int) -> list[str]:
-    sets = {"train.steps": steps, "train.eval_every": every, "train.checkpoint_every": steps, "train.eval_batches": 32}
-    return ["--quiet", *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]  # 2,048 validation images
+    return ["--quiet", *(a for item in _sets(steps, every) for a in ("--set", item))]
 
 
 @pytest.fixture(scope="module")
 def vit_from_scratch(tmp_path_factory) -> Path:
-    """configs/mnist_vit.yaml shortened to 1,000 steps (its cosine schedule with them), trained once."""
+    """configs/mnist_vit.yaml shortened to 1,000 steps (its cosine schedule with them), evaluated every 250, trained
+    once."""
     from kilolayer.cli import main
 
     run = tmp_path_factory.mktemp("mnist") / "scratch"
-    assert main(["train", str(ROOT / "configs" / "mnist_vit.yaml"), "--out", str(run), *_short(1000, 1000)]) == 0
+    assert main(["train", str(ROOT / "configs" / "mnist_vit.yaml"), "--out", str(run), *_short(1000, 250)]) == 0
     return run
 
 
 @pytest.mark.slow
 @needs_mnist
 def test_vit_learns_mnist_from_scratch(vit_from_scratch):
-    """The shipped ViT passes 0.95 validation accuracy in 1,000 steps of 64 images (about a minute here)."""
+    """The shipped ViT passes 0.95 validation accuracy in 1,000 steps of 64 images (measured 0.957)."""
     fresh = final_eval(vit_from_scratch)
     assert fresh["step"] == 1000 and fresh["accuracy"] >= 0.95, fresh
 
@@ -581,14 +595,18 @@ def test_vit_learns_mnist_from_scratch(vit_from_scratch):
 @pytest.mark.slow
 @needs_mnist
 def test_mae_pretraining_lowers_the_fine_tuning_loss(tmp_path, vit_from_scratch):
-    """300 steps of MAE pre-training (configs/mnist_mae.yaml), then the same ViT schedule from its encoder: a
-    lower validation loss than from scratch."""
+    """300 steps of MAE pre-training (configs/mnist_mae.yaml), then the same 1,000-step ViT schedule from its
+    encoder: after the same first 250 steps, a validation loss below 0.85 x that from scratch (measured 0.67 x;
+    0.78 x at step 1,000)."""
     from kilolayer.cli import main
+    from kilolayer.train.run import Halted, train
 
     mae, ft = tmp_path / "mae", tmp_path / "ft"
     assert main(["train", str(ROOT / "configs" / "mnist_mae.yaml"), "--out", str(mae), *_short(300, 300)]) == 0
-    vit = [*_short(1000, 1000), "--set", f"train.init_from={mae}"]
-    assert main(["train", str(ROOT / "configs" / "mnist_vit.yaml"), "--out", str(ft), *vit]) == 0
-    tuned, fresh = final_eval(ft), final_eval(vit_from_scratch)
-    assert tuned["step"] == fresh["step"] == 1000
+    sets = [*_sets(1000, 250), f"train.init_from={mae}"]
+    with pytest.raises(Halted):  # the comparison is at step 250: the run stops there
+        train(ROOT / "configs" / "mnist_vit.yaml", ft, sets=sets, quiet=True, on_eval=lambda step, _: "compared")
+    tuned = final_eval(ft)
+    fresh = next(r for r in _evals(vit_from_scratch) if r["step"] == tuned["step"])
+    assert tuned["step"] == 250
     assert tuned["loss"] < 0.85 * fresh["loss"], (tuned, fresh)
