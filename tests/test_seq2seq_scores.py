@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import sacrebleu
 import torch
-from helpers import cli
 from objective_helpers import TINY_IMAGE
 from torch import nn
 
+from kilolayer.cli import main
 from kilolayer.config import load_config
 from kilolayer.data import load_source
 from kilolayer.data import parallel as P
@@ -265,21 +265,22 @@ def test_scoring_bad_input_is_one_line(trained_run, tmp_path):
         score_run(tmp_path, device="cpu")
 
 
-@pytest.mark.integration
-def test_cli_evaluate_writes_the_scores_and_refuses_a_missing_split(trained_run, tmp_path):
+def test_cli_evaluate_writes_the_scores_and_refuses_a_missing_split(trained_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained_run(RUN), run)
-    p = cli("evaluate", run, "--device", "cpu")
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("validation (20 samples, step_00000006): loss ")
-    assert "| copy: bleu " in p.stdout and "| shuffle: bleu " in p.stdout
+    assert main(["evaluate", str(run), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("validation (20 samples, step_00000006): loss ")
+    assert "| copy: bleu " in out and "| shuffle: bleu " in out
     assert json.loads((run / "scores_validation.json").read_text())["metrics"].keys() >= SCORES
-    p = cli("evaluate", run, "--split", "test")
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert main(["evaluate", str(run), "--split", "test"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
     assert lines[0].startswith("kilolayer: error: --split test: data.name='synthetic' has no test split")
-    p = cli("evaluate", run, "--split", "dev")
-    assert p.returncode == 2 and "invalid choice: 'dev'" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as stopped:
+        main(["evaluate", str(run), "--split", "dev"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "invalid choice: 'dev'" in err and len(err.strip().splitlines()) == 1, err
 
 
 def _de_en_extracted() -> bool:
