@@ -293,6 +293,17 @@ def test_bad_options_are_one_line_with_exit_code_2(root, options, phrase):
     assert err.value.exit_code == 2
 
 
+def test_sizes_prints_the_table_of_a_config_and_refuses_another_source(root, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "multi.yaml"
+    path.write_text(yaml.safe_dump(config(root).model_dump(mode="json")))
+    assert debian.main(["sizes", str(path)]) == 0
+    assert "| source \\ target | `en` | `de` | `fr` |" in capsys.readouterr().out
+    assert debian.main(["sizes", str(path), "--set", "data.name=de_en"]) == 2
+    assert "sizes reads a 'lo_multi' config" in capsys.readouterr().err
+
+
 def test_fetch_names_the_packages_of_the_languages_after_the_colon():
     sources = debian.fetchable()
     assert debian.packages_of("lo_multi:de,zh-cn", sources) == {
