@@ -7,6 +7,8 @@ layout is defined once::
       train.lock            the training process's lock (fcntl.flock; its PID and host inside)
       status.json           status: running | completed | diverged | failed | interrupted, step, reason, ...
       config.yaml           the resolved config the run trains with now
+      tokenizer.json        a model of text: its data's codec (kilolayer.data.codec; with the tokenizer's
+                            own tokenizer.bpe.json or tokenizer/), so that it is used without its data
       resume.json           one entry per --resume: step, time, changed train.* keys (old -> new)
       metrics.jsonl         one JSON object per line: step, split (train | eval | diagnostics), loss, ...
       baselines.json        seq2seq: the scores of predictors that do not translate on the pairs the
@@ -61,6 +63,9 @@ BASELINES = "baselines.json"
 ANALYSIS = "analysis"
 STAMP = "stamp.json"
 ANALYSIS_ERROR = "error.txt"
+# the data's codec (kilolayer.data.codec: tokenizer.json and the tokenizer's own file or folder), kept so that
+# the trained model reads and writes text without its data
+CODEC_FILES = ("tokenizer.json", "tokenizer.bpe.json", "tokenizer")
 SCORED_SPLITS = ("validation", "test")  # the splits kilolayer evaluate scores a run on
 
 
@@ -105,6 +110,7 @@ OWN_ENTRIES = (
     "tensorboard",
     "samples",
     ANALYSIS,
+    *CODEC_FILES,
 )
 
 STATUSES = ("running", "completed", "diverged", "failed", "interrupted")

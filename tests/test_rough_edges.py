@@ -206,3 +206,52 @@ def test_a_study_groups_base_config_resolves_every_path_from_its_own_folder(tmp_
     }
     assert from_file.config.train.init_from == str(tmp_path / "runs/pretrained")
     assert inline.config.data.path == str(tmp_path / "study" / "corpus.txt")
+
+
+def test_a_byte_level_run_loads_generates_and_exports_once_its_data_file_is_gone(tmp_path, capsys):
+    import kilolayer
+
+    cfg = project(tmp_path / "project")
+    run = tmp_path / "run"
+    assert train(str(cfg), run, quiet=True)["status"] == "completed"
+    before = kilolayer.load(run).generate_ids([104, 105], max_new_tokens=4)
+    (tmp_path / "project" / "corpus.txt").unlink()
+    trained = kilolayer.load(run)
+    assert trained.step == 2 and trained.encode("hi") == [104, 105]
+    assert trained.generate_ids([104, 105], max_new_tokens=4) == before  # the same weights, without the data
+    assert main(["generate", str(run), "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
+    assert kilolayer.load(tmp_path / "export").generate_ids([104, 105], max_new_tokens=4) == before
+    capsys.readouterr()
+    # a run that keeps no tokenizer.json needs its data for its vocabulary: one line naming the missing file
+    (run / "tokenizer.json").unlink()
+    assert main(["generate", str(run), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "corpus.txt: no such file" in err and "needs the run's data for its vocabulary" in err and "\n" not in err
+
+
+def test_a_device_this_machine_lacks_is_one_line_in_every_command(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = project(tmp_path / "project")
+    run = tmp_path / "run"
+    train(str(cfg), run, quiet=True)
+    commands = [
+        ["generate", str(run), "--prompt", "hi"],
+        ["evaluate", str(run)],
+        ["analyze", "smoothness", "--run", str(run), "--out", str(tmp_path / "a")],
+        ["doctor", str(cfg), "--forecast"],
+        ["doctor", str(run)],
+    ]
+    for command in commands:
+        for device, said in [("cuda", "no CUDA device is available here"), ("tpu", "not a torch device")]:
+            if device == "tpu" and command[0] in ("generate", "evaluate"):
+                continue  # these two take a choice: argparse refuses anything else
+            assert main([*command, "--device", device]) == 2, command
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"kilolayer: error: --device {device}: {said}") and "\n" not in err, err
+    with pytest.raises(ConfigError, match=r"^device cuda: no CUDA device"):
+        import kilolayer
+
+        kilolayer.load(run, device="cuda")

@@ -47,6 +47,9 @@ def cmd_smoothness(args) -> int:
         return 0
     if args.samples < 1 or args.batch_size < 1:
         raise InputError(f"--samples {args.samples} / --batch-size {args.batch_size}: must be positive")
+    from kilolayer.train.device import resolve_device
+
+    args.device = resolve_device(args.device)
     if args.hf:
         from kilolayer.analysis.hf import smoothness_of_hf
 
@@ -165,7 +168,7 @@ def register(subparsers) -> None:
         help="x axis: layer index, or depth / L (auto: relative when depths differ)",
     )
     s.add_argument("--name", help="the name in legends and smoothness.json (default: the directory's name)")
-    s.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     s.add_argument("--svg", action="store_true", help="also write SVG")
     s.add_argument("--out", required=True, metavar="DIR", help="output directory")
     s.set_defaults(func=cmd_smoothness)

@@ -20,11 +20,9 @@ def cmd_doctor(args) -> int:
     target = Path(args.target)
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: must be at least 1")
-    if args.device.startswith("cuda"):
-        import torch
+    from kilolayer.train.device import resolve_device
 
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {args.device}: no CUDA device is available here; use --device cpu")
+    args.device = resolve_device(args.device)
     if args.forecast:
         from kilolayer.config import load_config
         from kilolayer.doctor.forecast import forecast
@@ -86,6 +84,6 @@ def register(subparsers) -> None:
         default=128,
         help="samples for token similarity when the run has no smoothness analysis (0 = skip)",
     )
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     p.set_defaults(func=cmd_doctor)

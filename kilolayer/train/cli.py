@@ -35,9 +35,11 @@ def cmd_train(args) -> int:
 
 def cmd_evaluate(args) -> int:
     from kilolayer.rundir import scores_name
+    from kilolayer.train.device import resolve_device
     from kilolayer.train.logging import eval_line
     from kilolayer.train.score import score_run
 
+    resolve_device(args.device)
     record = score_run(args.run, args.split, args.device)
     what = f"{record['split']} ({record['samples']} samples, {record['checkpoint']})"
     print(eval_line(what, record["metrics"], record.get("baselines", {})))
@@ -51,6 +53,7 @@ def cmd_evaluate(args) -> int:
 
 def cmd_generate(args) -> int:
     from kilolayer.objectives.decoding import Decoding
+    from kilolayer.train.device import resolve_device
     from kilolayer.train.trained import load
 
     decoding = Decoding(
@@ -62,7 +65,7 @@ def cmd_generate(args) -> int:
         length_penalty=args.length_penalty,
         seed=args.seed,
     )
-    trained = load(args.run, device=_device(args.device))
+    trained = load(args.run, device=resolve_device(args.device))
     print(trained.generate(args.prompt, decoding))
     return 0
 
@@ -72,12 +75,6 @@ def cmd_export(args) -> int:
 
     print(f"wrote {export(args.run, args.out)}")
     return 0
-
-
-def _device(choice: str) -> str:
-    import torch
-
-    return ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice
 
 
 def add_threads_option(p, whose: str = "") -> None:

@@ -48,6 +48,7 @@ import torch
 
 from kilolayer import rundir
 from kilolayer.config import Config, config_changes, dump_yaml, load_config
+from kilolayer.data.text import codec_for
 from kilolayer.errors import ConfigError, DivergedError, KilolayerError
 from kilolayer.files import write_atomic
 from kilolayer.train import checkpoint as ckpt
@@ -225,6 +226,9 @@ class Run:
                 self.life.running(self.start_step, resumed_from=latest.name)
             self.started = True
             write_atomic(self.out / rundir.CONFIG, dump_yaml(self.config))
+            codec = codec_for(self.config, self.engine.source)
+            if codec is not None:  # kilolayer.load reads the model's text with it once the data is gone
+                codec.save(self.out)
             if self.resume:
                 rundir.record_resume(self.out, self.start_step, config_changes(previous, self.config))
         self.started = True

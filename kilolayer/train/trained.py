@@ -16,13 +16,15 @@ from safetensors.torch import save_file
 
 from kilolayer import rundir
 from kilolayer.config import Config, dump_yaml, load_config
+from kilolayer.data import load_source
 from kilolayer.data.codec import Codec, read_codec
 from kilolayer.data.text import codec_for
 from kilolayer.errors import ConfigError, InputError
 from kilolayer.files import atomic_folder
 from kilolayer.objectives import OBJECTIVES, Task, build_task
 from kilolayer.objectives.decoding import Decoding
-from kilolayer.train.checkpoint import _write_error, check_fits, load_weights, open_run
+from kilolayer.train.checkpoint import _write_error, check_fits, load_run_weights, load_weights, standing_checkpoint
+from kilolayer.train.device import resolve_device
 
 WEIGHTS = "model.safetensors"
 
@@ -130,7 +132,9 @@ class Trained:
 
 def load(path: str | Path, device: str = "cpu", checkpoint: str | Path | None = None) -> Trained:
     """The trained model in ``path``: a run directory (its standing checkpoint, or ``checkpoint``) or a folder
-    written by :func:`export`; in eval mode on ``device``."""
+    written by :func:`export`; in eval mode on ``device`` (``auto``: cuda where available). A run whose data is
+    gone loads from what its directory keeps (see :func:`_without_data`)."""
+    device = resolve_device(device, "device")
     path = Path(path)
     if (path / WEIGHTS).is_file() and (path / rundir.CONFIG).is_file():
         config = load_config(path / rundir.CONFIG)
@@ -139,8 +143,30 @@ def load(path: str | Path, device: str = "cpu", checkpoint: str | Path | None = 
         return Trained(config, task.to(device).eval(), read_codec(path), path)
     if not (path / rundir.CONFIG).is_file():
         raise InputError(f"{path}: neither a kilolayer run directory nor an export (no config.yaml)")
-    config, source, task, step = open_run(path, device, checkpoint)
-    return Trained(config, task, codec_for(config, source), path, step)
+    config = load_config(path / rundir.CONFIG)
+    ckpt = standing_checkpoint(path, checkpoint, config.train.patience)
+    try:
+        source = load_source(config)
+    except InputError as missing:  # the data is gone or unreadable: what the run directory keeps is used
+        task, codec = _without_data(path, config, missing)
+    else:
+        task, codec = build_task(config, source), codec_for(config, source)  # heads sized by the data
+    step = load_run_weights(path, task, ckpt)
+    return Trained(config, task.to(device).eval(), codec, path, step)
+
+
+def _without_data(path: Path, config: Config, missing: InputError) -> tuple[Task, Codec | None]:
+    """The task and codec of the run in ``path`` from what its directory keeps, its data being unreadable
+    (``missing``): the config sizes the heads, tokenizer.json is the codec. One line naming the missing file
+    where the run needs its data still (a head only the data sizes, a run that keeps no tokenizer.json)."""
+    try:
+        task = build_task(config, None)
+    except ConfigError as err:
+        raise InputError(f"{missing}; {path} needs the run's data to size its heads ({err})") from None
+    codec = read_codec(path)
+    if codec is None and config.model.input == "tokens":
+        raise InputError(f"{missing}; {path} needs the run's data for its vocabulary (it keeps no tokenizer.json)")
+    return task, codec
 
 
 def export(path: str | Path, out: str | Path, checkpoint: str | Path | None = None) -> Path:
