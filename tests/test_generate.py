@@ -12,9 +12,11 @@ from objective_helpers import WHOLE_TASKS, tiny_lm
 
 import kilolayer
 from kilolayer.cli import main
+from kilolayer.errors import ConfigError
 from kilolayer.objectives.decoding import Decoding
 from kilolayer.rundir import chosen_checkpoint
 from kilolayer.train.checkpoint import read_weights
+from tests.helpers import ROOT
 
 LM = tiny_lm(steps=20, batch_size=8, lr=3e-3, log_every=10, eval_every=20, checkpoint_every=20)
 REVERSE = {
@@ -158,6 +160,7 @@ def test_generate_prints_what_the_library_writes(reverse, lm, capsys):
         (["generate", "{lm}", "--prompt", "", "--max-new-tokens", "3"], "prompt"),
         (["generate", "{reverse}", "--prompt", "3 1 x"], "prompt: 'x'"),
         (["generate", "{reverse}", "--prompt", "3 1", "--temperature", "0.5"], "temperature"),
+        (["generate", "{lm}", "--prompt", "x", "--temperature", "inf"], "temperature=inf: expected a finite number"),
         (["export", "{lm}", "--out", "{lm}"], "--out"),
     ],
 )
@@ -205,3 +208,43 @@ def test_every_codec_reads_back_from_an_export_folder(tmp_path):
         assert loaded.encode(text) == codec.encode(text) == ids
         assert loaded.decode(ids + [codec.eos, ids[0]]) == codec.decode(ids) == back
         assert loaded.specials() == codec.specials()
+
+
+def test_a_model_of_data_with_no_text_vocabulary_asks_for_token_ids(tmp_path, monkeypatch, capsys):
+    # the example plug-in's source: random ids below 16, no tokenizer of its own and too few ids for bytes
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "plugin"))
+    from kilolayer_example_plugin.source import repeat
+
+    from kilolayer.data import SOURCES
+    from kilolayer.train.run import train
+
+    config = {
+        "model": {"arch": "decoder", "layers": 1, "width": 16, "heads": 2, "ffn": 32, "vocab_size": 16, "max_len": 16},
+        "objective": {"name": "causal_lm"},
+        "data": {"name": "repeat_ids", "options": {"half": 4, "train_size": 32, "eval_size": 8}},
+        "train": {"steps": 1, "batch_size": 4, "eval_batches": 1},
+    }
+    with SOURCES.added("repeat_ids", repeat):
+        train(config, tmp_path / "run", quiet=True)
+        assert main(["generate", str(tmp_path / "run"), "--prompt", "3 1 4"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "this data has no text vocabulary" in err and "generate_ids" in err
+        out = kilolayer.load(tmp_path / "run").generate_ids([3, 1, 4], max_new_tokens=5)
+        assert len(out) == 5 and all(0 <= i < 16 for i in out)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"temperature": float("inf")}, r"^temperature=inf: expected a finite number"),
+        ({"top_p": float("nan")}, r"^top_p=nan: expected a finite number"),
+        ({"beams": "4"}, r"^beams='4': expected an int"),
+        ({"max_new_tokens": 2.5}, r"^max_new_tokens=2.5: expected an int"),
+        ({"seed": True}, r"^seed=True: expected an int"),
+        ({"max_tokens": 5}, r"^max_tokens: not a decoding setting; did you mean max_new_tokens\?"),
+    ],
+)
+def test_a_bad_decoding_setting_is_one_line_naming_it(settings, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        Decoding.of(settings)
+    assert "\n" not in str(e.value)

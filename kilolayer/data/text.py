@@ -99,12 +99,17 @@ def tokenizer_for(config: Config):
 
 def codec_for(config: Config, source) -> Codec | None:
     """The codec (text to ids and back) of ``config``'s data: a sequence-to-sequence ``source``'s own, else, for
-    a model reading tokens, its tokenizer's (:func:`tokenizer_for`); None for a model of images."""
+    a model reading tokens, its tokenizer's (:func:`tokenizer_for`); None for a model of images, and for token
+    data with no text vocabulary (a source without a codec or tokenizer of its own whose model's vocabulary is too
+    small for byte tokens, e.g. symbols drawn at random: its ids are not the bytes of any text)."""
     if hasattr(source, "codec"):
         return source.codec()
     if config.model.input != "tokens":
         return None
-    return tokenizer_for(config).codec()
+    tok = tokenizer_for(config)
+    if tok.name == "bytes" and config.model.vocab_size < tok.vocab_size:
+        return None
+    return tok.codec()
 
 
 def check_vocab(size: int, tok, field: str = "model.vocab_size") -> None:

@@ -8,6 +8,9 @@ hypotheses are ranked by log-probability / length ** ``length_penalty`` (0 = the
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +32,30 @@ class Decoding:
     length_penalty: float = 1.0
     seed: int | None = None
 
+    @classmethod
+    def of(cls, settings: dict) -> Decoding:
+        """A decoding from keyword ``settings``; one line naming a keyword that is not a field (and the nearest
+        one) rather than Python's TypeError."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        for key in settings:
+            if key not in fields:
+                near = difflib.get_close_matches(key, fields, n=1)
+                hint = f"; did you mean {near[0]}?" if near else ""
+                raise ConfigError(f"{key}: not a decoding setting{hint} (allowed: {', '.join(fields)})")
+        return cls(**settings)
+
     def __post_init__(self):
+        kinds = {"max_new_tokens": int, "top_k": int, "beams": int, "seed": int}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            wanted = kinds.get(f.name, float)
+            ok = not isinstance(value, bool) and isinstance(value, (int,) if wanted is int else (int, float))
+            if not ok:
+                raise ConfigError(f"{f.name}={value!r}: expected {'an int' if wanted is int else 'a number'}")
+            if wanted is float and not math.isfinite(value):
+                raise ConfigError(f"{f.name}={value!r}: expected a finite number")
         checks = (
             ("max_new_tokens", self.max_new_tokens is None or self.max_new_tokens >= 1, "at least 1"),
             ("temperature", self.temperature is None or self.temperature >= 0, "0 (greedy) or more"),

@@ -53,7 +53,13 @@ class Trained:
 
     def _codec(self) -> Codec:
         if self.codec is None:
-            raise ConfigError(f"data.name={self.config.data.name!r}: the model reads images; it has no tokenizer")
+            name = self.config.data.name
+            if self.config.model.input != "tokens":
+                raise ConfigError(f"data.name={name!r}: the model reads images; it has no tokenizer")
+            raise ConfigError(
+                f"data.name={name!r}: this data has no text vocabulary, so a prompt cannot be read as text; give "
+                "token ids in Python: kilolayer.load(RUN).generate_ids([id, ...])"
+            )
         return self.codec
 
     def encode(self, text: str) -> list[int]:
@@ -67,7 +73,7 @@ class Trained:
     def generate_ids(self, prompt: list[int], decoding: Decoding | None = None, **settings) -> list[int]:
         """The ids the model writes for the ids ``prompt``: a causal LM's continuation, a seq2seq model's output
         (without BOS or EOS). ``settings`` are :class:`~kilolayer.objectives.decoding.Decoding`'s fields."""
-        decoding = decoding or Decoding(**settings)
+        decoding = decoding or Decoding.of(settings)
         objective = self._generating()
         codec = self.codec
         specials = {"eos": codec.eos if codec else None}
@@ -80,7 +86,7 @@ class Trained:
         ``temperature``, ``top_k``, ``top_p``, ``seed`` (a causal LM samples; greedy by default), ``beams``,
         ``length_penalty`` (seq2seq: beam search; greedy by default); see
         :class:`~kilolayer.objectives.decoding.Decoding`."""
-        decoding = decoding or Decoding(**settings)
+        decoding = decoding or Decoding.of(settings)
         self._generating()
         return self.decode(self.generate_ids(self.encode(prompt), decoding))
 
