@@ -92,6 +92,23 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
     _fsync_folder(path.parent)
 
 
+def umask() -> int:
+    """The process's umask (read without changing it where /proc tells it)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def plain_mode(path: str | Path) -> None:
+    """Give the file ``path`` the mode a plain ``open`` would have: for writers that create their files
+    private (safetensors writes 0600), so that every file of a run or an export reads alike."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` atomically: readers see the old file or the new one."""
     with atomic_path(path) as tmp:

@@ -255,3 +255,22 @@ def test_a_device_this_machine_lacks_is_one_line_in_every_command(tmp_path, caps
         import kilolayer
 
         kilolayer.load(run, device="cuda")
+
+
+def test_weights_in_checkpoints_and_exports_have_the_mode_of_the_other_files(tmp_path):
+    import os
+    import stat
+
+    from kilolayer.train.trained import export
+
+    cfg = project(tmp_path / "project")
+    run = tmp_path / "run"
+    train(str(cfg), run, quiet=True)
+    export(run, tmp_path / "export")
+    mask = os.umask(0)
+    os.umask(mask)
+    plain = 0o666 & ~mask  # a plain open's mode
+    for folder in [*sorted((run / "checkpoints").iterdir()), tmp_path / "export"]:
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir() if f.is_file()}
+        assert modes["model.safetensors"] == modes["config.yaml" if "config.yaml" in modes else "state.json"], modes
+        assert set(modes.values()) == {plain}, modes

@@ -32,7 +32,7 @@ from kilolayer import rundir
 from kilolayer.config import load_config
 from kilolayer.data import load_source
 from kilolayer.errors import InputError
-from kilolayer.files import atomic_folder
+from kilolayer.files import atomic_folder, plain_mode
 from kilolayer.objectives import build_task
 
 # the checkpoint listing lives in kilolayer.rundir; re-exported for the trainer and tests that import it here
@@ -101,14 +101,14 @@ def save_checkpoint(
         with atomic_folder(final) as tmp:
             try:
                 target = tmp / "model.safetensors"
-                save_file({k: v.contiguous() for k, v in model.items()}, str(target))
+                save_weights(model, target)
                 target = tmp / "optimizer.pt"
                 _torch_save(optimizer, target)
                 target = tmp / "rng.pt"
                 _torch_save(rng, target)
                 if extra:
                     target = tmp / "extra.safetensors"
-                    save_file({k: v.contiguous() for k, v in extra.items()}, str(target))
+                    save_weights(extra, target)
                 target = tmp / "state.json"
                 _write_json(target, state)
                 target = tmp / rundir.MANIFEST
@@ -223,6 +223,12 @@ def load_run_weights(
     ckpt = standing_checkpoint(run_dir, checkpoint, on_damaged=on_damaged)
     load_weights(ckpt / "model.safetensors", task)
     return rundir.checkpoint_step(ckpt)
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write ``tensors`` to the safetensors file ``path`` with the mode of the run's other files."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    plain_mode(path)
 
 
 def load_weights(path: str | Path, task: torch.nn.Module) -> None:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from kilolayer import rundir
 from kilolayer.config import Config, dump_yaml, load_config
@@ -23,7 +22,14 @@ from kilolayer.errors import ConfigError, InputError
 from kilolayer.files import atomic_folder
 from kilolayer.objectives import OBJECTIVES, Task, build_task
 from kilolayer.objectives.decoding import Decoding
-from kilolayer.train.checkpoint import _write_error, check_fits, load_run_weights, load_weights, standing_checkpoint
+from kilolayer.train.checkpoint import (
+    _write_error,
+    check_fits,
+    load_run_weights,
+    load_weights,
+    save_weights,
+    standing_checkpoint,
+)
 from kilolayer.train.device import resolve_device
 
 WEIGHTS = "model.safetensors"
@@ -127,7 +133,7 @@ class Trained:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             with atomic_folder(out) as tmp:
-                save_file(weights, str(tmp / WEIGHTS))
+                save_weights(weights, tmp / WEIGHTS)
                 (tmp / rundir.CONFIG).write_text(dump_yaml(config))
                 if self.codec is not None:
                     self.codec.save(tmp)
