@@ -274,3 +274,16 @@ def test_weights_in_checkpoints_and_exports_have_the_mode_of_the_other_files(tmp
         modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir() if f.is_file()}
         assert modes["model.safetensors"] == modes["config.yaml" if "config.yaml" in modes else "state.json"], modes
         assert set(modes.values()) == {plain}, modes
+
+
+def test_a_study_set_on_a_grid_key_is_refused_and_nothing_is_written(tmp_path, capsys):
+    spec = tmp_path / "spec.yaml"
+    group = {"name": "shapes", "base": {**TINY, "data": {"name": "text_bytes", "path": "corpus.txt"}}}
+    grid = {"model.width": [16, 32], "model.layers, model.heads": [[1, 2], [2, 2]]}
+    spec.write_text(yaml.safe_dump({"name": "s", "groups": [{**group, "grid": grid}]}))
+    out = tmp_path / "out"
+    for key in ("model.width", "model.heads"):
+        assert main(["study", str(spec), "--out", str(out), "--set", f"{key}=64"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"kilolayer: error: {key} is a grid key of group shapes; --set applies to every group's base"
+    assert not out.exists()

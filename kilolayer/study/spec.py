@@ -367,4 +367,11 @@ def _resolve_base(group: dict, index: int, root: Path | None, sets: list[str]) -
         own = group.get("set") or {}
         if not isinstance(own, dict):
             raise ConfigError(f"{where}.set: expected a mapping of dotted keys to values")
-        group["set"] = {**own, **{".".join(path): value for path, value in map(parse_set, sets)}}
+        given = {".".join(path): value for path, value in map(parse_set, sets)}
+        grid = group.get("grid") if isinstance(group.get("grid"), dict) else {}
+        varied = {k.strip() for key in grid for k in str(key).split(",")}
+        for key in given:
+            if key in varied:  # the grid would override it at every point: refused rather than ignored
+                name = group["name"] if isinstance(group.get("name"), str) else where
+                raise ConfigError(f"{key} is a grid key of group {name}; --set applies to every group's base")
+        group["set"] = {**own, **given}
