@@ -231,6 +231,14 @@ def test_the_tag_decides_the_output_language_an_oracle_that_reads_it_scores_100(
     assert "neither" not in averages and averages["all"]["bleu"] == pytest.approx(100)
 
 
+def test_a_nearest_search_among_some_texts_answers_with_one_of_them():
+    from kilolayer.objectives.baselines import nearest
+
+    corpus = ["red box", "green box", "blue ball", "red ball"]
+    assert nearest(corpus, ["red ball", "green box"]) == [3, 1]
+    assert nearest(corpus, ["red ball", "green box"], among=[1, 2]) == [2, 1]
+
+
 def test_bleu_tokenizer_per_target_language_and_chrf_alone_without_one(monkeypatch):
     assert D.bleu_tokenizer("zh-cn") == D.bleu_tokenizer("zh-tw") == "zh"
     assert D.bleu_tokenizer("de") == "13a" and D.bleu_tokenizer("km") is None

@@ -41,6 +41,7 @@ import json
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -295,13 +296,17 @@ def fingerprint(root: Path, langs: list[str], opts: LOMultiOptions, versions: di
 
 @lru_cache(maxsize=4)
 def load_corpus(root: str, langs: tuple[str, ...], opts_json: str) -> tuple[str, dict, dict]:
-    """(cache key, corpus, record) of ``langs`` under ``root``; built once and cached (:func:`build_corpus`)."""
+    """(cache key, corpus, record) of ``langs`` under ``root``; built once and cached (:func:`build_corpus`), the
+    record (package versions and counts) beside it as ``<key>.json``."""
     opts = LOMultiOptions.model_validate_json(opts_json)
     rootp, langs = Path(root), list(langs)
     versions = package_versions(rootp, check_packages(rootp, langs))
     key = f"{NAME}-{fingerprint(rootp, langs, opts, versions)}"
     corpus = cached(key, lambda: build_corpus(rootp, langs, opts), CORPUS_ENTRY, _checker(len(langs)))
     record = {**corpus["stats"], "data": NAME, "root": str(rootp), "packages": versions, "languages": langs}
+    stats_path = cache_dir() / f"{key}.json"
+    if not stats_path.is_file():
+        P._write_cached(stats_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return key, corpus, record
 
 
@@ -438,6 +443,13 @@ class DirectionView(Seq2SeqSource):
     def train_pairs(self):
         return [self.corpus.pair("train", self.d, r) for r in self.corpus.rows["train"][self.d]]
 
+    def nearest_pool(self) -> tuple[list[str], list[int], Callable[[int], list[int]]]:
+        """What the nearest-neighbour baseline searches: every training text of the source language (one fit shared
+        by the directions out of it), answers among this direction's rows, and a row's target ids."""
+        s, t = (self.corpus.index[lang] for lang in self.corpus.directions[self.d])
+        rows = self.corpus.encoded["train"]
+        return self.corpus.train_texts(s), self.corpus.rows["train"][self.d], lambda r: rows[r][t]
+
     def detokenize(self, ids) -> str:
         return self.corpus.detokenize(ids)
 
@@ -451,6 +463,7 @@ class MultiCorpus(P.ParallelCorpus):
         self.encoded, self.tokenizer, self.eval_split = encoded, tokenizer, eval_split
         self.vocab_size = tokenizer.get_vocab_size()
         self.index = {lang: i for i, lang in enumerate(langs)}
+        self._texts: dict[int, list[str]] = {}
         self.tags = [tokenizer.token_to_id(tag(lang)) for lang in langs]
         # rows[split][d]: the rows of direction d (position in self.directions)
         self.rows = {split: [rows[split][d] for d in self.directions] for split in SPLITS}
@@ -520,6 +533,13 @@ class MultiCorpus(P.ParallelCorpus):
 
     def direction(self, d: int) -> DirectionView:
         return DirectionView(self, d)
+
+    def train_texts(self, lang: int) -> list[str]:
+        """Each training row's text in language ``lang`` (position in :attr:`languages`) as decoded from its ids
+        ("" where it has none)."""
+        if lang not in self._texts:
+            self._texts[lang] = [self.detokenize(ids[lang]) if ids[lang] else "" for ids in self.encoded["train"]]
+        return self._texts[lang]
 
     def codec(self):
         return TokenizerCodec(self.tokenizer, bos=P.BOS, eos=P.EOS, pad=P.PAD, last_special=P.EOS)

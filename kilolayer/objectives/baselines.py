@@ -54,10 +54,18 @@ def shuffle_hypotheses(source: Seq2SeqSource, pairs: Pairs) -> list[list[int]]:
 
 
 def nearest_hypotheses(source: Seq2SeqSource, pairs: Pairs) -> list[list[int]]:
+    queries = [source.detokenize(s) for s, _ in pairs]
+    # a source may search a larger pool of texts, its answers limited to some of them (a many-to-many direction
+    # searches every training text of its source language, answering with its own pairs): its directions then
+    # share one fit
+    pool = getattr(source, "nearest_pool", lambda: None)()
+    if pool is not None:
+        texts, among, target = pool
+        return [list(target(j)) for j in nearest(texts, queries, among)]
     train = source.train_pairs()
     if not train:
         raise ValueError(f"{type(source).__name__}: the nearest-neighbour baseline needs a training split")
-    chosen = nearest([source.detokenize(s) for s, _ in train], [source.detokenize(s) for s, _ in pairs])
+    chosen = nearest([source.detokenize(s) for s, _ in train], queries)
     return [list(train[j][1]) for j in chosen]
 
 
@@ -68,20 +76,37 @@ HYPOTHESES: dict[str, Callable[[Seq2SeqSource, Pairs], list[list[int]]]] = {
 }
 
 
-def nearest(corpus: list[str], queries: list[str]) -> list[int]:
+_FITTED: dict[str, tuple] = {}  # the last corpus's vectorizer and matrix, while searches of that corpus follow
+
+
+def _fitted(corpus: list[str]) -> tuple:
+    """(vectorizer, corpus matrix transposed) of ``corpus``, kept for the next search of the same corpus."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    key = hashlib.sha256(repr((RECIPE, corpus)).encode()).hexdigest()
+    if key not in _FITTED:
+        _FITTED.clear()
+        vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=NGRAMS, dtype=np.float32)
+        _FITTED[key] = (vectorizer, vectorizer.fit_transform(corpus).T.tocsr())
+    return _FITTED[key]
+
+
+def nearest(corpus: list[str], queries: list[str], among: list[int] | None = None) -> list[int]:
     """For each query, the index of the text of ``corpus`` nearest to it by character n-gram TF-IDF cosine (the
-    first of equals), cached."""
+    first of equals), cached; ``among``: the indices an answer may take (default: all of them)."""
 
     def search() -> dict:
-        from sklearn.feature_extraction.text import TfidfVectorizer
-
-        vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=NGRAMS, dtype=np.float32)
-        known = vectorizer.fit_transform(corpus).T.tocsr()
+        vectorizer, known = _fitted(corpus)
+        if among is not None:
+            known = known[:, among]
         asked = vectorizer.transform(queries)
         found = [
             np.asarray((asked[i : i + CHUNK] @ known).argmax(axis=1)).ravel() for i in range(0, len(queries), CHUNK)
         ]
-        return {"index": torch.as_tensor(np.concatenate(found) if found else np.zeros(0), dtype=torch.int64)}
+        index = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        if among is not None:
+            index = np.asarray(among, dtype=np.int64)[index]
+        return {"index": torch.as_tensor(index, dtype=torch.int64)}
 
     def check(data: dict) -> None:
         index = data["index"]
@@ -92,7 +117,8 @@ def nearest(corpus: list[str], queries: list[str]) -> list[int]:
                 f"'index' does not hold one position in [0, {len(corpus)}) per each of {len(queries)} queries"
             )
 
-    key = hashlib.sha256(repr((RECIPE, corpus, queries)).encode()).hexdigest()[:20]
+    searched = (RECIPE, corpus, queries) if among is None else (RECIPE, corpus, queries, among)
+    key = hashlib.sha256(repr(searched).encode()).hexdigest()[:20]
     return cached(f"nearest-{key}", search, {"index": TensorOf((torch.int64,), 1)}, check)["index"].tolist()
 
 
@@ -112,16 +138,19 @@ def baseline_hypotheses(
 ) -> dict[str, list[list[int]]]:
     """``{name: hypothesis ids of each pair}`` of each baseline ``source`` names; given each pair's direction, the
     baselines of the pairs of a direction are those of ``source.direction(d)``."""
-    if directions is None:
-        return {name: HYPOTHESES[name](source, pairs) for name in source.baselines}
-    out = {name: [None] * len(pairs) for name in source.baselines}
-    for d in sorted(set(directions)):
-        at = [i for i, x in enumerate(directions) if x == d]
-        view = source.direction(d)
-        for name in source.baselines:
-            for i, h in zip(at, HYPOTHESES[name](view, [pairs[i] for i in at])):
-                out[name][i] = h
-    return out
+    try:
+        if directions is None:
+            return {name: HYPOTHESES[name](source, pairs) for name in source.baselines}
+        out = {name: [None] * len(pairs) for name in source.baselines}
+        for d in sorted(set(directions)):  # in order, so that the directions out of one language follow each other
+            at = [i for i, x in enumerate(directions) if x == d]
+            view = source.direction(d)
+            for name in source.baselines:
+                for i, h in zip(at, HYPOTHESES[name](view, [pairs[i] for i in at])):
+                    out[name][i] = h
+        return out
+    finally:
+        _FITTED.clear()  # the fit serves one set of baselines, not the rest of the run
 
 
 def baseline_scores(
