@@ -509,7 +509,8 @@ def test_a_killed_search_continues_where_it_stopped(tmp_path):
 def test_the_time_plan_prices_the_pre_screen_and_each_rungs_legs():
     """tiny(): 12 steps, an evaluation every 3, rungs at 3 and 9, the pre-screen replaying 2 steps (below the
     first rung) that the trials continue. Three shapes whose costs are given; the race's later legs are priced as
-    the costliest shape (the one that would go on is not known before)."""
+    the costliest shape (the one that would go on is not known before), and so is the comparison at rung 0's cut
+    (rung 1 and the end have one trial left: nothing to compare)."""
     s = settings()
     config = S.check_settings(tiny(), s)
     assert (S.rung_steps(config, s), S.forecast_steps(config, s), S.starts_from_prescreen(config, s)) == (
@@ -524,7 +525,8 @@ def test_the_time_plan_prices_the_pre_screen_and_each_rungs_legs():
     costliest = costs[1]
     later = costliest.setup + 6 * costliest.step + 2 * costliest.evaluation  # 3 -> 9, evaluations at 6 and 9
     later += costliest.setup + 3 * costliest.step + 1 * costliest.evaluation  # 9 -> 12
-    assert S.estimate_seconds(config, s, costs) == pytest.approx(prescreen + first + later)
+    cut = sum(c.setup + c.evaluation for c in costs[1:])  # rung 0 prunes: two runs, the costliest, compared
+    assert S.estimate_seconds(config, s, costs) == pytest.approx(prescreen + first + later + cut)
 
 
 def test_the_time_plan_makes_the_trials_as_long_as_the_minutes_allow():
@@ -556,11 +558,12 @@ def test_a_search_given_minutes_trains_trials_of_the_planned_length(tmp_path):
 
     search = S.run_search(tiny(), out, s, forecaster=trains, measure=measure, log=lambda _: None)
     plan = search.plan
-    assert measured == [12, 12, 12] and plan.config_steps == 12
-    assert plan.seconds <= 30.0 and (plan.steps, plan.estimate) == S.plan_steps(
+    assert measured == [12, 12, 12, 12] and plan.config_steps == 12  # a warm-up, then each shape
+    assert plan.seconds == 30.0 - plan.probe_seconds and (plan.steps, plan.estimate) == S.plan_steps(
         S.check_settings(tiny(), settings()), s, list(costs.values()), plan.seconds
     )
-    assert plan.steps > 12 and plan.estimate >= 0.97 * plan.seconds
+    assert plan.steps > 12 and 0.97 * plan.seconds <= plan.estimate <= plan.seconds and plan.minutes == 0.5
+    assert plan.total <= 30.0
     assert search.config.train.steps == plan.steps
     for t in search.trials:
         assert load_config(t.run / rundir.CONFIG).train.steps == plan.steps
@@ -571,5 +574,88 @@ def test_a_search_given_minutes_trains_trials_of_the_planned_length(tmp_path):
     # a re-run keeps the plan whatever minutes it is given, and trains nothing again
     s.minutes = 5
     again = S.run_search(tiny(), out, s, forecaster=trains, measure=measure, log=lambda _: None)
-    assert again.plan == plan and measured == [12, 12, 12]
+    assert again.plan == plan and measured == [12, 12, 12, 12]
     assert [(t.state, t.step) for t in again.trials] == [(t.state, t.step) for t in search.trials]
+
+
+class FakeClock:
+    """``time.perf_counter`` plus seconds the test says were spent: work that "takes" minutes, run at once."""
+
+    def __init__(self, monkeypatch):
+        self.offset = 0.0
+        real = S.time.perf_counter
+        monkeypatch.setattr(S.time, "perf_counter", lambda: real() + self.offset)
+
+    def spend(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+def test_a_plan_that_cannot_fit_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "s"
+    forecasts = []
+
+    def forecaster(config):
+        forecasts.append(config)
+        return trains(config)
+
+    slow = S.Cost(2.0, 0.5, 3.0)  # the shortest plan (12 steps, three shapes) is estimated at about 2 minutes
+    s = settings(minutes=0.5)
+    with pytest.raises(ConfigError) as err:
+        S.run_search(tiny(), out, s, forecaster=forecaster, measure=lambda c: slow, log=lambda _: None)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("--minutes 0.5: the shortest plan needs about 1.")
+    assert "a race of all 3 shapes with trials of 12 steps); give more minutes or narrow --depths" in line
+    assert not forecasts and not out.exists()  # nothing forecast, trained or written
+
+    # one depth: nothing to narrow; the command line refuses it with exit 2
+    monkeypatch.setattr(S, "measure_cost", lambda c: slow)
+    base = ["search", "configs/digits_mae.yaml", "--out", str(out), "--params", "28k", "--tolerance", "0.1"]
+    assert main([*base, "--depths", "2..2", "--minutes", "0.1", *[f"--set={x}" for x in TINY]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kilolayer: error: --minutes 0.1: the shortest plan needs about ") and "\n" not in err
+    assert err.endswith("a race of all 1 shape with trials of 12 steps); give more minutes")
+    assert not out.exists()
+
+
+def test_the_minutes_count_the_measurement_and_the_pre_screen(tmp_path, monkeypatch):
+    """Measuring "takes" 10 s a shape and each forecast 100 s (a fake clock): the plan has what is left after the
+    measurement, and the forecasts spend the rest, so the race stops before any trial trains."""
+    clock = FakeClock(monkeypatch)
+    out = tmp_path / "s"
+
+    def measure(config):
+        clock.spend(10.0)
+        return S.Cost(0.01, 0.001, 0.01)
+
+    def forecaster(config):
+        clock.spend(100.0)
+        return trains(config)
+
+    s = settings(minutes=2.0)
+    search = S.run_search(tiny(), out, s, forecaster=forecaster, measure=measure, log=lambda _: None)
+    plan = search.plan
+    assert plan.probe_seconds >= 40.0  # a warm-up and three shapes, and finding them
+    assert plan.seconds == pytest.approx(120.0 - plan.probe_seconds) and plan.total <= 120.0
+    assert "minutes is spent (planning, the pre-screen" in search.stopped_by_budget
+    assert not (out / S.TRIALS).exists() and all(t.step == 0 for t in search.trials)  # nothing trained
+    assert search.seconds_spent() >= 340.0  # and the report counts what was spent before the race
+    assert S.seconds_outside_trials(out, {}) == pytest.approx(search.seconds_spent() - search.compare_seconds)
+    text = write_report(search)[0].read_text()
+    assert "Estimated in all: " in text and " min over the 2 minutes" in text
+
+
+def test_the_warm_up_is_not_charged_to_the_first_shape():
+    """The first measurement in a process pays what is paid once: it is thrown away, on the cheapest shape."""
+    s = settings()
+    config = S.check_settings(tiny(), s)
+    found = S.shapes(config, s.params, s.depths, s.tolerance)
+    calls = []
+
+    def measure(cfg):
+        calls.append(S.shape_name(cfg.model))
+        return S.Cost(10.0, 1.0, 70.0) if len(calls) == 1 else S.Cost(0.1, 0.01, 0.5)
+
+    costs = S.measure_costs(config, found, measure)
+    assert calls[0] == min(found, key=lambda f: f.flops_per_token).name
+    assert calls[1:] == [f.name for f in found]
+    assert list(costs.values()) == [S.Cost(0.1, 0.01, 0.5)] * len(found)

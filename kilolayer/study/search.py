@@ -421,10 +421,12 @@ def first_rung(config: Config, settings: Settings) -> int:
 
 @dataclass
 class Plan:
-    """The trial length chosen to spend ``--minutes``: ``steps`` (train.steps of every trial; evaluations and
-    checkpoints keep their number per trial), from each shape's measured :class:`Cost` (``costs``), with the
-    seconds the pre-screen and race are estimated to take (``estimate``) of those they had (``seconds``: the
-    minutes less ``probe_seconds``, what measuring the costs took)."""
+    """The trial length chosen to spend ``--minutes`` (``minutes``): ``steps`` (train.steps of every trial;
+    evaluations and checkpoints keep their number per trial), from each shape's measured :class:`Cost`
+    (``costs``), with the seconds the pre-screen and race are estimated to take (``estimate``) of those left to
+    them (``seconds``: the minutes less ``probe_seconds``, what the search had spent when the plan was made:
+    finding the shapes and measuring their costs). ``probe_seconds + estimate`` is at most the minutes: a
+    search whose shortest plan does not fit is refused (:func:`plan_steps`)."""
 
     steps: int
     config_steps: int
@@ -432,6 +434,12 @@ class Plan:
     estimate: float
     costs: dict[str, list[float]]
     probe_seconds: float = 0.0
+    minutes: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Seconds the whole search was estimated to take: what it had spent when planning, and the estimate."""
+        return self.probe_seconds + self.estimate
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -479,6 +487,18 @@ def measure_cost(config: Config) -> Cost:
     return Cost(setup=max(0.0, t1 - t0 - step), step=step, evaluation=(t3 - t2) * config.train.eval_batches)
 
 
+def measure_costs(config: Config, found: list[Shape], measure: Callable[[Config], Cost] | None = None) -> dict:
+    """Each shape's :class:`Cost` (``measure``, default :func:`measure_cost`), by name, after one measurement
+    thrown away: the first one in a process also pays what is paid once (imports, the data's first batches, the
+    thread pool, the allocator's first blocks: set-up 3.3 s and evaluation 28 s against 0.08 s and 3.2 s when
+    the same shape is measured again), which would otherwise be charged to the first shape. The warm-up
+    measures the shape with the fewest FLOPs per token, the cheapest to measure."""
+    measure = measure or measure_cost
+    lr = config.train.lr
+    measure(trial_config(config, min(found, key=lambda s: s.flops_per_token), lr))
+    return {s.name: measure(trial_config(config, s, lr)) for s in found}
+
+
 def with_steps(config: Config, steps: int) -> Config:
     """``config`` trained for ``steps`` steps, with as many evaluations and checkpoints as it has over its own
     train.steps (the warm-up is kept: it is a property of the optimisation, not of the run's length)."""
@@ -504,61 +524,90 @@ def estimate_seconds(config: Config, settings: Settings, costs: list[Cost]) -> f
     every shape replayed by the pre-screen (set-up, its steps, one step of a DeepNorm twin, the replay's
     evaluations) and trained to the first rung (from the replay's last step when the trials start from it), then
     at each rung the best 1/eta trained to the next, priced as the costliest shapes (which go on is not known
-    before). Each leg of a trial pays its set-up, its steps and its evaluations."""
+    before). Each leg of a trial pays its set-up, its steps and its evaluations. Each rung that prunes compares
+    the last trial kept with the best one pruned, and the top two are compared at the end (:func:`compare_runs`:
+    each of the two runs set up and evaluated), priced as the costliest shapes too."""
     tc, eta, every = config.train, settings.reduction_factor, config.train.eval_every
     replayed = forecast_steps(config, settings)
     replay_evals = REPLAY_EVALUATIONS * math.ceil(64 / tc.batch_size) * FORWARD_COST
     total = sum(2 * c.setup + c.step * (replayed + 1 + replay_evals) for c in costs)  # the pre-screen, its twin
     alive, start = len(costs), replayed if starts_from_prescreen(config, settings) else 0
     costliest = sorted(costs, key=lambda c: c.step, reverse=True)
+
+    def compared(n: int) -> float:  # two runs compared: each set up and evaluated
+        return sum(c.setup + c.evaluation for c in costliest[:2]) if n >= 2 else 0.0
+
     for i, end in enumerate([*rung_steps(config, settings), tc.steps]):
         evals = end // every - start // every if every else int(end == tc.steps)
         legs = costs if i == 0 else costliest[:alive]
         total += sum(c.setup + c.step * (end - start) + c.evaluation * evals for c in legs)
+        if end < tc.steps:
+            total += compared(alive) if max(alive // eta, 1) < alive else 0.0  # the rung's cut, where it prunes
         start, alive = end, max(alive // eta, 1)
-    return total
+    return total + compared(alive)  # the top two, where two complete
+
+
+def shortest_steps(config: Config) -> int:
+    """The shortest trial length a time plan gives: the warm-up plus 10 steps (at most train.steps)."""
+    return max(2, min(config.train.steps, config.train.warmup + 10))
+
+
+class PlanDoesNotFit(ConfigError):
+    """Even the shortest trials' pre-screen and race are estimated to take longer than the time left."""
+
+    def __init__(self, steps: int, estimate: float):
+        super().__init__(f"the shortest plan (trials of {steps:,} steps) is estimated at {estimate:.0f} s")
+        self.steps, self.estimate = steps, estimate
 
 
 def plan_steps(config: Config, settings: Settings, costs: list[Cost], seconds: float) -> tuple[int, float]:
-    """The longest trial length (train.steps, at least the warm-up plus 10 steps) whose pre-screen and race
-    (:func:`estimate_seconds`) fit in ``seconds``, and that estimate."""
-    floor = max(2, min(config.train.steps, config.train.warmup + 10))
+    """The longest trial length (train.steps, at least :func:`shortest_steps`) whose pre-screen and race
+    (:func:`estimate_seconds`) fit in ``seconds``, and that estimate. :class:`PlanDoesNotFit` when even the
+    shortest does not: a search that would overrun its minutes, or be stopped before any trial completes, is
+    better not started."""
+    floor = shortest_steps(config)
 
     def cost(steps: int) -> float:
         return estimate_seconds(with_steps(config, steps), settings, costs)
 
     lo, hi = floor, max(floor, 100 * config.train.steps)
     if cost(lo) > seconds:
-        return lo, cost(lo)
+        raise PlanDoesNotFit(lo, cost(lo))
     while lo < hi:  # the longest that fits
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if cost(mid) <= seconds else (lo, mid - 1)
     return lo, cost(lo)
 
 
-def time_plan(config: Config, settings: Settings, found: list[Shape], out: Path, measure=None, log=print) -> Plan:
-    """The :class:`Plan` for ``--minutes``, read from ``plan.json`` when a run of this search made it (a re-run
-    keeps the trials' length whatever minutes it is given), else made and saved there: each shape's
-    :class:`Cost` measured by ``measure`` (default :func:`measure_cost`), then :func:`plan_steps` on what is left
-    of the minutes."""
-    saved = rundir.read_json(out / PLAN, None)
-    if saved:
-        return Plan(**saved)
-    measure = measure or measure_cost
-    t0 = time.perf_counter()
-    costs = {s.name: measure(trial_config(config, s, config.train.lr)) for s in found}
-    probe = time.perf_counter() - t0
+def saved_plan(out: Path) -> Plan | None:
+    """The :class:`Plan` a run of the search at ``out`` made (``plan.json``), if any."""
+    saved = rundir.read_json(out / PLAN, None) if out.is_dir() else None
+    return Plan(**saved) if saved else None
+
+
+def time_plan(
+    config: Config, settings: Settings, found: list[Shape], measure=None, started: float | None = None
+) -> Plan:
+    """The :class:`Plan` for ``--minutes``: each shape's :class:`Cost` measured (:func:`measure_costs`), then
+    :func:`plan_steps` on what is left of the minutes, counted from ``started`` (``time.perf_counter()`` when
+    the search started; default now). Writes nothing. When even the shortest plan does not fit, one line
+    (:class:`~kilolayer.errors.ConfigError`) that says how long it needs."""
+    started = time.perf_counter() if started is None else started
+    costs = measure_costs(config, found, measure)
+    probe = time.perf_counter() - started
     budget = settings.minutes * 60 - probe
-    steps, estimate = plan_steps(config, settings, list(costs.values()), budget)
-    plan = Plan(
-        steps, config.train.steps, budget, estimate, {k: list(asdict(c).values()) for k, c in costs.items()}, probe
-    )
-    rundir.write_json(out / PLAN, plan.to_dict())
-    log(
-        f"[search] time plan: trials of {steps:,} steps (the config's {config.train.steps:,}), an estimated "
-        f"{estimate / 60:.1f} of the {budget / 60:.1f} minutes left after measuring each shape's cost"
-    )
-    return plan
+    try:
+        steps, estimate = plan_steps(config, settings, list(costs.values()), budget)
+    except PlanDoesNotFit as err:
+        n = len(found)
+        narrow = " or narrow --depths" if n > 1 else ""
+        raise ConfigError(
+            f"--minutes {settings.minutes:g}: the shortest plan needs about {(probe + err.estimate) / 60:.1f} min "
+            f"({probe:.0f} s spent finding and measuring the shapes, then the pre-screen and a race of all {n} "
+            f"shape{'s' * (n != 1)} with trials of {err.steps:,} steps); give more minutes{narrow}"
+        ) from None
+    costs_saved = {k: list(asdict(c).values()) for k, c in costs.items()}
+    return Plan(steps, config.train.steps, budget, estimate, costs_saved, probe, settings.minutes)
 
 
 # ---------------------------------------------------------------- the trials
@@ -623,6 +672,19 @@ class Search:
     decisions: list[dict] = field(default_factory=list)  # each rung's judgement (:meth:`_Racer.judge`)
     rungs: list[int] = field(default_factory=list)
     plan: Plan | None = None  # the trials' length chosen for --minutes
+    compare_seconds: float = 0.0  # the top two's comparison (:func:`compare_top`) in this run
+
+    def seconds_spent(self) -> float:
+        """Seconds the search has spent on what ``--minutes`` counts: planning, the pre-screen's forecasts, the
+        trials' training, the rung cuts, and the top two's comparison."""
+        probe = self.plan.probe_seconds if self.plan is not None else 0.0
+        return (
+            probe
+            + sum(sc.seconds for sc in self.screens)
+            + sum(t.seconds for t in self.trials)
+            + sum(float(d.get("seconds", 0.0)) for d in self.decisions)
+            + self.compare_seconds
+        )
 
     def compute(self) -> dict:
         """What the search spent against a full grid of the planned trials (each trained for all train.steps,
@@ -719,12 +781,29 @@ def promote(entries: list[tuple[float, str, int]], eta: int, maximize: bool) -> 
     return [e[2] for e in ranked[:keep]], [e[2] for e in ranked[keep:]]
 
 
-def _check_same_search(out: Path, config: Config, settings: Settings) -> None:
-    """``search.json``: written by the first run; a re-run with other settings is refused (naming them)."""
+def seconds_outside_trials(out: Path, study_attrs: dict) -> float:
+    """Seconds the search at ``out`` has spent outside its trials' training: planning (finding the shapes and
+    measuring their costs, ``plan.json``), the pre-screen's forecasts (``prescreen.json``) and the rung cuts
+    (each decision's ``seconds`` in the study's ``study_attrs``). Each is saved with what it measured, so a
+    re-run counts what the runs before it spent."""
+    plan = rundir.read_json(out / PLAN, None) or {}
+    screens = rundir.read_json(out / PRESCREEN, None) or {}
+    cuts = [v for k, v in study_attrs.items() if k.startswith("decision_") and isinstance(v, dict)]
+    return (
+        float(plan.get("probe_seconds", 0.0))
+        + sum(float(e.get("seconds", 0.0)) for e in screens.values() if isinstance(e, dict))
+        + sum(float(d.get("seconds", 0.0)) for d in cuts)
+    )
+
+
+def _check_same_search(out: Path, config: Config, settings: Settings, write: bool = True) -> None:
+    """``search.json``: written by the first run (``write``); a re-run with other settings is refused (naming
+    them)."""
     mine = settings.identity(config)
-    saved = rundir.read_json(out / SETTINGS, None)
+    saved = rundir.read_json(out / SETTINGS, None) if out.is_dir() else None
     if saved is None:
-        rundir.write_json(out / SETTINGS, mine)
+        if write:
+            rundir.write_json(out / SETTINGS, mine)
         return
     if saved != mine:
         from kilolayer.config import differences
@@ -784,17 +863,22 @@ class _Racer:
         return [t for t in self.study.get_trials(deepcopy=False) if t.number != exclude and "run" in t.user_attrs]
 
     def spent(self, exclude: int | None = None) -> tuple[int, float]:
-        """(optimizer steps, training seconds) of every trial but ``exclude``."""
+        """(optimizer steps of every trial but ``exclude``, seconds the search has spent but that trial's): the
+        trials' training, and what the search spent outside them (:func:`seconds_outside_trials`)."""
         trials = self._runs(exclude)
         steps = sum(_steps_of(self.out / t.user_attrs["run"]) for t in trials)
-        return steps, sum(float(t.user_attrs.get("seconds", 0.0)) for t in trials)
+        outside = seconds_outside_trials(self.out, self.study.user_attrs)
+        return steps, outside + sum(float(t.user_attrs.get("seconds", 0.0)) for t in trials)
 
     def over_budget(self, steps: int, seconds: float) -> str:
         s = self.settings
         if s.budget_steps is not None and steps >= s.budget_steps:
             return f"the search's budget of {s.budget_steps:,} steps is spent"
         if s.minutes is not None and seconds >= s.minutes * 60:
-            return f"the search's budget of {s.minutes:g} minutes of training is spent"
+            return (
+                f"the search's budget of {s.minutes:g} minutes is spent (planning, the pre-screen, the trials and "
+                f"the rung cuts)"
+            )
         return ""
 
     # -- the trials
@@ -864,6 +948,7 @@ class _Racer:
         decision = self.study.user_attrs.get(key)
         racing = self.alive(level)
         if decision is None:
+            t0 = time.perf_counter()
             at = [t for t in racing if f"rung_{level}" in t.user_attrs]
             entries = [(float(t.user_attrs[f"rung_{level}"][1]), self._tiebreak(t), t.number) for t in at]
             maximize = self.study.direction == self.optuna.study.StudyDirection.MAXIMIZE
@@ -877,6 +962,7 @@ class _Racer:
                 "values": values,
                 "margin": self._margin(at, kept, pruned) if kept and pruned else None,
             }
+            decision["seconds"] = time.perf_counter() - t0  # counted against --minutes
             self.study.set_user_attr(key, decision)
         for t in racing:
             if t.number in decision["pruned"] and t.state == TrialState.RUNNING:
@@ -1374,7 +1460,10 @@ def run_search(
     """The whole search (module docstring) into ``out``; returns what the report shows. ``forecaster(config)``
     gives (verdict, reason[, {"score", "steps"}]) for the pre-screen (default: the doctor's forecast);
     ``executor`` trains the trials (:func:`race`; default: local, in this process); ``measure(config)`` gives a
-    shape's :class:`Cost` for the time plan of ``settings.minutes`` (default :func:`measure_cost`)."""
+    shape's :class:`Cost` for the time plan of ``settings.minutes`` (default :func:`measure_cost`). With
+    ``settings.minutes``, everything the search spends from here counts against them: a search whose shortest
+    plan does not fit is refused before it writes anything."""
+    started = time.perf_counter()
     executor = executor or Executor()
     out = Path(out)
     config = check_settings(config, settings)
@@ -1390,16 +1479,28 @@ def run_search(
         )
     left_out = (found[-1].layers + 1, hi) if found[-1].layers < hi else None
     _check_out(out)
+    _check_same_search(out, config, settings, write=False)
     saved = rundir.read_json(out / SETTINGS, None) if out.is_dir() else None
     if settings.metric != config.train.early_stop_metric and (saved or {}).get("metric") != settings.metric:
         check_metric(config, found[0], settings.metric)  # before search.json records it
+    plan = saved_plan(out)  # a re-run keeps the trials' length whatever minutes it is given
+    if settings.minutes is not None and plan is None:  # the trials' length spends the minutes
+        plan = time_plan(config, settings, found, measure, started)  # or refused, nothing written
+        log(
+            f"[search] time plan: trials of {plan.steps:,} steps (the config's {config.train.steps:,}), estimated "
+            f"to take {plan.total / 60:.1f} of the {settings.minutes:g} minutes ({plan.probe_seconds:.0f} s spent "
+            f"finding and measuring the shapes)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     with rundir.RunLock(out, LOCK, "kilolayer search"):
         _check_same_search(out, config, settings)
-        plan = None
-        if settings.minutes is not None:  # the trials' length spends the minutes
-            plan = time_plan(config, settings, found, out, measure, log)
+        if settings.minutes is not None:
+            if saved_plan(out) is None:
+                rundir.write_json(out / PLAN, plan.to_dict())
+            plan = saved_plan(out)
             config = with_steps(config, plan.steps)
+        else:
+            plan = None
         steps, keep = forecast_steps(config, settings), starts_from_prescreen(config, settings)
         screens = prescreen(
             config,
@@ -1445,6 +1546,8 @@ def run_search(
                 "the pre-screen dropped every shape (each forecast to diverge, or to stall behind another), so none "
                 "was trained; --keep-forecast-failures races them anyway"
             )
+        t0 = time.perf_counter()
         search.comparison = compare_top(search.ranked, settings.metric, dirn == "maximize")
+        search.compare_seconds = time.perf_counter() - t0
         _write_choice(search)
     return search

@@ -185,7 +185,7 @@ def _compute(search: Search) -> list[str]:
         _table(["", "optimizer steps", "model FLOPs", "FLOPs / full grid"], rows),
         f"Training time: {minutes:.1f} min over all trials; the pre-screen's forecasts took {forecast_s:.0f} s.",
         "",
-        *_plan(search, minutes * 60 + forecast_s),
+        *_plan(search),
     ]
 
 
@@ -194,16 +194,29 @@ def _deviations(search: Search) -> str:
     return f"{min(devs):+.2%} to {max(devs):+.2%}" if devs else "-"
 
 
-def _plan(search: Search, used: float) -> list[str]:
+def _plan(search: Search) -> list[str]:
+    """The time plan as it was made, and what the search spent against it."""
     p = search.plan
     if p is None:
         return []
+    minutes = p.minutes or search.settings.minutes
+    spent = search.seconds_spent()
+    if spent <= minutes * 60:
+        against = f"within the {minutes:g} minutes"
+    else:
+        against = f"{(spent - minutes * 60) / 60:.1f} min over the {minutes:g} minutes"
+    rerun = (
+        f" This run was given --minutes {search.settings.minutes:g}; the trials keep the plan's length."
+        if search.settings.minutes is not None and p.minutes and search.settings.minutes != p.minutes
+        else ""
+    )
     return [
-        f"Time plan (--minutes {search.settings.minutes:g}): measuring each shape's set-up, step and evaluation "
-        f"took {p.probe_seconds:.0f} s; the trials' length was then set to {p.steps:,} steps (the config's "
-        f"{p.config_steps:,}), the longest whose pre-screen and race were estimated to fit the {p.seconds / 60:.1f} "
-        f"minutes left: {p.estimate / 60:.1f} min estimated, {used / 60:.1f} min spent (the pre-screen and the "
-        f"trials' training).",
+        f"Time plan (--minutes {minutes:g}): finding the shapes and measuring each one's set-up, step and "
+        f"evaluation took {p.probe_seconds:.0f} s; the trials' length was then set to {p.steps:,} steps (the "
+        f"config's {p.config_steps:,}), the longest whose pre-screen and race were estimated to fit the "
+        f"{p.seconds / 60:.1f} minutes left. Estimated in all: {p.total / 60:.1f} min; spent: {spent / 60:.1f} min "
+        f"({against}: planning, the pre-screen, the trials' training, the rung cuts and the top two's "
+        f"comparison).{rerun}",
         "",
     ]
 
