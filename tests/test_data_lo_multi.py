@@ -133,6 +133,17 @@ def test_held_out_pages_train_in_no_language_and_counts_are_per_language_and_dir
     assert f"| `fr` | {train_pages:,} | {train_pages:,} | - |" in M.sizes_table(record)  # fr-en, fr-de
 
 
+def test_the_vocabulary_samples_languages_at_its_temperature_and_tags_follow_the_specials(root):
+    rows = [[f"e{i}", f"d{i}", f"f{i}" if i < 25 else ""] for i in range(100)]
+    texts = M.weighted_texts(rows, list(LANGS), 5.0, 0)
+    share = [100**0.2, 100**0.2, 25**0.2]  # of the 225 texts: 82, 82, 62 (in proportion to size: 100, 100, 25)
+    for lang, q in zip("edf", share):
+        assert sum(t.startswith(lang) for t in texts) == round(225 * q / sum(share))
+    assert {t for t in texts if t.startswith("f")} == {f"f{i}" for i in range(25)}  # fr's 25 texts, repeated
+    source = load_source(config(root))
+    assert source.tags == [4, 5, 6] and source.tokenizer.id_to_token(5) == "<2de>"
+
+
 def test_english_centric_and_listed_directions(root):
     assert load_source(config(root, directions="english_centric")).directions == [
         ("en", "de"),

@@ -342,8 +342,9 @@ def direction_rows(corpus: dict, langs: list[str], directions, opts: LOMultiOpti
     return rows, {d: dict(sorted(c.items())) for d, c in dropped.items()}
 
 
-def direction_weights(sizes: list[int], temperature: float) -> list[float]:
-    """Each direction's probability of a training draw: n_d ** (1/T), normalised (0 for an empty direction)."""
+def temperature_weights(sizes: list[int], temperature: float) -> list[float]:
+    """Probabilities in proportion to n ** (1/T) of each of ``sizes`` (0 for an empty one): a training draw's
+    direction, a language's share of the BPE texts."""
     weights = [n ** (1 / temperature) if n else 0.0 for n in sizes]
     total = sum(weights)
     return [w / total for w in weights]
@@ -357,7 +358,7 @@ def weighted_texts(rows: list[list[str]], langs: list[str], temperature: float, 
     N * q_l, q_l proportional to (n_l / N) ** (1 / ``temperature``), N the texts of all languages."""
     by_lang = [[row[i] for row in rows if row[i]] for i in range(len(langs))]
     total = sum(len(t) for t in by_lang)
-    q = direction_weights([len(t) for t in by_lang], temperature)
+    q = temperature_weights([len(t) for t in by_lang], temperature)
     out = []
     for lang, texts, share in zip(langs, by_lang, q):
         if not texts:
@@ -407,6 +408,8 @@ def encoded_rows(key: str, corpus: dict, langs: list[str], tok) -> dict[str, lis
                 or int(data[f"{name}_len"].sum()) != data[name].numel()
             ):
                 raise ValueError(f"{name}: the lengths do not match the corpus's {len(corpus[split])} rows")
+            if data[name].numel() and not 0 <= int(data[name].min()) <= int(data[name].max()) < tok.get_vocab_size():
+                raise ValueError(f"{name} holds ids outside [0, {tok.get_vocab_size()})")
 
     tok_hash = hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]
     entry = {n: TensorOf((torch.int32,), 1) for _, _, name in names for n in (name, f"{name}_len")}
@@ -468,7 +471,7 @@ class MultiCorpus(P.ParallelCorpus):
         # rows[split][d]: the rows of direction d (position in self.directions)
         self.rows = {split: [rows[split][d] for d in self.directions] for split in SPLITS}
         self.sizes = [len(r) for r in self.rows["train"]]
-        self.probabilities = torch.as_tensor(direction_weights(self.sizes, temperature), dtype=torch.float64)
+        self.probabilities = torch.as_tensor(temperature_weights(self.sizes, temperature), dtype=torch.float64)
         self.offsets = [0, *itertools.accumulate(self.sizes)]
         # the evaluation's pairs: the directions in turn, each one's rows in a hash order
         ranked = [
