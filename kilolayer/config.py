@@ -499,16 +499,20 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
 
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p}: a folder, not a config file; give a YAML file in it or a preset name")
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     try:
-        data = load_yaml(p.read_text())
+        text = p.read_text()
+        data = load_yaml(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML{_yaml_problem(err)}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{p}: cannot read ({err.__class__.__name__})") from None
-    if data is None:
-        data = {}
+    if data is None:  # an empty file is a mistake, not a request for every default
+        what = "the file is empty" if not text.strip() else "the file holds only comments"
+        raise ConfigError(f"{p}: {what}; expected a mapping of sections (model, objective, data, train)")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of sections (model, objective, data, train)")
     return data

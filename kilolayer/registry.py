@@ -19,8 +19,9 @@ A registry with an entry-point ``group`` also holds what other installed package
 ``pyproject.toml``: ``[project.entry-points."kilolayer.schemes"]``, ``my_scheme = "my_pkg.schemes:MyScheme"``).
 An entry point names one object, which is registered under the entry point's name. They are loaded once, the
 first time the registry is asked for a name it does not hold or for all its names, so ``import kilolayer``
-imports no plugin, and a plugin that fails to load is a :class:`PluginError` naming the entry point, its package
-and the error.
+imports no plugin. A plugin that fails to load is a :class:`PluginError` naming the entry point, its package and
+the error when the names are listed; a name not found is the registry's "unknown" error (a typo is the likelier
+cause), with the plugins that failed to load as its note.
 
 The three registries a config names (:data:`SCHEMES`, :data:`OBJECTIVES`, :data:`SOURCES`) are declared here,
 below :mod:`kilolayer.config`, so that config validates a name without importing the model, the objectives or
@@ -31,7 +32,7 @@ and ``import kilolayer`` imports all three, so every built-in name is registered
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from importlib import metadata
 from types import ModuleType
 from typing import Generic, TypeVar
@@ -100,9 +101,13 @@ class Registry(Mapping[str, T], Generic[T]):
     def unknown(self, name: object, field: str | None = None) -> str:
         """The one-line message for a name that is not registered; ``field`` names another config key that
         takes the same kind of name (e.g. MAE's ``objective.options.decoder_scheme``)."""
-        names = self.names()
+        try:
+            names = self.names()
+        except PluginError:  # the names that did register; the broken plug-ins are the note below
+            names = sorted(self._items)
         allowed = f"allowed: {', '.join(names)}" if names else "none is registered (a plug-in registers one)"
-        return f"{field or self.field}={name!r}: unknown {self.kind}; {allowed}"
+        note = f" (note: a plug-in did not load: {'; '.join(self._broken)})" if self._broken else ""
+        return f"{field or self.field}={name!r}: unknown {self.kind}; {allowed}{note}"
 
     def names(self) -> list[str]:
         """The registered names, sorted (the order every "allowed: ..." lists them in)."""
@@ -131,7 +136,10 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __getitem__(self, name: str) -> T:
         if name not in self._items and not self._loaded:
-            self.load_plugins()
+            # a name still missing is a KeyError, which get() and config validation report as an unknown name
+            # (a typo is the likelier cause) with the broken plug-ins as its note; a listing raises PluginError
+            with suppress(PluginError):
+                self.load_plugins()
         return self._items[name]
 
     def __contains__(self, name: object) -> bool:

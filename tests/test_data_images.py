@@ -128,3 +128,12 @@ def test_image_captions_bad_inputs(tmp_path):
     (root / "captions.txt").unlink()
     with pytest.raises(InputError, match=r"captions.txt: no such captions file"):
         source("image_captions", root)
+
+
+def test_an_image_folder_of_one_class_is_refused(tmp_path):
+    root = tmp_path / "one"
+    (root / "cat").mkdir(parents=True)
+    for i in range(4):
+        write_image(root / "cat" / f"{i}.png", (200, 10, 10), i)
+    with pytest.raises(InputError, match=f"^{root}: one class sub-folder \\(cat\\); a classifier needs at least two"):
+        source("image_folder", root)

@@ -287,3 +287,22 @@ def test_a_study_set_on_a_grid_key_is_refused_and_nothing_is_written(tmp_path, c
         err = capsys.readouterr().err.strip()
         assert err == f"kilolayer: error: {key} is a grid key of group shapes; --set applies to every group's base"
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [("", "the file is empty"), ("\n  \n", "the file is empty"), ("# model: {}\n", "the file holds only comments")],
+)
+def test_an_empty_config_file_says_so(tmp_path, capsys, text, said):
+    (tmp_path / "empty.yaml").write_text(text)
+    assert main(["train", str(tmp_path / "empty.yaml"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kilolayer: error: {tmp_path / 'empty.yaml'}: {said}") and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_given_as_the_config_is_named_a_folder(tmp_path, capsys):
+    (tmp_path / "configs").mkdir()
+    assert main(["train", str(tmp_path / "configs"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kilolayer: error: {tmp_path / 'configs'}: a folder, not a config file")

@@ -116,6 +116,10 @@ def image_folder(config: Config) -> MemorySource:
     check_image_model(config)
     root = image_folder_path(config)
     classes = class_folders(root)
+    if len(classes) < 2:  # one class: every label is 0, and the loss is 0 from the first step
+        raise InputError(
+            f"{root}: one class sub-folder ({classes[0]}); a classifier needs at least two (one folder per class)"
+        )
     files, labels = [], []
     for c, name in enumerate(classes):
         found = list_images(root / name)
