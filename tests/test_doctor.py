@@ -258,12 +258,25 @@ def test_over_smoothed_tokens(tmp_path):
         model__patch_size=2,
         model__channels=1,
     )
-    run = fake_run(tmp_path / "run", config, smoothness=[0.1, 0.5, 0.8, 0.96])
+    deep = config.model_copy(update={"model": config.model.model_copy(update={"layers": 18})})
+    cosines = [0.1, 0.5, 0.8, 0.96]
+    run = fake_run(tmp_path / "run", deep, smoothness=cosines)
     d = diagnose(run, replay_steps=0)
     f = finding(d, "oversmoothing")
     assert f.evidence["last"] == pytest.approx(0.96)
     assert "last-layer tokens are 0.960 similar" in f.text and "sequence-level objective" in f.text
     assert "token-level objective" in f.suggestion
+    # a 3-layer model: the cosine on the fine line, no depth advice
+    d = diagnose(fake_run(tmp_path / "shallow", config, smoothness=cosines), replay_steps=0)
+    assert "oversmoothing" not in codes(d) and not any("fewer" in line for line in d.lines)
+    assert "last-layer token cosine 0.960 (embedding 0.10; not flagged at 3L, below the 18 layers" in fine_line(d)
+    # a deep model that learned nothing (0.93 x chance): alike tokens for want of learning, not over-smoothing
+    from kilolayer.analysis.chance import chance_level
+
+    level = chance_level(deep)["loss"]
+    d = diagnose(fake_run(tmp_path / "idle", deep, evals=(level, 0.93 * level), smoothness=cosines), replay_steps=0)
+    assert "oversmoothing" not in codes(d) and "learned_nothing" in codes(d)
+    assert "not flagged: the run learned almost nothing" in fine_line(d)
 
 
 def test_never_below_chance(tmp_path):

@@ -24,7 +24,9 @@ The rules (each a threshold on one measurement; every number is printed with the
   deep enough for DeepNet's effects of depth (:func:`kilolayer.doctor.theory.deep_enough`);
 * LayerNorm inputs growing with layer: the last layer's mean LayerNorm input (residual-path norms only)
   at least ``LN_GROWTH`` x the first layer's, on a side (in a Pre-LN-family model, only a deep one);
-* over-smoothing: last-layer token cosine similarity at least ``COSINE``;
+* over-smoothing: last-layer token cosine similarity at least ``COSINE``, in a model deep enough for
+  depth to be the cause and that learned something (a model that learned nothing has alike tokens for want
+  of learning);
 * never below chance: the best evaluation loss at or above the chance level; otherwise, a final
   evaluation loss above ``LEARNED_NOTHING`` x chance is "learned nothing" (the study report's rule);
 * barely moved: the total update at the last checkpoint below ``BARELY_MOVED`` x the output's size.
@@ -341,6 +343,13 @@ def smoothing_findings(config: Config, m: Measurements) -> tuple[list[Problem], 
     s = m.token_cosine
     if not s or not math.isfinite(s.get("last", math.nan)):
         return [], []
+    cosine = f"last-layer token cosine {s['last']:.3f} (embedding {s['first']:.2f}"
+    c = m.eval_loss or {}
+    if s["last"] >= COSINE and learned_something(c.get("final_eval", math.nan), c.get("chance")) is False:
+        # tokens of a model that learned nothing are alike for want of learning: not depth's over-smoothing
+        return [], [f"{cosine}; not flagged: the run learned almost nothing, so alike tokens say nothing of depth)"]
+    if s["last"] >= COSINE and not deep_enough(config.model):
+        return [], [f"{cosine}; not flagged {_shallow(config)})"]
     if s["last"] >= COSINE:
         seq_level = config.objective.name in ("classification", "contrastive")
         why = " (a sequence-level objective: Bamboo's over-smoothing)" if seq_level else ""
@@ -361,7 +370,7 @@ def smoothing_findings(config: Config, m: Measurements) -> tuple[list[Problem], 
                 dict(s),
             )
         ], []
-    return [], [f"last-layer token cosine {s['last']:.3f} (embedding {s['first']:.2f})"]
+    return [], [f"{cosine})"]
 
 
 def chance_findings(config: Config, m: Measurements, others: list[Problem]) -> tuple[list[Problem], list[str]]:

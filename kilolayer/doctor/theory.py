@@ -36,14 +36,16 @@ POST_LN_FORM = ("post_ln", "post_ln_init", "deepnorm", "ds_init", "admin")
 
 # DeepNet shows depth's trouble on 18L-18L models, the depth of its whole section-3 analysis: there Post-LN
 # fails to converge while Post-LN-init, whose early updates are small, converges (Figure 3(c)). Below this many
-# layers on every side, the doctor does not name depth as a cause or DeepNorm as the cure.
+# layers on every side, the doctor does not name depth as a cause, DeepNorm as the cure, or over-smoothing.
+# It counts layers per side (ModelConfig.encoder_depth / decoder_depth), not sublayers: 18L-18L is 18 encoder
+# layers of 2 sublayers and 18 decoder layers of 3, 90 sublayers in all.
 DEEP_LAYERS = 18
 
 
 def deep_enough(model: ModelConfig) -> bool:
-    """Whether a side of ``model`` has at least :data:`DEEP_LAYERS` layers: deep enough for DeepNet's effects
-    of depth (an update that grows with the number of sublayers, Pre-LN's top layers changing a residual
-    stream that has outgrown them) to be the reason for what is measured."""
+    """Whether the deeper side of ``model`` has at least :data:`DEEP_LAYERS` layers (not sublayers): deep enough
+    for DeepNet's effects of depth (an update that grows with the number of sublayers, Pre-LN's top layers
+    changing a residual stream that has outgrown them) to be the reason for what is measured."""
     return max(model.encoder_depth, model.decoder_depth) >= DEEP_LAYERS
 
 
