@@ -23,8 +23,10 @@ import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
-#: what the fork server imports once, for every point it forks (by name: the command line sits above the study)
-PRELOAD = ["kilolayer.cli"]
+#: what the fork server imports once, for every point it forks (by name: the command line sits above the study);
+#: torch._dynamo because a run's memory check builds its model on the meta device, whose first init op imports it
+#: (about 2 CPU-seconds a point)
+PRELOAD = ["kilolayer.cli", "torch._dynamo"]
 
 
 def available() -> bool:
