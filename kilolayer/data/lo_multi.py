@@ -425,23 +425,16 @@ def encoded_rows(key: str, corpus: dict, langs: list[str], tok) -> dict[str, lis
 # ------------------------------------------------------------------ the source
 
 
-class DirectionView(Seq2SeqSource):
-    """One direction of a :class:`MultiCorpus` as a source of its own, for the baselines of its pairs."""
+class DirectionView:
+    """One direction of a :class:`MultiCorpus`, as the baselines of its pairs read a source
+    (:data:`kilolayer.objectives.baselines.HYPOTHESES`): its special ids, training pairs, nearest-neighbour pool
+    and detokenizer. It trains nothing, so it has no batches of its own."""
 
     baselines = ("copy", "nearest")
 
     def __init__(self, corpus: MultiCorpus, d: int):
-        super().__init__(corpus.seed)
         self.corpus, self.d = corpus, d
         self.bos, self.eos, self.pad = corpus.bos, corpus.eos, corpus.pad
-
-    def __len__(self) -> int:
-        return len(self.corpus.rows["train"][self.d])
-
-    eval_size = 0
-
-    def collate(self, indices, split):
-        raise NotImplementedError
 
     def train_pairs(self):
         return [self.corpus.pair("train", self.d, r) for r in self.corpus.rows["train"][self.d]]
