@@ -48,6 +48,9 @@ def cmd_study(args) -> int:
         check_data(points)
     t0 = time.perf_counter()
     with study_lock(Path(args.out)):
+        from kilolayer.study.registered import record_claims
+
+        record_claims(spec, points, Path(args.out))  # before anything trains: a later change is post hoc
         results = _run(spec, args)
     md, html, findings = write_report(spec, results, Path(args.out), time.perf_counter() - t0)
     for f in findings:

@@ -24,6 +24,7 @@ from kilolayer.rundir import RunDir
 from kilolayer.study.claim_plots import claim_plots
 from kilolayer.study.findings import evaluate_findings
 from kilolayer.verdicts.claims import judge
+from kilolayer.study.registered import post_hoc
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding
 
 # plain words (emoji need a font the reader may not have); the HTML colours them
@@ -117,11 +118,16 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         "Each verdict comes from the measured numbers by one rule, the same for every claim. "
         + RULE
         + " A claim measured on several modalities or pairs gets one verdict each; they are never pooled. "
-        "Nothing here was written in advance.",
+        "Nothing here was written in advance. A claim whose deciding fields or step budget were first recorded, "
+        "or changed, after some of its runs had finished is labelled *post hoc*, with what changed.",
         "",
         _table(
             ["claim", "verdict", "measured", "still improving at the budget"],
-            [[f.title, f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason, f.improving or "-"] for f in findings],
+            [
+                [f.title + (" (post hoc)" if f.post_hoc else ""), f"**{BADGE[f.verdict.verdict]}**", f.verdict.reason]
+                + [f.improving or "-"]
+                for f in findings
+            ],
         ),
     ]
     left_out = getattr(spec, "claims_left_out", [])
@@ -151,6 +157,8 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
             lines += [f"![{_text(caption)}]({rel})", "", f"*{_text(caption)}*", ""]
         lines += [f"**Verdict: {BADGE[f.verdict.verdict]}.** {_text(f.verdict.reason)}.", ""]
         if f.improving:
+        if f.post_hoc:
+            lines += [f"**Post hoc.** This claim was {_text(f.post_hoc)}.", ""]
             lines += [f"**Still improving.** {_text(f.improving)}.", ""]
         if f.scale_up:
             lines += [f"**To test this claim properly:** {_text(f.scale_up)}", ""]
@@ -351,6 +359,7 @@ def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, P
         f.plots = claim_plots(c, results, out)
         findings.append(f)
     findings += evaluate_findings(spec.findings, results, out)
+        f.post_hoc = post_hoc(c, [r.point for r in results], out)
     md = render_markdown(spec, results, findings, out, wall_seconds)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)

@@ -204,3 +204,4 @@ class Finding:
     scale_up: str = ""
     notes: list[str] = field(default_factory=list)  # measurement choices and chance levels, stated in the report
     improving: str = ""  # how many of the runs read were still improving at their budget, and by how much
+    post_hoc: str = ""  # why the claim was set after some of its runs had finished ("" when it was not)

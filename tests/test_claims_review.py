@@ -1,0 +1,110 @@
+"""Claims under review: what a referee of the papers and a user writing their own claims try, each judged as the
+stated rule says: a claim fixed after its runs were seen is labelled post hoc, a measure the group's objective
+does not log is refused before anything trains, and constructed evidence at the edges of the rule (4 or 5
+agreeing seeds, a chance level of NaN, a loser that learned in one seed) gives the verdict the rule gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from helpers import CHANCE, ROOT
+
+from kilolayer.study.registered import FILE, post_hoc, record_claims
+from kilolayer.study.report import write_report
+from kilolayer.study.runner import Result
+from kilolayer.study.spec import expand, load_spec
+
+EXAMPLE = ROOT / "examples" / "my_depth.yaml"
+NOISE = {0: 0.01, 1: -0.01, 2: 0.0, 3: 0.005, 4: -0.005}
+
+
+def _spec(tmp_path: Path, change=None, sets=None):
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["groups"][0]["base"] = str(ROOT / "configs" / "stdlib_gpt.yaml")
+    if change:
+        change(data)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_spec(path, sets)
+
+
+def _finish(points, out: Path, n: int) -> None:
+    """The first ``n`` points' runs finished (completed) in ``out``."""
+    for p in points[:n]:
+        p.run_dir(out).mkdir(parents=True, exist_ok=True)
+        (p.run_dir(out) / "status.json").write_text(json.dumps({"status": "completed", "step": 60}))
+
+
+def _results(spec) -> list[Result]:
+    out = []
+    for p in expand(spec):
+        deep = p.config.model.layers == 8
+        loss = 2.0 - (0.1 + NOISE[p.config.train.seed]) * deep
+        final = {"step": 60, "split": "eval", "loss": loss}
+        r = Result(point=p, status="completed", step=60, eval=final, evals=[final])
+        r.chance = dict(CHANCE)
+        out.append(r)
+    return out
+
+
+# ---------------------------------------------------------------- post hoc
+
+
+def test_a_claim_changed_before_any_run_finished_is_not_post_hoc(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = _spec(tmp_path)
+    record_claims(spec, expand(spec), out)
+    revised = _spec(tmp_path, lambda d: d["claims"][0].update(margin=0.01))
+    record_claims(revised, expand(revised), out)
+    assert post_hoc(revised.claims[0], expand(revised), out) == ""
+    entry = json.loads((out / FILE).read_text())["deeper_is_better"]
+    assert entry["fields"]["margin"] == 0.01 and entry["changes"][0]["finished"] == 0
+
+
+def test_a_margin_changed_after_runs_finished_is_post_hoc_in_the_report(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = _spec(tmp_path)
+    points = expand(spec)
+    record_claims(spec, points, out)
+    _finish(points, out, 2)
+    revised = _spec(tmp_path, lambda d: d["claims"][0].update(margin=0.01))
+    record_claims(revised, expand(revised), out)
+    why = post_hoc(revised.claims[0], expand(revised), out)
+    assert why == "changed after 2 of its 6 runs had finished (margin 0.02 -> 0.01)"
+    md, _, findings = write_report(revised, _results(revised), out, 1.0)
+    report = md.read_text()
+    assert findings[0].post_hoc == why
+    assert "| deeper_is_better (post hoc) | **held** |" in report
+    assert f"**Post hoc.** This claim was {why}." in report
+    # the same claim on a fresh folder, recorded before its runs: no label
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    record_claims(revised, expand(revised), fresh)
+    assert "(post hoc)" not in write_report(revised, _results(revised), fresh, 1.0)[0].read_text()
+
+
+def test_a_claim_added_after_its_runs_finished_and_a_budget_changed_are_post_hoc(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = _spec(tmp_path)
+    points = expand(spec)
+    _finish(points, out, 6)
+    record_claims(spec, points, out)
+    assert post_hoc(spec.claims[0], points, out) == "first recorded after 6 of its 6 runs had finished"
+    other = tmp_path / "other"
+    other.mkdir()
+    record_claims(spec, points, other)
+    _finish(points, other, 3)
+    shorter = _spec(tmp_path, sets=["train.steps=40"])
+    record_claims(shorter, expand(shorter), other)
+    assert post_hoc(shorter.claims[0], expand(shorter), other) == (
+        'changed after 3 of its 6 runs had finished (budget {"shapes": [60]} -> {"shapes": [40]})'
+    )
+    # the text of a claim decides nothing: rewording it is no change
+    reworded = _spec(tmp_path, lambda d: d["claims"][0].update(claim="Deeper is better", source="a referee"))
+    record_claims(reworded, expand(reworded), out)
+    assert json.loads((out / FILE).read_text())["deeper_is_better"]["changes"] == []
