@@ -237,7 +237,11 @@ def test_still_improving_is_reported_and_decides_only_a_claim_about_converged_mo
     assert f.verdict.verdict == INCONCLUSIVE and "the claim is about converged models" in f.verdict.reason
 
 
-def test_a_score_is_read_on_test_only_when_every_compared_run_was_scored_there(tmp_path):
+def test_a_score_is_read_on_test_only_when_every_compared_run_was_scored_there(tmp_path, monkeypatch):
+    from kilolayer.registry import OBJECTIVES
+
+    # the example's causal LM logs no accuracy: here it does, as an objective of the user's could
+    monkeypatch.setattr(OBJECTIVES.get("causal_lm"), "metrics", ("loss", "accuracy"))
     spec = load_spec(_spec_file(tmp_path, lambda d: d["claims"][0].update(measure="accuracy", margin=0.005)))
     results = _results(spec, lambda l, s: 1.0)
     for r in results:

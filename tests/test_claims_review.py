@@ -108,3 +108,53 @@ def test_a_claim_added_after_its_runs_finished_and_a_budget_changed_are_post_hoc
     reworded = _spec(tmp_path, lambda d: d["claims"][0].update(claim="Deeper is better", source="a referee"))
     record_claims(reworded, expand(reworded), out)
     assert json.loads((out / FILE).read_text())["deeper_is_better"]["changes"] == []
+
+
+# ---------------------------------------------------------------- a measure the runs never log
+
+
+def test_a_measure_the_groups_objective_does_not_log_is_refused_before_anything_trains(tmp_path, capsys):
+    """The example's group trains causal_lm, whose evaluation logs loss and bits per token: a claim on its accuracy
+    or BLEU could only ever be inconclusive after every run trained, so the study refuses it with one line, exit 2,
+    nothing written; the diagnostics measures need train.diagnostics_every."""
+    from kilolayer.cli import main
+    from kilolayer.errors import ConfigError
+
+    def refused(change):
+        spec = _spec(tmp_path, change)
+        try:
+            expand(spec)
+        except ConfigError as err:
+            return str(err)
+        return None
+
+    assert refused(lambda d: d["claims"][0].update(measure="accuracy", margin=0.01)) == (
+        "claims[0] (deeper_is_better).measure=accuracy: group 'shapes' trains causal_lm, whose evaluation logs "
+        "loss, bits_per_token (no accuracy); measures it can read: eval_loss, loss_vs_chance"
+    )
+    assert "(no bleu)" in refused(lambda d: d["claims"][0].update(measure="bleu", margin=0.5))
+    assert refused(lambda d: d["claims"][0].update(measure="first_update", margin=0.01)).endswith(
+        "reads the stability diagnostics, which group 'shapes' does not log; set train.diagnostics_every in its set"
+    )
+
+    def logged(d):
+        d["claims"][0].update(measure="first_update", margin=0.01)
+        d["groups"][0]["set"]["train.diagnostics_every"] = 10
+
+    assert refused(logged) is None and refused(None) is None
+    _spec(tmp_path, lambda d: d["claims"][0].update(measure="accuracy", margin=0.01))
+    out = tmp_path / "out"
+    assert main(["study", str(tmp_path / "spec.yaml"), "--out", str(out)]) == 2 and not out.exists()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "measure=accuracy" in lines[0], lines
+
+
+def test_what_each_builtin_objective_says_it_logs_is_what_its_evaluation_returns():
+    from kilolayer.registry import OBJECTIVES
+
+    assert OBJECTIVES.get("causal_lm").logs({}) == ("loss", "bits_per_token")
+    assert "accuracy" in OBJECTIVES.get("mlm").logs({}) and "accuracy" in OBJECTIVES.get("classification").logs({})
+    assert "accuracy" not in OBJECTIVES.get("contrastive").logs({})
+    assert "bleu" in OBJECTIVES.get("seq2seq").logs({}) and "chrf" in OBJECTIVES.get("seq2seq").logs({})
+    assert OBJECTIVES.get("seq2seq").logs({"decode_samples": 0}) == ("loss", "token_accuracy")
+    assert OBJECTIVES.get("mae").logs({}) == ("loss",)

@@ -59,6 +59,16 @@ class Objective(nn.Module):
 
     name = ""
     archs: tuple[str, ...] = ()
+    # the keys ``evaluate`` returns (None: not declared, as for a user's objective, so nothing is checked against
+    # them); a study claim that reads a score its group's objective never logs is refused before anything trains
+    metrics: tuple[str, ...] | None = None
+
+    @classmethod
+    def logs(cls, options: dict) -> tuple[str, ...] | None:
+        """The keys ``evaluate`` returns with the objective's ``options`` (:attr:`metrics` unless they depend on
+        them); None where the objective does not say."""
+        return cls.metrics
+
     REQUIRED = ("forward", "represent", "tokens")
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs):

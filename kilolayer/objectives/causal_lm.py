@@ -29,6 +29,7 @@ class CausalLMOptions(NumbersNotBools):
 @register_objective
 class CausalLM(Objective):
     name = "causal_lm"
+    metrics = ("loss", "bits_per_token")
     archs = ("decoder",)
 
     def __init__(self, config, backbone, source: Source | None):

@@ -45,6 +45,7 @@ class ClassificationOptions(NumbersNotBools):
 @register_objective
 class Classification(Objective):
     name = "classification"
+    metrics = ("loss", "accuracy")
     archs = ("encoder",)
 
     def __init__(self, config, backbone: nn.Module, source: Source | None):

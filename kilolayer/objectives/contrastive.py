@@ -96,6 +96,7 @@ def info_nce(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -> torch
 @register_objective
 class Contrastive(Objective):
     name = "contrastive"
+    metrics = ("loss", "recall_i2t", "recall_t2i", "label_recall_i2t", "label_recall_t2i")
     archs = ("encoder",)
 
     def __init__(self, config, backbone: nn.Module, source: Source | None):

@@ -108,6 +108,7 @@ def keyed_masking(seed: int, samples: torch.Tensor, length: int, keep: int, devi
 @register_objective
 class MAE(Objective):
     name = "mae"
+    metrics = ("loss",)
     archs = ("encoder",)
 
     def __init__(self, config, backbone: nn.Module, source: Source | None):

@@ -73,6 +73,7 @@ class MLMOptions(NumbersNotBools):
 @register_objective
 class MLM(Objective):
     name = "mlm"
+    metrics = ("loss", "accuracy")
     archs = ("encoder",)
 
     def __init__(self, config, backbone: nn.Module, source: Source | None):

@@ -18,7 +18,7 @@ from kilolayer.objectives.base import Objective, batch_size, head_weights, regis
 from kilolayer.objectives.baselines import baseline_hypotheses, baseline_scores
 from kilolayer.objectives.decoding import Decoding
 from kilolayer.objectives.directions import direction_table
-from kilolayer.objectives.text_scores import text_scores
+from kilolayer.objectives.text_scores import SCORES, text_scores
 
 
 class Seq2SeqOptions(NumbersNotBools):
@@ -36,6 +36,14 @@ class Seq2SeqOptions(NumbersNotBools):
 class Seq2Seq(Objective):
     name = "seq2seq"
     archs = ("encoder_decoder",)
+    metrics = ("loss", "token_accuracy", *(f"{s}{end}" for s in SCORES for end in ("", "_low", "_high")))
+
+    @classmethod
+    def logs(cls, options: dict) -> tuple[str, ...]:
+        # decode_samples: 0 decodes no pair, so no text score is logged
+        if options.get("decode_samples") == 0:
+            return ("loss", "token_accuracy")
+        return cls.metrics
 
     def __init__(self, config, backbone, source: Source | None):
         super().__init__(config, backbone, source)

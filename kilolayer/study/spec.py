@@ -49,7 +49,7 @@ from kilolayer.errors import ConfigError, InputError
 from kilolayer.study.analyses import ANALYSES
 from kilolayer.study.claim_plots import CLAIM_PLOTS
 from kilolayer.train.run import check_early_stopping, check_steps
-from kilolayer.verdicts.claims import Claim, check_claim, parse_claim
+from kilolayer.verdicts.claims import Claim, check_claim, check_logged, parse_claim
 
 
 class GroupSpec(BaseModel):
@@ -279,6 +279,11 @@ def expand(spec: StudySpec) -> list[Point]:
             seen.add(p.name)
         by_group[g.name] = mine
         points += mine
+    for i, claim in enumerate(spec.claims):  # what the points' configs say each claim's runs will log
+        try:
+            check_logged(claim, points, f"claims[{i}] ({claim.name})")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     return points
 
 

@@ -265,6 +265,31 @@ def check_claim(claim: Claim, groups: dict, where: str) -> None:
             )
 
 
+def check_logged(claim: Claim, points: list, where: str) -> None:
+    """Refuse, with one line naming the field, a claim whose measure its runs never log: a score the evaluation of
+    a group's objective does not return (as each built-in objective declares), or the stability diagnostics of a
+    group that does not log them (``train.diagnostics_every`` 0). Checked on the study's points, whose configs
+    say both, before anything trains."""
+    from kilolayer.registry import OBJECTIVES
+
+    measure = claim.the_measure()
+    reading = [*claim.groups(), *([claim.relative_to] if claim.relative_to else [])]
+    for p in (p for p in points if p.group in reading):
+        objective = p.config.objective
+        logs = OBJECTIVES.get(objective.name).logs(objective.options)
+        if measure.split_key and logs is not None and measure.split_key not in logs:
+            readable = [m.name for m in MEASURES.values() if m.split_key in logs and not m.diagnostics]
+            raise ValueError(
+                f"{where}.measure={claim.measure}: group {p.group!r} trains {objective.name}, whose evaluation logs "
+                f"{', '.join(logs)} (no {measure.split_key}); measures it can read: {', '.join(readable)}"
+            )
+        if measure.diagnostics and not p.config.train.diagnostics_every:
+            raise ValueError(
+                f"{where}.measure={claim.measure}: reads the stability diagnostics, which group {p.group!r} does not "
+                "log; set train.diagnostics_every in its set"
+            )
+
+
 def _check_margin(claim: Claim, measure: Measure, grid: dict, where: str) -> None:
     m = claim.margin
     if not math.isfinite(m):

@@ -40,6 +40,7 @@ class Measure:
     columns: tuple = ()  # (header, read) pairs the report's table shows beside the measure, for the reader
     shared_steps: bool = False  # two runs compared are read over the diagnostics steps both logged
     analysis: str | None = None  # the study analysis whose result it reads: every group it reads must list it
+    diagnostics: bool = False  # reads the stability diagnostics a run logs only with train.diagnostics_every
 
     @property
     def lower_is_better(self) -> bool:
@@ -275,6 +276,7 @@ for _m in (
         lambda r, out: _first_update(r, out, VALIDATION),  # measured at step 1, before any divergence
         "a diverged run keeps its first update (measured at step 1)",
         quality=False,
+        diagnostics=True,
     ),
     Measure(
         "last_layer_cosine",
@@ -301,6 +303,7 @@ for _m in (
         "over the same steps",
         quality=False,
         shared_steps=True,
+        diagnostics=True,
     ),
     Measure(
         "top_third_gradient",
@@ -314,6 +317,7 @@ for _m in (
         "over the same steps",
         quality=False,
         shared_steps=True,
+        diagnostics=True,
     ),
 ):
     register_measure(_m)
