@@ -158,3 +158,36 @@ def test_what_each_builtin_objective_says_it_logs_is_what_its_evaluation_returns
     assert "bleu" in OBJECTIVES.get("seq2seq").logs({}) and "chrf" in OBJECTIVES.get("seq2seq").logs({})
     assert OBJECTIVES.get("seq2seq").logs({"decode_samples": 0}) == ("loss", "token_accuracy")
     assert OBJECTIVES.get("mae").logs({}) == ("loss",)
+
+
+# ---------------------------------------------------------------- an analysis the data cannot give
+
+
+TINY = {
+    "model": {"arch": "encoder_decoder", "layers": 1, "decoder_layers": 1, "width": 16, "heads": 2, "ffn": 32},
+    "objective": {"name": "seq2seq"},
+    "data": {"name": "synthetic", "task": "reverse", "options": {"min_len": 3, "max_len": 6, "eval_size": 8}},
+    "train": {"steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 2, "log_every": 1},
+}
+
+
+def test_test_scores_on_data_without_a_test_split_is_refused_and_its_estimate_names_the_analysis(tmp_path, capsys):
+    """The reverse task evaluates on its validation split only: a group that lists test_scores would train every
+    point and then fail each one's analysis. The study refuses it in one line before anything trains (exit 2,
+    nothing written), and --estimate, which probes the analysis, names the point and the analysis that fails."""
+    from kilolayer.cli import main
+
+    spec = {"name": "t", "groups": [{"name": "g", "base": TINY, "analyses": ["test_scores"]}]}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    assert main(["study", str(path), "--out", str(out)]) == 2 and not out.exists()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].endswith(
+        "groups.g.analyses: test_scores scores the test split, which data.name='synthetic' does not have (it "
+        "evaluates on its validation split only)"
+    ), lines
+    assert main(["study", str(path), "--estimate", "--probe-steps", "1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "g/seed=0: analysis test_scores fails on this point's probe (--split test:" in err[0]
+    assert err[0].endswith("the study would train the point and then fail the analysis"), err

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kilolayer.config import Config, load_config
+from kilolayer.errors import ConfigError, KilolayerError
 from kilolayer.study.executors import forked
 from kilolayer.study.runner import run_analysis, threads_per_job
 from kilolayer.study.spec import Point, StudySpec, expand
@@ -141,7 +142,13 @@ def probe(point: Point, probe_steps: int = 5) -> PointCost:
             diagnostics = time.perf_counter() - t0
         t0 = time.perf_counter()
         for name in point.analyses:
-            run_analysis(name, run_dir, point.analysis_data)
+            try:
+                run_analysis(name, run_dir, point.analysis_data)
+            except KilolayerError as err:
+                raise ConfigError(
+                    f"{point.key}: analysis {name} fails on this point's probe ({' '.join(str(err).split())}); "
+                    "the study would train the point and then fail the analysis"
+                ) from None
         spent = time.perf_counter() - t0
     return PointCost(setup, step, evaluation, checkpoint, diagnostics, spent)
 

@@ -308,6 +308,31 @@ def check_data(points: list[Point]) -> None:
                 load_source(cfg)
             except (ConfigError, InputError) as err:
                 raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
+        if "test_scores" in p.analyses:  # it scores the test split, which not every data set has
+            _check_test_split(p, seen)
+
+
+def _check_test_split(p: Point, seen: set) -> None:
+    from kilolayer.data import load_source
+    from kilolayer.train.score import for_split
+
+    base = p.config if p.analysis_data is None else load_config({**p.config.model_dump(), "data": p.analysis_data})
+    cfg = for_split(base, "test")
+    key = (cfg.data.model_dump_json(), cfg.model.input)
+    if key in seen:
+        return
+    seen.add(key)
+    try:
+        load_source(cfg)
+    except ConfigError as err:
+        if str(err).startswith("data.options.eval_split:"):
+            raise ConfigError(
+                f"groups.{p.group}.analyses: test_scores scores the test split, which data.name={cfg.data.name!r} "
+                "does not have (it evaluates on its validation split only)"
+            ) from None
+        raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
+    except InputError as err:
+        raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
 
 
 def _match(p: Point, candidates: list[Point], group: str) -> str:
