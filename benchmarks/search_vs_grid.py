@@ -5,7 +5,7 @@
 For each task (:data:`OBJECTIVES`: MAE, classification and CLIP on the bundled digits, next-byte and
 masked-byte prediction on the standard-library corpus; and next-byte prediction of repeated strings, a task two
 layers learn far sooner than one (:data:`REPEATS`); one torch thread, the settings in :data:`COMMON`), the
-same parameter-matched shapes that ``kilolayer search`` generates (:func:`kilolayer.study.search.shapes`) are
+same parameter-matched shapes that ``kilolayer search`` generates (:func:`kilolayer.study.search.shape.shapes`) are
 
 1. trained to the full budget for two seeds: the grid's best shape (lowest mean final evaluation loss) and its
    seed-to-seed noise (the mean over shapes of |seed 0 - seed 1|);
@@ -14,7 +14,7 @@ same parameter-matched shapes that ``kilolayer search`` generates (:func:`kilola
 
 The search's pick is *the grid's best* when it is that shape, *within noise* when its grid mean is no further
 from the best's than the grid's seed-to-seed noise, else *worse*. Compute
-(:meth:`kilolayer.study.search.Search.compute`): model FLOPs (each shape's training FLOPs per sample at full
+(:meth:`kilolayer.study.search.result.Search.compute`): model FLOPs (each shape's training FLOPs per sample at full
 length x batch size x steps) of the search's trials (the pre-screen's replays they start from included) plus
 the pre-screen's other steps, against one seed of the full grid. For each two objectives it says whether their
 best shapes differ beyond seed noise: whether each one's best does worse on the other's grid than that grid's

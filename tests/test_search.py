@@ -15,7 +15,7 @@ from kilolayer.cli import main
 from kilolayer.config import load_config
 from kilolayer.errors import ConfigError
 from kilolayer.study import search as S
-from kilolayer.study.search_report import write_report
+from kilolayer.study.search.report import write_report
 from kilolayer.train import run as run_module
 from kilolayer.train.signals import Interrupted
 
@@ -131,8 +131,10 @@ def _fake_race(tmp_path, monkeypatch, order, streams):
                     raise run_module.Halted(halt)
 
     monkeypatch.setattr(run_module, "train", fake_train)
-    monkeypatch.setattr(S, "_steps_of", lambda run: progress.get(run, 0))
-    monkeypatch.setattr(S, "_final_value", lambda run, metric: streams[run.name.split("-", 1)[1]](90))
+    monkeypatch.setattr("kilolayer.study.search.racer._steps_of", lambda run: progress.get(run, 0))
+    monkeypatch.setattr(
+        "kilolayer.study.search.racer._final_value", lambda run, metric: streams[run.name.split("-", 1)[1]](90)
+    )
     tmp_path.mkdir(parents=True)
     study = S._open_study(optuna, tmp_path, config, s, 10, "minimize")
     S._enqueue(study, list(kept), None)
@@ -205,7 +207,7 @@ def test_the_top_two_are_compared_on_the_same_batches(tmp_path, monkeypatch):
 
     # the re-evaluation ranks them the other way: the report must not say "beats"
     opposite = {a: [0.6, 0.61, 0.62], b: [0.5, 0.5, 0.5]}
-    monkeypatch.setattr(S, "per_batch_metric", lambda run, metric: opposite[run.name])
+    monkeypatch.setattr("kilolayer.study.search.compare.per_batch_metric", lambda run, metric: opposite[run.name])
     search.comparison = S.compare_top(search.ranked, "loss")
     assert not search.comparison.agrees and not search.comparison.tied
     text = write_report(search)[0].read_text()
@@ -213,7 +215,7 @@ def test_the_top_two_are_compared_on_the_same_batches(tmp_path, monkeypatch):
 
     # two finalists whose per-batch losses overlap: the report says so and picks neither
     batches = {a: [0.50, 0.52, 0.47], b: [0.51, 0.50, 0.49]}
-    monkeypatch.setattr(S, "per_batch_metric", lambda run, metric: batches[run.name])
+    monkeypatch.setattr("kilolayer.study.search.compare.per_batch_metric", lambda run, metric: batches[run.name])
     search.comparison = S.compare_top(search.ranked, "loss")
     S._write_choice(search)
     assert search.comparison.tied and search.comparison.difference == pytest.approx(-0.01 / 3)
@@ -608,7 +610,7 @@ def test_a_plan_that_cannot_fit_is_refused_in_one_line_before_anything_is_writte
     assert not forecasts and not out.exists()  # nothing forecast, trained or written
 
     # one depth: nothing to narrow; the command line refuses it with exit 2
-    monkeypatch.setattr(S, "measure_cost", lambda c: slow)
+    monkeypatch.setattr("kilolayer.study.search.plan.measure_cost", lambda c: slow)
     base = ["search", "configs/digits_mae.yaml", "--out", str(out), "--params", "28k", "--tolerance", "0.1"]
     assert main([*base, "--depths", "2..2", "--minutes", "0.1", *[f"--set={x}" for x in TINY]]) == 2
     err = capsys.readouterr().err.strip()

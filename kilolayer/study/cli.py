@@ -251,7 +251,7 @@ def cmd_search(args) -> int:
     from kilolayer.nn.budget import parse_count
     from kilolayer.study import executors
     from kilolayer.study.search import Settings, parse_depths, run_search
-    from kilolayer.study.search_report import write_report
+    from kilolayer.study.search.report import write_report
 
     settings = Settings(
         params=parse_count(args.params),

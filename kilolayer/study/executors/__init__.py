@@ -7,7 +7,7 @@
 Each gives a pool with one interface: ``slots`` (units at once), ``in_process`` (whether a unit may take this
 process's objects, or gets picklable arguments), ``submit(key, fn, *args)``, ``wait()`` -> [(key, result)],
 ``busy`` and ``cancel()``. The study (:mod:`kilolayer.study.runner`, :mod:`kilolayer.study.ray_executor`) and
-the search (:func:`kilolayer.study.search.race`) schedule their units on it, so no result depends on which
+the search (:func:`kilolayer.study.search.pool.race`) schedule their units on it, so no result depends on which
 executor ran them. :func:`from_args` reads and checks the options, which ``kilolayer study`` and ``kilolayer
 search`` declare with the same function (:func:`kilolayer.study.cli.add_executor_options`, whose ``--threads``
 is ``kilolayer train``'s).

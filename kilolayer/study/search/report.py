@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from kilolayer.study.report import _fenced, _table, _text, machine, render_html, versions
-from kilolayer.study.search import Search, TrialResult, default_depths, percent
+from kilolayer.study.search.result import Search, TrialResult
+from kilolayer.study.search.shape import default_depths, percent
 
 
 def _count(n: float) -> str:
