@@ -304,9 +304,7 @@ def load_corpus(root: str, langs: tuple[str, ...], opts_json: str) -> tuple[str,
     key = f"{NAME}-{fingerprint(rootp, langs, opts, versions)}"
     corpus = cached(key, lambda: build_corpus(rootp, langs, opts), CORPUS_ENTRY, _checker(len(langs)))
     record = {**corpus["stats"], "data": NAME, "root": str(rootp), "packages": versions, "languages": langs}
-    stats_path = cache_dir() / f"{key}.json"
-    if not stats_path.is_file():
-        P._write_cached(stats_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    P.keep_record(key, record)
     return key, corpus, record
 
 
@@ -371,20 +369,13 @@ def weighted_texts(rows: list[list[str]], langs: list[str], temperature: float, 
 
 def load_tokenizer(key: str, corpus: dict, langs: list[str], opts: LOMultiOptions):
     """The joint BPE tokenizer with the language tags, cached as ``<key>-bpe3-tags-<vocab>-t<T>.json``."""
-    from tokenizers import Tokenizer
+
+    def build():
+        texts = weighted_texts(corpus["train"], langs, opts.vocab_temperature, opts.split_seed)
+        return P.train_tokenizer(texts, opts.vocab, P.corpus_alphabet(corpus), tuple(tag(lang) for lang in langs))
 
     path = cache_dir() / f"{key}-{TOKENIZER}{opts.vocab}-t{opts.vocab_temperature:g}.json"
-    if path.is_file():
-        try:
-            return Tokenizer.from_file(str(path))
-        except Exception:  # tokenizers raises its own exception type; rebuild and replace
-            pass
-    # the alphabet from every split, so no reference decodes with a character lost to <unk>
-    alphabet = {ch for split in SPLITS for row in corpus[split] for text in row for ch in text if not ch.isspace()}
-    texts = weighted_texts(corpus["train"], langs, opts.vocab_temperature, opts.split_seed)
-    tok = P.train_tokenizer(texts, opts.vocab, "".join(sorted(alphabet)), tuple(tag(lang) for lang in langs))
-    P._write_cached(path, tok.to_str(pretty=True))
-    return tok
+    return P.cached_tokenizer(path, build)
 
 
 def encoded_rows(key: str, corpus: dict, langs: list[str], tok) -> dict[str, list[list[list[int]]]]:

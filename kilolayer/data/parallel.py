@@ -28,6 +28,7 @@ import re
 import struct
 import unicodedata
 from collections import Counter
+from collections.abc import Callable
 from functools import lru_cache
 from html.parser import HTMLParser
 from pathlib import Path
@@ -481,22 +482,43 @@ def _write_cached(path: Path, text: str) -> None:
         write_atomic(path, text)
 
 
-def load_tokenizer(key: str, corpus: dict, vocab: int):
-    """The BPE tokenizer of ``corpus``'s training split, cached as ``<key>-bpe3-<vocab>.json`` beside the data."""
+def keep_record(key: str, record: dict) -> None:
+    """``record`` (a corpus's package versions and counts) beside its cache as ``<key>.json``, written once."""
+    path = cache_dir() / f"{key}.json"
+    if not path.is_file():
+        _write_cached(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def corpus_alphabet(corpus: dict) -> str:
+    """Every character but white space in the texts of every split, for a tokenizer to keep as tokens: no reference
+    decodes with a character lost to <unk> (what a held-out text adds is its character inventory, nothing more)."""
+    return "".join(
+        sorted({ch for split in SPLITS for row in corpus[split] for text in row for ch in text if not ch.isspace()})
+    )
+
+
+def cached_tokenizer(path: Path, build: Callable):
+    """The tokenizer saved at ``path``; where there is none, or one that does not load, ``build()``'s, saved there
+    (atomically)."""
     from tokenizers import Tokenizer
 
-    path = cache_dir() / f"{key}-{TOKENIZER}{vocab}.json"
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
         except Exception:  # tokenizers raises its own exception type; rebuild and replace
             pass
-    # merges from the training split; the alphabet from every split, so no reference decodes with a character lost
-    # to <unk> (what a held-out text adds is its character inventory, nothing more)
-    alphabet = {ch for split in SPLITS for pair in corpus[split] for text in pair for ch in text if not ch.isspace()}
-    tok = train_tokenizer((text for pair in corpus["train"] for text in pair), vocab, "".join(sorted(alphabet)))
+    tok = build()
     _write_cached(path, tok.to_str(pretty=True))
     return tok
+
+
+def load_tokenizer(key: str, corpus: dict, vocab: int):
+    """The BPE tokenizer of ``corpus``'s training split, cached as ``<key>-bpe3-<vocab>.json`` beside the data."""
+
+    def build():  # merges from the training split
+        return train_tokenizer((text for pair in corpus["train"] for text in pair), vocab, corpus_alphabet(corpus))
+
+    return cached_tokenizer(cache_dir() / f"{key}-{TOKENIZER}{vocab}.json", build)
 
 
 # ------------------------------------------------------------------ the source
@@ -562,9 +584,7 @@ def load_corpus(name: str, root: str, opts_json: str) -> tuple[str, dict, dict]:
     corpus = cached(key, lambda: build_corpus(rootp, name, kinds, opts), CORPUS_ENTRY, _check_pairs)
     record = {**corpus["stats"], "data": name, "root": str(rootp), "packages": versions}
     record["total"] = {s: len(corpus[s]) for s in SPLITS}
-    stats_path = cache_dir() / f"{key}.json"
-    if not stats_path.is_file():
-        _write_cached(stats_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    keep_record(key, record)
     return key, corpus, record
 
 
