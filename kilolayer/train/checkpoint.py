@@ -146,18 +146,29 @@ def _torch_load(path: Path):
         raise InputError(f"{path}: unreadable or truncated ({err.__class__.__name__})") from None
 
 
-def check_fits(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """One line naming the first key that is missing, unexpected or of another shape."""
+def misfit(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """Where ``weights`` do not fit a model whose state is ``expected``: ("missing", key), ("shape", key) or
+    ("unexpected", key), the first in that order; None where they fit."""
     for k, v in expected.items():
         if k not in weights:
-            raise InputError(f"{path}: does not fit this model: missing {k!r}")
+            return "missing", k
         if tuple(weights[k].shape) != tuple(v.shape):
-            raise InputError(
-                f"{path}: does not fit this model: {k!r} has shape {tuple(weights[k].shape)}, expected {tuple(v.shape)}"
-            )
+            return "shape", k
     extra = sorted(set(weights) - set(expected))
-    if extra:
-        raise InputError(f"{path}: does not fit this model: unexpected {extra[0]!r}")
+    return ("unexpected", extra[0]) if extra else None
+
+
+def check_fits(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """One line naming the first key that is missing, unexpected or of another shape (:func:`misfit`)."""
+    found = misfit(weights, expected)
+    if found is None:
+        return
+    kind, k = found
+    if kind == "shape":
+        detail = f"{k!r} has shape {tuple(weights[k].shape)}, expected {tuple(expected[k].shape)}"
+    else:
+        detail = f"{kind} {k!r}"
+    raise InputError(f"{path}: does not fit this model: {detail}")
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -20,7 +20,7 @@ from torch import nn
 from kilolayer import rundir
 from kilolayer.config import read_yaml
 from kilolayer.errors import InputError
-from kilolayer.train.checkpoint import read_weights
+from kilolayer.train.checkpoint import misfit, read_weights
 
 _SHAPE_KEYS = ("arch", "scheme", "layers", "width", "heads", "ffn", "input", "image_size", "patch_size", "channels")
 
@@ -61,17 +61,14 @@ def load_pretrained(task: nn.Module, run_dir: str | Path, freeze: bool = False) 
     run_model = read_yaml(run / rundir.CONFIG).get("model") or {}
     here = task.backbone.config.model_dump() if hasattr(task.backbone, "config") else {}
     models = f"(run model: {_describe(run_model)}; this model: {_describe(here)})"
-    for key, value in own.items():
-        if key not in pretrained:
-            raise InputError(f"init_from {run}: the backbones differ: backbone.{key} is not in the run {models}")
-        if tuple(pretrained[key].shape) != tuple(value.shape):
-            raise InputError(
-                f"init_from {run}: the backbones differ: backbone.{key} has shape {tuple(pretrained[key].shape)} "
-                f"in the run, {tuple(value.shape)} here {models}"
-            )
-    extra = sorted(set(pretrained) - set(own))
-    if extra:
-        raise InputError(f"init_from {run}: the backbones differ: backbone.{extra[0]} is not in this model {models}")
+    found = misfit(pretrained, own)
+    if found is not None:
+        kind, key = found
+        if kind == "shape":
+            where = f"has shape {tuple(pretrained[key].shape)} in the run, {tuple(own[key].shape)} here"
+        else:
+            where = "is not in the run" if kind == "missing" else "is not in this model"
+        raise InputError(f"init_from {run}: the backbones differ: backbone.{key} {where} {models}")
     task.backbone.load_state_dict(pretrained, strict=True)
     if freeze:
         task.backbone.requires_grad_(False)
