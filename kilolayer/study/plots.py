@@ -282,3 +282,35 @@ def depth_curves(results, path: Path) -> bool:
         if ax.has_data():
             ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def direction_heatmap(table: dict, path: Path, system: str = "model", metric: str = "chrf") -> bool:
+    """One cell per direction of a many-to-many run's ``table``
+    (:func:`kilolayer.objectives.directions.direction_table`): ``system``'s ``metric``, source language per row,
+    target per column, each cell labelled with its score where there are at most 12 languages. The colour scale
+    runs from 0 to the best cell, so that the directions of a model that is still learning are told apart."""
+    rows = [r for r in (table.get("directions") or {}).values() if metric in (r.get(system) or {})]
+    if not rows:
+        return False
+    langs = list(dict.fromkeys(lang for r in rows for lang in (r["source"], r["target"])))
+    at = {lang: i for i, lang in enumerate(langs)}
+    n = len(langs)
+    grid = [[math.nan] * n for _ in range(n)]
+    for r in rows:
+        grid[at[r["source"]]][at[r["target"]]] = float(r[system][metric])
+    top = max(max(v for row in grid for v in row if math.isfinite(v)), 1e-9)
+    fig, ax = plt.subplots(figsize=(1.6 + 0.55 * n, 1.0 + 0.5 * n))
+    image = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=top)
+    ax.set_xticks(range(n), langs, rotation=90 if n > 12 else 0)
+    ax.set_yticks(range(n), langs)
+    ax.set_xlabel("target")
+    ax.set_ylabel("source")
+    if n <= 12:
+        for i in range(n):
+            for j in range(n):
+                if math.isfinite(grid[i][j]):
+                    light = grid[i][j] < 0.6 * top  # viridis is dark at the bottom of its scale
+                    ax.text(j, i, f"{grid[i][j]:.0f}", ha="center", va="center", fontsize=7,
+                            color="white" if light else "black")  # fmt: skip
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).set_label(f"{system} {metric}", fontsize=8)
+    return _save(fig, path)

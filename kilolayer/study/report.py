@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from kilolayer.rundir import RunDir
 from kilolayer.study.claim_plots import claim_plots
+from kilolayer.study.directions_report import directions_section
 from kilolayer.study.findings import evaluate_findings
 from kilolayer.verdicts.claims import judge
 from kilolayer.study.registered import post_hoc
@@ -190,6 +191,7 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
             ]
         )
     lines.append(_table(["point", "status", "ended", "last evaluation", "MFU", "precision", "seconds"], rows))
+    lines += directions_section(results, out, _table)
     diagnosed = diagnoses(results, out)
     if diagnosed:
         lines += [
