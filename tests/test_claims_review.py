@@ -191,3 +191,56 @@ def test_test_scores_on_data_without_a_test_split_is_refused_and_its_estimate_na
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "g/seed=0: analysis test_scores fails on this point's probe (--split test:" in err[0]
     assert err[0].endswith("the study would train the point and then fail the analysis"), err
+
+
+# ---------------------------------------------------------------- constructed evidence at the rule's edges
+
+
+def _judged(tmp_path, loss, status=None, chance=CHANCE, change=None, seeds=(0, 1, 2)):
+    from kilolayer.verdicts import judge
+
+    spec = _spec(tmp_path, lambda d: (d["groups"][0].update(seeds=list(seeds)), change and change(d)))
+    results = []
+    for p in expand(spec):
+        layers, seed = p.config.model.layers, p.config.train.seed
+        st = status(layers, seed) if status else "completed"
+        final = {"step": 60, "split": "eval", "loss": loss(layers, seed)} if st == "completed" else {}
+        r = Result(point=p, status=st, step=60 if st == "completed" else 20, eval=final, evals=[final] if final else [])
+        r.chance = dict(chance)
+        results.append(r)
+    return judge(spec.claims[0], results, {g.name: g for g in spec.groups}, tmp_path)
+
+
+def test_four_agreeing_seeds_of_equal_difference_do_not_hold_and_five_do(tmp_path):
+    """The deep model is exactly 0.1 nats lower in every seed: zero variance, so the sign test decides, and 4
+    agreeing seeds give p = 1/16 > 5% where 5 give 1/32."""
+    four = _judged(tmp_path, lambda l, s: 2.0 - 0.1 * (l == 8), seeds=range(4))
+    assert four.verdict.verdict == "inconclusive" and four.verdict.test == "sign"
+    assert four.verdict.p == 1 / 16 and "needs 5 agreeing seeds of 5" in four.verdict.reason
+    five = _judged(tmp_path, lambda l, s: 2.0 - 0.1 * (l == 8), seeds=range(5))
+    assert five.verdict.verdict == "held" and five.verdict.p == 1 / 32
+
+
+def test_a_loser_that_learned_in_one_seed_and_a_loser_with_no_chance_level_leave_trains_where_it_fails_open(tmp_path):
+    def needs(d):
+        d["claims"][0]["requires"] = ["winner_learns", "loser_fails"]
+
+    # the shallow model fails (0.96 x chance) in seeds 0 and 2, and learns (0.79 x chance) in seed 1
+    one = _judged(tmp_path, lambda l, s: 1.0 + NOISE[s] if l == 8 else (1.9 if s == 1 else 2.3), change=needs)
+    assert one.verdict.verdict == "inconclusive"
+    assert one.verdict.reason.endswith(
+        "the claim needs model.layers=2 to fail in every seed, but shapes/layers=2_width=96_heads=4_seed=1 "
+        "(0.79 x chance) learned"
+    )
+    # with no chance level, whether the shallow model failed is unknown: said so, not "learned"
+    nan = _judged(tmp_path, lambda l, s: 1.0 + NOISE[s] if l == 8 else 2.3, chance={"loss": float("nan")}, change=needs)
+    assert nan.verdict.verdict == "inconclusive" and " learned" not in nan.verdict.reason.split("fail in every")[1]
+    assert "completed on data with no chance level, so nobody can say whether it failed" in nan.verdict.reason
+
+
+def test_a_seed_without_a_finite_difference_is_named_not_dropped():
+    from kilolayer.verdicts import decide
+
+    v = decide({0: 0.1, 1: float("inf"), 2: 0.12, 3: float("nan")}, 0.02)
+    assert v.verdict == "inconclusive" and v.n == 2
+    assert v.reason.startswith("not evidence: seed 1 (d inf), seed 3 (d nan); the other runs give mean d +0.11")

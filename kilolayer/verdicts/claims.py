@@ -330,7 +330,8 @@ class Judging:
         self.lower_is_better = claim.direction() == "lower"
         self.excluded: list[str] = []
         self.unlearned: list[str] = []
-        self.not_failed: list[str] = []
+        self.not_failed: list[str] = []  # against runs that learned
+        self.unknown_failed: list[str] = []  # against runs whose data has no chance level: nobody can say
         self.read: dict = {}  # the runs the contrast read, by key
         self.used: dict = {}  # the value of each run read (before a baseline is subtracted), by key
         self.rounding = 0.0  # the most float rounding moved one value (ROUNDING of the values it came from)
@@ -382,9 +383,13 @@ class Judging:
         needs = "all_learn" in self.claim.requires or (side == "better" and "winner_learns" in self.claim.requires)
         if needs and learned(r, self.out) is not True:
             self.unlearned.append(r.point.key)
-        if side == "against" and "loser_fails" in self.claim.requires and failed(r, self.out) is not True:
-            ratio = loss_ratio(r, self.out)
-            self.not_failed.append(f"{r.point.key}" + (f" ({ratio:.2f} x chance)" if ratio is not None else ""))
+        if side == "against" and "loser_fails" in self.claim.requires:
+            fails = failed(r, self.out)
+            if fails is None:
+                self.unknown_failed.append(r.point.key)
+            elif not fails:
+                ratio = loss_ratio(r, self.out)
+                self.not_failed.append(f"{r.point.key}" + (f" ({ratio:.2f} x chance)" if ratio is not None else ""))
         m = self.measure
         if r.status == "diverged":
             v = m.on_diverged(r, self.out) if m.on_diverged is not None else None
@@ -658,12 +663,17 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
         unlearned_decides_against="all_learn" not in claim.requires,
         rounding=claim.contrast.rounding(judging),
     )
-    if judging.not_failed:
+    if judging.not_failed or judging.unknown_failed:
         failing = claim.contrast.sides()[1]
-        v.reason += (
-            f"; the claim needs {claim.contrast.key}={failing} to fail in every seed, but "
-            f"{', '.join(dict.fromkeys(judging.not_failed))} learned"
-        )
+        why = []
+        if judging.not_failed:
+            why.append(f"{', '.join(dict.fromkeys(judging.not_failed))} learned")
+        if judging.unknown_failed:
+            why.append(
+                f"{', '.join(dict.fromkeys(judging.unknown_failed))} completed on data with no chance level, so "
+                "nobody can say whether it failed"
+            )
+        v.reason += f"; the claim needs {claim.contrast.key}={failing} to fail in every seed, but {'; '.join(why)}"
         # the claim's premise is unmet: a held says nothing, and so does a did not hold, unless the claimed-better
         # side learned nothing (which contradicts the claim whatever the other side did)
         if v.verdict == HELD or (v.verdict == NOT_HELD and not judging.unlearned):

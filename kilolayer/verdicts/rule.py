@@ -140,8 +140,11 @@ def decide(
     ``unlearned``: runs the claim needs to have learned that did not. They are named, and the verdict becomes
     inconclusive, unless it is "did not hold" and ``unlearned_decides_against`` (a claim such as "DeepNorm
     trains" is contradicted by a DeepNorm that learned nothing)."""
-    values = list(per_seed.values()) if isinstance(per_seed, dict) else list(per_seed)
-    values = [float(d) for d in values if d is not None and not math.isnan(d)]
+    items = list(per_seed.items()) if isinstance(per_seed, dict) else list(enumerate(per_seed))
+    # a seed without a finite d is not evidence, named as a failed run is
+    lost = [f"seed {s} (d {d})" for s, d in items if d is None or not math.isfinite(float(d))]
+    not_evidence = (*not_evidence, *lost)
+    values = [float(d) for _, d in items if d is not None and math.isfinite(float(d))]
     n = len(values)
     m = statistics.fmean(values) if values else float("nan")
     v = Verdict(INCONCLUSIVE, m, n=n, margin=margin)
