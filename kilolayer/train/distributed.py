@@ -9,11 +9,13 @@ parallelism.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import os
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +73,8 @@ def setup(device_choice: str = "auto") -> Dist:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
+        atexit.unregister(_at_exit)  # one entry, however many runs this process makes
+        atexit.register(_at_exit)
     return Dist(rank, world, local, device)
 
 
@@ -87,23 +91,50 @@ def device_mesh(env: Dist):
     return mesh
 
 
-def teardown() -> None:
+def teardown(error: BaseException | None = None) -> None:
     """Destroy the process group, and with it the collective library's threads, while Python is whole; call it
-    once nothing that trained (an engine, its model) is referenced any more.
+    once nothing that trained (an engine, its model) is referenced any more. ``error``: the exception the run
+    ends with, if any.
 
-    ``destroy_process_group`` only forgets the group: FSDP2's sharded modules and its device mesh hold it too,
-    and DTensor's caches hold the mesh for the rest of the process, so gloo's worker threads would live into the
-    interpreter's finalisation, where one that then takes the GIL (to free a finished collective's tensors) is
-    ended by Python inside a C++ destructor, and the process aborts ("terminate called without an active
-    exception"). Letting go of the meshes' groups and collecting the model's reference cycles destroys the
-    group here, which joins its threads."""
+    ``destroy_process_group`` only forgets the group: DDP's reducer, FSDP2's sharded modules and its device mesh
+    hold it too, and DTensor's caches hold the mesh for the rest of the process. A group that outlives this call
+    keeps gloo's worker threads into the interpreter's finalisation; one that then finishes a collective takes
+    the GIL (a future's callback, a tensor's Python object to release), Python ends such a thread with
+    ``pthread_exit``, whose unwinding meets a ``noexcept`` destructor, and the process aborts ("terminate called
+    without an active exception", exit -6). So the meshes' groups are let go of and the model's reference
+    cycles collected here, which destroys the group and joins its threads. An exception's traceback holds the
+    frames that trained, and they hold the engine: their variables are let go of (the traceback still prints
+    where it was raised, without them), for the exception and those it chains."""
+    active = dist.is_initialized() or bool(_meshes)
+    if error is not None and active:
+        _release_frames(error)
     if dist.is_initialized():
         dist.destroy_process_group()
     for mesh in _meshes:
         getattr(mesh, "_pg_registry", {}).clear()  # the mesh's own references to its groups (torch 2.13)
-    if _meshes:
-        _meshes.clear()
+    _meshes.clear()
+    if active:
         gc.collect()  # a module tree is a web of reference cycles: only the collector frees it
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clear the variables of the finished frames in ``error``'s traceback and in those of the exceptions it
+    chains (``__cause__``, ``__context__``); frames still running keep theirs."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        todo += [err.__cause__, err.__context__]
+
+
+def _at_exit() -> None:
+    """The last chance before the interpreter finalises (a ``Run`` made directly, an exception nobody caught,
+    which Python keeps as ``sys.last_value``): the same teardown."""
+    teardown(getattr(sys, "last_value", None))
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -665,7 +665,7 @@ def train(
     if threads is not None:
         torch.set_num_threads(threads.count)
     signals = StopSignals().install()
-    run = None
+    run, error = None, None
     try:
         with host.Training():  # marked before looking, so two runs started together see each other
             crowded = host.crowded(threads)
@@ -682,10 +682,14 @@ def train(
                 crowded=crowded,
             )
             return run.run()
+    except BaseException as err:
+        error = err
+        raise
     finally:
         signals.restore()
         if run is not None:
             run.close()
         run = None  # its engine's model holds the process group: let go of it first (see D.teardown)
-        D.teardown()
+        D.teardown(error)
+        error = None  # the exception's traceback holds this frame
         torch.set_num_threads(before)
