@@ -46,6 +46,17 @@ def trained_run(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def forked_points(monkeypatch):
+    """Study points trained in-process by ``run_study`` start as forks of the fork server, as under ``kilolayer
+    study`` (:mod:`kilolayer.study.executors.forked`), instead of each in a fresh interpreter that imports torch and
+    kilolayer again (about 4 CPU-seconds a point): the runner forks only under kilolayer's own command, and pytest
+    is this driver. pytest's main module is safe for multiprocessing to import again in each point."""
+    from kilolayer.study.executors import forked
+
+    monkeypatch.setattr(forked, "available", lambda: True)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Every test marked neither integration nor slow gets the unit marker (before ``-m`` deselects: tryfirst).

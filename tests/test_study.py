@@ -68,12 +68,21 @@ def tiny_spec(tmp_path: Path, grid=None, **extra) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_tiny_study_end_to_end_and_rerun(tmp_path):
+def test_tiny_study_end_to_end_and_rerun(tmp_path, forked_points):
+    from kilolayer.study.estimate import _count, diagnostic_steps
+    from kilolayer.train.logging import read_metrics
+
     spec = load_spec(tiny_spec(tmp_path))
     out = tmp_path / "study"
     results = run_study(spec, out, log=lambda *_: None)
     assert [r.status for r in results] == ["completed", "completed"]
     assert all(r.ran for r in results)
+    # the estimator's counts of evaluations and diagnostics are those the trainer performed
+    for r in results:
+        recs = read_metrics(r.point.run_dir(out))
+        cfg = r.point.config
+        assert sum(x["split"] == "eval" for x in recs) == _count(cfg.train.steps, cfg.train.eval_every) == 2
+        assert sum(x["split"] == "diagnostics" for x in recs) == diagnostic_steps(cfg) == 4
     md, html, findings = write_report(spec, results, out, 1.0)
     text = md.read_text()
     for section in (
@@ -127,7 +136,7 @@ def test_tiny_study_end_to_end_and_rerun(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_diverged_point_is_a_result(tmp_path):
+def test_diverged_point_is_a_result(tmp_path, forked_points):
     path = tiny_spec(tmp_path, grid={"train.lr": [1e-3, 1e5]})
     data = yaml.safe_load(path.read_text())
     data["groups"][0]["base"]["train"].update(warmup=0, clip=0.0, steps=30, eval_every=0)
@@ -214,22 +223,6 @@ def test_bamboo_shapes_match_parameters_and_pair_up():
 
 
 # ---------------------------------------------------------------- run-time estimates
-
-
-@pytest.mark.integration
-def test_estimate_counts_match_a_real_run(tmp_path):
-    """The estimator's counts of evaluations and diagnostics are those the trainer performs."""
-    from kilolayer.study.estimate import _count, diagnostic_steps
-    from kilolayer.train.logging import read_metrics
-
-    spec = load_spec(tiny_spec(tmp_path))
-    out = tmp_path / "study"
-    results = run_study(spec, out, log=lambda *_: None)
-    for r in results:
-        recs = read_metrics(r.point.run_dir(out))
-        cfg = r.point.config
-        assert sum(x["split"] == "eval" for x in recs) == _count(cfg.train.steps, cfg.train.eval_every)
-        assert sum(x["split"] == "diagnostics" for x in recs) == diagnostic_steps(cfg)
 
 
 @pytest.mark.parametrize(
@@ -542,7 +535,7 @@ def _bounds(ds: list[float]) -> tuple[float, float, float]:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path, monkeypatch):
+def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path, monkeypatch, forked_points):
     """bamboo_cpu's groups, recipes unchanged but at toy size (1- and 2-layer width-32 models, 256 MNIST training
     images, help pages made up in the package's format, a quarter of each step cap, so a quarter of each wait):
     every trained run but MAE's and MLM's stops on its plateau, before its step cap; every analysis and finding

@@ -48,7 +48,7 @@ def with_train(config, **train_values):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_finetuning_waits_for_a_completed_source_and_retrains_when_it_moved(tmp_path):
+def test_finetuning_waits_for_a_completed_source_and_retrains_when_it_moved(tmp_path, forked_points):
     spec = StudySpec.model_validate(SPEC)
     pre, ft = expand(spec)
     assert ft.init_from_point == pre.key == "pre/seed=0"

@@ -370,6 +370,44 @@ def test_head_listens_on_loopback_only(ray_head):
     assert addrs and all(is_loopback(a) for a in addrs), addrs
 
 
+# ---------------------------------------------------------------- kilolayer search on the same cluster
+
+
+@pytest.mark.integration
+def test_search_through_ray_gives_the_local_executors_leaderboard(ray_head, tmp_path):
+    """kilolayer search --executor ray: a rung's trials train at once on the cluster (2 CPUs, 1 each), and the
+    leaderboard read back is the local executor's, trial for trial and bit for bit."""
+    pytest.importorskip("optuna")
+    from test_search import PARAMS
+    from test_search import TINY as SEARCH_TINY
+
+    from kilolayer.config import load_config
+    from kilolayer.study import search as S
+
+    def leaderboard(search: S.Search) -> list[tuple]:
+        return [(t.number, t.shape.name, t.state, t.step, t.value, t.reason) for t in search.ranked]
+
+    sets = [*SEARCH_TINY, "train.eval_batches=4"]
+    cmd = ["-m", "kilolayer", "search", "configs/digits_mae.yaml", "--params", PARAMS, "--depths", "1..3"]
+    cmd += ["--tolerance", "0.1", "--forecast-steps", "3", "--keep-forecast-failures", *[f"--set={s}" for s in sets]]
+    cmd += ["--executor", "ray", "--address", ray_head.address, "--cpus-per-run", "1", "--out", tmp_path / "ray"]
+    driver = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    settings = S.Settings(PARAMS, (1, 3), 0.1, forecast_steps=3, keep_forecast_failures=True)
+    local = S.run_search(load_config("configs/digits_mae.yaml", sets), tmp_path / "local", settings, log=print)
+    rc, out, err = finish(driver, timeout=400)
+    assert rc == 0, out + err
+    assert "up to 2 trial(s) at once, each 1 CPU" in out  # a rung's trials train together
+    remote = S.run_search(load_config("configs/digits_mae.yaml", sets), tmp_path / "ray", settings, log=print)
+
+    # read back (nothing left to train), it is the local search, trial for trial and bit for bit
+    assert [t.state for t in remote.ranked] == ["completed", "pruned", "pruned"]
+    assert leaderboard(remote) == leaderboard(local)
+    assert [t.curve for t in remote.ranked] == [t.curve for t in local.ranked]
+    assert "successive halving, rung 0 (step 3)" in remote.ranked[-1].reason
+    assert f"recommended: {local.ranked[0].shape.name}" in out
+    assert load_config(remote.best).model == load_config(local.best).model
+
+
 # ---------------------------------------------------------------- refusals, one line each
 
 
