@@ -188,11 +188,20 @@ def test_bad_spec_is_one_line(tmp_path, spec, needle):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.integration
-def test_unknown_study_name_cli_one_line(tmp_path):
-    p = cli("study", "nosuchstudy", "--out", tmp_path)
-    assert p.returncode == 2
-    lines = p.stderr.strip().splitlines()
+def study_cli(capsys, *args) -> tuple[int, list[str]]:
+    """``kilolayer study ARGS`` in this process: its exit code (argparse's refusals exit) and its stderr lines."""
+    from kilolayer.cli import main
+
+    try:
+        rc = main(["study", *map(str, args)])
+    except SystemExit as stop:
+        rc = stop.code
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+def test_unknown_study_name_cli_one_line(tmp_path, capsys):
+    rc, lines = study_cli(capsys, "nosuchstudy", "--out", tmp_path)
+    assert rc == 2
     assert len(lines) == 1 and "nosuchstudy" in lines[0] and "quick" in lines[0]
 
 
@@ -204,6 +213,10 @@ def test_study_list():
     studies = "quick deepnet deepnet_1000 deepnet_analysis deepnet_robust bamboo bamboo_cpu deepnet_mt deepnet_mt_slice"
     studies += " deepnet_mt_depth"
     assert listed == set(studies.split())
+    # each line says how its time was obtained
+    lines = {line.split()[0]: line for line in p.stdout.splitlines() if line and not line.startswith(" ")}
+    assert "measured" in lines["quick"]
+    assert "estimated" in lines["deepnet"] and "estimated" in lines["bamboo"]
 
 
 def test_bamboo_shapes_match_parameters_and_pair_up():
@@ -660,25 +673,16 @@ def test_report_runs_table_says_whether_a_run_ended_on_a_plateau_or_its_step_bud
     }
 
 
-@pytest.mark.integration
-def test_study_list_says_how_times_were_obtained():
-    p = cli("study", "--list")
-    lines = {line.split()[0]: line for line in p.stdout.splitlines() if line and not line.startswith(" ")}
-    assert "measured" in lines["quick"]
-    assert "estimated" in lines["deepnet"] and "estimated" in lines["bamboo"]
-
-
-@pytest.mark.integration
-def test_estimate_cli_bad_input_is_one_line(tmp_path):
+def test_estimate_cli_bad_input_is_one_line(tmp_path, capsys):
     for args, needle in (
         (["quick", "--estimate", "--probe-steps", "0"], "--probe-steps=0"),
         (["--estimate"], "NAME|SPEC.yaml"),
         (["quick", "--out", str(tmp_path), "--jobs", "0"], "--jobs=0"),
     ):
-        p = cli("study", *args)
-        assert p.returncode == 2, p.stderr
-        lines = p.stderr.strip().splitlines()
+        rc, lines = study_cli(capsys, *args)
+        assert rc == 2, lines
         assert len(lines) == 1 and needle in lines[0], lines
+    assert not any(tmp_path.iterdir())  # refused before --out was written
 
 
 def test_shipped_study_specs_load():
