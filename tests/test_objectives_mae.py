@@ -186,17 +186,17 @@ def test_a_branchnorm_decoder_follows_the_training_step_with_the_models_T():
 
 @pytest.mark.slow
 def test_linear_probe_on_mae_encoder_beats_chance(tmp_path):
-    # MAE-pretrain a 64-wide, 2-layer encoder for 150 steps, then train only a linear head on its frozen
-    # features. Measured validation accuracy 0.46-0.61 over seeds 0-2 (chance 0.10). At this size a probe on a
-    # random encoder does about as well, so this checks the pipeline, not that MAE features are better.
+    # MAE-pretrain a 64-wide, 2-layer encoder for 50 steps, then train only a linear head on its frozen
+    # features for 150. Measured validation accuracy 0.458 (0.43 after 150 MAE steps; chance 0.10). At this size
+    # a probe on a random encoder does about as well, so this checks the pipeline, not that MAE features are better.
     model = {"width": 64, "ffn": 128}
     pre_cfg = config("mae", "digits", model=model)
     mae, source = setup(pre_cfg)
-    train(mae, source, 150, lr=2e-3, batch_size=64)
-    run = fake_run(tmp_path / "mae_run", pre_cfg, mae, step=150)
+    train(mae, source, 50, lr=2e-3, batch_size=64)
+    run = fake_run(tmp_path / "mae_run", pre_cfg, mae, step=50)
     probe, source = setup(config("classification", "digits", model=model, options={"pool": "mean"}), seed=1)
     info = load_pretrained(probe, run, freeze=True)
-    assert info["step"] == 150 and info["frozen"]
+    assert info["step"] == 50 and info["frozen"]
     frozen = {k: v.clone() for k, v in probe.backbone.state_dict().items()}
     train(probe, source, 150, lr=1e-2, batch_size=64)
     for k, v in probe.backbone.state_dict().items():
