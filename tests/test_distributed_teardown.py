@@ -84,3 +84,14 @@ def test_teardown_releases_the_frames_of_chained_exceptions(group):
     except ValueError as err:
         D.teardown(err)
         assert gloo_workers() == 0
+
+
+def test_at_exit_ends_the_group_an_uncaught_exception_held(group, monkeypatch):
+    """The hook that runs before the interpreter finalises: Python keeps an uncaught exception as
+    ``sys.last_value``, whose traceback holds the failed run's model."""
+    try:
+        train_and_fail()
+    except RuntimeError as err:
+        monkeypatch.setattr(sys, "last_value", err, raising=False)
+    D._at_exit()
+    assert gloo_workers() == 0 and not dist.is_initialized()
