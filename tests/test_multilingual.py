@@ -77,6 +77,16 @@ def test_the_direction_table_has_every_direction_its_baselines_margin_and_averag
     assert len(rows) == 6 + 4
 
 
+def test_a_table_of_more_directions_than_a_page_holds_shows_its_averages(tmp_path, monkeypatch):
+    from kilolayer.study import directions_report
+
+    monkeypatch.setattr(directions_report, "MAX_ROWS", 5)
+    _, rows = direction_rows(record()["directions"])
+    assert [r[0] for r in rows] == ["mean"] * 4
+    text = "\n".join(directions_section([result("g/a", record())], tmp_path, _table))
+    assert "6 directions: the averages here, every one in the heat map." in text
+
+
 def test_the_report_shows_the_table_and_a_heat_map_embedded_in_its_html(tmp_path):
     out = tmp_path
     lines = directions_section([result("g/a", record()), result("g/b")], out, _table)
@@ -121,3 +131,48 @@ def test_the_study_report_places_the_directions_after_its_runs(tmp_path):
     assert md.index("## Runs") < md.index("## Translation by direction") < md.index("## Commands")
     assert json.dumps("report_files/directions_g_a.png")[1:-1] in md
 
+
+# ------------------------------------------------------------------ the studies
+
+
+def test_the_cpu_slice_compares_schemes_at_deepnet_mt_depths_setting_and_shapes_at_equal_parameters():
+    from kilolayer.nn.budget import count_parameters
+    from kilolayer.study.spec import expand, load_spec
+
+    spec = load_spec("deepnet_multilingual_cpu")
+    cfgs = [p.config for p in expand(spec)]
+    assert len(cfgs) == 8 and {c.model.scheme for c in cfgs} == {"post_ln", "deepnorm"}
+    assert {c.train.seed for c in cfgs} == {0, 1}
+    # six languages, two in non-Latin scripts, every direction
+    options = {json.dumps(c.data.options, sort_keys=True) for c in cfgs}
+    assert len(options) == 1 and cfgs[0].data.options["languages"] == ["en", "de", "fr", "ru", "ja", "zh-cn"]
+    assert cfgs[0].data.options["directions"] == "all"
+    # deepnet_mt_depth's 18L-18L, width 64, lr and warm-up; one step budget and no early stop: equal budgets
+    depth = [p.config for p in expand(load_spec("deepnet_mt_depth")) if p.config.model.layers == 18][0]
+    deep = [c for c in cfgs if c.model.layers == 18]
+    assert {(c.model.width, c.train.lr, c.train.warmup, c.train.batch_size) for c in deep} == {
+        (depth.model.width, depth.train.lr, depth.train.warmup, depth.train.batch_size)
+    }
+    assert len({(c.train.steps, c.train.batch_size) for c in cfgs}) == 1 and all(c.train.patience == 0 for c in cfgs)
+    sizes = sorted({(c.model.layers, c.model.width, count_parameters(c.model)) for c in cfgs})
+    assert [s[:2] for s in sizes] == [(6, 96), (18, 64)]
+    assert abs(sizes[0][2] / sizes[1][2] - 1) < 0.01 and 3.0e6 < sizes[1][2] < 3.3e6  # 3.13M and 3.14M
+    assert {c.model.width // c.model.heads for c in cfgs} == {16}
+    assert [c.name for c in spec.claims] == ["deepnet_postln", "deepnet_update", "deepnet_multilingual_depth"]
+
+
+def test_the_gpu_study_sets_a_deep_narrow_model_against_a_wide_one_of_the_papers_parameter_ratio():
+    from kilolayer.nn.budget import count_parameters
+    from kilolayer.study.spec import expand, load_spec
+
+    spec = load_spec("deepnet_multilingual")
+    points = expand(spec)
+    grid = {(p.config.model.scheme, p.config.model.layers) for p in points if p.group == "deepnet"}
+    assert grid == {(s, d) for s in ("post_ln", "pre_ln", "deepnorm") for d in (12, 24, 50, 100)}
+    deeper, wide = (next(p.config.model for p in points if p.group == g) for g in ("deeper", "wide"))
+    assert (deeper.layers, deeper.width, wide.layers, wide.width) == (200, 256, 48, 1024)
+    ratio = count_parameters(wide) / count_parameters(deeper)
+    assert 3.5 < ratio < 4.2  # the paper's 12B / 3.2B = 3.75 at 48 against 200 layers
+    assert len({(p.config.train.steps, p.config.train.lr, p.config.train.batch_size) for p in points}) == 1
+    claim = next(c for c in spec.claims if c.name == "deepnet_multilingual_wide")
+    assert claim.paper_effect == 5.0 and claim.margin < claim.paper_effect

@@ -2,7 +2,8 @@
 data), read by its file name. A YAML file there is a built-in study; nothing else registers it.
 
 The built-in claims (``kilolayer/studies/claims/*.yaml``) read groups by name, which a spec may rebind: ``deepnet``
-(schemes x depths); ``depth_gradients`` (early gradients across depths); ``robust_lr``, ``robust_batch`` and
+(schemes x depths); ``deeper`` and ``wide`` (a deep, narrow model against a shallow, wide one of more parameters);
+``depth_gradients`` (early gradients across depths); ``robust_lr``, ``robust_batch`` and
 ``robust_width`` (one setting raised at a time); on images ``untrained``, ``supervised``, ``contrastive``, ``mae`` and
 ``finetune`` (MAE then fine-tuning); on text ``text_untrained``, ``text_classify``, ``mlm``,
 ``mlm_finetune`` and ``next_token``.
@@ -30,6 +31,8 @@ LISTED = (
     "deepnet_mt",
     "deepnet_mt_slice",
     "deepnet_mt_depth",
+    "deepnet_multilingual",
+    "deepnet_multilingual_cpu",
 )
 
 

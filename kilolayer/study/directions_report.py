@@ -15,7 +15,7 @@ from pathlib import Path
 from kilolayer import rundir
 from kilolayer.objectives.directions import GROUPS
 
-MAX_ROWS = 60  # directions shown one per row; a larger table shows its averages (its heat map shows every one)
+MAX_ROWS = 80  # directions shown one per row; a larger table shows its averages (its heat map shows every one)
 BASELINES = ("copy", "nearest")
 
 
