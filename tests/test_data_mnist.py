@@ -575,38 +575,44 @@ def _short(steps: int, every: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def vit_from_scratch(tmp_path_factory) -> Path:
-    """configs/mnist_vit.yaml shortened to 1,000 steps (its cosine schedule with them), evaluated every 250, trained
+    """configs/mnist_vit.yaml shortened to 500 steps (its cosine schedule with them), evaluated every 100, trained
     once."""
     from kilolayer.cli import main
 
     run = tmp_path_factory.mktemp("mnist") / "scratch"
-    assert main(["train", str(ROOT / "configs" / "mnist_vit.yaml"), "--out", str(run), *_short(1000, 250)]) == 0
+    assert main(["train", str(ROOT / "configs" / "mnist_vit.yaml"), "--out", str(run), *_short(500, 100)]) == 0
     return run
 
 
 @pytest.mark.slow
 @needs_mnist
 def test_vit_learns_mnist_from_scratch(vit_from_scratch):
-    """The shipped ViT passes 0.95 validation accuracy in 1,000 steps of 64 images (measured 0.957)."""
+    """The shipped ViT passes 0.9 validation accuracy in 500 steps of 64 images (measured 0.923; chance 0.1)."""
     fresh = final_eval(vit_from_scratch)
-    assert fresh["step"] == 1000 and fresh["accuracy"] >= 0.95, fresh
+    assert fresh["step"] == 500 and fresh["accuracy"] >= 0.9, fresh
 
 
 @pytest.mark.slow
 @needs_mnist
 def test_mae_pretraining_lowers_the_fine_tuning_loss(tmp_path, vit_from_scratch):
-    """300 steps of MAE pre-training (configs/mnist_mae.yaml), then the same 1,000-step ViT schedule from its
-    encoder: after the same first 250 steps, a validation loss below 0.85 x that from scratch (measured 0.67 x;
-    0.78 x at step 1,000)."""
+    """300 steps of MAE pre-training (configs/mnist_mae.yaml), then the same 500-step ViT schedule from its
+    encoder: after the same first 200 steps, a validation loss below 0.85 x that from scratch (measured 0.76 x;
+    0.74 x at step 300)."""
     from kilolayer.cli import main
     from kilolayer.train.run import Halted, train
 
     mae, ft = tmp_path / "mae", tmp_path / "ft"
     assert main(["train", str(ROOT / "configs" / "mnist_mae.yaml"), "--out", str(mae), *_short(300, 300)]) == 0
-    sets = [*_sets(1000, 250), f"train.init_from={mae}"]
-    with pytest.raises(Halted):  # the comparison is at step 250: the run stops there
-        train(ROOT / "configs" / "mnist_vit.yaml", ft, sets=sets, quiet=True, on_eval=lambda step, _: "compared")
+    sets = [*_sets(500, 100), f"train.init_from={mae}"]
+    with pytest.raises(Halted):  # the comparison is at step 200: the run stops there
+        train(
+            ROOT / "configs" / "mnist_vit.yaml",
+            ft,
+            sets=sets,
+            quiet=True,
+            on_eval=lambda step, _: "compared" if step == 200 else "",
+        )
     tuned = final_eval(ft)
     fresh = next(r for r in _evals(vit_from_scratch) if r["step"] == tuned["step"])
-    assert tuned["step"] == 250
+    assert tuned["step"] == 200
     assert tuned["loss"] < 0.85 * fresh["loss"], (tuned, fresh)
