@@ -689,8 +689,8 @@ def test_random_kill9_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
         assert proc.returncode in (0, -signal.SIGKILL), err
         assert not rundir.is_locked(run)  # the kernel dropped the lock with the process
         assert rundir.read_status(run).get("status") in (None, "running", "completed")
-    p = cli("train", "--resume", "--out", str(run), "--quiet")
-    assert p.returncode == 0, p.stderr
     assert kills >= 3
+    # the last resume runs in this process: what it reads was left by the killed processes
+    assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0
     assert losses(run) == ref_train
     assert losses(run, "eval") == ref_eval
