@@ -58,11 +58,9 @@ def train_result_fp32(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def gpu_run(tmp_path_factory):
-    """``benchmarks.gpu --smoke --out FILE`` with both shapes named, in the reverse of their listed order: its JSON,
-    and what it handed over after each shape (the shape, the shapes in its result then, the shapes in FILE then)."""
-    out = tmp_path_factory.mktemp("bench") / "gpu.json"
+def gpu_smoke(out: Path, shapes: list[str], *extra: str) -> tuple[dict, list]:
+    """``benchmarks.gpu --smoke --out OUT`` with ``shapes`` named (in that order) and ``extra`` arguments: its JSON,
+    and what it handed over after each shape (the shape, the shapes in its result then, the shapes in OUT then)."""
     handed = []
     real_run = gpu.run
 
@@ -75,9 +73,20 @@ def gpu_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpu, "run", run)
-        shapes = [a for key in reversed(gpu.SMOKE_CONFIGS) for a in ("--config", key)]
-        assert gpu.main(["--smoke", *shapes, "--out", str(out)]) == 0
+        named = [a for key in shapes for a in ("--config", key)]
+        assert gpu.main(["--smoke", *named, *extra, "--out", str(out)]) == 0
     return json.loads(out.read_text()), handed
+
+
+#: the smoke shape the GPU script races in full here, each fast-path row compiled once (train_result compiles the
+#: same rows in the CPU race); the hand-over test runs every smoke shape, cut short before any compile
+GPU_SHAPE = next(iter(gpu.SMOKE_CONFIGS))
+
+
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory):
+    """``benchmarks.gpu --smoke --config GPU_SHAPE --out FILE``: its JSON."""
+    return gpu_smoke(tmp_path_factory.mktemp("bench") / "gpu.json", [GPU_SHAPE])[0]
 
 
 @pytest.fixture(scope="module")
@@ -371,11 +380,11 @@ def test_reports_where_bf16_is_fast(train_result, memory_result, profile_result)
 
 @pytest.mark.slow
 def test_gpu_smoke_json(gpu_run):
-    """``benchmarks.gpu --smoke``: the GPU race's code on tiny models (here on the CPU), both shapes."""
-    r, _ = gpu_run
+    """``benchmarks.gpu --smoke``: the GPU race's code on a tiny model (here on the CPU)."""
+    r = gpu_run
     assert r["smoke"] is True and r["compile_backend"] == "aot_eager"
     assert _positive(r["peak"]["flops"]["bf16"]) and r["peak"]["source"]["bf16"]
-    assert set(r["configs"]) == set(gpu.SMOKE_CONFIGS)
+    assert set(r["configs"]) == {GPU_SHAPE}
     for res in r["configs"].values():
         assert [v["name"] for v in res["variants"]] == [v.name for v in gpu.VARIANTS]
         assert all(v["options"]["precision"] == "bf16" and v["options"]["fused_optimizer"] for v in res["variants"])
@@ -387,14 +396,17 @@ def test_gpu_smoke_json(gpu_run):
     assert "SDPA kernel: cpu" in text and "| peak GiB |" in text
 
 
-@pytest.mark.slow
-def test_gpu_race_hands_over_each_shape_when_it_is_done(gpu_run):
+def test_gpu_race_hands_over_each_shape_when_it_is_done(tmp_path):
     """A GPU run cut short by its host keeps what it finished: each shape's results are handed over (printed,
-    and written to --out) as soon as that shape is done, with every shape finished so far."""
-    r, handed = gpu_run
-    second, first = gpu.SMOKE_CONFIGS  # in the order --config named them
+    and written to --out) as soon as that shape is done, with every shape finished so far. With a budget of 0
+    minutes every row of every shape is skipped with the budget's note, none compiled."""
+    second, first = gpu.SMOKE_CONFIGS  # in the order --config names them
+    r, handed = gpu_smoke(tmp_path / "gpu.json", [first, second], "--budget-min", "0")
     assert handed == [(first, [first], [first]), (second, [first, second], [first, second])]
     assert list(r["configs"]) == [first, second]
+    for res in r["configs"].values():
+        assert [v["name"] for v in res["variants"]] == [v.name for v in gpu.VARIANTS]
+        assert {v["error"] for v in res["variants"]} == {"skipped: the run's time budget was spent"}
 
 
 def test_gpu_without_cuda_is_one_line(capsys, monkeypatch):
