@@ -161,14 +161,16 @@ def test_a_measure_that_reads_an_analysis_needs_its_groups_to_run_it(tmp_path, c
     assert len(lines) == 1 and lines[0].endswith(f"add smoothness to the analyses of group {lacking}")
 
 
-@pytest.mark.integration
-def test_the_cli_refuses_a_bad_claim_with_exit_2_and_writes_nothing(tmp_path):
+def test_the_cli_refuses_a_bad_claim_with_exit_2_and_writes_nothing(tmp_path, capsys):
+    from kilolayer.cli import main
+
     path = _spec_file(tmp_path, lambda d: d["claims"][0]["compare"].update(claimed_better=16))
     out = tmp_path / "out"
-    proc = cli("study", path, "--out", out)
-    assert proc.returncode == 2 and not out.exists(), proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "compare.claimed_better=16" in lines[0], proc.stderr
+    rc = main(["study", str(path), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists(), err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "compare.claimed_better=16" in lines[0], err
 
 
 # ---------------------------------------------------------------- judging constructed evidence
@@ -344,6 +346,9 @@ def test_a_claim_reads_only_its_own_group(tmp_path):
 def test_the_example_runs_from_the_cli_and_its_report_has_the_claims_row(tmp_path):
     out = tmp_path / "my_depth"
     sets = ["train.steps=8", "train.eval_every=4", "train.checkpoint_every=8", "train.log_every=4"]
+    # a slice of the corpus and small batches: the example's six runs and its claim, at a cost of seconds
+    sets += ["train.batch_size=4", "train.eval_batches=2", "data.options.max_bytes=200000"]
+    sets += ["data.options.eval_windows=8"]
     proc = cli("study", EXAMPLE, "--out", out, "--jobs", "2", *[a for s in sets for a in ("--set", s)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = (out / "report.md").read_text()
