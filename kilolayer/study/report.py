@@ -24,8 +24,8 @@ from kilolayer.rundir import RunDir
 from kilolayer.study.claim_plots import claim_plots
 from kilolayer.study.directions_report import directions_section
 from kilolayer.study.findings import evaluate_findings
-from kilolayer.verdicts.claims import judge
 from kilolayer.study.registered import post_hoc
+from kilolayer.verdicts.claims import judge
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, RULE, Finding
 
 # plain words (emoji need a font the reader may not have); the HTML colours them
@@ -157,9 +157,9 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
             rel = os.path.relpath(path, out)
             lines += [f"![{_text(caption)}]({rel})", "", f"*{_text(caption)}*", ""]
         lines += [f"**Verdict: {BADGE[f.verdict.verdict]}.** {_text(f.verdict.reason)}.", ""]
-        if f.improving:
         if f.post_hoc:
             lines += [f"**Post hoc.** This claim was {_text(f.post_hoc)}.", ""]
+        if f.improving:
             lines += [f"**Still improving.** {_text(f.improving)}.", ""]
         if f.scale_up:
             lines += [f"**To test this claim properly:** {_text(f.scale_up)}", ""]
@@ -359,9 +359,9 @@ def write_report(spec, results, out: Path, wall_seconds: float) -> tuple[Path, P
     for c in spec.claims:
         f = judge(c, results, groups, out)
         f.plots = claim_plots(c, results, out)
+        f.post_hoc = post_hoc(c, [r.point for r in results], out)
         findings.append(f)
     findings += evaluate_findings(spec.findings, results, out)
-        f.post_hoc = post_hoc(c, [r.point for r in results], out)
     md = render_markdown(spec, results, findings, out, wall_seconds)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)
