@@ -211,12 +211,13 @@ def test_study_list():
     assert p.returncode == 0
     listed = {line.split()[0] for line in p.stdout.splitlines() if line and not line.startswith(" ")}
     studies = "quick deepnet deepnet_1000 deepnet_analysis deepnet_robust bamboo bamboo_cpu deepnet_mt deepnet_mt_slice"
-    studies += " deepnet_mt_depth"
+    studies += " deepnet_mt_depth deepnet_multilingual deepnet_multilingual_cpu"
     assert listed == set(studies.split())
     # each line says how its time was obtained
     lines = {line.split()[0]: line for line in p.stdout.splitlines() if line and not line.startswith(" ")}
     assert "measured" in lines["quick"]
     assert "estimated" in lines["deepnet"] and "estimated" in lines["bamboo"]
+    assert "estimated" in lines["deepnet_multilingual"] and "estimated" in lines["deepnet_multilingual_cpu"]
 
 
 def test_bamboo_shapes_match_parameters_and_pair_up():
