@@ -257,8 +257,28 @@ def test_schedule_replays_the_runner():
 
     assert schedule([[3.0, 1.0, 1.0, 1.0]], 1) == 6.0
     assert schedule([[3.0, 1.0, 1.0, 1.0]], 2) == 3.0  # 3 | 1+1+1
-    assert schedule([[1.0, 1.0], [4.0]], 2) == 5.0  # groups run one after the other
+    assert schedule([[1.0, 1.0], [4.0]], 2) == 5.0  # stages run one after the other
+    assert schedule([[1.0, 1.0, 4.0]], 2) == 5.0
+    assert schedule([[1.0, 4.0, 1.0]], 2) == 4.0  # 1+1 | 4: a free slot takes the next group's point
     assert schedule([[]], 3) == 0.0
+
+
+def test_only_a_group_that_waits_or_starts_from_another_cuts_a_stage():
+    from kilolayer.study.spec import StudySpec, expand, stages
+
+    base = {"model": {"layers": 1, "width": 16, "heads": 2}, "train": {"steps": 2}}
+    spec = StudySpec(
+        name="s",
+        groups=[
+            {"name": "a", "base": base, "seeds": [0, 1, 2]},
+            {"name": "b", "base": base},
+            {"name": "c", "base": base, "after": "a"},
+            {"name": "d", "base": base, "init_from": "b"},
+            {"name": "e", "base": base},
+        ],
+    )
+    got = [[p.group for p in stage] for stage in stages(spec, expand(spec))]
+    assert got == [["a", "a", "a", "b"], ["c"], ["d", "e"]]
 
 
 @pytest.mark.integration

@@ -37,7 +37,7 @@ from kilolayer.config import Config, load_config
 from kilolayer.errors import ConfigError, KilolayerError
 from kilolayer.study.executors import forked
 from kilolayer.study.runner import run_analysis, threads_per_job
-from kilolayer.study.spec import Point, StudySpec, expand
+from kilolayer.study.spec import Point, StudySpec, expand, stages
 
 
 @dataclass
@@ -170,11 +170,11 @@ def _signature(p: Point) -> str:
     return json.dumps(data, sort_keys=True, default=str)
 
 
-def schedule(groups: list[list[float]], jobs: int) -> float:
-    """Wall-clock of the runner's schedule: groups in order; in each, points go to the first free of ``jobs``
-    workers in order."""
+def schedule(stages: list[list[float]], jobs: int) -> float:
+    """Wall-clock of the runner's schedule: its stages (:func:`~kilolayer.study.spec.stages`) one after the
+    other; in each, points go to the first free of ``jobs`` workers in order."""
     total = 0.0
-    for costs in groups:
+    for costs in stages:
         free = [0.0] * max(1, jobs)
         for c in costs:
             i = free.index(min(free))
@@ -222,5 +222,5 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
         "points": {p.key: {"seconds": per_point[p.key], **asdict(costs[_signature(p)])} for p in points},
         "groups": {g.name: sum(c) for g, c in zip(spec.groups, groups)},
         "compute_seconds": sum(per_point.values()),
-        "wall_seconds": schedule(groups, jobs),
+        "wall_seconds": schedule([[per_point[p.key] for p in stage] for stage in stages(spec, points)], jobs),
     }

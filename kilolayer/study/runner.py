@@ -42,7 +42,7 @@ from kilolayer.rundir import RunDir
 from kilolayer.study.analyses import analysis_current, record_failure, run_analysis
 from kilolayer.study.executors import drain, forked
 from kilolayer.study.executors.local import LocalPool
-from kilolayer.study.spec import Point, StudySpec, expand
+from kilolayer.study.spec import Point, StudySpec, expand, stages
 from kilolayer.train.host import usable_cpus
 from kilolayer.train.run import trained_as_asked
 
@@ -367,9 +367,10 @@ def collect_all(points: list[Point], out: Path, ran: set[str]) -> list[Result]:
 
 
 def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int | str | None = None) -> list[Result]:
-    """Train every point on the local executor (groups in order, ``jobs`` at a time; ``threads``: each run's
-    train.threads, default the CPUs shared among the jobs), run analyses, return the results. The analyses run in
-    this process beside the points still training, at a point's share of the CPUs."""
+    """Train every point on the local executor, ``jobs`` at a time in the spec's order: a group with ``after`` or
+    ``init_from`` starts once everything before it has ended, any other fills a slot as soon as one is free.
+    ``threads``: each run's train.threads, default the CPUs shared among the jobs. Runs the analyses (in this
+    process, beside the points still training, at a point's share of the CPUs) and returns the results."""
     import torch
 
     out = Path(out)
@@ -394,10 +395,9 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int
         torch.set_num_threads(share)
     pool = LocalPool(jobs)
     try:
-        for group in spec.groups:
-            for p in points:
-                if p.group == group.name:
-                    pool.submit(p.key, one, p)
+        for stage in stages(spec, points):
+            for p in stage:
+                pool.submit(p.key, one, p)
             drain(pool)
     finally:
         pool.close()

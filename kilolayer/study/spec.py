@@ -234,6 +234,19 @@ def point_name(values: dict[str, Any]) -> str:
     return "_".join(parts).replace("/", "-") or "base"
 
 
+def stages(spec: StudySpec, points: list[Point]) -> list[list[Point]]:
+    """``points`` in the spec's order, cut before every group that waits for an earlier one (``after``) or starts
+    from its runs (``init_from``): the local runner starts a stage once every point of the stages before it has
+    ended, and fills its slots from one stage without waiting between groups."""
+    out: list[list[Point]] = []
+    for g in spec.groups:
+        members = [p for p in points if p.group == g.name]
+        if not out or g.after is not None or g.init_from is not None:
+            out.append([])
+        out[-1] += members
+    return out
+
+
 def expand(spec: StudySpec) -> list[Point]:
     """All points of a spec, groups in order; validates every config up front (one line if any is bad)."""
     names = [g.name for g in spec.groups]
