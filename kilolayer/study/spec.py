@@ -305,47 +305,38 @@ def check_data(points: list[Point]) -> None:
     section is loaded once with the first point that names it, so a package or file that is missing is one
     line naming that point before any run starts, not a failure per run an hour into a study. A check of
     availability: a setting that fits one point's data but not another's model still fails at that run."""
-    from kilolayer.data import load_source
+    from kilolayer.train.score import for_split
 
     seen: set[tuple[str, str]] = set()
     for p in points:
-        configs = [p.config]
+        base = p.config
         if p.analysis_data is not None:
-            configs.append(load_config({**p.config.model_dump(), "data": p.analysis_data}))
-        for cfg in configs:
-            key = (cfg.data.model_dump_json(), cfg.model.input)
-            if key in seen:
-                continue
-            seen.add(key)
-            try:
-                load_source(cfg)
-            except (ConfigError, InputError) as err:
-                raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
+            base = load_config({**p.config.model_dump(), "data": p.analysis_data})
+        configs = [p.config] if base is p.config else [p.config, base]
         if "test_scores" in p.analyses:  # it scores the test split, which not every data set has
-            _check_test_split(p, seen)
+            configs.append(for_split(base, "test"))
+        try:
+            for cfg in configs:
+                _load_once(cfg, seen)
+        except ConfigError as err:
+            if cfg is configs[-1] and "test_scores" in p.analyses and str(err).startswith("data.options.eval_split:"):
+                raise ConfigError(
+                    f"groups.{p.group}.analyses: test_scores scores the test split, which "
+                    f"data.name={base.data.name!r} does not have (it evaluates on its validation split only)"
+                ) from None
+            raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
+        except InputError as err:
+            raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
 
 
-def _check_test_split(p: Point, seen: set) -> None:
+def _load_once(cfg, seen: set) -> None:
+    """Load ``cfg``'s data unless an equal data section (and model input) was loaded already."""
     from kilolayer.data import load_source
-    from kilolayer.train.score import for_split
 
-    base = p.config if p.analysis_data is None else load_config({**p.config.model_dump(), "data": p.analysis_data})
-    cfg = for_split(base, "test")
     key = (cfg.data.model_dump_json(), cfg.model.input)
-    if key in seen:
-        return
-    seen.add(key)
-    try:
+    if key not in seen:
+        seen.add(key)
         load_source(cfg)
-    except ConfigError as err:
-        if str(err).startswith("data.options.eval_split:"):
-            raise ConfigError(
-                f"groups.{p.group}.analyses: test_scores scores the test split, which data.name={cfg.data.name!r} "
-                "does not have (it evaluates on its validation split only)"
-            ) from None
-        raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
-    except InputError as err:
-        raise ConfigError(f"groups.{p.group} point {p.name}: {err}") from None
 
 
 def _match(p: Point, candidates: list[Point], group: str) -> str:
