@@ -69,7 +69,7 @@ def test_the_example_spec_loads_its_base_from_a_path_relative_to_the_spec_and_ap
 def test_the_rule_text_is_generated_from_the_claims_fields(tmp_path):
     spec = load_spec(EXAMPLE)
     f = _judge(spec, _results(spec, lambda l, s: 2.0 - 0.01 * l + NOISE[s]), tmp_path)
-    assert f.rule.startswith("d = final evaluation loss of model.layers=2 minus that of model.layers=8")
+    assert f.rule.startswith("d = evaluation loss at the standing checkpoint of model.layers=2 minus that of model.layers=8")
     assert "Margin 0.02 nats." in f.rule and "same split" not in f.rule
     assert "read on validation, the split that also chose each run's checkpoint" in f.rule
     assert "(model.layers moves together with model.width and model.heads in the grid)" in f.rule
@@ -320,11 +320,34 @@ def test_survived_is_count_data_decided_by_the_sign_test(tmp_path):
                 r.status, r.eval = "diverged", {}
         return _judge(spec, results, tmp_path)
 
-    two = outcome(load_spec(_spec_file(tmp_path, lambda d: survived_spec(d, (0, 1)))))
+    two_spec = load_spec(_spec_file(tmp_path, lambda d: survived_spec(d, (0, 1))))
+    assert two_spec.claims_undecidable == [
+        f"{two_spec.claims[0].name}: its runs share 2 seed(s) and count data are decided by a one-sided sign test "
+        "at 5%, which needs 5 agreeing seeds, so it can only read inconclusive"
+    ]
+    two = outcome(two_spec)
     assert two.verdict.verdict == INCONCLUSIVE and two.verdict.p == pytest.approx(0.25)
     assert two.verdict.per_seed == {0: 1.0, 1: 1.0} and "sign test" in two.rule
-    five = outcome(load_spec(_spec_file(tmp_path, lambda d: survived_spec(d, range(5)))))
+    five_spec = load_spec(_spec_file(tmp_path, lambda d: survived_spec(d, range(5))))
+    assert five_spec.claims_undecidable == []
+    five = outcome(five_spec)
     assert five.verdict.verdict == HELD and five.verdict.p == pytest.approx(1 / 32)
+
+
+def test_one_seed_is_named_as_undecidable_before_anything_trains_and_8_0_is_the_grid_value_8(tmp_path, capsys):
+    from kilolayer.study.cli import say_claim_notes
+
+    def one_seed(d):
+        d["groups"][0]["seeds"] = [0]
+        d["claims"][0]["compare"]["claimed_better"] = 8.0
+
+    path = _spec_file(tmp_path, one_seed)
+    spec = load_spec(path)
+    assert len(spec.claims_undecidable) == 1 and "share 1 seed(s)" in spec.claims_undecidable[0]
+    assert "one seed cannot tell a difference from seed noise" in spec.claims_undecidable[0]
+    say_claim_notes(spec)
+    assert capsys.readouterr().out == f"cannot decide: {spec.claims_undecidable[0]}\n"
+    assert spec.claims[0].contrast.claimed_better == 8.0 and len(spec.claims_left_out) == 0
 
 
 def test_a_claim_reads_only_its_own_group(tmp_path):
@@ -354,7 +377,7 @@ def test_the_example_runs_from_the_cli_and_its_report_has_the_claims_row(tmp_pat
     report = (out / "report.md").read_text()
     row = next(line for line in report.splitlines() if line.startswith("| deeper_is_better |"))
     assert any(v in row for v in ("**held**", "**did not hold**", "**inconclusive**")), row
-    assert "d = final evaluation loss of model.layers=2 minus that of model.layers=8" in report
+    assert "d = evaluation loss at the standing checkpoint of model.layers=2 minus that of model.layers=8" in report
     assert "Margin 0.02 nats." in report
 
 

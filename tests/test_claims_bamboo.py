@@ -118,7 +118,7 @@ def test_two_groups_are_compared_by_the_key_group_matched_on_their_settings(grou
     assert f.verdict.verdict == HELD and f.verdict.n == 3
     assert f.verdict.per_seed == pytest.approx({s: 0.2 - NOISE[s] for s in SEEDS})
     assert f.headers[0] == "group" and {r[0] for r in f.rows} == {"a", "b"} and len(f.rows) == 2 * 3 * 3
-    assert "d = final evaluation loss of group=b minus that of group=a" in f.rule
+    assert "d = evaluation loss at the standing checkpoint of group=b minus that of group=a" in f.rule
     assert "runs matched on model.layers, model.decoder_layers and averaged over them" in f.rule
     higher = _results(groups, lambda p: {"a": 1.4 + NOISE[_seed(p)], "b": 1.2}.get(p.group))
     assert _judge(groups, claim, higher, tmp_path).verdict.verdict == NOT_HELD

@@ -419,7 +419,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 
 def small(scheme, lr, layers=12, steps=40, warmup=30):
     """Reverse-digits encoder-decoders, width 32, 40 steps: the forecast's default replay is the whole run.
-    Trained here: Post-LN 12L-12L at lr 1e-2 stalls (final eval loss 0.96 x chance), DeepNorm trains (0.73 x
+    Trained here: Post-LN 12L-12L at lr 1e-2 stalls (standing eval loss 0.96 x chance), DeepNorm trains (0.73 x
     chance); Post-LN 2L-2L at lr 10 diverges at step 11."""
     return load_config(
         {

@@ -413,13 +413,13 @@ def chance_findings(config: Config, m: Measurements, others: list[Problem]) -> t
         return [
             Problem(
                 "learned_nothing",
-                f"final eval loss {final:.4g} is {final / level:.2f} x the chance level {level:.4g}: learned "
+                f"standing eval loss {final:.4g} is {final / level:.2f} x the chance level {level:.4g}: learned "
                 f"almost nothing (the study report's rule: above {LEARNED_NOTHING:g} x chance)",
                 fix,
                 dict(c),
             )
         ], []
-    return [], [f"final eval loss {final:.4g} = {final / level:.2f} x chance {level:.4g}"]
+    return [], [f"standing eval loss {final:.4g} = {final / level:.2f} x chance {level:.4g}"]
 
 
 def status_findings(config: Config, status: dict, m: Measurements) -> list[Problem]:

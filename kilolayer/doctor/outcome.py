@@ -58,8 +58,8 @@ def outcome(run_dir: str | Path, config: Config, record: RunRecord | None = None
     elif not r.judged:  # nothing to judge (metrics.jsonl missing, or no evaluation logged): not a stall
         why = f"completed, but metrics.jsonl holds no {'evaluation ' if r.train_losses else ''}loss: no outcome"
     elif label is None:
-        why = f"final eval loss {final:.3g}; no chance level, so no outcome: {status}"
+        why = f"standing eval loss {final:.3g}; no chance level, so no outcome: {status}"
     else:
         rule = f"> {LEARNED_NOTHING}" if label == "stalls" else f"<= {LEARNED_NOTHING}"
-        why = f"final eval loss {final:.3g} = {final / level:.2f} x chance {level:.3g} ({rule})"
+        why = f"standing eval loss {final:.3g} = {final / level:.2f} x chance {level:.3g} ({rule})"
     return Outcome(label, status, final, level, why)

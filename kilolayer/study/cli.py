@@ -42,8 +42,7 @@ def cmd_study(args) -> int:
 
     spec = load_spec(args.spec, args.set)
     points = expand(spec)  # every point's config and claim checked before --out is touched
-    for line in spec.claims_left_out:
-        print(f"left out: {line}")
+    say_claim_notes(spec)
     if executor.name != "ray":  # a cluster's nodes may hold data the driver does not
         check_data(points)
     t0 = time.perf_counter()
@@ -85,6 +84,14 @@ def cmd_study(args) -> int:
 
 
 @contextlib.contextmanager
+def say_claim_notes(spec) -> None:
+    """Before anything trains: the claims of a named set the spec left out, and those its seeds cannot decide."""
+    for line in spec.claims_left_out:
+        print(f"left out: {line}")
+    for line in spec.claims_undecidable:
+        print(f"cannot decide: {line}")
+
+
 def study_lock(out: Path):
     """One ``kilolayer study`` per --out: an flock on OUT/study.lock, dropped by the kernel with the process.
     A second study on the same directory would find points another one is training and report them half done."""
@@ -191,8 +198,7 @@ def _estimate(args, jobs: int) -> int:
     if args.probe_steps < 1:
         raise ConfigError(f"--probe-steps={args.probe_steps}: expected an integer >= 1")
     spec = load_spec(args.spec, args.set)
-    for line in spec.claims_left_out:
-        print(f"left out: {line}")
+    say_claim_notes(spec)
     t0 = time.perf_counter()
     est = estimate(spec, jobs=jobs, probe_steps=args.probe_steps)
     for name, seconds in est["groups"].items():

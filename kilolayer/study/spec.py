@@ -49,7 +49,7 @@ from kilolayer.errors import ConfigError, InputError
 from kilolayer.study.analyses import ANALYSES
 from kilolayer.study.claim_plots import CLAIM_PLOTS
 from kilolayer.train.run import check_early_stopping, check_steps
-from kilolayer.verdicts.claims import Claim, check_claim, check_logged, parse_claim
+from kilolayer.verdicts.claims import Claim, cannot_decide, check_claim, check_logged, parse_claim
 
 
 class GroupSpec(BaseModel):
@@ -119,6 +119,12 @@ class StudySpec(BaseModel):
         """The claims of a named set that the spec left out, each with why (``"NAME (of SET): this spec has no
         group G"``)."""
         return list(self._left_out)
+
+    @property
+    def claims_undecidable(self) -> list[str]:
+        """The claims that too few seeds leave inconclusive whatever the runs show, each with why."""
+        groups = {g.name: g for g in self.groups}
+        return [why for c in self.claims if (why := cannot_decide(c, groups))]
 
     @model_validator(mode="after")
     def _claims(self):

@@ -51,7 +51,7 @@ from kilolayer.verdicts.measures import (
     has_test,
     selection_convergence,
 )
-from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, ROUNDING, Finding, decide
+from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, ROUNDING, Finding, decide, seeds_for_sign_test
 
 REQUIREMENTS = {
     "winner_learns": f"the claimed-better side must have learned (loss at most {LEARNED_NOTHING:g} x chance) in "
@@ -263,6 +263,21 @@ def check_claim(claim: Claim, groups: dict, where: str) -> None:
                 f"to the analyses of {'group' if len(lacking) == 1 else 'groups'} "
                 f"{', '.join(repr(name) for name in lacking)}"
             )
+
+
+def cannot_decide(claim: Claim, groups: dict) -> str | None:
+    """Why ``claim`` can reach no verdict but inconclusive with the seeds its groups run, or None: one seed
+    says nothing of seed noise, and count data need :func:`seeds_for_sign_test` agreeing seeds."""
+    seeds = set.intersection(*(set(groups[name].seeds) for name in claim.groups()))
+    need = seeds_for_sign_test() if claim.contrast.count else 2
+    if len(seeds) >= need:
+        return None
+    why = (
+        f"count data are decided by a one-sided sign test at 5%, which needs {need} agreeing seeds"
+        if claim.contrast.count
+        else "one seed cannot tell a difference from seed noise"
+    )
+    return f"{claim.name}: its runs share {len(seeds)} seed(s) and {why}, so it can only read inconclusive"
 
 
 def check_logged(claim: Claim, points: list, where: str) -> None:

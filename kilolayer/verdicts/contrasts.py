@@ -40,7 +40,10 @@ def register_contrast(cls: type) -> type:
 
 
 def same(a, b) -> bool:
-    """Grid values compare as their JSON (so 0.001 and 1e-3, or a YAML list and a tuple, are one value)."""
+    """Grid values compare as numbers when both are (so 8 and 8.0, or 0.001 and 1e-3, are one value), else as
+    their JSON (so a YAML list and a tuple are one value)."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        return float(a) == float(b)
     return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 

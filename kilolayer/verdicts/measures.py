@@ -25,7 +25,7 @@ class Measure:
     ``on_diverged(run, out)`` what a diverged run scores (None: a diverged run is not evidence here)."""
 
     name: str
-    what: str  # the rule's words for it: "final evaluation loss"
+    what: str  # the rule's words for it: "evaluation loss at the standing checkpoint"
     unit: str  # " nats", " points", "" — appended to numbers
     better: str  # "lower" | "higher"
     read: Callable
@@ -141,7 +141,7 @@ def translation_score(key: str, label: str) -> Measure:
     nothing scores, and the baselines of the same pairs are quoted beside the verdict."""
     return Measure(
         key,
-        f"final {label} (greedy decoding, sacrebleu)",
+        f"{label} at the standing checkpoint (greedy decoding, sacrebleu)",
         f" {label}",
         "higher",
         split_score(key),
@@ -234,7 +234,7 @@ def _top_gradient(share: float | None) -> Callable:
 for _m in (
     Measure(
         "eval_loss",
-        "final evaluation loss",
+        "evaluation loss at the standing checkpoint",
         " nats",
         "lower",
         split_score("loss"),
@@ -245,7 +245,7 @@ for _m in (
     ),
     Measure(
         "loss_vs_chance",
-        "final evaluation loss as a multiple of the chance loss",
+        "evaluation loss at the standing checkpoint as a multiple of the chance loss",
         " x chance",
         "lower",
         _loss_vs_chance,
@@ -256,7 +256,7 @@ for _m in (
     ),
     Measure(
         "accuracy",
-        "final accuracy",
+        "accuracy at the standing checkpoint",
         "",
         "higher",
         split_score("accuracy"),
