@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kilolayer.analysis.smoothness import METRICS, json_safe
+from kilolayer.analysis.smoothness import METRICS, write_smoothness
 from kilolayer.analysis.stability import StabilityRun, pick_steps
 from kilolayer.errors import InputError
 
@@ -139,11 +139,8 @@ def plot_smoothness(
 
 def save_smoothness(result: dict, out: str | Path, depth: str = "auto", svg: bool = False) -> list[Path]:
     """Write OUT/smoothness.json (``result``, NaN as null) and its plot; returns the paths written."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "smoothness.json"
-    json_path.write_text(json.dumps(json_safe(result), indent=1) + "\n")
-    return [json_path, *plot_smoothness([result], out / "smoothness", depth=depth, svg=svg)]
+    json_path = write_smoothness(result, out)
+    return [json_path, *plot_smoothness([result], Path(out) / "smoothness", depth=depth, svg=svg)]
 
 
 def compare(paths: list[str | Path], stem: str | Path, *, depth: str = "auto", svg: bool = False) -> list[Path]:

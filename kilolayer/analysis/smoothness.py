@@ -14,6 +14,7 @@ each layer's hidden states to these numbers at once, so analysing a
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -579,6 +580,15 @@ def smoothness_of_run(
     if m.input == "patches" and exclude_blank:
         result["blank_share"] = blank_counts[0] / max(1, blank_counts[1])
     return result
+
+
+def write_smoothness(result: dict, out: str | Path) -> Path:
+    """Write OUT/smoothness.json: ``result`` with NaN as null."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "smoothness.json"
+    path.write_text(json.dumps(json_safe(result), indent=1) + "\n")
+    return path
 
 
 def json_safe(value):

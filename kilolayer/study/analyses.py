@@ -28,11 +28,11 @@ ANALYSES: Registry[Callable[[Path, Path], None]] = Registry("analyses", "analysi
 def smoothness_analysis(run_dir: Path, target: Path, data: dict | None = None) -> None:
     """Over-smoothing curves on the run's own validation data, or on ``data`` (a data section: the group's
     ``analysis_data``, so that every group of a modality is measured on the same inputs), through the stack's
-    observer (as ``kilolayer analyze --run``)."""
-    from kilolayer.analysis.plots import save_smoothness  # matplotlib only when writing
-    from kilolayer.analysis.smoothness import smoothness_of_run
+    observer (as ``kilolayer analyze --run``). The curves only: the report draws the study's figures, and
+    ``kilolayer analyze smoothness --compare TARGET/smoothness.json --out DIR`` one run's."""
+    from kilolayer.analysis.smoothness import smoothness_of_run, write_smoothness
 
-    save_smoothness(smoothness_of_run(run_dir, data=data, samples=256), target)
+    write_smoothness(smoothness_of_run(run_dir, data=data, samples=256), target)
 
 
 @ANALYSES.register("test_scores")

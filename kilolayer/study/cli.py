@@ -83,7 +83,6 @@ def cmd_study(args) -> int:
     return 1 if unfinished or failed else 0
 
 
-@contextlib.contextmanager
 def say_claim_notes(spec) -> None:
     """Before anything trains: the claims of a named set the spec left out, and those its seeds cannot decide."""
     for line in spec.claims_left_out:
@@ -92,6 +91,7 @@ def say_claim_notes(spec) -> None:
         print(f"cannot decide: {line}")
 
 
+@contextlib.contextmanager
 def study_lock(out: Path):
     """One ``kilolayer study`` per --out: an flock on OUT/study.lock, dropped by the kernel with the process.
     A second study on the same directory would find points another one is training and report them half done."""
