@@ -69,8 +69,10 @@ def test_the_example_spec_loads_its_base_from_a_path_relative_to_the_spec_and_ap
 def test_the_rule_text_is_generated_from_the_claims_fields(tmp_path):
     spec = load_spec(EXAMPLE)
     f = _judge(spec, _results(spec, lambda l, s: 2.0 - 0.01 * l + NOISE[s]), tmp_path)
-    assert f.rule.startswith("d = evaluation loss at the standing checkpoint of model.layers=2 minus that of model.layers=8")
-    assert "Margin 0.02 nats." in f.rule and "same split" not in f.rule
+    assert f.rule.startswith(
+        "d = evaluation loss at the standing checkpoint of model.layers=2 minus that of model.layers=8"
+    )
+    assert "Margin 0.02 nats: twice the seed-to-seed spread" in f.rule and "same split" not in f.rule
     assert "read on validation, the split that also chose each run's checkpoint" in f.rule
     assert "(model.layers moves together with model.width and model.heads in the grid)" in f.rule
     assert f.claim == spec.claims[0].claim and f.reference == "my own hypothesis"
@@ -378,7 +380,7 @@ def test_the_example_runs_from_the_cli_and_its_report_has_the_claims_row(tmp_pat
     row = next(line for line in report.splitlines() if line.startswith("| deeper_is_better |"))
     assert any(v in row for v in ("**held**", "**did not hold**", "**inconclusive**")), row
     assert "d = evaluation loss at the standing checkpoint of model.layers=2 minus that of model.layers=8" in report
-    assert "Margin 0.02 nats." in report
+    assert "Margin 0.02 nats: twice the seed-to-seed spread" in report
 
 
 @pytest.mark.parametrize("kind", ["compare", "ratio", "slope"])

@@ -110,6 +110,45 @@ def test_a_claim_added_after_its_runs_finished_and_a_budget_changed_are_post_hoc
     assert json.loads((out / FILE).read_text())["deeper_is_better"]["changes"] == []
 
 
+def test_more_seeds_another_grid_value_and_another_setting_after_runs_finished_are_post_hoc(tmp_path):
+    """Optional stopping (seeds added once results are seen), a grid extended under ``where: max`` and a changed
+    learning rate each change what the claim reads, as a margin does; a record written without these fields (an
+    older kilolayer) is not a change."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = _spec(tmp_path)
+    points = expand(spec)
+    record_claims(spec, points, out)
+    _finish(points, out, 6)
+
+    def changed(change=None, sets=None):
+        later = _spec(tmp_path, change, sets)
+        record_claims(later, expand(later), out)
+        return post_hoc(later.claims[0], expand(later), out)
+
+    assert changed(lambda d: d["groups"][0].update(seeds=[0, 1, 2, 3, 4])) == (
+        'changed after 6 of its 10 runs had finished (seeds {"shapes": [0, 1, 2]} -> {"shapes": [0, 1, 2, 3, 4]})'
+    )
+    assert "shapes.train.lr 0.002 -> 0.003)" in changed(sets=["train.lr=0.003"])
+    wider = changed(
+        lambda d: d["groups"][0]["grid"].update(
+            {"model.layers,model.width,model.heads": [[2, 96, 4], [8, 48, 4], [16, 32, 4]]}
+        )
+    )
+    assert "changed after 6 of its 9 runs had finished (grid " in wider and "16" in wider
+    older = tmp_path / "older"
+    older.mkdir()
+    record_claims(spec, points, older)
+    record = json.loads((older / FILE).read_text())
+    for key in ("seeds", "grid", "settings"):
+        del record["deeper_is_better"]["fields"][key]
+    (older / FILE).write_text(json.dumps(record))
+    _finish(points, older, 6)
+    assert post_hoc(spec.claims[0], points, older) == ""
+    record_claims(spec, points, older)
+    assert json.loads((older / FILE).read_text())["deeper_is_better"]["changes"] == []
+
+
 # ---------------------------------------------------------------- a measure the runs never log
 
 

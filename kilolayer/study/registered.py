@@ -1,5 +1,6 @@
-"""Claims fixed before their runs are seen: each claim's deciding fields and its groups' step budgets are recorded
-in the study's folder (``OUT/claims.json``) when a study starts, before anything of that invocation trains.
+"""Claims fixed before their runs are seen: each claim's deciding fields and, for each group it reads, the step
+budget, the seeds, the grid and the settings its runs share are recorded in the study's folder
+(``OUT/claims.json``) when a study starts, before anything of that invocation trains.
 
 A claim first recorded when some of the runs it reads had already finished, or whose deciding fields or budgets
 differ from the recorded ones once some of its runs had finished, was set by someone who could have seen its
@@ -20,13 +21,52 @@ FINISHED = ("completed", "diverged")
 
 
 def deciding(claim, points) -> dict:
-    """The fields that decide ``claim``'s verdict (its contrast under its kind's name), and the step budget of each
-    group it reads, from the study's ``points``."""
+    """The fields that decide ``claim``'s verdict (its contrast under its kind's name) and, from the study's
+    ``points``, what each group it reads runs: its step budget, seeds, grid and the settings its runs share (the
+    config's explicitly set values; more seeds, another grid value under ``where: max`` or another learning rate
+    change the verdict as a margin does)."""
     data = claim.data()
     fields = {k: data[k] for k in (*DECIDING, claim.kind) if k in data}
     groups = [*claim.groups(), *([claim.relative_to] if claim.relative_to else [])]
-    fields["budget"] = {g: sorted({p.config.train.steps for p in points if p.group == g}) for g in groups}
+    mine = {g: [p for p in points if p.group == g] for g in groups}
+    fields["budget"] = {g: sorted({p.config.train.steps for p in ps}) for g, ps in mine.items()}
+    fields["seeds"] = {g: sorted({p.config.train.seed for p in ps}) for g, ps in mine.items()}
+    fields["grid"] = {g: _grid(ps) for g, ps in mine.items()}
+    fields["settings"] = {g: _shared(ps) for g, ps in mine.items()}
     return json.loads(json.dumps(fields, default=str))
+
+
+def _grid(points) -> list[dict]:
+    """The grid values of ``points`` (seed left out), each setting once, in a fixed order."""
+    values = {_json({k: v for k, v in p.values.items() if k != "train.seed"}) for p in points}
+    return [json.loads(v) for v in sorted(values)]
+
+
+def _json(value) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _flat(value, prefix: str = "") -> dict:
+    """A nested mapping as ``{"a.b.c": leaf}``."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out = {}
+    for k, v in value.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _shared(points) -> dict:
+    """The explicitly set config values that every one of ``points`` has alike (the grid, the seed and the step
+    budget, recorded apart, left out)."""
+    flats = [_flat(p.config.model_dump(mode="json", exclude_defaults=True)) for p in points]
+    if not flats:
+        return {}
+    return {
+        k: v
+        for k, v in sorted(flats[0].items())
+        if k not in ("train.seed", "train.steps") and all(f.get(k, object()) == v for f in flats)
+    }
 
 
 def _read(out: Path) -> dict:
@@ -58,22 +98,36 @@ def record_claims(spec, points, out: Path) -> None:
         entry = record.get(claim.name)
         if not isinstance(entry, dict) or "fields" not in entry:
             record[claim.name] = {"fields": now, "finished": done, "of": total, "changes": []}
-        elif entry["fields"] != now:
+        elif _differs(entry["fields"], now):
             entry.setdefault("changes", []).append({"from": entry["fields"], "to": now, "finished": done, "of": total})
             entry["fields"] = now
+        else:
+            entry["fields"] = now  # fields an older record lacks, filled in
     if record:
         tmp = out / f".{FILE}.tmp"
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, out / FILE)
 
 
+def _differs(before: dict, after: dict) -> bool:
+    """Whether the recorded fields ``before`` differ from ``after`` in a field both hold (a record written by an
+    older kilolayer lacks the fields it did not record, and those are not a change)."""
+    return any(before[k] != after[k] for k in before.keys() & after.keys())
+
+
 def _changed(before: dict, after: dict) -> str:
-    """The fields that differ, each as ``field old -> new``."""
+    """The fields that differ, each as ``field old -> new``; a group's settings by the keys that differ."""
     parts = []
     for key in dict.fromkeys([*before, *after]):
-        if before.get(key) != after.get(key):
-            old, new = (json.dumps(d.get(key), sort_keys=True) if key in d else "(none)" for d in (before, after))
-            parts.append(f"{key} {old} -> {new}")
+        if key not in before or key not in after or before[key] == after[key]:
+            continue
+        if key == "settings" and isinstance(before[key], dict) and isinstance(after[key], dict):
+            old, new = _flat(before[key]), _flat(after[key])
+            for k in dict.fromkeys([*old, *new]):
+                if old.get(k, "(none)") != new.get(k, "(none)"):
+                    parts.append(f"{k} {_json(old.get(k, '(none)'))} -> {_json(new.get(k, '(none)'))}")
+            continue
+        parts.append(f"{key} {_json(before[key])} -> {_json(after[key])}")
     return "; ".join(parts)
 
 
@@ -93,6 +147,6 @@ def post_hoc(claim, points, out: Path) -> str:
                 f"({_changed(change.get('from') or {}, change.get('to') or {})})"
             )
     now = deciding(claim, points)
-    if entry["fields"] != now:  # a report written from a spec the study never ran
+    if _differs(entry["fields"], now):  # a report written from a spec the study never ran
         texts.append(f"differs from what the study recorded ({_changed(entry['fields'], now)})")
     return "; ".join(texts)
