@@ -23,6 +23,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -397,7 +398,26 @@ def model_config(cfg: ModelConfig | dict) -> ModelConfig:
 
 class YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading numbers as YAML 1.2 does: its YAML 1.1 resolver takes a float only with a dot
-    (``1.0e-3``), so ``1e-3`` or ``5E4`` would load as strings; here they are floats."""
+    (``1.0e-3``), so ``1e-3`` or ``5E4`` would load as strings; here they are floats. A key given twice in one
+    mapping is an error, as YAML 1.2 says, not the last one silently winning (a merge key's ``<<:`` values may be
+    overridden)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode) and not getattr(node, "keys_checked", False):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, Hashable):
+                    continue
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice in one mapping", key_node.start_mark
+                    )
+                seen.add(key)
+            node.keys_checked = True
+        return super().construct_mapping(node, deep)
 
 
 class YamlDumper(yaml.SafeDumper):

@@ -5,9 +5,11 @@ agreeing seeds, a chance level of NaN, a loser that learned in one seed) gives t
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers import CHANCE, ROOT
 
@@ -283,3 +285,100 @@ def test_a_seed_without_a_finite_difference_is_named_not_dropped():
     v = decide({0: 0.1, 1: float("inf"), 2: 0.12, 3: float("nan")}, 0.02)
     assert v.verdict == "inconclusive" and v.n == 2
     assert v.reason.startswith("not evidence: seed 1 (d inf), seed 3 (d nan); the other runs give mean d +0.11")
+
+
+# ---------------------------------------------------------------- claims whose runs cannot be paired
+
+
+def _second_group(d, **changes):
+    other = {**copy.deepcopy(d["groups"][0]), "name": "other", **changes}
+    d["groups"].append(other)
+
+
+def _refusal(tmp_path, change) -> str:
+    from kilolayer.errors import ConfigError
+
+    try:
+        expand(_spec(tmp_path, change))
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+def _claim(**fields):
+    def change(d):
+        d["claims"][0].update(fields)
+        for kind in ("compare", "slope", "ratio", "survived"):
+            if kind in fields and kind != "compare":
+                d["claims"][0].pop("compare", None)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (
+            lambda d: (
+                _second_group(d),
+                _claim(runs=["shapes", "other"], slope={"key": "model.layers", "claimed": "decreases"})(d),
+            ),
+            "a slope reads one group, or two with than: GROUP",
+        ),
+        (_claim(where={"model.scheme": "max"}), "where.model.scheme=max: max and min need numbers"),
+        (_claim(where={"foo.bar": "max"}), "where.foo.bar: not a config key of group 'shapes'"),
+        (
+            lambda d: (
+                _second_group(d, seeds=[1, 2, 3]),
+                _claim(
+                    runs=["shapes", "other"], compare={"key": "group", "claimed_better": "other", "against": "shapes"}
+                )(d),
+            ),
+            "runs: its groups run different seeds (shapes: 0, 1, 2; other: 1, 2, 3); runs are paired by seed",
+        ),
+        (
+            lambda d: (
+                _second_group(d, grid={"model.layers,model.width,model.heads": [[2, 96, 4], [4, 64, 4]]}),
+                _claim(
+                    runs=["shapes", "other"], compare={"key": "group", "claimed_better": "other", "against": "shapes"}
+                )(d),
+            ),
+            "groups 'shapes' and 'other' vary different settings",
+        ),
+        (
+            lambda d: (_second_group(d, seeds=[0, 1]), _claim(relative_to="other")(d)),
+            "relative_to=other: it runs no seed 2; each run is measured from the baseline run of its own seed",
+        ),
+        (
+            lambda d: (
+                _second_group(d, grid={"model.layers,model.width,model.heads": [[2, 96, 4]]}),
+                _claim(relative_to="other")(d),
+            ),
+            "relative_to=other: no model.layers=8; each run is measured from the baseline run at its own settings",
+        ),
+        (_claim(better="higher"), "better=higher: eval_loss is a score (lower is better"),
+        (
+            _claim(ratio={"key": "model.layers", "claimed_better": 8, "against": 2}, measure="accuracy", margin=1.5),
+            "a ratio needs a measure above 0, and accuracy can be 0",
+        ),
+        (_claim(paper_effect=float("inf")), "paper_effect=inf: expected a finite number above 0"),
+        (_claim(paper_effect=-1), "paper_effect=-1: expected a finite number above 0"),
+        (_claim(requires=["all_learn", "all_learn"]), "a requirement named twice"),
+    ],
+)
+def test_a_claim_whose_runs_cannot_be_paired_or_read_is_refused_in_one_line(tmp_path, change, needle):
+    message = _refusal(tmp_path, change)
+    assert needle in message and "\n" not in message, message
+
+
+def test_survived_with_all_learn_is_refused(tmp_path):
+    def survived(d):
+        d["groups"][0]["grid"] = {"model.scheme": ["post_ln", "pre_ln"], "train.lr": [0.001, 0.01]}
+        d["claims"][0].pop("compare")
+        d["claims"][0].update(
+            survived={"key": "model.scheme", "claimed_better": "pre_ln", "against": "post_ln", "over": "train.lr"},
+            margin=0,
+            requires=["all_learn"],
+        )
+
+    assert "requires: all_learn with survived" in _refusal(tmp_path, survived)

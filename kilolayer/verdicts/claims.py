@@ -254,6 +254,26 @@ def check_claim(claim: Claim, groups: dict, where: str) -> None:
             "is read on its loss: use eval_loss or loss_vs_chance"
         )
     _check_margin(claim, measure, grid, where)
+    _check_pairing(claim, groups, where)
+    if claim.kind == "slope" and len(claim.groups()) > 1 and (claim.contrast.than is None or len(claim.groups()) > 2):
+        raise ValueError(
+            f"{kind}: a slope reads one group, or two with than: GROUP (d: the other's slope minus that group's); "
+            f"runs names {len(claim.groups())}{'' if claim.contrast.than else ' and no than'}"
+        )
+    if claim.better is not None and claim.better != measure.better and measure.quality:
+        raise ValueError(
+            f"{where}.better={claim.better}: {claim.measure} is a score ({measure.better} is better, and a diverged "
+            "run never wins on it); state the claim the other way round, swapping claimed_better and against"
+        )
+    if claim.kind == "survived" and "all_learn" in claim.requires:
+        raise ValueError(f"{where}.requires: all_learn with survived, which counts the settings each side learned in")
+    if claim.kind == "ratio" and not measure.positive:
+        raise ValueError(
+            f"{where}.measure={claim.measure}: a ratio needs a measure above 0, and {claim.measure} can be 0 "
+            f"({measure.diverged_text}); use compare"
+        )
+    if len(set(claim.requires)) < len(claim.requires):
+        raise ValueError(f"{where}.requires={claim.requires}: a requirement named twice")
     if measure.analysis is not None:
         reading = [*claim.groups(), *([claim.relative_to] if claim.relative_to else [])]
         lacking = [name for name in reading if measure.analysis not in groups[name].analyses]
@@ -280,6 +300,55 @@ def cannot_decide(claim: Claim, groups: dict) -> str | None:
     return f"{claim.name}: its runs share {len(seeds)} seed(s) and {why}, so it can only read inconclusive"
 
 
+def _check_pairing(claim: Claim, groups: dict, where: str) -> None:
+    """Refuse groups whose runs cannot be paired: several groups that run different seeds (or, compared with each
+    other, different grids), or a baseline that lacks a seed or a grid value of the runs it is subtracted from."""
+    names = claim.groups()
+    seeds = {n: sorted(set(groups[n].seeds)) for n in names}
+    if len({tuple(v) for v in seeds.values()}) > 1:
+        each = "; ".join(f"{n}: {shown(v)}" for n, v in seeds.items())
+        raise ValueError(f"{where}.runs: its groups run different seeds ({each}); runs are paired by seed")
+    if len(names) > 1 and claim.contrast.keys()[0] == GROUP:
+        grids = {n: grid_values(groups[n]) for n in names}
+        first = names[0]
+        for n in names[1:]:
+            if json.dumps(grids[n], sort_keys=True, default=str) != json.dumps(
+                grids[first], sort_keys=True, default=str
+            ):
+                raise ValueError(
+                    f"{where}.runs: groups {first!r} and {n!r} vary different settings ({first}: "
+                    f"{json.dumps(grids[first], default=str)}; {n}: {json.dumps(grids[n], default=str)}); groups "
+                    "compared with each other are paired at the same settings"
+                )
+    if claim.relative_to:
+        base = groups[claim.relative_to]
+        missing = sorted(set(seeds[names[0]]) - set(base.seeds))
+        if missing:
+            raise ValueError(
+                f"{where}.relative_to={claim.relative_to}: it runs no seed {shown(missing)}; each run is measured "
+                "from the baseline run of its own seed"
+            )
+        mine = grid_values(runs_of(claim, groups))
+        for key, values in grid_values(base).items():
+            lacking = [v for v in mine.get(key, []) if not any(same(v, w) for w in values)]
+            if key not in mine or lacking:
+                what = (
+                    f"no {key}={json.dumps(lacking[0], default=str)}"
+                    if lacking
+                    else f"varies {key}, which the claim's runs do not"
+                )
+                raise ValueError(
+                    f"{where}.relative_to={claim.relative_to}: {what}; each run is measured from the baseline run "
+                    "at its own settings"
+                )
+        reads_test = MEASURES[claim.measure].split_key and all("test_scores" in groups[n].analyses for n in names)
+        if reads_test and "test_scores" not in base.analyses:
+            raise ValueError(
+                f"{where}.relative_to={claim.relative_to}: add test_scores to its analyses, as the claim's groups "
+                "have: the claim reads their test scores, and the baseline's must be on the same split"
+            )
+
+
 def check_logged(claim: Claim, points: list, where: str) -> None:
     """Refuse, with one line naming the field, a claim whose measure its runs never log: a score the evaluation of
     a group's objective does not return (as each built-in objective declares), or the stability diagnostics of a
@@ -303,6 +372,14 @@ def check_logged(claim: Claim, points: list, where: str) -> None:
                 f"{where}.measure={claim.measure}: reads the stability diagnostics, which group {p.group!r} does not "
                 "log; set train.diagnostics_every in its set"
             )
+        for key, value in ((k, v) for k, v in claim.where.items() if k != GROUP):
+            try:
+                setting = p.setting(key)
+            except AttributeError:
+                raise ValueError(f"{where}.where.{key}: not a config key of group {p.group!r}") from None
+            if value in ("max", "min") and (isinstance(setting, bool) or not isinstance(setting, (int, float))):
+                shown_setting = json.dumps(setting, default=str)
+                raise ValueError(f"{where}.where.{key}={value}: max and min need numbers ({key} is {shown_setting})")
 
 
 def _check_margin(claim: Claim, measure: Measure, grid: dict, where: str) -> None:
@@ -323,6 +400,8 @@ def _check_margin(claim: Claim, measure: Measure, grid: dict, where: str) -> Non
             f"{where}.margin={m:g}: a count of settings of {claim.contrast.over}; expected fewer "
             f"than its {len(grid[claim.contrast.over])} values"
         )
+    if claim.paper_effect is not None and not (math.isfinite(claim.paper_effect) and claim.paper_effect > 0):
+        raise ValueError(f"{where}.paper_effect={claim.paper_effect:g}: expected a finite number above 0")
     if claim.paper_effect is not None and not claim.paper_effect > m:
         raise ValueError(
             f"{where}.margin={m:g}: not below the paper's own effect (paper_effect={claim.paper_effect:g}), so the "
@@ -712,6 +791,10 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
         )
     if not runs:
         notes.append(f"No run of {claim.groups()} matches {claim.where}.")
+    budgets = {g: sorted({r.point.config.train.steps for r in runs if r.point.group == g}) for g in claim.groups()}
+    if len({tuple(b) for b in budgets.values() if b}) > 1:
+        each = "; ".join(f"{g}: {', '.join(map(str, b))} steps" for g, b in budgets.items() if b)
+        notes.append(f"The groups compared have different step budgets ({each}): each run is read at its own.")
     return Finding(
         claim.name,
         claim.title or claim.name,

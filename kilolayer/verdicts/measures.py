@@ -41,6 +41,7 @@ class Measure:
     shared_steps: bool = False  # two runs compared are read over the diagnostics steps both logged
     analysis: str | None = None  # the study analysis whose result it reads: every group it reads must list it
     diagnostics: bool = False  # reads the stability diagnostics a run logs only with train.diagnostics_every
+    positive: bool = False  # every value is above 0 (a loss, a norm): a ratio of two is defined
 
     @property
     def lower_is_better(self) -> bool:
@@ -242,10 +243,11 @@ for _m in (
         "a diverged run scores the chance loss",
         split_key="loss",
         convergence=("loss", 0.02, True),
+        positive=True,
     ),
     Measure(
         "loss_vs_chance",
-        "evaluation loss at the standing checkpoint as a multiple of the chance loss",
+        "evaluation loss as a multiple of the chance loss, at the standing checkpoint",
         " x chance",
         "lower",
         _loss_vs_chance,
@@ -253,6 +255,7 @@ for _m in (
         "a diverged run scores 1 (chance)",
         split_key="loss",
         convergence=("loss", 0.02, True),
+        positive=True,
     ),
     Measure(
         "accuracy",
@@ -277,6 +280,7 @@ for _m in (
         "a diverged run keeps its first update (measured at step 1)",
         quality=False,
         diagnostics=True,
+        positive=True,
     ),
     Measure(
         "last_layer_cosine",
@@ -304,6 +308,7 @@ for _m in (
         quality=False,
         shared_steps=True,
         diagnostics=True,
+        positive=True,
     ),
     Measure(
         "top_third_gradient",
@@ -318,6 +323,7 @@ for _m in (
         quality=False,
         shared_steps=True,
         diagnostics=True,
+        positive=True,
     ),
 ):
     register_measure(_m)
