@@ -566,8 +566,8 @@ def _split_text(measure: Measure, split: str) -> str:
     if split == TEST:
         return "read on the whole test split, each run's checkpoint chosen on validation"
     return (
-        "read on validation, the split that also chose each run's checkpoint (no test split was scored: add "
-        "the test_scores analysis for an unbiased read)"
+        "read on validation, the split that also chose each run's checkpoint (not every run compared was scored on "
+        "a test split: add the test_scores analysis to its groups for an unbiased read)"
     )
 
 
