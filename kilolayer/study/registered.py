@@ -57,15 +57,18 @@ def _flat(value, prefix: str = "") -> dict:
 
 
 def _shared(points) -> dict:
-    """The explicitly set config values that every one of ``points`` has alike (the grid, the seed and the step
-    budget, recorded apart, left out)."""
+    """The explicitly set config values that every one of ``points`` has alike: the grid, the seed and the step
+    budget are recorded apart, and absolute paths (where the data or a source run lies) are left out, since a
+    study re-run from another folder or machine trains the same."""
     flats = [_flat(p.config.model_dump(mode="json", exclude_defaults=True)) for p in points]
     if not flats:
         return {}
     return {
         k: v
         for k, v in sorted(flats[0].items())
-        if k not in ("train.seed", "train.steps") and all(f.get(k, object()) == v for f in flats)
+        if k not in ("train.seed", "train.steps")
+        and not (isinstance(v, str) and v.startswith("/"))
+        and all(f.get(k, object()) == v for f in flats)
     }
 
 
