@@ -119,8 +119,9 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         "Each verdict comes from the measured numbers by one rule, the same for every claim. "
         + RULE
         + " A claim measured on several modalities or pairs gets one verdict each; they are never pooled. "
-        "Nothing here was written in advance. A claim whose deciding fields or step budget were first recorded, "
-        "or changed, after some of its runs had finished is labelled *post hoc*, with what changed.",
+        "Each claim's deciding fields, and the budget, seeds, grid and settings of the runs it reads, are recorded "
+        "in claims.json before those runs train; a claim first recorded, or changed, after some of its runs had "
+        "finished is labelled *post hoc*, with what changed.",
         "",
         _table(
             ["claim", "verdict", "measured", "still improving at the budget"],
