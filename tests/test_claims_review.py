@@ -39,6 +39,17 @@ def _finish(points, out: Path, n: int) -> None:
         (p.run_dir(out) / "status.json").write_text(json.dumps({"status": "completed", "step": 60}))
 
 
+def _recorded(tmp_path: Path, finished: int):
+    """The example's claims recorded in a fresh study folder, then its first ``finished`` runs finished."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = _spec(tmp_path)
+    points = expand(spec)
+    record_claims(spec, points, out)
+    _finish(points, out, finished)
+    return out, spec, points
+
+
 def _results(spec) -> list[Result]:
     out = []
     for p in expand(spec):
@@ -67,12 +78,7 @@ def test_a_claim_changed_before_any_run_finished_is_not_post_hoc(tmp_path):
 
 
 def test_a_margin_changed_after_runs_finished_is_post_hoc_in_the_report(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    spec = _spec(tmp_path)
-    points = expand(spec)
-    record_claims(spec, points, out)
-    _finish(points, out, 2)
+    out, spec, points = _recorded(tmp_path, 2)
     revised = _spec(tmp_path, lambda d: d["claims"][0].update(margin=0.01))
     record_claims(revised, expand(revised), out)
     why = post_hoc(revised.claims[0], expand(revised), out)
@@ -116,12 +122,7 @@ def test_more_seeds_another_grid_value_and_another_setting_after_runs_finished_a
     """Optional stopping (seeds added once results are seen), a grid extended under ``where: max`` and a changed
     learning rate each change what the claim reads, as a margin does; a record written without these fields (an
     older kilolayer) is not a change."""
-    out = tmp_path / "out"
-    out.mkdir()
-    spec = _spec(tmp_path)
-    points = expand(spec)
-    record_claims(spec, points, out)
-    _finish(points, out, 6)
+    out, spec, points = _recorded(tmp_path, 6)
 
     def changed(change=None, sets=None):
         later = _spec(tmp_path, change, sets)
