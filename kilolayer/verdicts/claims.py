@@ -310,11 +310,13 @@ def _check_pairing(claim: Claim, groups: dict, where: str) -> None:
         raise ValueError(f"{where}.runs: its groups run different seeds ({each}); runs are paired by seed")
     if len(names) > 1 and claim.contrast.keys()[0] == GROUP:
         grids = {n: grid_values(groups[n]) for n in names}
+
+        def settings(grid: dict) -> dict:  # each key's values as a set: the order a grid lists them in is no setting
+            return {k: sorted(json.dumps(v, sort_keys=True, default=str) for v in vs) for k, vs in grid.items()}
+
         first = names[0]
         for n in names[1:]:
-            if json.dumps(grids[n], sort_keys=True, default=str) != json.dumps(
-                grids[first], sort_keys=True, default=str
-            ):
+            if settings(grids[n]) != settings(grids[first]):
                 raise ValueError(
                     f"{where}.runs: groups {first!r} and {n!r} vary different settings ({first}: "
                     f"{json.dumps(grids[first], default=str)}; {n}: {json.dumps(grids[n], default=str)}); groups "
