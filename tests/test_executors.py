@@ -130,6 +130,15 @@ def test_a_study_point_trains_with_the_threads_given():
     assert "--threads" not in train_command(point, Path("out"))
 
 
+def _queue(n: int):
+    """A queue of ``n`` one-group points (``g/seed=0`` ...) that wait for nothing."""
+    from kilolayer.study.spec import Queue, StudySpec, expand
+
+    base = {"model": {"layers": 1, "width": 16, "heads": 2}, "train": {"steps": 2}}
+    spec = StudySpec(name="s", groups=[{"name": "g", "base": base, "seeds": list(range(n))}])
+    return Queue(spec, expand(spec))
+
+
 def test_the_local_pool_runs_one_unit_here_or_k_at_once():
     main_thread = threading.get_ident()
     one = LocalPool(1)
@@ -138,30 +147,28 @@ def test_the_local_pool_runs_one_unit_here_or_k_at_once():
 
     two, started = LocalPool(2), []
 
-    def unit(name):
-        started.append(name)
+    def unit(point):
+        started.append(point.key)
         while len(started) < 2:  # both run at once, or this never ends
             time.sleep(0.01)
-        return name
 
-    for name in ("a", "b"):
-        two.submit(name, unit, name)
-    assert sorted(executors.drain(two)) == [("a", "a"), ("b", "b")] and two.busy == 0
+    queue = _queue(2)
+    executors.run_queue(two, queue, unit)
+    assert sorted(started) == ["g/seed=0", "g/seed=1"] and queue.ended == set(started) and two.busy == 0
     two.close()
 
 
 def test_a_unit_that_raises_cancels_the_rest_and_raises():
     pool, ran = LocalPool(2), []
 
-    def boom():
-        raise ValueError("boom")
+    def unit(point):
+        if point.key == "g/seed=0":
+            raise ValueError("boom")
+        time.sleep(0.2)
+        ran.append(point.key)
 
-    pool.submit("x", boom)
-    time.sleep(0.05)
-    for i in range(5):
-        pool.submit(i, lambda i=i: time.sleep(0.2) or ran.append(i))
     with pytest.raises(ValueError, match="boom"):
-        executors.drain(pool)
+        executors.run_queue(pool, _queue(6), unit)
     assert pool.busy == 0 and len(ran) < 5  # the units not yet started never ran
     pool.close()
 

@@ -252,33 +252,57 @@ def test_diagnostic_steps(steps, every, until, expected):
     assert diagnostic_steps(load_config(cfg)) == expected
 
 
-def test_schedule_replays_the_runner():
-    from kilolayer.study.estimate import schedule
-
-    assert schedule([[3.0, 1.0, 1.0, 1.0]], 1) == 6.0
-    assert schedule([[3.0, 1.0, 1.0, 1.0]], 2) == 3.0  # 3 | 1+1+1
-    assert schedule([[1.0, 1.0], [4.0]], 2) == 5.0  # stages run one after the other
-    assert schedule([[1.0, 1.0, 4.0]], 2) == 5.0
-    assert schedule([[1.0, 4.0, 1.0]], 2) == 4.0  # 1+1 | 4: a free slot takes the next group's point
-    assert schedule([[]], 3) == 0.0
-
-
-def test_only_a_group_that_waits_or_starts_from_another_cuts_a_stage():
-    from kilolayer.study.spec import StudySpec, expand, stages
+def _waits_spec():
+    from kilolayer.study.spec import StudySpec
 
     base = {"model": {"layers": 1, "width": 16, "heads": 2}, "train": {"steps": 2}}
-    spec = StudySpec(
+    return StudySpec(
         name="s",
         groups=[
             {"name": "a", "base": base, "seeds": [0, 1, 2]},
-            {"name": "b", "base": base},
+            {"name": "b", "base": base, "seeds": [0, 1]},
             {"name": "c", "base": base, "after": "a"},
-            {"name": "d", "base": base, "init_from": "b"},
+            {"name": "d", "base": base, "init_from": "b", "seeds": [0, 1]},
             {"name": "e", "base": base},
         ],
     )
-    got = [[p.group for p in stage] for stage in stages(spec, expand(spec))]
-    assert got == [["a", "a", "a", "b"], ["c"], ["d", "e"]]
+
+
+def test_a_point_waits_only_for_its_source_point_or_its_after_group():
+    from kilolayer.study.spec import Queue, expand
+
+    spec = _waits_spec()
+    queue = Queue(spec, expand(spec))
+    keys = lambda points: [p.key for p in points]
+    # every point that waits for nothing, in the spec's order; a limit takes the first of them
+    assert keys(queue.take(2)) == ["a/seed=0", "a/seed=1"]
+    assert keys(queue.take()) == ["a/seed=2", "b/seed=0", "b/seed=1", "e/seed=0"]
+    assert queue.take() == [] and len(queue) == 3
+    queue.end("b/seed=1")  # d's seed-1 point needs only its own source point, not all of b
+    assert keys(queue.take()) == ["d/seed=1"]
+    for key in ("a/seed=0", "a/seed=1"):
+        queue.end(key)
+    assert queue.take() == []  # c waits for all of a
+    queue.end("a/seed=2")
+    assert keys(queue.take()) == ["c/seed=0"] and len(queue) == 1
+
+
+def test_schedule_replays_the_runner():
+    from kilolayer.study.estimate import schedule
+    from kilolayer.study.spec import Queue, expand
+
+    spec = _waits_spec()
+    points = expand(spec)
+
+    def wall(jobs: int, **slow: float) -> float:
+        """Every point takes 1 s but those named (``b_1`` for ``b/seed=1``)."""
+        return schedule(Queue(spec, points), {p.key: slow.get(p.key.replace("/seed=", "_"), 1.0) for p in points}, jobs)
+
+    assert wall(1) == 9.0 and wall(1, b_1=5.0) == 13.0  # one after the other
+    assert wall(3) == 3.0  # a a a | b b c | d d e: each point starts as soon as what it waits for has ended
+    # a a | a b | b(5 s) c | d e | ... d waits for b/seed=1 alone: 8 s, where cutting the study into stages at
+    # c and d (every point of the stages before ended) would take 10
+    assert wall(2, b_1=5.0) == 8.0
 
 
 @pytest.mark.integration

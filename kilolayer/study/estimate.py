@@ -11,8 +11,8 @@ would give it, and measures its pieces on this machine:
 * one evaluation, one checkpoint, one stability-diagnostics probe and each analysis.
 
 A point's estimate is start-up + set-up + steps x step + (evaluations, checkpoints, diagnostics)
-x their cost + analyses. The study's wall-clock estimate replays the runner's schedule: groups in
-order, each group's points handed to K workers as they come free. What it cannot see: a run that
+x their cost + analyses. The study's wall-clock estimate replays the runner's schedule: K slots, each free
+slot taking the first point, in the spec's order, whose dependencies have ended. What it cannot see: a run that
 diverges stops early, and a machine busy with other work is slower. The probes share one process, so they
 run with glibc's default allocator (``train.hold_heap`` off: holding the heap cannot be undone within a
 process); a point without activation checkpointing holds it in its real run, which saves the kernel's
@@ -21,6 +21,8 @@ page-fault time (about 3% of a step of a 24-layer, width-128 decoder here).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import statistics
 import subprocess
@@ -37,7 +39,7 @@ from kilolayer.config import Config, load_config
 from kilolayer.errors import ConfigError, KilolayerError
 from kilolayer.study.executors import forked
 from kilolayer.study.runner import run_analysis, threads_per_job
-from kilolayer.study.spec import Point, StudySpec, expand, stages
+from kilolayer.study.spec import Point, Queue, StudySpec, expand
 
 
 @dataclass
@@ -170,17 +172,17 @@ def _signature(p: Point) -> str:
     return json.dumps(data, sort_keys=True, default=str)
 
 
-def schedule(stages: list[list[float]], jobs: int) -> float:
-    """Wall-clock of the runner's schedule: its stages (:func:`~kilolayer.study.spec.stages`) one after the
-    other; in each, points go to the first free of ``jobs`` workers in order."""
-    total = 0.0
-    for costs in stages:
-        free = [0.0] * max(1, jobs)
-        for c in costs:
-            i = free.index(min(free))
-            free[i] += c
-        total += max(free) if costs else 0.0
-    return total
+def schedule(queue: Queue, seconds: dict[str, float], jobs: int) -> float:
+    """Wall-clock of the local runner's schedule (:func:`~kilolayer.study.executors.run_queue`): ``jobs`` slots,
+    each free slot taking the first point of ``queue`` whose dependencies have ended; a point takes
+    ``seconds[key]``."""
+    now, running, started = 0.0, [], itertools.count()  # running: (end time, start order, key)
+    while len(queue) or running:
+        for p in queue.take(max(0, jobs - len(running))):
+            heapq.heappush(running, (now + seconds[p.key], next(started), p.key))
+        now, _, key = heapq.heappop(running)
+        queue.end(key)
+    return now
 
 
 def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable[[str], None] = print) -> dict:
@@ -222,5 +224,5 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
         "points": {p.key: {"seconds": per_point[p.key], **asdict(costs[_signature(p)])} for p in points},
         "groups": {g.name: sum(c) for g, c in zip(spec.groups, groups)},
         "compute_seconds": sum(per_point.values()),
-        "wall_seconds": schedule([[per_point[p.key] for p in stage] for stage in stages(spec, points)], jobs),
+        "wall_seconds": schedule(Queue(spec, points), per_point, max(1, jobs)),
     }

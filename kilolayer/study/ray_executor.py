@@ -35,7 +35,7 @@ from kilolayer.study.analyses import analysis_current, record_failure
 from kilolayer.study.executors import Executor
 from kilolayer.study.executors.cluster import Lost, RayPool, not_shared, read_token
 from kilolayer.study.runner import Result, collect_all, run_analyses, stale_init, train_point
-from kilolayer.study.spec import Point, StudySpec, expand
+from kilolayer.study.spec import Point, Queue, StudySpec, expand
 
 LOCK_WAIT_S = 300  # a retried point waits this long for the previous attempt's process to save and exit
 
@@ -170,23 +170,6 @@ class Progress:
             self.bar.stop()
 
 
-def _dependencies(spec: StudySpec, points: list[Point]) -> dict[str, set[str]]:
-    """Which points each point waits for: its ``init_from`` point, and all of its ``after`` group when that
-    is not the group it is initialised from (then the one source point is enough)."""
-    groups = {g.name: g for g in spec.groups}
-    members: dict[str, list[str]] = {}
-    for p in points:
-        members.setdefault(p.group, []).append(p.key)
-    deps = {}
-    for p in points:
-        g = groups[p.group]
-        need = {p.init_from_point} if p.init_from_point else set()
-        if g.after is not None and g.after != g.init_from:
-            need |= set(members.get(g.after, []))
-        deps[p.key] = need
-    return deps
-
-
 def run_study_ray(spec: StudySpec, out: Path, executor: Executor, log=print) -> list[Result]:
     """Train every point of ``spec`` as a Ray task on ``executor``'s cluster (see the module docstring), run
     analyses, return the results read back from ``out`` exactly as :func:`kilolayer.study.runner.run_study`
@@ -215,10 +198,8 @@ class _Driver:
         self.threads = max(1, int(executor.cpus) // executor.nproc)  # torch threads per training process
         self.points = points
         self.by_key = {p.key: p for p in points}
-        self.deps = _dependencies(spec, points)
         self.cwd = os.getcwd()  # relative paths in configs mean what they mean to the driver
-        self.waiting = [p.key for p in points]
-        self.ended: set[str] = set()  # trained and analysed, or given up
+        self.queue = Queue(spec, points)  # its ``ended``: trained and analysed, or given up
         self.failed: set[str] = set()
         self.ran: set[str] = set()
         self.log = log
@@ -228,7 +209,7 @@ class _Driver:
         pool = self.pool
         try:
             self.submit_ready()
-            while self.waiting or pool.busy:
+            while len(self.queue) or pool.busy:
                 self.show()
                 if not pool.busy:
                     break  # waiting points whose dependencies can never end: cannot happen (expand orders groups)
@@ -261,19 +242,15 @@ class _Driver:
         )
 
     def submit_ready(self) -> None:
-        while True:  # a point found finished may free the points that wait for it
-            ready = [k for k in self.waiting if self.deps[k] <= self.ended]
-            if not ready:
-                return
-            for key in ready:
-                self.waiting.remove(key)
-                self.submit(self.by_key[key])
+        while ready := self.queue.take():  # a point found finished may free the points that wait for it
+            for p in ready:
+                self.submit(p)
 
     def submit(self, p: Point) -> None:
         # a point started from another checkpoint of its source than the chosen one: its task retrains it
         finished = RunDir(p.run_dir(self.root)).finished and stale_init(p, self.root) is None
         if finished and not self.analyses_missing(p):
-            self.ended.add(p.key)  # a finished point: no task at all
+            self.queue.end(p.key)  # a finished point: no task at all
         elif finished:
             self.analyse(p)
         else:
@@ -295,8 +272,8 @@ class _Driver:
             for (kind, key), since in self.pool.submitted.items()
             if kind == "analyse" or since <= RunDir(self.by_key[key].run_dir(self.root)).status_time
         )
-        queued = len(self.waiting) + self.pool.busy - running
-        self.progress.update(len(self.ended) - len(self.failed), running, queued, len(self.failed))
+        queued = len(self.queue) + self.pool.busy - running
+        self.progress.update(len(self.queue.ended) - len(self.failed), running, queued, len(self.failed))
 
     def trained(self, p: Point, value) -> None:
         """Book one training task; submit the point's analyses next to its data."""
@@ -308,7 +285,7 @@ class _Driver:
             said = tuple(s for s in STATUSES if s != "running")  # a final status of the process's own
             RunDir(p.run_dir(self.root)).mark_failed(f"Ray task: {value.reason}", keep=said)
             self.failed.add(p.key)
-            self.ended.add(p.key)
+            self.queue.end(p.key)
             self.progress.say(f"[study] {p.key}: failed ({value.reason})")
             return
         for line in value.get("log", ()):
@@ -319,11 +296,11 @@ class _Driver:
             self.progress.say(f"[study] {p.key}: {value['status']} ({value['seconds']:.0f}s)")
         if value["status"] not in FINISHED:
             self.failed.add(p.key)
-            self.ended.add(p.key)
+            self.queue.end(p.key)
         elif self.analyses_missing(p):
             self.analyse(p, node=value["node"])
         else:
-            self.ended.add(p.key)
+            self.queue.end(p.key)
 
     def analysed(self, key: str, value) -> None:
         lines = value
@@ -337,4 +314,4 @@ class _Driver:
             ]
         for line in lines:
             self.progress.say(line)
-        self.ended.add(key)
+        self.queue.end(key)

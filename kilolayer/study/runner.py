@@ -40,9 +40,9 @@ from kilolayer.errors import KilolayerError
 from kilolayer.record import RunRecord
 from kilolayer.rundir import RunDir
 from kilolayer.study.analyses import analysis_current, record_failure, run_analysis
-from kilolayer.study.executors import drain, forked
+from kilolayer.study.executors import forked, run_queue
 from kilolayer.study.executors.local import LocalPool
-from kilolayer.study.spec import Point, StudySpec, expand, stages
+from kilolayer.study.spec import Point, Queue, StudySpec, expand
 from kilolayer.train.host import usable_cpus
 from kilolayer.train.run import trained_as_asked
 
@@ -367,8 +367,8 @@ def collect_all(points: list[Point], out: Path, ran: set[str]) -> list[Result]:
 
 
 def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int | str | None = None) -> list[Result]:
-    """Train every point on the local executor, ``jobs`` at a time in the spec's order: a group with ``after`` or
-    ``init_from`` starts once everything before it has ended, any other fills a slot as soon as one is free.
+    """Train every point on the local executor, ``jobs`` at a time in the spec's order: a free slot takes the first
+    point whose dependencies have ended (its ``init_from`` point, its ``after`` group: :class:`Queue`).
     ``threads``: each run's train.threads, default the CPUs shared among the jobs. Runs the analyses (in this
     process, beside the points still training, at a point's share of the CPUs) and returns the results."""
     import torch
@@ -395,10 +395,7 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int
         torch.set_num_threads(share)
     pool = LocalPool(jobs)
     try:
-        for stage in stages(spec, points):
-            for p in stage:
-                pool.submit(p.key, one, p)
-            drain(pool)
+        run_queue(pool, Queue(spec, points), one)
     finally:
         pool.close()
         torch.set_num_threads(before)

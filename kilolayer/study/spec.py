@@ -240,17 +240,46 @@ def point_name(values: dict[str, Any]) -> str:
     return "_".join(parts).replace("/", "-") or "base"
 
 
-def stages(spec: StudySpec, points: list[Point]) -> list[list[Point]]:
-    """``points`` in the spec's order, cut before every group that waits for an earlier one (``after``) or starts
-    from its runs (``init_from``): the local runner starts a stage once every point of the stages before it has
-    ended, and fills its slots from one stage without waiting between groups."""
-    out: list[list[Point]] = []
-    for g in spec.groups:
-        members = [p for p in points if p.group == g.name]
-        if not out or g.after is not None or g.init_from is not None:
-            out.append([])
-        out[-1] += members
-    return out
+def dependencies(spec: StudySpec, points: list[Point]) -> dict[str, set[str]]:
+    """Which points each point waits for: its ``init_from`` point, and all of its ``after`` group when that
+    is not the group it is initialised from (then the one source point is enough)."""
+    groups = {g.name: g for g in spec.groups}
+    members: dict[str, list[str]] = {}
+    for p in points:
+        members.setdefault(p.group, []).append(p.key)
+    deps = {}
+    for p in points:
+        g = groups[p.group]
+        need = {p.init_from_point} if p.init_from_point else set()
+        if g.after is not None and g.after != g.init_from:
+            need |= set(members.get(g.after, []))
+        deps[p.key] = need
+    return deps
+
+
+class Queue:
+    """A study's points not yet started, in the spec's order. :meth:`take` gives those whose every dependency
+    (:func:`dependencies`) has ended, first in order first; every executor and the estimate's replay of the local
+    runner start points from one, so a point waits only for the points it needs."""
+
+    def __init__(self, spec: StudySpec, points: list[Point]):
+        self.deps = dependencies(spec, points)
+        self.waiting = list(points)
+        self.ended: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def take(self, limit: int | None = None) -> list[Point]:
+        """Up to ``limit`` (every one when None) ready points; they leave the queue."""
+        ready = [p for p in self.waiting if self.deps[p.key] <= self.ended][:limit]
+        taken = {p.key for p in ready}
+        self.waiting = [p for p in self.waiting if p.key not in taken]
+        return ready
+
+    def end(self, key: str) -> None:
+        """``key`` has ended (finished, failed or given up): the points that wait for it may start."""
+        self.ended.add(key)
 
 
 def expand(spec: StudySpec) -> list[Point]:

@@ -86,17 +86,19 @@ class Executor:
             pool.close()
 
 
-def drain(pool) -> list[tuple]:
-    """Wait for every unit submitted to ``pool``; (key, result) of each. On any exception (Ctrl-C, a unit's own)
-    the rest are cancelled before it is raised."""
-    ended = []
+def run_queue(pool, queue, unit) -> None:
+    """Run ``unit(point)`` on ``pool`` for every point of ``queue`` (:class:`~kilolayer.study.spec.Queue`): each
+    free slot takes the first point whose dependencies have ended, until every point has ended. On any exception
+    (Ctrl-C, a unit's own) the units still out are cancelled before it is raised."""
     try:
-        while pool.busy:
-            ended += pool.wait()
+        while len(queue) or pool.busy:
+            for p in queue.take(max(0, pool.slots - pool.busy)):
+                pool.submit(p.key, unit, p)
+            for key, _ in pool.wait():
+                queue.end(key)
     except BaseException:
         pool.cancel()
         raise
-    return ended
 
 
 def from_args(args, command: str) -> Executor:
