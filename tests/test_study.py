@@ -595,7 +595,8 @@ def _bounds(ds: list[float]) -> tuple[float, float, float]:
 @pytest.mark.slow
 def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path, monkeypatch, forked_points):
     """bamboo_cpu's groups, recipes unchanged but at toy size (1- and 2-layer width-32 models, 256 MNIST training
-    images, help pages made up in the package's format, a quarter of each step cap, so a quarter of each wait):
+    images in batches of 64 (MAE's too), help pages made up in the package's format, about 128 samples an
+    evaluation, a quarter of each step cap, so a quarter of each wait):
     every trained run but MAE's and MLM's stops on its plateau, before its step cap; every analysis and finding
     runs; and two verdicts' numbers recomputed by hand from the run directories (standing evaluations,
     smoothness files) equal the report's."""
@@ -624,13 +625,14 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
             g["analysis_data"] = copy.deepcopy(help_data)
         else:
             base["data"]["options"]["train_size"] = 256
+            base["train"]["batch_size"] = 64
+        base["train"]["eval_batches"] = -(-128 // base["train"]["batch_size"])  # about 128 samples an evaluation
         if base["train"]["steps"]:
             # MAE and MLM reach their caps at full size too (docs/results.md, "Bamboo on real data": MAE flat by
             # the convergence rule, MLM still improving): they are cut short here (to 40 steps: their fine-tuning
             # starts from a pre-trained encoder) and only the other recipes are held to stopping on a plateau
             steps = {"mae": 40, "mlm": 40}.get(g["name"], base["train"]["steps"] // 4)
-            evals = -(-128 // base["train"]["batch_size"])  # about 128 samples per evaluation
-            base["train"].update(steps=steps, eval_every=10, eval_batches=evals, checkpoint_every=steps, warmup=5)
+            base["train"].update(steps=steps, eval_every=10, checkpoint_every=steps, warmup=5)
             caps[g["name"]] = steps
     path = tmp_path / "bamboo_toy.yaml"
     path.write_text(yaml.safe_dump(data))
