@@ -176,6 +176,9 @@ def _peak_above_build(**env) -> int:
 def test_trimming_lowers_the_peak_of_a_deep_checkpointed_step():
     # 60 layers of width 64, sequence 128, batch 8, two AdamW steps: about 195-230 MiB above the built model
     # untrimmed. The trimmed peak varies from run to run with where malloc's arenas land (trimmed / untrimmed
-    # measured 0.60-0.83 alone and 0.70-0.88 beside another test worker), so the median of three pairs decides
-    ratios = sorted(_peak_above_build() / _peak_above_build(**{H.TRIM_ENV: "0"}) for _ in range(3))
-    assert ratios[1] < 0.95, ratios  # without trimming the ratio is 1
+    # measured 0.60-0.83 alone and 0.70-0.88 beside another test worker), so the median of three pairs decides;
+    # a third pair is measured only when the first two disagree, since otherwise they are the median's side
+    ratios: list[float] = []
+    while len(ratios) < 3 and not (len(ratios) == 2 and (ratios[0] < 0.95) == (ratios[1] < 0.95)):
+        ratios.append(_peak_above_build() / _peak_above_build(**{H.TRIM_ENV: "0"}))
+    assert sorted(ratios)[1] < 0.95, ratios  # without trimming the ratio is 1
