@@ -465,7 +465,7 @@ def test_a_refused_fresh_run_leaves_no_directory(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_study_runner_resumes_failed_and_interrupted_points(tmp_path):
+def test_study_runner_resumes_failed_and_interrupted_points(tmp_path, forked_points):
     from kilolayer.study.runner import run_point
     from kilolayer.study.spec import expand, load_spec
 
