@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -73,21 +74,88 @@ def test_byte_lm_beats_unigram_entropy(tmp_path):
     assert loss < entropy - 0.3, (loss, entropy)
 
 
+#: (objective, parallel, scheme) of every case of ``test_two_processes_train_as_one``
+TWO_PROCESS_CASES = [
+    ("seq2seq", "ddp", None),
+    ("seq2seq", "fsdp", None),
+    ("mlm", "fsdp", None),
+    ("seq2seq", "fsdp", "dlcl"),
+    ("seq2seq", "fsdp", "branchnorm"),
+    ("mlm_masks", "ddp", None),
+    ("mae_masks", "ddp", None),
+    ("mae_masks", "fsdp", None),
+]
+MAE_CONFIGS = sorted((ROOT / "configs").glob("*mae*.yaml"))
+
+
+def _case_id(name: str, parallel: str, scheme: str | None) -> str:
+    return f"{name}-{parallel}-{scheme}"
+
+
+def _two_process_config(folder: Path, name: str, scheme: str | None) -> dict:
+    """The raw config of a ``test_two_processes_train_as_one`` case, its data written in ``folder``."""
+    masked = name.endswith("_masks")
+    task = masked_task(name.removesuffix("_masks"), folder) if masked else ragged_task(name, folder)
+    if scheme is not None:
+        task["model"] = {**task["model"], "scheme": scheme, "branchnorm_steps": 3}
+    steps = 20 if masked else 5
+    # a warm-up, as the shipped configs have: Adam's first step moves every weight by the whole learning rate, in the
+    # direction of its gradient's sign, which float rounding decides for entries near 0 (MAE's loss shows it at 1e-6)
+    warmup = 10 if masked else 0
+    return {**task, "train": {"steps": steps, "warmup": warmup, "log_every": 1, "batch_size": 8, "eval_batches": 1}}
+
+
+def _mae_config(folder: Path, path: Path):
+    """A shipped MAE config at 2 layers and 4 steps, with early stopping and DeepNet's probe; MNIST is replaced
+    by random 28 x 28 images in MNIST's format where its package is not installed."""
+    sets = ["model.layers=2", "train.steps=4", "train.eval_every=2", "train.eval_batches=2", "train.batch_size=16"]
+    sets += ["train.log_every=1", "train.warmup=2", "train.checkpoint_every=0", "train.patience=5"]
+    sets += ["train.diagnostics_every=2"]
+    cfg = load_config(path, sets)
+    if cfg.data.name == "mnist" and importlib.util.find_spec("pureml") is None:
+        idx = idx_digits(folder / "idx", cfg.model.image_size)
+        cfg = load_config(path, [*sets, "data.name=idx", f"data.path={idx}"])
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> dict[str, Path]:
+    """Every multi-process case of this module trained under one ``torchrun --nproc-per-node 2``: each rank runs
+    the CLI once per case, one after the other (a process group per run, destroyed as the run ends). Each case's
+    folder holds ``cfg.yaml``, the two-process run ``two`` and what gloo's threads were at each run's teardown
+    and after it (``threads_<rank>.json``)."""
+    root = tmp_path_factory.mktemp("two_process")
+    folders, launches = {}, []
+    for name, parallel, scheme in TWO_PROCESS_CASES:
+        folder = root / _case_id(name, parallel, scheme)
+        folder.mkdir()
+        cfg = load_config(_two_process_config(folder, name, scheme))
+        sets = ["--set", f"train.parallel={parallel}", "--set", "train.accumulate=2"]
+        folders[folder.name] = folder
+        launches.append((folder, sets, cfg))
+    for path in MAE_CONFIGS:
+        folder = root / f"mae_config-{path.stem}"
+        folder.mkdir()
+        folders[folder.name] = folder
+        launches.append((folder, ["--set", "train.parallel=fsdp"], _mae_config(folder, path)))
+    plan = []
+    for folder, sets, cfg in launches:
+        (folder / "cfg.yaml").write_text(dump_yaml(cfg))
+        plan.append([str(folder), ["train", str(folder / "cfg.yaml"), "--out", str(folder / "two"), "--quiet", *sets]])
+    (root / "plan.json").write_text(json.dumps(plan))
+    (root / "rank.py").write_text(RANK_SCRIPT)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    # --standalone: a free rendezvous port, so that two launches under pytest-xdist never meet on the default one
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(root / "rank.py"), str(root / "plan.json")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)  # a hang fails here
+    assert p.returncode == 0, p.stderr[-3000:]
+    return folders
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize(
-    "name, parallel, scheme",
-    [
-        ("seq2seq", "ddp", None),
-        ("seq2seq", "fsdp", None),
-        ("mlm", "fsdp", None),
-        ("seq2seq", "fsdp", "dlcl"),
-        ("seq2seq", "fsdp", "branchnorm"),
-        ("mlm_masks", "ddp", None),
-        ("mae_masks", "ddp", None),
-        ("mae_masks", "fsdp", None),
-    ],
-)
-def test_two_processes_train_as_one(tmp_path, name, parallel, scheme):
+@pytest.mark.parametrize("name, parallel, scheme", TWO_PROCESS_CASES)
+def test_two_processes_train_as_one(tmp_path, two_process_runs, name, parallel, scheme):
     """Ragged batches (reversal pairs of 4 to 12 symbols; lines of 2 to 30 bytes, every token masked): each
     process's share of the global batch, and each of its two micro-batches, holds its own number of targets,
     yet two processes train as one process does on whole batches. The loss is normalised by the step's targets
@@ -101,60 +169,25 @@ def test_two_processes_train_as_one(tmp_path, name, parallel, scheme):
     under DDP the reducer holds the group, under FSDP2 the sharded modules and the device mesh, and DTensor's
     caches the mesh, so ``destroy_process_group`` alone left the workers running into Python's finalisation,
     where one that takes the GIL is ended inside a destructor and the rank aborts ("terminate called without an
-    active exception")."""
-    platform_threads = sys.platform.startswith("linux")  # read from /proc
+    active exception"). The ranks train every case of the module one after the other, so a run also starts
+    cleanly where a process group was destroyed before it."""
+    folder = two_process_runs[_case_id(name, parallel, scheme)]
     masked = name.endswith("_masks")
-    task = masked_task(name.removesuffix("_masks"), tmp_path) if masked else ragged_task(name, tmp_path)
-    if scheme is not None:
-        task["model"] = {**task["model"], "scheme": scheme, "branchnorm_steps": 3}
-    steps = 20 if masked else 5
-    # a warm-up, as the shipped configs have: Adam's first step moves every weight by the whole learning rate, in the
-    # direction of its gradient's sign, which float rounding decides for entries near 0 (MAE's loss shows it at 1e-6)
-    warmup = 10 if masked else 0
-    train_section = {"steps": steps, "warmup": warmup, "log_every": 1, "batch_size": 8, "eval_batches": 1}
-    cfg = load_config({**task, "train": train_section})
-    path = tmp_path / "cfg.yaml"
-    path.write_text(dump_yaml(cfg))
+    cfg = load_config(folder / "cfg.yaml")
+    steps = cfg.train.steps
     train(cfg, tmp_path / "one", quiet=True)
     if masked:
         train(cfg, tmp_path / "accumulated", quiet=True, sets=["train.accumulate=2"])
-    torchrun = Path(sys.executable).with_name("torchrun")
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    p = subprocess.run(
-        [
-            str(torchrun),
-            # a free rendezvous port: two of these under pytest-xdist must not meet on torchrun's default one
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            str(tmp_path),
-            "train",
-            str(path),
-            "--out",
-            str(tmp_path / "two"),
-            "--quiet",
-            "--set",
-            f"train.parallel={parallel}",
-            "--set",
-            "train.accumulate=2",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stderr[-2000:]
-    for rank in (0, 1) if platform_threads else ():
-        seen = json.loads((tmp_path / f"threads_{rank}.json").read_text())
+    for rank in (0, 1) if sys.platform.startswith("linux") else ():  # threads are read from /proc
+        seen = json.loads((folder / f"threads_{rank}.json").read_text())
         assert seen["at_teardown"].count("pt_gloo_runloop") == 2 and seen["after"] == [], seen
+    two_run = tmp_path / "two"
+    shutil.copytree(folder / "two", two_run)  # the shared run is resumed below: a copy of it
     one = [r["loss"] for r in records(tmp_path / "one", "train")]
-    two = [r["loss"] for r in records(tmp_path / "two", "train")]
+    two = [r["loss"] for r in records(two_run, "train")]
     assert len(one) == len(two) == steps
     assert two == pytest.approx(one, rel=1e-6)
-    assert [r["loss"] for r in records(tmp_path / "two", "eval")] == pytest.approx(
+    assert [r["loss"] for r in records(two_run, "eval")] == pytest.approx(
         [r["loss"] for r in records(tmp_path / "one", "eval")], rel=1e-6
     )
     if masked:
@@ -162,7 +195,7 @@ def test_two_processes_train_as_one(tmp_path, name, parallel, scheme):
         assert accumulated == pytest.approx(one, rel=1e-6)
         assert len(set(one)) == steps  # the losses move: equal lists of 20 different numbers
     # the multi-process checkpoint is an ordinary one: it resumes in one process
-    resumed = train(None, tmp_path / "two", resume=True, quiet=True, sets=[f"train.steps={steps + 1}"])
+    resumed = train(None, two_run, resume=True, quiet=True, sets=[f"train.steps={steps + 1}"])
     assert resumed == {"status": "completed", "step": steps + 1}
 
 
@@ -182,17 +215,18 @@ def watched(error=None):
     seen["at_teardown"] = gloo_threads()
     teardown(error)
 
-if os.path.isdir("/proc/self/task"):
+proc = os.path.isdir("/proc/self/task")
+if proc:
     D.teardown = watched
-code = main(sys.argv[2:])
-seen["after"] = gloo_threads() if os.path.isdir("/proc/self/task") else None
-with open(os.path.join(sys.argv[1], f"threads_{os.environ['RANK']}.json"), "w") as f:
-    json.dump(seen, f)
-raise SystemExit(code)
+for folder, argv in json.load(open(sys.argv[1])):
+    seen.clear()
+    code = main(argv)
+    seen["after"] = gloo_threads() if proc else None
+    with open(os.path.join(folder, f"threads_{os.environ['RANK']}.json"), "w") as f:
+        json.dump(seen, f)
+    if code:
+        raise SystemExit(f"{folder}: exit {code}")
 """
-
-
-MAE_CONFIGS = sorted((ROOT / "configs").glob("*mae*.yaml"))
 
 
 def idx_digits(folder: Path, size: int) -> Path:
@@ -215,31 +249,18 @@ def idx_digits(folder: Path, size: int) -> Path:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("path", MAE_CONFIGS, ids=lambda p: p.stem)
-def test_mae_under_fsdp_evaluates_as_one_process_does_on_every_shipped_config(tmp_path, path):
+def test_mae_under_fsdp_evaluates_as_one_process_does_on_every_shipped_config(tmp_path, two_process_runs, path):
     """Every shipped MAE config (2 layers, 4 steps) under ``torchrun --nproc-per-node 2`` with FSDP2 completes and
     gives one process's losses and evaluations (rel. 1e-6). With early stopping, whose check of its metric is an
     evaluation before the first step, and DeepNet's probe, taken at set-up, both of which call the backbone's
     layers before the task's first forward: FSDP2 took the first sharded module to run for its root, so a layer
     did, and the run failed at that first evaluation. MNIST is replaced by random 28 x 28 images in MNIST's
     format where its package is not installed (the model, the objective and their sharding are the config's)."""
-    sets = ["model.layers=2", "train.steps=4", "train.eval_every=2", "train.eval_batches=2", "train.batch_size=16"]
-    sets += ["train.log_every=1", "train.warmup=2", "train.checkpoint_every=0", "train.patience=5"]
-    sets += ["train.diagnostics_every=2"]
-    cfg = load_config(path, sets)
-    if cfg.data.name == "mnist" and importlib.util.find_spec("pureml") is None:
-        folder = idx_digits(tmp_path / "idx", cfg.model.image_size)
-        cfg = load_config(path, [*sets, "data.name=idx", f"data.path={folder}"])
-    config = tmp_path / "cfg.yaml"
-    config.write_text(dump_yaml(cfg))
-    train(cfg, tmp_path / "one", quiet=True)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "kilolayer", "train", str(config)]
-    cmd += ["--out", str(tmp_path / "two"), "--quiet", "--set", "train.parallel=fsdp"]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)  # a hang fails here
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert json.loads((tmp_path / "two" / "status.json").read_text())["status"] == "completed"
+    folder = two_process_runs[f"mae_config-{path.stem}"]
+    train(load_config(folder / "cfg.yaml"), tmp_path / "one", quiet=True)
+    assert json.loads((folder / "two" / "status.json").read_text())["status"] == "completed"
     for split in ("train", "eval"):
-        one, two = records(tmp_path / "one", split), records(tmp_path / "two", split)
+        one, two = records(tmp_path / "one", split), records(folder / "two", split)
         assert [r["step"] for r in two] == [r["step"] for r in one] == ([1, 2, 3, 4] if split == "train" else [2, 4])
         assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-6)
 

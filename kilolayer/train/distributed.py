@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
+import itertools
 import os
 import signal
 import sys
@@ -59,6 +60,9 @@ def die_with_launcher() -> bool:
 
 _PR_SET_PDEATHSIG = 1
 
+#: the process groups this process has started, one a run
+_runs = itertools.count()
+
 
 def setup(device_choice: str = "auto") -> Dist:
     """Read torchrun's environment, pick the device, start the process group if there is more than one process
@@ -72,7 +76,12 @@ def setup(device_choice: str = "auto") -> Dist:
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        store, _, _ = next(dist.rendezvous("env://"))
+        # each run's groups under a key prefix of their own in torchrun's store: destroying the world restarts
+        # PyTorch's group numbering, so a second run's groups (FSDP2's mesh) would otherwise read the first's
+        # addresses there and connect to ports that closed with it
+        store = dist.PrefixStore(f"kilolayer/run{next(_runs)}", store)
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world)
         atexit.unregister(_at_exit)  # one entry, however many runs this process makes
         atexit.register(_at_exit)
     return Dist(rank, world, local, device)
