@@ -149,7 +149,9 @@ def test_the_local_pool_runs_one_unit_here_or_k_at_once():
 
     def unit(point):
         started.append(point.key)
-        while len(started) < 2:  # both run at once, or this never ends
+        deadline = time.monotonic() + 30
+        while len(started) < 2:  # both run at once
+            assert time.monotonic() < deadline, "the second unit never started beside the first"
             time.sleep(0.01)
 
     queue = _queue(2)
@@ -169,8 +171,40 @@ def test_a_unit_that_raises_cancels_the_rest_and_raises():
 
     with pytest.raises(ValueError, match="boom"):
         executors.run_queue(pool, _queue(6), unit)
-    assert pool.busy == 0 and len(ran) < 5  # the units not yet started never ran
+    # the one beside it ended, or was cancelled before it started; those not taken never ran
+    assert pool.busy == 0 and ran in ([], ["g/seed=1"]), ran
     pool.close()
+
+
+def test_run_queue_starts_each_point_once_what_it_waits_for_has_ended():
+    """On two slots, with the pre-training point of seed 1 slow: each point starts after every point it waits
+    for has ended, and the fine-tuning point of seed 0 does not wait for seed 1's pre-training."""
+    from kilolayer.study.spec import Queue, StudySpec, expand
+
+    base = {"model": {"layers": 1, "width": 16, "heads": 2}, "train": {"steps": 2}}
+    spec = StudySpec(
+        name="s",
+        groups=[
+            {"name": "pre", "base": base, "seeds": [0, 1]},
+            {"name": "ft", "base": base, "init_from": "pre", "seeds": [0, 1]},
+            {"name": "after", "base": base, "after": "pre"},
+            {"name": "free", "base": base},
+        ],
+    )
+    queue, times = Queue(spec, expand(spec)), {}
+
+    def unit(point):
+        start = time.monotonic()
+        time.sleep(0.5 if point.key == "pre/seed=1" else 0.05)
+        times[point.key] = (start, time.monotonic())
+
+    pool = LocalPool(2)
+    executors.run_queue(pool, queue, unit)
+    pool.close()
+    assert len(times) == 6 and len(queue) == 0
+    for key, need in queue.deps.items():
+        assert all(times[key][0] >= times[n][1] for n in need), (key, need)
+    assert times["ft/seed=0"][1] < times["pre/seed=1"][1] and times["free/seed=0"][1] < times["pre/seed=1"][1]
 
 
 def test_a_search_config_reads_as_a_study_groups_base(tmp_path):

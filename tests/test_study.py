@@ -289,7 +289,7 @@ def test_a_point_waits_only_for_its_source_point_or_its_after_group():
 
 def test_schedule_replays_the_runner():
     from kilolayer.study.estimate import schedule
-    from kilolayer.study.spec import Queue, expand
+    from kilolayer.study.spec import Queue, StudySpec, expand
 
     spec = _waits_spec()
     points = expand(spec)
@@ -303,6 +303,14 @@ def test_schedule_replays_the_runner():
     # a a | a b | b(5 s) c | d e | ... d waits for b/seed=1 alone: 8 s, where cutting the study into stages at
     # c and d (every point of the stages before ended) would take 10
     assert wall(2, b_1=5.0) == 8.0
+    assert wall(2, a_2=10.0) == 12.0  # c waits for all of a; the rest of the study fills the other slot
+    # points that end together free their slots together (estimates give a group's seeds the same cost): x's two
+    # points take both slots once both of a's have ended, so w starts after them
+    base = {"model": {"layers": 1, "width": 16, "heads": 2}, "train": {"steps": 2}}
+    groups = [{"name": "a", "seeds": [0, 1]}, {"name": "x", "after": "a", "seeds": [0, 1]}, {"name": "w"}]
+    tied = StudySpec(name="t", groups=[{**g, "base": base} for g in groups])
+    cost = {p.key: 10.0 if p.group == "w" else 1.0 for p in expand(tied)}
+    assert schedule(Queue(tied, expand(tied)), cost, 2) == 12.0
 
 
 @pytest.mark.integration

@@ -160,6 +160,7 @@ def test_a_lost_ray_analysis_task_writes_why_for_each_analysis_it_left_undone(tm
 
     from kilolayer.study.executors.cluster import Lost
     from kilolayer.study.ray_executor import _Driver
+    from kilolayer.study.spec import Queue
 
     spec = load_spec(_spec_file(tmp_path))
     first = expand(spec)[0].key
@@ -167,14 +168,17 @@ def test_a_lost_ray_analysis_task_writes_why_for_each_analysis_it_left_undone(tm
     done, undone = results[1].point, results[0].point
     said = []
     driver = SimpleNamespace(
-        by_key={p.key: p for p in (done, undone)}, root=tmp_path, progress=SimpleNamespace(say=said.append), ended=set()
+        by_key={p.key: p for p in (done, undone)},
+        root=tmp_path,
+        progress=SimpleNamespace(say=said.append),
+        queue=Queue(spec, expand(spec)),
     )
     for p in (done, undone):
         _Driver.analysed(driver, p.key, Lost("worker died"))
     assert said == [f"[study] smoothness of {undone.key} failed: Ray task: worker died"]
     assert rundir.analysis_error_file(undone.run_dir(tmp_path), "smoothness").read_text() == "Ray task: worker died\n"
     assert not rundir.analysis_error_file(done.run_dir(tmp_path), "smoothness").exists()
-    assert driver.ended == {done.key, undone.key}
+    assert driver.queue.ended == {done.key, undone.key}
 
 
 def test_an_analysis_measured_on_another_checkpoint_counts_as_not_done(tmp_path):

@@ -126,6 +126,12 @@ def two_process_runs(tmp_path_factory) -> dict[str, Path]:
     and after it (``threads_<rank>.json``)."""
     root = tmp_path_factory.mktemp("two_process")
     folders, launches = {}, []
+    # the shipped MAE configs first: FSDP2 with early stopping in fresh processes, where its first evaluation hung
+    for path in MAE_CONFIGS:
+        folder = root / f"mae_config-{path.stem}"
+        folder.mkdir()
+        folders[folder.name] = folder
+        launches.append((folder, ["--set", "train.parallel=fsdp"], _mae_config(folder, path)))
     for name, parallel, scheme in TWO_PROCESS_CASES:
         folder = root / _case_id(name, parallel, scheme)
         folder.mkdir()
@@ -133,11 +139,6 @@ def two_process_runs(tmp_path_factory) -> dict[str, Path]:
         sets = ["--set", f"train.parallel={parallel}", "--set", "train.accumulate=2"]
         folders[folder.name] = folder
         launches.append((folder, sets, cfg))
-    for path in MAE_CONFIGS:
-        folder = root / f"mae_config-{path.stem}"
-        folder.mkdir()
-        folders[folder.name] = folder
-        launches.append((folder, ["--set", "train.parallel=fsdp"], _mae_config(folder, path)))
     plan = []
     for folder, sets, cfg in launches:
         (folder / "cfg.yaml").write_text(dump_yaml(cfg))

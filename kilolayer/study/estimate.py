@@ -175,13 +175,16 @@ def _signature(p: Point) -> str:
 def schedule(queue: Queue, seconds: dict[str, float], jobs: int) -> float:
     """Wall-clock of the local runner's schedule (:func:`~kilolayer.study.executors.run_queue`): ``jobs`` slots,
     each free slot taking the first point of ``queue`` whose dependencies have ended; a point takes
-    ``seconds[key]``."""
+    ``seconds[key]``. Points that end at the same time end together, as the pool reports them."""
     now, running, started = 0.0, [], itertools.count()  # running: (end time, start order, key)
     while len(queue) or running:
         for p in queue.take(max(0, jobs - len(running))):
             heapq.heappush(running, (now + seconds[p.key], next(started), p.key))
-        now, _, key = heapq.heappop(running)
-        queue.end(key)
+        if not running:
+            raise KilolayerError(f"{len(queue)} point(s) wait for points that are not in the study")
+        now = running[0][0]
+        while running and running[0][0] == now:
+            queue.end(heapq.heappop(running)[2])
     return now
 
 

@@ -66,7 +66,9 @@ _runs = itertools.count()
 
 def setup(device_choice: str = "auto") -> Dist:
     """Read torchrun's environment, pick the device, start the process group if there is more than one process
-    (each then stops with its launcher: :func:`die_with_launcher`)."""
+    (each then stops with its launcher: :func:`die_with_launcher`). A process may train again once
+    :func:`teardown` has destroyed the group, as long as every rank does: the n-th group of each rank meets the
+    n-th of the others."""
     die_with_launcher()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -19,7 +19,7 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kilolayer.errors import ConfigError
+from kilolayer.errors import ConfigError, KilolayerError
 from kilolayer.registry import Registry
 
 
@@ -94,6 +94,8 @@ def run_queue(pool, queue, unit) -> None:
         while len(queue) or pool.busy:
             for p in queue.take(max(0, pool.slots - pool.busy)):
                 pool.submit(p.key, unit, p)
+            if not pool.busy:  # points left whose dependencies can never end (expand orders groups: a bug)
+                raise KilolayerError(f"{len(queue)} point(s) wait for points that are not in the study")
             for key, _ in pool.wait():
                 queue.end(key)
     except BaseException:
