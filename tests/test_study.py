@@ -622,11 +622,9 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
     caps = {}
     for g in data["groups"]:
         g["grid"] = {"model.layers,model.width,model.heads,model.ffn": [[1, 32, 2, 128], [2, 32, 2, 128]]}
-        # two seeds for the text groups, whose verdicts are counted by hand below, one for the images' (the
-        # plateau is checked everywhere); the groups a claim pairs run the same seeds
-        g["seeds"] = (
-            [0, 1] if g["name"] in ("next_token", "text_classify", "mlm", "mlm_finetune", "text_untrained") else [0]
-        )
+        # two seeds for the text groups whose verdicts are counted by hand below and those paired with them, one
+        # for the rest (the plateau is checked everywhere); the groups a claim pairs run the same seeds
+        g["seeds"] = [0, 1] if g["name"] in ("text_classify", "mlm", "mlm_finetune", "text_untrained") else [0]
         base = g["base"]
         if base["data"]["name"] == "lo_help":
             base["data"] = copy.deepcopy(help_data)
@@ -674,12 +672,9 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
         )
         return r.point.run_dir(out)
 
-    # next-byte loss per doubling of depth: d = -(loss at 2 layers - loss at 1 layer), per seed
-    d = [
-        _standing_eval(run("next_token", 1, s))["loss"] - _standing_eval(run("next_token", 2, s))["loss"]
-        for s in (0, 1)
-    ]
-    v = by_name["bamboo_depth_tokens_next_token"]
+    # masked-byte loss per doubling of depth: d = -(loss at 2 layers - loss at 1 layer), per seed
+    d = [_standing_eval(run("mlm", 1, s))["loss"] - _standing_eval(run("mlm", 2, s))["loss"] for s in (0, 1)]
+    v = by_name["bamboo_depth_tokens_mlm"]
     assert (v.mean, v.lower, v.upper) == pytest.approx(_bounds(d), rel=1e-9)
     # over-smoothing, text classification vs MLM: last-layer cosine difference averaged over the two shapes, per seed
     d = [
