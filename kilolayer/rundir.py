@@ -45,6 +45,7 @@ import re
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -258,15 +259,18 @@ def update_status(run_dir: str | Path, **fields) -> dict:
 
 class Lifecycle:
     """The status of one training process: ``running`` (PID, host, start time), then exactly one of
-    ``completed | diverged | failed | interrupted`` with a reason. Only rank 0 holds one."""
+    ``completed | diverged | failed | interrupted`` with a reason and ``seconds``, the run's time over all its
+    attempts (earlier ones as status.json recorded them, this one from set-up's end). Only rank 0 holds one."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self.who = {"pid": os.getpid(), "host": socket.gethostname(), "started": now()}
         self.final: str | None = None
         self.fields: dict = {}  # in every status this process writes (e.g. ``init_from``)
+        self.t0 = time.perf_counter()
         earlier = read_status(self.run_dir).get("seconds")
-        if isinstance(earlier, (int, float)):  # a study's record of the run's earlier attempts, kept
+        self.earlier = float(earlier) if isinstance(earlier, (int, float)) else 0.0
+        if isinstance(earlier, (int, float)):  # the run's earlier attempts, kept while this one runs
             self.fields["seconds"] = earlier
 
     def running(self, step: int, **extra) -> None:
@@ -278,8 +282,10 @@ class Lifecycle:
         if last is not None:
             extra = {"last_checkpoint": checkpoint_step(last), **extra}
         self.final = status
+        # its own record of this attempt too: a study driver killed before the attempt ended cannot add it
+        fields = {**self.fields, "seconds": self.earlier + time.perf_counter() - self.t0}
         try:
-            write_status(self.run_dir, status, step, reason, **self.who, **self.fields, finished=now(), **extra)
+            write_status(self.run_dir, status, step, reason, **self.who, **fields, finished=now(), **extra)
             return True
         except OSError:
             return False

@@ -508,6 +508,21 @@ def test_study_runner_resumes_failed_and_interrupted_points(tmp_path, forked_poi
     assert f"PID {os.getpid()}" in log.strip().splitlines()[-1]
 
 
+def test_a_run_records_its_own_training_time_over_its_attempts(tmp_path):
+    """status.json's ``seconds`` is written by the training process itself, over all the run's attempts: a run
+    trained by hand has one, and a study driver killed mid-attempt (its SIGTERM reaches the child, which saves
+    and stops) cannot lose that attempt's time, since the child recorded it."""
+    run = tmp_path / "run"
+    t0 = time.perf_counter()
+    train(cfg_with(steps=4, checkpoint_every=2), run, quiet=True)
+    first = rundir.read_status(run)["seconds"]
+    assert 0 < first < time.perf_counter() - t0
+    rundir.write_status(run, "interrupted", 4, "test", seconds=100.0)  # what earlier attempts took
+    t1 = time.perf_counter()
+    assert train(None, run, resume=True, quiet=True, sets=["train.steps=6"])["status"] == "completed"
+    assert 100.0 < rundir.read_status(run)["seconds"] < 100.0 + time.perf_counter() - t1
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_ctrl_c_on_a_study_keeps_the_run_time_of_every_attempt(tmp_path):
