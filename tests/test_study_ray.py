@@ -574,13 +574,13 @@ def test_train_command_under_torchrun(tmp_path):
 FAULT = {
     **TINY,
     "train": {
-        "steps": 800,
+        "steps": 400,
         "batch_size": 8,
         "lr": 1e-3,
         "warmup": 2,
-        "eval_every": 400,
+        "eval_every": 200,
         "log_every": 1,
-        "checkpoint_every": 100,
+        "checkpoint_every": 50,
     },
 }
 
@@ -623,7 +623,7 @@ def wait_until(condition, what: str, driver: subprocess.Popen, timeout: float = 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_path):
-    """Two points of one 800-step run are stopped by Ctrl-C on the driver and resumed by re-running the
+    """Two points of one 400-step run are stopped by Ctrl-C on the driver and resumed by re-running the
     command; then one has its `kilolayer train` process and the other its Ray worker killed (SIGKILL)
     mid-run. Ray retries both, and both end with the losses of the same run trained uninterrupted (a plain
     `kilolayer train`, alongside), step for step."""
@@ -645,21 +645,21 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
     # 1. Ctrl-C on the driver while both train: the tasks are cancelled, each forwards the interrupt to its
     # training process, which saves a checkpoint and records `interrupted`
     driver = study(*cmd)
-    wait_until(lambda: last_step(runs["kill_train"]) > 120 and last_step(runs["kill_worker"]) > 120, "training", driver)
+    wait_until(lambda: last_step(runs["kill_train"]) > 60 and last_step(runs["kill_worker"]) > 60, "training", driver)
     driver.send_signal(signal.SIGINT)
     rc, _, err = finish(driver, timeout=180)
     assert rc == 130 and err.strip().splitlines()[-1] == "kilolayer: interrupted", err
     stopped = {}
     for g in groups:
         st = json.loads((runs[g] / "status.json").read_text())
-        assert st["status"] == "interrupted" and st["last_checkpoint"] == st["step"] > 120, st
+        assert st["status"] == "interrupted" and st["last_checkpoint"] == st["step"] > 60, st
         assert train_pid(runs[g]) == 0  # no training process outlived the driver
         stopped[g] = st["step"]
 
     # 2. the same command resumes them; kill one's training process past its next regular checkpoint, and
     # the other's Ray worker a few steps after it resumed
-    past = {"kill_train": stopped["kill_train"] // 100 * 100 + 110, "kill_worker": stopped["kill_worker"] + 30}
-    assert max(past.values()) < 700, (stopped, "the two ran too far apart to be killed mid-run")
+    past = {"kill_train": stopped["kill_train"] // 50 * 50 + 55, "kill_worker": stopped["kill_worker"] + 15}
+    assert max(past.values()) < 350, (stopped, "the two ran too far apart to be killed mid-run")
     driver = study(*cmd)
     wait_until(
         lambda: train_pid(runs["kill_train"]) and last_step(runs["kill_train"]) > past["kill_train"],
@@ -683,19 +683,19 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
     assert alone.wait(timeout=600) == 0, alone.stderr.read()
 
     expected = records(reference, "train")
-    assert [s for s, _ in expected] == list(range(1, 801))
+    assert [s for s, _ in expected] == list(range(1, 401))
     for g in groups:
         st = json.loads((runs[g] / "status.json").read_text())
-        assert st["status"] == "completed" and st["step"] == 800, st
+        assert st["status"] == "completed" and st["step"] == 400, st
         assert records(runs[g], "train") == expected, g  # bit for bit, every step
         assert records(runs[g], "eval") == records(reference, "eval"), g
         # started at 0, resumed from the interrupt's checkpoint, then (Ray's retry) from the newest one
         resumed = [r["step"] for r in json.loads((runs[g] / "resume.json").read_text())]
         assert len(resumed) == 3 and resumed[:2] == [0, stopped[g]], (g, resumed)
         if g == "kill_train":
-            assert resumed[2] == (stopped[g] // 100 + 1) * 100, resumed  # the regular checkpoint it passed
+            assert resumed[2] == (stopped[g] // 50 + 1) * 50, resumed  # the regular checkpoint it passed
         else:
-            assert stopped[g] <= resumed[2] < 800, resumed  # one saved on SIGTERM, or the newest before
+            assert stopped[g] <= resumed[2] < 400, resumed  # one saved on SIGTERM, or the newest before
     assert json.loads((runs["kill_train"] / "status.json").read_text())["pid"] != victim
     assert json.loads((runs["kill_worker"] / "status.json").read_text())["pid"] != trainer
 
