@@ -277,13 +277,29 @@ def test_evaluate_writes_the_direction_table(root, tmp_path, capsys):
     train(cfg, tmp_path / "run", quiet=True)
 
     class Args:
-        run, split, device = str(tmp_path / "run"), "test", "cpu"
+        run, split, device, samples = str(tmp_path / "run"), "test", "cpu", 24
 
-    cmd_evaluate(Args)
-    out = capsys.readouterr().out
     import json
 
+    # the first 24 pairs (3 batches of 8) in the evaluation's order, which takes the 6 directions in turn
+    cmd_evaluate(Args)
+    part = json.loads((tmp_path / "run" / "scores_test.json").read_text())
+    assert part["samples"] == 24 and part["of"] > 24, part["of"]
+    from collections import Counter
+
+    from kilolayer.config import load_config
+    from kilolayer.data import load_source
+    from kilolayer.train.score import for_split
+
+    src = load_source(for_split(load_config(tmp_path / "run" / "config.yaml"), "test"))
+    first = Counter(src.direction_names[d] for d, _ in src.eval_items[:24])
+    assert len(first) == 6 and {k: r["pairs"] for k, r in part["directions"]["directions"].items()} == first
+    assert capsys.readouterr().out.startswith(f"test (24 of {part['of']} samples, ")
+    Args.samples = None
+    cmd_evaluate(Args)
+    out = capsys.readouterr().out
     record = json.loads((tmp_path / "run" / "scores_test.json").read_text())
+    assert record["samples"] == part["of"] and "of" not in record
     table = record["directions"]
     assert set(table["directions"]) == {f"{s}-{t}" for s in LANGS for t in LANGS if s != t}
     assert sum(r["pairs"] for r in table["directions"].values()) == record["samples"]

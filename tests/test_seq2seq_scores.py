@@ -283,6 +283,34 @@ def test_cli_evaluate_writes_the_scores_and_refuses_a_missing_split(trained_run,
     assert stopped.value.code == 2 and "invalid choice: 'dev'" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_the_first_samples_are_scored_in_whole_batches_and_never_replace_a_larger_score(trained_run, tmp_path, capsys):
+    """--samples 10 scores the first 16 pairs (2 batches of 8) of the 20: the loss, the decoded scores and the
+    baselines all read the pairs that a run evaluating 2 batches read, so they equal its last evaluation and its
+    baselines; a later request for fewer is refused, one for all replaces it."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run({**RUN, "train": {**RUN["train"], "eval_batches": 2}}), run)
+    part = score_run(run, device="cpu", samples=10)
+    assert (part["samples"], part["of"], part["step"]) == (16, 20, 6)
+    last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert part["metrics"] == pytest.approx({k: v for k, v in last.items() if k not in ("step", "split")})
+    paired = {name: scores.pop("model_minus") for name, scores in part["baselines"].items()}
+    assert part["baselines"] == json.loads((run / "baselines.json").read_text())["baselines"] and paired
+    with pytest.raises(InputError) as refused:
+        score_run(run, device="cpu", samples=3)
+    assert str(refused.value) == (
+        f"--samples 3: {run / 'scores_validation.json'} holds a score of 16 samples, more than the 8 asked for; "
+        "move it away to replace it"
+    )
+    assert main(["evaluate", str(run), "--device", "cpu", "--samples", "16"]) == 0
+    assert capsys.readouterr().out.startswith("validation (16 of 20 samples, step_00000006): loss ")
+    full = score_run(run, device="cpu", samples=100)  # at least the split: every pair, as without --samples
+    assert (full["samples"], "of" in full) == (20, False)
+    assert full["metrics"]["loss"] != pytest.approx(part["metrics"]["loss"], abs=1e-6)
+    for bad in (0, -2):
+        with pytest.raises(InputError, match=rf"^--samples {bad}: expected a whole number of samples, at least 1$"):
+            score_run(run, device="cpu", samples=bad)
+
+
 def _de_en_extracted() -> bool:
     root = Path(os.environ.get(P.ENV_ROOT) or P.default_root())
     return all((root / marker).exists() for marker in P.all_packages("de_en").values())

@@ -4,7 +4,8 @@ margin over the nearest pair, and a heat map of the model's chrF (source x targe
 
 The scores are those a run's evaluation wrote (``directions``: :func:`kilolayer.objectives.directions.
 direction_table`): the study's ``test_scores`` analysis, else ``kilolayer evaluate RUN --split test``'s
-``RUN/scores_test.json``, else its ``--split validation``'s, each scored on the whole split.
+``RUN/scores_test.json``, else its ``--split validation``'s, each scored on the whole split or on its first pairs
+(``--samples``), as its record says.
 """
 
 from __future__ import annotations
@@ -85,10 +86,11 @@ def directions_section(results, out: Path, table_md) -> list[str]:
         scored_by, record = found
         table = record["directions"]
         headers, rows = direction_rows(table)
-        what = (
-            f"{record.get('split', '?')} split, {record.get('samples', '?')} pairs, checkpoint at step "
-            f"{record.get('step', '?')}, from {scored_by}"
-        )
+        pairs = f"{record.get('samples', '?')} pairs"
+        if "of" in record:  # kilolayer evaluate --samples: the first pairs in the evaluation's order
+            pairs = f"the first {record['samples']:,} of its {record['of']:,} pairs (the directions taken in turn)"
+        step = record.get("step", "?")
+        what = f"{record.get('split', '?')} split, {pairs}, checkpoint at step {step}, from {scored_by}"
         lines += [f"### {r.point.key}", "", f"{what}.", ""]
         if len(table["directions"]) > MAX_ROWS:
             lines += [f"{len(table['directions'])} directions: the averages here, every one in the heat map.", ""]

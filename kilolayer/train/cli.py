@@ -40,8 +40,9 @@ def cmd_evaluate(args) -> int:
     from kilolayer.train.score import score_run
 
     resolve_device(args.device)
-    record = score_run(args.run, args.split, args.device)
-    what = f"{record['split']} ({record['samples']} samples, {record['checkpoint']})"
+    record = score_run(args.run, args.split, args.device, args.samples)
+    of = f" of {record['of']}" if "of" in record else ""
+    what = f"{record['split']} ({record['samples']}{of} samples, {record['checkpoint']})"
     print(eval_line(what, record["metrics"], record.get("baselines", {})))
     if record.get("directions"):
         from kilolayer.objectives.directions import table_lines
@@ -130,11 +131,11 @@ def register(sub) -> None:
 
     p = sub.add_parser(
         "evaluate",
-        help="score a run's chosen checkpoint on all of a split; writes RUN/scores_SPLIT.json",
+        help="score a run's chosen checkpoint on a split; writes RUN/scores_SPLIT.json",
         description="Score a run's chosen checkpoint (the newest intact one; with early stopping, the best) on "
-        "every sample of a split with the metrics its evaluations report; a seq2seq run decodes every pair and is "
-        "scored beside its baselines (the source copied; the nearest training pair's target, or the reference's "
-        "tokens shuffled). Writes RUN/scores_SPLIT.json.",
+        "every sample of a split (or its first --samples) with the metrics its evaluations report; a seq2seq run "
+        "decodes every pair it scores and is scored beside its baselines (the source copied; the nearest training "
+        "pair's target, or the reference's tokens shuffled). Writes RUN/scores_SPLIT.json.",
     )
     p.add_argument("run", metavar="RUN_DIR", help="a run directory")
     p.add_argument(
@@ -142,6 +143,13 @@ def register(sub) -> None:
         choices=SCORED_SPLITS,
         help="the split to score (default: the one the run evaluates on); test needs a source that holds one "
         "(data.options.eval_split)",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        metavar="N",
+        help="score the first N samples (rounded up to whole evaluation batches) in the order the run's "
+        "evaluations read them, where a many-to-many source takes its directions in turn (default: every one)",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
     p.set_defaults(func=cmd_evaluate)

@@ -1,10 +1,12 @@
-"""``kilolayer evaluate``: a run's chosen checkpoint scored on the whole of a split, with the metrics its evaluations
-report and, for seq2seq, the baselines beside them, written to ``RUN/scores_SPLIT.json``.
+"""``kilolayer evaluate``: a run's chosen checkpoint scored on a split, with the metrics its evaluations report and,
+for seq2seq, the baselines beside them, written to ``RUN/scores_SPLIT.json``.
 
 The run's own config is used, with its evaluation pointed at ``split`` (``data.options.eval_split``, for the sources
-that hold a test split) and stretched over every sample of it; a seq2seq run decodes every pair, whatever its
-``decode_samples`` (a cap that saves time while training). The checkpoint is the one that stands for the run
-(:func:`kilolayer.rundir.chosen_checkpoint`: the newest intact one; with early stopping, the best).
+that hold a test split) and stretched over every sample of it, or over its first ``samples`` in the order its
+evaluations read them (a many-to-many source takes its directions in turn, so every direction gets its share);
+a seq2seq run decodes every pair scored, whatever its ``decode_samples`` (a cap that saves time while training).
+The checkpoint is the one that stands for the run (:func:`kilolayer.rundir.chosen_checkpoint`: the newest intact
+one; with early stopping, the best).
 """
 
 from __future__ import annotations
@@ -25,35 +27,40 @@ from kilolayer.train.engine import Engine
 from kilolayer.train.run import recorded_precision
 
 
-def for_split(config: Config, split: str | None) -> Config:
-    """``config`` with every evaluation pair decoded and, when ``split`` is given and is not the one it
-    evaluates on, ``data.options.eval_split`` set to it."""
+def for_split(config: Config, split: str | None, decode: int | None = None) -> Config:
+    """``config`` with every evaluation pair decoded (the first ``decode`` when given) and, when ``split`` is given
+    and is not the one it evaluates on, ``data.options.eval_split`` set to it."""
     objective = config.objective.model_dump()
     objective["options"] = {k: v for k, v in objective["options"].items() if k != "decode_samples"}
+    if decode is not None and config.objective.name == "seq2seq":
+        objective["options"]["decode_samples"] = decode
     data = config.data.model_dump()
     if split is not None and split != data["options"].get("eval_split", "validation"):
         data["options"] = {**data["options"], "eval_split": split}
     return load_config({**config.model_dump(), "objective": objective, "data": data})
 
 
-def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto") -> dict:
-    """Score the run in ``run_dir`` on all of ``split`` (default: the split it evaluates on) and write the record
-    to ``scores_SPLIT.json`` there: ``data``, ``split``, ``samples``, ``checkpoint``, ``step``, ``metrics``
-    (those of its evaluations), and for seq2seq ``baselines`` (name -> scores on the same pairs), beside a
-    nearest-neighbour baseline ``translates`` (:func:`kilolayer.objectives.baselines.translates`) and, for a
-    many-to-many source, ``directions`` (:func:`kilolayer.objectives.directions.direction_table`)."""
+def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto", samples: int | None = None) -> dict:
+    """Score the run in ``run_dir`` on all of ``split`` (default: the split it evaluates on), or on its first
+    ``samples`` rounded up to whole evaluation batches, and write the record to ``scores_SPLIT.json`` there:
+    ``data``, ``split``, ``samples`` (those scored), ``of`` (the split's, where fewer were scored), ``checkpoint``,
+    ``step``, ``metrics`` (those of its evaluations), and for seq2seq ``baselines`` (name -> scores on the same
+    pairs), beside a nearest-neighbour baseline ``translates`` (:func:`kilolayer.objectives.baselines.translates`)
+    and, for a many-to-many source, ``directions`` (:func:`kilolayer.objectives.directions.direction_table`).
+    A record of more samples is not replaced by one of fewer."""
     run_dir = Path(run_dir)
     if split is not None and split not in rundir.SCORED_SPLITS:
         raise InputError(f"--split {split}: expected one of {', '.join(rundir.SCORED_SPLITS)}")
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
+        raise InputError(f"--samples {samples}: expected a whole number of samples, at least 1")
     if not (run_dir / rundir.CONFIG).is_file():
         raise InputError(f"{run_dir}: not a kilolayer run directory (no config.yaml)")
     config = load_config(run_dir / rundir.CONFIG)
     ckpt = standing_checkpoint(run_dir, patience=config.train.patience)
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use cpu or auto")
-    config = for_split(config, split)
     try:
-        source = load_source(config)
+        source = load_source(for_split(config, split))
     except ConfigError as err:
         if str(err).startswith("data.options.eval_split:"):
             raise InputError(
@@ -61,17 +68,28 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
                 f"validation split only)"
             ) from None
         raise
+    size = config.train.batch_size
+    scored = source.eval_size if samples is None else min(source.eval_size, math.ceil(samples / size) * size)
+    target = run_dir / rundir.scores_name(source.eval_split)
+    before = rundir.read_json(target, None)
+    if scored < source.eval_size and isinstance(before, dict) and before.get("samples", 0) > scored:
+        raise InputError(
+            f"--samples {samples}: {target} holds a score of {before['samples']:,} samples, more than the {scored:,} "
+            "asked for; move it away to replace it"
+        )
+    config = for_split(config, split, None if scored == source.eval_size else scored)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     # scored at the precision the run trained and evaluated at (an auto run's recorded one)
     recorded = recorded_precision(run_dir, ckpt) if config.train.precision == "auto" else None
     dev = torch.device("cuda" if use_cuda else "cpu")
     engine = Engine(config, D.Dist(device=dev), fresh=False, source=source, precision=recorded and recorded.value)
     step = load_run_weights(run_dir, engine.task, ckpt)
-    batches = max(1, math.ceil(source.eval_size / config.train.batch_size))
+    batches = max(1, math.ceil(scored / size))
     record = {
         "data": config.data.name,
         "split": source.eval_split,
-        "samples": source.eval_size,
+        "samples": scored,
+        **({"of": source.eval_size} if scored < source.eval_size else {}),
         "checkpoint": ckpt.name,
         "step": step,
         "metrics": engine.evaluate(batches),
@@ -84,5 +102,5 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
             record["translates"] = verdict.as_dict()
     if found.get("directions"):
         record["directions"] = found["directions"]
-    rundir.write_json(run_dir / rundir.scores_name(source.eval_split), record)
+    rundir.write_json(target, record)
     return record
