@@ -402,11 +402,8 @@ _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _SAFE_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
-class YamlLoader(_SAFE_LOADER):
-    """PyYAML's safe loader, reading numbers as YAML 1.2 does: its YAML 1.1 resolver takes a float only with a dot
-    (``1.0e-3``), so ``1e-3`` or ``5E4`` would load as strings; here they are floats. A key given twice in one
-    mapping is an error, as YAML 1.2 says, not the last one silently winning (a merge key's ``<<:`` values may be
-    overridden)."""
+class _Strict:
+    """A safe loader's mapping constructor that refuses a key given twice (see :class:`YamlLoader`)."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode) and not getattr(node, "keys_checked", False):
@@ -426,12 +423,24 @@ class YamlLoader(_SAFE_LOADER):
         return super().construct_mapping(node, deep)
 
 
+class YamlLoader(_Strict, _SAFE_LOADER):
+    """PyYAML's safe loader, reading numbers as YAML 1.2 does: its YAML 1.1 resolver takes a float only with a dot
+    (``1.0e-3``), so ``1e-3`` or ``5E4`` would load as strings; here they are floats. A key given twice in one
+    mapping is an error, as YAML 1.2 says, not the last one silently winning (a merge key's ``<<:`` values may be
+    overridden)."""
+
+
+class _PythonYamlLoader(_Strict, yaml.SafeLoader):
+    """:class:`YamlLoader` on PyYAML's pure-Python parser, whose errors name more (the tab found, the alias
+    undefined): :func:`load_yaml` reads a text again with it when the C parser refuses the text."""
+
+
 class YamlDumper(_SAFE_DUMPER):
     """PyYAML's safe dumper, quoting a string that :class:`YamlLoader` reads as a number (``'1e3'``), so what it
     writes loads back as it was."""
 
 
-for _cls in (YamlLoader, YamlDumper):
+for _cls in (YamlLoader, _PythonYamlLoader, YamlDumper):
     _cls.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
@@ -440,8 +449,18 @@ for _cls in (YamlLoader, YamlDumper):
 
 
 def load_yaml(text: str) -> Any:
-    """``text`` parsed as YAML by :class:`YamlLoader` (safe: plain data only; ``1e-3`` a float)."""
-    return yaml.load(text, Loader=YamlLoader)
+    """``text`` parsed as YAML by :class:`YamlLoader` (safe: plain data only; ``1e-3`` a float); a text it refuses
+    raises the pure-Python parser's error, which says more."""
+    try:
+        return yaml.load(text, Loader=YamlLoader)
+    except yaml.YAMLError as err:
+        if _SAFE_LOADER is yaml.SafeLoader:  # the text was read by the pure-Python parser already
+            raise
+        try:
+            yaml.load(text, Loader=_PythonYamlLoader)
+        except yaml.YAMLError as detailed:
+            raise detailed from None
+        raise err
 
 
 def to_yaml(data: Any, **options) -> str:

@@ -13,8 +13,8 @@ layout is defined once::
       metrics.jsonl         one JSON object per line: step, split (train | eval | diagnostics), loss, ...
       baselines.json        seq2seq: the scores of predictors that do not translate on the pairs the
                             evaluations decode (kilolayer.objectives.baselines): split, pairs, baselines
-      scores_SPLIT.json     kilolayer evaluate: the chosen checkpoint's metrics on all of SPLIT, and the
-                            baselines there
+      scores_SPLIT.json     kilolayer evaluate: the chosen checkpoint's metrics on all of SPLIT (or its
+                            first --samples, with of: the split's size), and the baselines there
       checkpoints/step_NNNNNNNN/
                             one checkpoint (see kilolayer.train.checkpoint); manifest.json holds the
                             SHA-256 of each file, COMPLETE is written last. With early stopping

@@ -109,6 +109,12 @@ def test_the_report_reads_kilolayer_evaluates_scores_file_where_no_analysis_scor
     # a record of one direction's pairs, as a one-to-one source's, has no table
     rundir.write_json(run / rundir.scores_name("validation"), {"split": "validation", "metrics": {"bleu": 1.0}})
     assert directions_section([result("g/b")], tmp_path, _table) == []
+    # kilolayer evaluate --samples: the table and its heat map say the pairs are the split's first, not all of it
+    part = {**record(), "split": "test", "samples": 48, "of": 4096}
+    rundir.write_json(run / rundir.scores_name("test"), part)
+    text = "\n".join(directions_section([result("g/b")], tmp_path, _table))
+    assert "test split, the first 48 of its 4,096 pairs (the directions taken in turn), checkpoint at step" in text
+    assert "(source per row, target per column, the first 48 of 4,096 pairs)" in text
 
 
 def test_the_study_report_places_the_directions_after_its_runs(tmp_path):

@@ -19,6 +19,7 @@ import torch
 from objective_helpers import TINY_IMAGE
 from torch import nn
 
+from kilolayer import rundir
 from kilolayer.cli import main
 from kilolayer.config import load_config
 from kilolayer.data import load_source
@@ -298,17 +299,33 @@ def test_the_first_samples_are_scored_in_whole_batches_and_never_replace_a_large
     with pytest.raises(InputError) as refused:
         score_run(run, device="cpu", samples=3)
     assert str(refused.value) == (
-        f"--samples 3: {run / 'scores_validation.json'} holds a score of 16 samples, more than the 8 asked for; "
-        "move it away to replace it"
+        f"--samples 3: {run / 'scores_validation.json'} holds a score of 16 samples of the same checkpoint "
+        "(step_00000006), more than the 8 (3 rounded up to whole batches of 8) asked for; move it away to replace it"
     )
+    # a score of an older checkpoint (the run resumed since) is replaced by a part of the standing one's
+    stale = json.loads((run / "scores_validation.json").read_text())
+    rundir.write_json(run / "scores_validation.json", {**stale, "checkpoint": "step_00000003", "step": 3})
+    assert score_run(run, device="cpu", samples=8)["samples"] == 8
     assert main(["evaluate", str(run), "--device", "cpu", "--samples", "16"]) == 0
     assert capsys.readouterr().out.startswith("validation (16 of 20 samples, step_00000006): loss ")
     full = score_run(run, device="cpu", samples=100)  # at least the split: every pair, as without --samples
     assert (full["samples"], "of" in full) == (20, False)
     assert full["metrics"]["loss"] != pytest.approx(part["metrics"]["loss"], abs=1e-6)
-    for bad in (0, -2):
+    for bad in (0, -2, True, 2.5):
         with pytest.raises(InputError, match=rf"^--samples {bad}: expected a whole number of samples, at least 1$"):
             score_run(run, device="cpu", samples=bad)
+
+
+def test_a_contrastive_run_is_scored_on_every_sample(trained_run):
+    """Recall ranks a sample among those scored: a part of the split is refused, in one line."""
+    cfg = {
+        "model": TINY_IMAGE,
+        "objective": {"name": "contrastive", "options": {"embed_dim": 16, "text_model": {"layers": 1, "width": 32}}},
+        "data": {"name": "digit_captions"},
+        "train": {"steps": 2, "batch_size": 16, "eval_every": 2, "log_every": 2, "peak_flops": 1e12},
+    }
+    with pytest.raises(InputError, match=r"^--samples 16: contrastive recall ranks each sample among those scored"):
+        score_run(trained_run(cfg), device="cpu", samples=16)
 
 
 def _de_en_extracted() -> bool:

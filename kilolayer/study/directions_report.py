@@ -97,7 +97,8 @@ def directions_section(results, out: Path, table_md) -> list[str]:
         lines.append(table_md(headers, rows))
         path = out / "report_files" / f"directions_{re.sub(r'[^A-Za-z0-9_.=-]', '_', r.point.key)}.png"
         if direction_heatmap(table, path):
-            caption = f"{r.point.key}: the model's chrF per direction (source per row, target per column)"
+            part = f", the first {record['samples']:,} of {record['of']:,} pairs" if "of" in record else ""
+            caption = f"{r.point.key}: the model's chrF per direction (source per row, target per column{part})"
             lines += [f"![{caption}]({path.relative_to(out).as_posix()})", "", f"*{caption}*", ""]
     if not lines:
         return []

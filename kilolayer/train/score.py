@@ -69,14 +69,14 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
             ) from None
         raise
     size = config.train.batch_size
-    scored = source.eval_size if samples is None else min(source.eval_size, math.ceil(samples / size) * size)
-    target = run_dir / rundir.scores_name(source.eval_split)
-    before = rundir.read_json(target, None)
-    if scored < source.eval_size and isinstance(before, dict) and before.get("samples", 0) > scored:
+    scored = source.eval_size if samples is None else min(source.eval_size, -(-samples // size) * size)
+    if scored < source.eval_size and config.objective.name == "contrastive":
         raise InputError(
-            f"--samples {samples}: {target} holds a score of {before['samples']:,} samples, more than the {scored:,} "
-            "asked for; move it away to replace it"
+            f"--samples {samples}: contrastive recall ranks each sample among those scored, so a part of the split "
+            "is no estimate of the whole; score every sample (leave out --samples)"
         )
+    target = run_dir / rundir.scores_name(source.eval_split)
+    _keep_larger(target, scored, source.eval_size, ckpt.name, samples, size)
     config = for_split(config, split, None if scored == source.eval_size else scored)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     # scored at the precision the run trained and evaluated at (an auto run's recorded one)
@@ -102,5 +102,23 @@ def score_run(run_dir: str | Path, split: str | None = None, device: str = "auto
             record["translates"] = verdict.as_dict()
     if found.get("directions"):
         record["directions"] = found["directions"]
+    _keep_larger(target, scored, source.eval_size, ckpt.name, samples, size)  # another scoring may have ended since
     rundir.write_json(target, record)
     return record
+
+
+def _keep_larger(target: Path, scored: int, total: int, checkpoint: str, samples: int | None, size: int) -> None:
+    """Refuse to replace ``target``'s score of more samples of the same checkpoint with one of ``scored``, a part of
+    the split's ``total`` (a score of an older checkpoint, or of the whole split, replaces it)."""
+    before = rundir.read_json(target, None)
+    if scored == total or not isinstance(before, dict) or before.get("checkpoint") != checkpoint:
+        return
+    held = before.get("samples")
+    if isinstance(held, int) and held > scored:
+        asked = f"{scored:,}"
+        if samples != scored:
+            asked += f" ({samples:,} rounded up to whole batches of {size})"
+        raise InputError(
+            f"--samples {samples}: {target} holds a score of {held:,} samples of the same checkpoint ({checkpoint}), "
+            f"more than the {asked} asked for; move it away to replace it"
+        )
