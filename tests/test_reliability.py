@@ -674,7 +674,9 @@ def _safe_losses(run: Path) -> list:
 @pytest.mark.slow
 def test_random_kill9_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
     """kill -9 at random moments (during start-up, training, evaluation or a checkpoint save), resume
-    each time; the final loss sequence is bit for bit the uninterrupted one, and no lock is left behind."""
+    each time; the final loss sequence is bit for bit the uninterrupted one, and no lock is left behind. The
+    last resume also finds the worst moment's leftover beside the kills' own: a half-written next checkpoint,
+    which it removes."""
     cfg = cfg_with(steps=150, checkpoint_every=1, keep_checkpoints=3, eval_every=10)
     train(cfg, tmp_path / "ref", quiet=True)
     ref_train, ref_eval = losses(tmp_path / "ref"), losses(tmp_path / "ref", "eval")
@@ -705,7 +707,13 @@ def test_random_kill9_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
         assert not rundir.is_locked(run)  # the kernel dropped the lock with the process
         assert rundir.read_status(run).get("status") in (None, "running", "completed")
     assert kills >= 3
+    step = int(rundir.complete_checkpoints(run)[-1].name.split("_")[1])
+    if step < 150:
+        partial = run / "checkpoints" / f".step_{step + 1:08d}.tmp-999"
+        partial.mkdir(exist_ok=True)
+        (partial / "model.safetensors").write_bytes(b"\x00" * 10)
     # the last resume runs in this process: what it reads was left by the killed processes
     assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0
     assert losses(run) == ref_train
     assert losses(run, "eval") == ref_eval
+    assert not [p for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]

@@ -439,6 +439,32 @@ def test_a_paired_bootstrap_compares_model_and_baseline_on_the_same_sentences():
         paired_difference(model[:3], other, refs)
 
 
+def test_the_interval_is_scipys_percentile_bootstrap():
+    """The NumPy interval draws what scipy.stats.bootstrap draws from the same generator and takes the same
+    quantiles (NumPy's linear interpolation, written as scipy's to within float rounding), for a vector statistic
+    and for a single sentence."""
+    from scipy.stats import bootstrap
+
+    from kilolayer.objectives.text_scores import RESAMPLES, SEED, _interval
+
+    values = np.random.default_rng(3).normal(size=(37, 2))
+    statistic = lambda rows: np.array([values[rows, 0].mean(), np.median(values[rows, 1])])
+    point, low, high = _interval(statistic, 37)
+    found = bootstrap(
+        (np.arange(37),),
+        statistic,
+        n_resamples=RESAMPLES,
+        vectorized=False,
+        method="percentile",
+        rng=np.random.default_rng(SEED),
+    ).confidence_interval
+    assert point.tolist() == statistic(np.arange(37)).tolist()
+    assert low == pytest.approx(found.low, rel=1e-12) and high == pytest.approx(found.high, rel=1e-12)
+    assert low[0] < point[0] < high[0]
+    one = _interval(statistic, 1)
+    assert one[0].tolist() == one[1].tolist() == one[2].tolist()
+
+
 def test_translates_by_the_paired_interval_when_the_baselines_hold_it():
     base = {"copy": {"bleu": 6.3, "chrf": 22.5}, "nearest": {"bleu": 18.1, "chrf": 33.7}}
     metrics = {"bleu": 18.7, "chrf": 38.3}  # above both baselines as point estimates

@@ -1,11 +1,12 @@
 """Decoded text scored against its references: sacrebleu's corpus BLEU and chrF (its defaults) and exact match,
 each with a 95% bootstrap interval over the sentences.
 
-The interval is scipy's percentile bootstrap, ``RESAMPLES`` resamples of the sentences drawn by a NumPy generator
-of fixed seed: the same pairs give the same interval, and nothing is drawn from torch's or NumPy's global random
-state (an evaluation must leave training's random streams where they were). A resample's corpus score is
-computed from its sentences' sufficient statistics (n-gram matches and lengths), as sacrebleu's own bootstrap
-computes it; sacrebleu's public result keeps only the resamples' mean and a half-width, not the interval's ends.
+The interval is scipy's percentile bootstrap (see :func:`_interval`), ``RESAMPLES`` resamples of the sentences drawn
+by a NumPy generator of fixed seed: the same pairs give the same interval, and nothing is drawn from torch's or
+NumPy's global random state (an evaluation must leave training's random streams where they were). A resample's
+corpus score is computed from its sentences' sufficient statistics (n-gram matches and lengths), as sacrebleu's own
+bootstrap computes it; sacrebleu's public result keeps only the resamples' mean and a half-width, not the interval's
+ends.
 """
 
 from __future__ import annotations
@@ -20,21 +21,19 @@ SCORES = ("bleu", "chrf", "exact_match")
 
 def _interval(statistic, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``statistic`` of all ``n`` sentences and the ends of its 95% percentile bootstrap interval over them (the
-    fixed-seed generator of the module docstring); one sentence: every resample is the sentence itself."""
-    from scipy.stats import bootstrap
+    fixed-seed generator of the module docstring); one sentence: every resample is the sentence itself.
 
+    This is ``scipy.stats.bootstrap(..., method="percentile", vectorized=False)`` with that generator: the same
+    draws, and the same linear quantiles to float rounding (tests/test_seq2seq_scores.py compares them). It is
+    written out in NumPy because importing ``scipy.stats`` costs every training process that scores text about
+    a second."""
     point = statistic(np.arange(n))
     if n < 2:
         return point, point, point
-    found = bootstrap(
-        (np.arange(n),),
-        statistic,
-        n_resamples=RESAMPLES,
-        vectorized=False,
-        method="percentile",
-        rng=np.random.default_rng(SEED),
-    ).confidence_interval
-    return point, found.low, found.high
+    rows = np.random.default_rng(SEED).integers(0, n, (RESAMPLES, n))
+    resampled = np.stack([statistic(r) for r in rows])
+    low, high = np.quantile(resampled, [0.025, 0.975], axis=0)
+    return point, low, high
 
 
 def text_scores(hyps: list[str], refs: list[str]) -> dict[str, float]:
