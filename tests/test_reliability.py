@@ -227,13 +227,11 @@ def test_longer_cosine_resume_is_replanned_and_differs_from_one_run(tmp_path):
 # ---------------------------------------------------------------- operating-system errors
 
 
-@pytest.mark.integration
-def test_out_that_is_a_file_is_one_line(tmp_path):
+def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
-    p = cli("train", str(write_config(tmp_path, LM)), "--out", str(a_file), "--quiet")
-    assert p.returncode == 2
-    one_line_error(p.stderr, str(a_file), "is a file")
+    assert main(["train", str(write_config(tmp_path, LM)), "--out", str(a_file), "--quiet"]) == 2
+    one_line_error(capsys.readouterr().err, str(a_file), "is a file")
     assert a_file.read_text() == "mine"
 
 

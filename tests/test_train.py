@@ -122,14 +122,14 @@ def test_corrupt_checkpoint_is_one_line(tmp_path):
     assert_one_line_error(p.returncode, p.stderr, "model.safetensors", "truncated")
 
 
-@pytest.mark.integration
-def test_mismatched_checkpoint_is_one_line(tmp_path):
+def test_mismatched_checkpoint_is_one_line(tmp_path, capsys):
+    """In-process (the corrupt checkpoint's test above crosses the process boundary)."""
     out = tmp_path / "run"
     train(TINY_LM, out, quiet=True, sets=["train.steps=2"])
     cfg = (out / "config.yaml").read_text().replace("width: 32", "width: 64")
     (out / "config.yaml").write_text(cfg)
-    p = cli("train", "--resume", "--out", str(out), "--set", "train.steps=4")
-    assert_one_line_error(p.returncode, p.stderr, "does not fit this model", "shape")
+    rc = main(["train", "--resume", "--out", str(out), "--set", "train.steps=4"])
+    assert_one_line_error(rc, capsys.readouterr().err, "does not fit this model", "shape")
 
 
 def test_resume_refuses_a_different_model(tmp_path):
@@ -148,40 +148,43 @@ def test_existing_run_is_never_overwritten(tmp_path):
     assert (out / "metrics.jsonl").read_text() == before
 
 
-@pytest.mark.integration
-def test_divergence_is_recorded_with_exit_code_3(tmp_path):
+def test_divergence_is_recorded_with_exit_code_3(tmp_path, monkeypatch, capsys):
+    """In-process, from the repository root: the exit status main() hands to the interpreter, and its stderr."""
+    monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
-    p = cli(
-        "train",
-        str(ROOT / "configs" / "stdlib_gpt.yaml"),
-        "--out",
-        str(out),
-        "--quiet",
-        "--set",
-        "model.layers=2",
-        "--set",
-        "model.width=32",
-        "--set",
-        "model.heads=2",
-        "--set",
-        "model.ffn=64",
-        "--set",
-        "model.scheme=post_ln",
-        "--set",
-        "train.lr=1e4",
-        "--set",
-        "train.warmup=0",
-        "--set",
-        "train.clip=0",
-        "--set",
-        "train.steps=50",
-        "--set",
-        "train.checkpoint_every=1",
-        "--set",
-        "data.options.max_bytes=200000",
+    rc = main(
+        [
+            "train",
+            str(ROOT / "configs" / "stdlib_gpt.yaml"),
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "model.layers=2",
+            "--set",
+            "model.width=32",
+            "--set",
+            "model.heads=2",
+            "--set",
+            "model.ffn=64",
+            "--set",
+            "model.scheme=post_ln",
+            "--set",
+            "train.lr=1e4",
+            "--set",
+            "train.warmup=0",
+            "--set",
+            "train.clip=0",
+            "--set",
+            "train.steps=50",
+            "--set",
+            "train.checkpoint_every=1",
+            "--set",
+            "data.options.max_bytes=200000",
+        ]
     )
-    err = p.stderr
-    assert p.returncode == 3, err
+    err = capsys.readouterr().err
+    assert rc == 3, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kilolayer: error: ") and "Traceback" not in err
     status = json.loads((out / "status.json").read_text())
