@@ -8,17 +8,22 @@ trained and evaluated: ``all`` (every ordered pair), ``english_centric`` (into a
 packages are read from the folder ``de_en`` reads (``data.options.root``, else ``$KILOLAYER_PARALLEL_ROOT``, else
 the cache), which ``python -m kilolayer.data.debian fetch lo_multi:en,de,ja`` fills.
 
-Cleaning: each text by :func:`kilolayer.data.parallel.clean_text`. A text whose near-key equals the English text
-of its row is untranslated (a package falls back to English where its translators have not been) and is left out
-of the row, so the English pages are read whatever the languages. A pair of a direction is dropped by
-:func:`kilolayer.data.parallel.pair_problem`, lengths counted in display columns (a wide CJK character is two), so
-that Chinese is not dropped for being written in fewer characters.
+``data.options.catalogues`` adds LibreOffice's UI strings (menus, dialogs, messages), train only: the gettext
+catalogues of ``libreoffice-l10n-<code>``, keyed by (catalogue, context, English string) as a paragraph is by its
+id, so one string is a row in every language that translates it (English is the key itself; a plural's singular
+form).
+
+Cleaning: each text by :func:`kilolayer.data.parallel.clean_text` (a catalogue's accelerators removed). A text whose
+near-key equals the English text of its row is untranslated (a package falls back to English where its translators
+have not been) and is left out of the row, so the English pages are read whatever the languages. A pair of a
+direction is dropped by :func:`kilolayer.data.parallel.pair_problem`, lengths counted in display columns (a wide CJK
+character is two), so that Chinese is not dropped for being written in fewer characters.
 
 Splits: whole pages are held out in every language at once by :func:`kilolayer.data.lo_help.split_pages` (per
 help module, in a hash order of ``split_seed``): no paragraph of a validation or test page trains in any
 language. Then, as for ``de_en``, a row one of whose texts has the near-key of a test text in its language is
-dropped from validation and train, one of a validation text from train; a pair repeated within a split and
-direction is kept once.
+dropped from validation and train, one of a validation text from train (a catalogue row too); a pair repeated
+within a split and direction is kept once.
 
 Tokens: one joint BPE vocabulary (:func:`kilolayer.data.parallel.train_tokenizer`) trained on the training texts
 of every language, language l's texts repeated or cut so that its share is proportional to n_l ** (1 /
@@ -86,9 +91,23 @@ def pages_dir(lang: str) -> str:
     return f"{P.HELP}/{LANGUAGES[lang]}/text"
 
 
-def packages(langs) -> dict[str, str]:
-    """Package -> the folder that shows it is extracted, for ``langs`` and English (always read)."""
-    return {package(lang): pages_dir(lang) for lang in dict.fromkeys([ENGLISH, *langs])}
+def catalogue_package(lang: str) -> str:
+    """The Debian package of ``lang``'s UI catalogues (English has none: its strings are the catalogues' keys)."""
+    return f"libreoffice-l10n-{lang}"
+
+
+def catalogue_dir(lang: str) -> str:
+    """The folder (under the root) of ``lang``'s catalogues, named by locale (``zh_CN``, ``pt_BR``)."""
+    return P.LO_MO.format(lang=LANGUAGES[lang].replace("-", "_"))
+
+
+def packages(langs, catalogues: bool = True) -> dict[str, str]:
+    """Package -> the folder that shows it is extracted, for ``langs`` and English (always read): the help pages,
+    and with ``catalogues`` the UI catalogues of each language but English."""
+    out = {package(lang): pages_dir(lang) for lang in dict.fromkeys([ENGLISH, *langs])}
+    if catalogues:
+        out.update({catalogue_package(lang): catalogue_dir(lang) for lang in langs if lang != ENGLISH})
+    return out
 
 
 def tag(lang: str) -> str:
@@ -118,6 +137,7 @@ class LOMultiOptions(NumbersNotBools):
     temperature: float = Field(5.0, gt=0, description="training directions drawn in proportion to n ** (1/T)")
     vocab: int = Field(16000, ge=len(P.SPECIALS) + 1, le=1_000_000, description="BPE ids, tags included")
     vocab_temperature: float = Field(5.0, gt=0, description="each language's share of the BPE training texts")
+    catalogues: bool = Field(False, description="also train on the UI strings of libreoffice-l10n-<code>")
     split_seed: int = 0
     val_fraction: float = Field(0.03, ge=0.0, lt=1.0)
     test_fraction: float = Field(0.05, gt=0.0, lt=1.0)
@@ -168,17 +188,23 @@ def fetch_command(langs, root: Path) -> str:
     return f"python -m kilolayer.data.debian fetch {NAME}:{','.join(langs)}{fetch_root}"
 
 
-def check_packages(root: Path, langs: list[str]) -> dict[str, str]:
-    """Package -> folder of the packages ``langs`` need; one line naming the missing languages and the command that
-    fetches them when any is absent."""
-    needed = packages(langs)
+def check_packages(root: Path, langs: list[str], catalogues: bool = False) -> dict[str, str]:
+    """Package -> folder of the packages ``langs`` need (with their ``catalogues``); one line naming the missing
+    languages and the command that fetches them when any is absent."""
     missing = [lang for lang in dict.fromkeys([ENGLISH, *langs]) if not (root / pages_dir(lang)).is_dir()]
     if missing:
         raise ConfigError(
             f"data.options.languages: the help of {', '.join(missing)} ({' '.join(map(package, missing))}) is not "
             f"extracted under {root}; fetch it with: {fetch_command(missing, root)}"
         )
-    return needed
+    missing = [lang for lang in langs if catalogues and lang != ENGLISH and not (root / catalogue_dir(lang)).is_dir()]
+    if missing:
+        raise ConfigError(
+            f"data.options.catalogues: the UI catalogues of {', '.join(missing)} "
+            f"({' '.join(map(catalogue_package, missing))}) are not extracted under {root}; fetch them with: "
+            f"{fetch_command(missing, root)}"
+        )
+    return packages(langs, catalogues)
 
 
 # ------------------------------------------------------------------ the corpus
@@ -220,10 +246,49 @@ def read_rows(root: Path, langs: list[str], page: str, opts: LOMultiOptions, dro
     return rows
 
 
+def catalogue_files(root: Path, lang: str) -> list[Path]:
+    return sorted((root / catalogue_dir(lang)).glob("*.mo"))
+
+
+def catalogue_rows(root: Path, langs: list[str], opts: LOMultiOptions, dropped: dict, raw: Counter) -> list[dict]:
+    """The rows of the UI catalogues: for each (catalogue, context, English string) that a language translates,
+    {language: cleaned text} (English's is the string itself); each text left out is counted under its rule in
+    ``dropped[language]``, an untranslated one (the near-key of the English) as ``untranslated``."""
+    found: dict[tuple, dict[str, str]] = {}
+    for lang in langs:
+        if lang == ENGLISH:
+            continue
+        for path in catalogue_files(root, lang):
+            for ctx, msgid, _plural, forms in P.read_mo(path):
+                if forms and forms[0]:
+                    found.setdefault((path.name, ctx or "", msgid), {})[lang] = forms[0]
+    rows = []
+    for (_, _, msgid), texts in sorted(found.items()):
+        english = P.clean_text(msgid, opts, catalogue=True)
+        key = None if isinstance(english, P.Dropped) else P.near_key(english)
+        row = {}
+        for lang in langs:
+            text = english if lang == ENGLISH else texts.get(lang)
+            if text is None:
+                continue
+            raw[lang] += 1
+            if lang != ENGLISH:
+                text = P.clean_text(text, opts, catalogue=True)
+            if isinstance(text, P.Dropped):
+                dropped[lang][str(text)] += 1
+            elif lang != ENGLISH and P.near_key(text) == key:
+                dropped[lang]["untranslated"] += 1
+            else:
+                row[lang] = text
+        rows.append(row)
+    return rows
+
+
 def build_corpus(root: Path, langs: list[str], opts: LOMultiOptions) -> dict:
     """Rows of every split, ``{split: [[text in each of langs, "" where it has none], ...]}``, the pages of each
     split (``{split}_pages``) and ``stats``: texts read and kept per language and split, texts and rows dropped by
-    rule, rows and pages per split."""
+    rule, rows and pages per split; with ``catalogues``, ``stats["catalogues"]`` counts the UI strings alike (read,
+    dropped, kept in train) and the training rows are the pages' first, then the catalogues'."""
     dropped = {lang: Counter() for lang in langs}
     raw: Counter = Counter()
     row_drops: Counter = Counter()
@@ -237,22 +302,37 @@ def build_corpus(root: Path, langs: list[str], opts: LOMultiOptions) -> dict:
                 row_drops["fewer_than_two_languages"] += 1
         if rows:
             by_page[page] = rows
+    ui: list[dict] = []
+    ui_dropped = {lang: Counter() for lang in langs}
+    ui_raw: Counter = Counter()
+    ui_drops: Counter = Counter()
+    if opts.catalogues:
+        for row in catalogue_rows(root, langs, opts, ui_dropped, ui_raw):
+            if len(row) >= 2:
+                ui.append(row)
+            else:
+                ui_drops["fewer_than_two_languages"] += 1
     split_of = lo_help.split_pages(list(by_page), opts.split_seed, opts.val_fraction, opts.test_fraction)
     held = {lang: set() for lang in langs}  # near-keys of the texts of the splits already kept
     out: dict = {}
     texts = {lang: dict.fromkeys(SPLITS, 0) for lang in langs}
+    ui_texts = dict.fromkeys(langs, 0)
     for split in ("test", "validation", "train"):
         kept, pages = [], [p for p in by_page if split_of[p] == split]
-        for page in pages:
-            for row in by_page[page]:
-                if any(P.near_key(text) in held[lang] for lang, text in row.items()):
-                    row_drops["near_duplicate_across_splits"] += 1
-                    continue
-                kept.append(row)
+        candidates = [(row, False) for page in pages for row in by_page[page]]
+        for row, from_ui in candidates + [(row, True) for row in ui if split == "train"]:
+            if any(P.near_key(text) in held[lang] for lang, text in row.items()):
+                (ui_drops if from_ui else row_drops)["near_duplicate_across_splits"] += 1
+                continue
+            kept.append(row)
+            for lang in row:
+                if from_ui:
+                    ui_texts[lang] += 1
+                else:
+                    texts[lang][split] += 1
         for row in kept:
             for lang, text in row.items():
                 held[lang].add(P.near_key(text))
-                texts[lang][split] += 1
         out[split] = [[row.get(lang, "") for lang in langs] for row in kept]
         out[f"{split}_pages"] = pages
     out["stats"] = {
@@ -263,6 +343,14 @@ def build_corpus(root: Path, langs: list[str], opts: LOMultiOptions) -> dict:
         "rows": {split: len(out[split]) for split in SPLITS},
         "pages": {split: len(out[f"{split}_pages"]) for split in SPLITS},
     }
+    if opts.catalogues:
+        out["stats"]["catalogues"] = {
+            "raw": {lang: ui_raw[lang] for lang in langs},
+            "texts": ui_texts,
+            "dropped": {lang: dict(sorted(c.items())) for lang, c in ui_dropped.items()},
+            "rows_dropped": dict(sorted(ui_drops.items())),
+            "rows": len(ui) - ui_drops["near_duplicate_across_splits"],
+        }
     return out
 
 
@@ -282,15 +370,18 @@ def _checker(n_langs: int):
 def fingerprint(root: Path, langs: list[str], opts: LOMultiOptions, versions: dict) -> str:
     """A short hash of what a build depends on: the pages read (path, size, time), versions, languages, options."""
     h = hashlib.sha256(f"{FORMAT}|{langs}|{sorted(versions.items())}".encode())
-    corpus_opts = opts.model_dump(
-        exclude={"root", "vocab", "vocab_temperature", "eval_split", "directions", "temperature", "languages"}
-    )
+    # without catalogues, the hash of a corpus built before the option existed
+    unused = {"root", "vocab", "vocab_temperature", "eval_split", "directions", "temperature", "languages"}
+    corpus_opts = opts.model_dump(exclude=unused | (set() if opts.catalogues else {"catalogues"}))
     h.update(json.dumps(corpus_opts, sort_keys=True).encode())
     for lang in dict.fromkeys([ENGLISH, *langs]):
         base = root / pages_dir(lang)
-        for path in sorted(base.rglob("*.html")):
+        files = [(base, path) for path in sorted(base.rglob("*.html"))]
+        if opts.catalogues and lang != ENGLISH:
+            files += [(root, path) for path in catalogue_files(root, lang)]
+        for folder, path in files:
             st = path.stat()
-            h.update(f"{lang}|{path.relative_to(base).as_posix()}|{st.st_size}|{st.st_mtime_ns}".encode())
+            h.update(f"{lang}|{path.relative_to(folder).as_posix()}|{st.st_size}|{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
@@ -300,7 +391,7 @@ def load_corpus(root: str, langs: tuple[str, ...], opts_json: str) -> tuple[str,
     record (package versions and counts) beside it as ``<key>.json``."""
     opts = LOMultiOptions.model_validate_json(opts_json)
     rootp, langs = Path(root), list(langs)
-    versions = package_versions(rootp, check_packages(rootp, langs))
+    versions = package_versions(rootp, check_packages(rootp, langs, opts.catalogues))
     key = f"{NAME}-{fingerprint(rootp, langs, opts, versions)}"
     corpus = cached(key, lambda: build_corpus(rootp, langs, opts), CORPUS_ENTRY, _checker(len(langs)))
     record = {**corpus["stats"], "data": NAME, "root": str(rootp), "packages": versions, "languages": langs}
