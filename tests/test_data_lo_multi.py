@@ -1,7 +1,8 @@
 """lo_multi: N-way aligned help pages of three languages generated in the packages' format; every direction drawn
 in training at the temperature's rate, the tag deciding the output language (an oracle that reads it scores 100,
-one that writes another language does not), held-out pages training in no language, the per-direction table of
-``kilolayer evaluate``, and the one-line refusals of bad options."""
+one that writes another language does not), held-out pages training in no language (nor a UI string of the
+catalogues that matches one), the per-direction table of ``kilolayer evaluate``, and the one-line refusals of bad
+options."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_data_parallel import write_mo
 
 from kilolayer.config import load_config
 from kilolayer.data import debian, load_source
@@ -54,7 +56,23 @@ def paragraphs(lang: str, module: str, page: int) -> dict[str, str]:
     return out
 
 
-def build_fixture(root: Path) -> None:
+# (context, English, {language: translation}) of the UI catalogues: one German only, one left in English by the
+# German catalogue (untranslated), one with accelerators, one with a format string in every language (dropped),
+# and one equal to a paragraph of every page, test pages included (kept out of training)
+CATALOGUE = [
+    ("STR_OPEN", "Open File", {"de": "Datei öffnen", "fr": "Ouvrir le fichier"}),
+    ("STR_SAVE", "Save ~As", {"de": "Speichern ~unter", "fr": "Enregistrer ~sous"}),
+    ("STR_PREVIEW", "Print Preview", {"de": "Print Preview", "fr": "Aperçu avant impression"}),
+    ("STR_CLOSE", "Close Window", {"de": "Fenster schließen"}),
+    ("STR_FILES", "%1 files", {"de": "%1 Dateien", "fr": "%1 fichiers"}),
+    ("STR_OPTIONS", SHARED["en"], {"de": SHARED["de"], "fr": SHARED["fr"]}),
+]
+
+
+def build_fixture(root: Path, catalogues: bool = True) -> None:
+    for lang in LANGS[1:] if catalogues else ():
+        entries = [(ctx, en, None, [tr[lang]]) for ctx, en, tr in CATALOGUE if lang in tr]
+        write_mo(root / M.catalogue_dir(lang) / "sw.mo", entries)
     for lang in LANGS:
         for module in MODULES:
             for page in range(PAGES):
@@ -152,6 +170,44 @@ def test_english_centric_and_listed_directions(root):
         ("fr", "en"),
     ]
     assert load_source(config(root, directions=[["de", "fr"]])).directions == [("de", "fr")]
+
+
+def test_catalogues_add_n_way_ui_strings_to_training_only(root):
+    opts = lambda **o: M.LOMultiOptions(**config(root, **o).data.options).model_dump_json()
+    _, plain, _ = M.load_corpus(str(root), LANGS, opts())
+    key, corpus, record = M.load_corpus(str(root), LANGS, opts(catalogues=True))
+    assert {s: corpus[s] for s in ("validation", "test")} == {s: plain[s] for s in ("validation", "test")}
+    assert corpus["train"][: len(plain["train"])] == plain["train"]  # the pages' rows first, unchanged
+    assert corpus["train"][len(plain["train"]) :] == [
+        ["Close Window", "Fenster schließen", ""],
+        ["Open File", "Datei öffnen", "Ouvrir le fichier"],
+        ["Print Preview", "", "Aperçu avant impression"],
+        ["Save As", "Speichern unter", "Enregistrer sous"],
+    ]
+    ui = record["catalogues"]
+    assert ui["dropped"]["de"] == {"format_string": 1, "untranslated": 1} and ui["dropped"]["en"] == {
+        "format_string": 1
+    }
+    assert ui["rows_dropped"] == {"fewer_than_two_languages": 1, "near_duplicate_across_splits": 1} and ui["rows"] == 4
+    assert (
+        ui["texts"] == {"en": 4, "de": 3, "fr": 3}
+        and record["texts"] == M.load_corpus(str(root), LANGS, opts())[2]["texts"]
+    )
+    table = M.sizes_table(load_source(config(root, catalogues=True)).record)
+    assert "| UI strings (train) |" in table.splitlines()[0] and "| `de` |" in table and table.count(" 3 |") >= 2
+    source = load_source(config(root, catalogues=True, directions=[["de", "fr"]]))
+    pairs = {tuple(map(source.detokenize, source.pair("train", 0, r))) for r in source.rows["train"][0]}
+    assert {("Datei öffnen", "Ouvrir le fichier"), ("Speichern unter", "Enregistrer sous")} <= pairs  # aligned by key
+
+
+def test_catalogues_not_fetched_name_the_command(tmp_path):
+    bare = tmp_path / "root"
+    build_fixture(bare, catalogues=False)
+    with pytest.raises(ConfigError) as err:
+        load_source(config(bare, catalogues=True))
+    assert str(err.value).startswith("data.options.catalogues: the UI catalogues of de, fr (libreoffice-l10n-de ")
+    assert f"fetch them with: python -m kilolayer.data.debian fetch lo_multi:de,fr --root {bare}" in str(err.value)
+    assert load_source(config(bare))  # without them, the pages alone
 
 
 # ------------------------------------------------------------------ training
@@ -345,6 +401,8 @@ def test_fetch_names_the_packages_of_the_languages_after_the_colon():
         "libreoffice-help-en-us": "usr/share/libreoffice/help/en-US/text",
         "libreoffice-help-de": "usr/share/libreoffice/help/de/text",
         "libreoffice-help-zh-cn": "usr/share/libreoffice/help/zh-CN/text",
+        "libreoffice-l10n-de": "usr/lib/libreoffice/program/resource/de/LC_MESSAGES",
+        "libreoffice-l10n-zh-cn": "usr/lib/libreoffice/program/resource/zh_CN/LC_MESSAGES",
     }
-    assert len(sources["lo_multi"]) == 34
+    assert len(sources["lo_multi"]) == 34 + 33  # the help of each language, the catalogues of each but English
     assert "allowed: ca, cs" in debian.packages_of("lo_multi:de,xx", sources)

@@ -3,10 +3,10 @@
 ``python -m kilolayer.data.debian fetch de_en fr_en lo_help lo_multi:en,de,ja [--root DIR]`` runs ``apt-get
 download`` for the packages the ``de_en``/``fr_en`` sources (:mod:`kilolayer.data.parallel`), the ``lo_help`` source
 (:mod:`kilolayer.data.lo_help`) and the ``lo_multi`` source (:mod:`kilolayer.data.lo_multi`: the help of the
-languages after the colon, English's included; ``lo_multi`` alone: all 34) read, ``dpkg -x`` each into ``DIR`` (default
-``$KILOLAYER_PARALLEL_ROOT``, else ``$KILOLAYER_CACHE/parallel/root``) and records each package's version in
-``DIR/kilolayer-packages.json`` (:mod:`kilolayer.data.packages` reads it). No root rights and no system
-install are needed; a package already recorded with its files present is not fetched again.
+languages after the colon, English's included, and their UI catalogues; ``lo_multi`` alone: all 34) read,
+``dpkg -x`` each into ``DIR`` (default ``$KILOLAYER_PARALLEL_ROOT``, else ``$KILOLAYER_CACHE/parallel/root``) and
+records each package's version in ``DIR/kilolayer-packages.json`` (:mod:`kilolayer.data.packages` reads it). No root
+rights and no system install are needed; a package already recorded with its files present is not fetched again.
 ``python -m kilolayer.data.debian sizes CONFIG`` prints a ``lo_multi`` config's corpus sizes per language and
 direction.
 """

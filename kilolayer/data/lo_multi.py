@@ -683,14 +683,18 @@ def lo_multi(config) -> MultiCorpus:
 
 
 def sizes_table(record: dict) -> str:
-    """The corpus sizes of a source's ``record`` as markdown: texts per language and split, then the training
-    pairs of each direction (source language per row, target per column) and the pairs of every split."""
+    """The corpus sizes of a source's ``record`` as markdown: texts per language and split (and the UI strings that
+    train, with ``catalogues``), then the training pairs of each direction (source language per row, target per
+    column) and the pairs of every split."""
     langs, directions = record["languages"], record["directions"]
-    lines = ["| language | train | validation | test | untranslated |", "|---|---|---|---|---|"]
+    ui = record.get("catalogues")
+    head = "| language | train | validation | test | untranslated |" + (" UI strings (train) |" if ui else "")
+    lines = [head, "|---" * (6 if ui else 5) + "|"]
     for lang in langs:
         n = record["texts"][lang]
         untranslated = record["dropped"][lang].get("untranslated", 0)
-        lines.append(f"| `{lang}` | {n['train']:,} | {n['validation']:,} | {n['test']:,} | {untranslated:,} |")
+        extra = f" {ui['texts'][lang]:,} |" if ui else ""
+        lines.append(f"| `{lang}` | {n['train']:,} | {n['validation']:,} | {n['test']:,} | {untranslated:,} |{extra}")
     lines += ["", "| source \\ target | " + " | ".join(f"`{t}`" for t in langs) + " |", "|---" * (len(langs) + 1) + "|"]
     for s in langs:
         cells = [f"{directions[f'{s}-{t}']['train']:,}" if f"{s}-{t}" in directions else "-" for t in langs]
