@@ -197,7 +197,7 @@ def check_packages(root: Path, langs: list[str], catalogues: bool = False) -> di
             f"data.options.languages: the help of {', '.join(missing)} ({' '.join(map(package, missing))}) is not "
             f"extracted under {root}; fetch it with: {fetch_command(missing, root)}"
         )
-    missing = [lang for lang in langs if catalogues and lang != ENGLISH and not (root / catalogue_dir(lang)).is_dir()]
+    missing = [lang for lang in langs if catalogues and lang != ENGLISH and not catalogue_files(root, lang)]
     if missing:
         raise ConfigError(
             f"data.options.catalogues: the UI catalogues of {', '.join(missing)} "
@@ -250,10 +250,22 @@ def catalogue_files(root: Path, lang: str) -> list[Path]:
     return sorted((root / catalogue_dir(lang)).glob("*.mo"))
 
 
+#: a UI string whose near-key has at least this many characters is kept out of training when it is contained in a
+#: held-out text of its language (the catalogues' extended tips are often a help paragraph shortened); a shorter
+#: one, a label such as "Open File", is not evidence of a copy
+CONTAINED = 30
+
+
+def contained(key: str, held: str) -> bool:
+    """Whether near-key ``key`` of :data:`CONTAINED` characters or more occurs in ``held``, the held-out near-keys
+    of its language joined by newlines."""
+    return len(key) >= CONTAINED and key in held
+
+
 def catalogue_rows(root: Path, langs: list[str], opts: LOMultiOptions, dropped: dict, raw: Counter) -> list[dict]:
     """The rows of the UI catalogues: for each (catalogue, context, English string) that a language translates,
     {language: cleaned text} (English's is the string itself); each text left out is counted under its rule in
-    ``dropped[language]``, an untranslated one (the near-key of the English) as ``untranslated``."""
+    ``dropped[language]``, an untranslated one (the near-key of the English, kept or not) as ``untranslated``."""
     found: dict[tuple, dict[str, str]] = {}
     for lang in langs:
         if lang == ENGLISH:
@@ -265,7 +277,8 @@ def catalogue_rows(root: Path, langs: list[str], opts: LOMultiOptions, dropped: 
     rows = []
     for (_, _, msgid), texts in sorted(found.items()):
         english = P.clean_text(msgid, opts, catalogue=True)
-        key = None if isinstance(english, P.Dropped) else P.near_key(english)
+        # the English's near-key whether or not its own text is kept, as a page's untranslated check reads it
+        key = P.near_key(P.normalise((P.strip_accelerators(msgid) or msgid).replace("%PRODUCTNAME", "LibreOffice")))
         row = {}
         for lang in langs:
             text = english if lang == ENGLISH else texts.get(lang)
@@ -320,9 +333,13 @@ def build_corpus(root: Path, langs: list[str], opts: LOMultiOptions) -> dict:
     for split in ("test", "validation", "train"):
         kept, pages = [], [p for p in by_page if split_of[p] == split]
         candidates = [(row, False) for page in pages for row in by_page[page]]
+        joined = {lang: "\n".join(held[lang]) for lang in langs} if split == "train" and ui else {}
         for row, from_ui in candidates + [(row, True) for row in ui if split == "train"]:
             if any(P.near_key(text) in held[lang] for lang, text in row.items()):
                 (ui_drops if from_ui else row_drops)["near_duplicate_across_splits"] += 1
+                continue
+            if from_ui and any(contained(P.near_key(text), joined[lang]) for lang, text in row.items()):
+                ui_drops["contained_in_held_out"] += 1
                 continue
             kept.append(row)
             for lang in row:
@@ -349,7 +366,7 @@ def build_corpus(root: Path, langs: list[str], opts: LOMultiOptions) -> dict:
             "texts": ui_texts,
             "dropped": {lang: dict(sorted(c.items())) for lang, c in ui_dropped.items()},
             "rows_dropped": dict(sorted(ui_drops.items())),
-            "rows": len(ui) - ui_drops["near_duplicate_across_splits"],
+            "rows": len(ui) - ui_drops["near_duplicate_across_splits"] - ui_drops["contained_in_held_out"],
         }
     return out
 
@@ -382,6 +399,8 @@ def fingerprint(root: Path, langs: list[str], opts: LOMultiOptions, versions: di
         for folder, path in files:
             st = path.stat()
             h.update(f"{lang}|{path.relative_to(folder).as_posix()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    if opts.catalogues:
+        h.update(f"ui|{CONTAINED}".encode())  # the rule that keeps UI strings out of training
     return h.hexdigest()[:16]
 
 
