@@ -57,8 +57,10 @@ def paragraphs(lang: str, module: str, page: int) -> dict[str, str]:
 
 
 # (context, English, {language: translation}) of the UI catalogues: one German only, one left in English by the
-# German catalogue (untranslated), one with accelerators, one with a format string in every language (dropped),
-# and one equal to a paragraph of every page, test pages included (kept out of training)
+# German catalogue (untranslated), one with accelerators, one with a format string in every language (dropped), one
+# equal to a paragraph of every page, test pages included, and one new in English and French whose German is that
+# paragraph's (both kept out of training), and one whose English is dropped (two accelerators) but still shows
+# German's copy of it untranslated
 CATALOGUE = [
     ("STR_OPEN", "Open File", {"de": "Datei öffnen", "fr": "Ouvrir le fichier"}),
     ("STR_SAVE", "Save ~As", {"de": "Speichern ~unter", "fr": "Enregistrer ~sous"}),
@@ -66,6 +68,8 @@ CATALOGUE = [
     ("STR_CLOSE", "Close Window", {"de": "Fenster schließen"}),
     ("STR_FILES", "%1 files", {"de": "%1 Dateien", "fr": "%1 fichiers"}),
     ("STR_OPTIONS", SHARED["en"], {"de": SHARED["de"], "fr": SHARED["fr"]}),
+    ("STR_TOOLS", "Pick the instruments", {"de": SHARED["de"], "fr": "Choisis les instruments"}),
+    ("STR_NOW", "Save &As &Now", {"de": "Save As Now", "fr": "Enregistrer maintenant"}),
 ]
 
 
@@ -185,10 +189,9 @@ def test_catalogues_add_n_way_ui_strings_to_training_only(root):
         ["Save As", "Speichern unter", "Enregistrer sous"],
     ]
     ui = record["catalogues"]
-    assert ui["dropped"]["de"] == {"format_string": 1, "untranslated": 1} and ui["dropped"]["en"] == {
-        "format_string": 1
-    }
-    assert ui["rows_dropped"] == {"fewer_than_two_languages": 1, "near_duplicate_across_splits": 1} and ui["rows"] == 4
+    assert ui["dropped"]["de"] == {"format_string": 1, "untranslated": 2}
+    assert ui["dropped"]["en"] == {"accelerator": 1, "format_string": 1}
+    assert ui["rows_dropped"] == {"fewer_than_two_languages": 2, "near_duplicate_across_splits": 2} and ui["rows"] == 4
     assert (
         ui["texts"] == {"en": 4, "de": 3, "fr": 3}
         and record["texts"] == M.load_corpus(str(root), LANGS, opts())[2]["texts"]
@@ -198,6 +201,44 @@ def test_catalogues_add_n_way_ui_strings_to_training_only(root):
     source = load_source(config(root, catalogues=True, directions=[["de", "fr"]]))
     pairs = {tuple(map(source.detokenize, source.pair("train", 0, r))) for r in source.rows["train"][0]}
     assert {("Datei öffnen", "Ouvrir le fichier"), ("Speichern unter", "Enregistrer sous")} <= pairs  # aligned by key
+
+
+def test_a_ui_string_contained_in_a_held_out_text_of_its_language_does_not_train(tmp_path):
+    """A catalogue's tip that is a test paragraph shortened (German only, 30 or more near-key characters) stays out
+    of training; one of fewer characters, or contained in a training text only, trains."""
+    root = tmp_path / "root"
+    build_fixture(root, catalogues=False)
+    opts = lambda **o: M.LOMultiOptions(**config(root, **o).data.options).model_dump_json()
+    _, plain, _ = M.load_corpus(str(root), LANGS, opts())
+    module, _, name = plain["test_pages"][0].split("/")
+    held = text("de", module, int(name[:4]), 0)  # "Male die ... Kiste 0 auf Seite calc 3."
+    trained = next(row[1] for row in plain["train"] if row[1].startswith("Male"))
+    shortened = lambda t: t.rsplit(" ", 1)[0]  # its last word cut: contained, not equal
+    assert len(M.P.near_key(shortened(held))) >= M.CONTAINED
+    entries = [
+        ("TIP_HELD", "A tip about boxes", shortened(held)),
+        ("TIP_SHORT", "Paint boxes", "Male die"),
+        ("TIP_TRAINED", "Another tip about boxes", shortened(trained)),
+    ]
+    write_mo(root / M.catalogue_dir("de") / "sw.mo", [(c, en, None, [de]) for c, en, de in entries])
+    write_mo(root / M.catalogue_dir("fr") / "sw.mo", [])
+    _, corpus, record = M.load_corpus(str(root), LANGS, opts(catalogues=True))
+    ui_rows = corpus["train"][len(plain["train"]) :]
+    assert [row[0] for row in ui_rows] == ["Paint boxes", "Another tip about boxes"]  # by context
+    assert record["catalogues"]["rows_dropped"] == {"contained_in_held_out": 1}
+    assert M.contained(M.P.near_key(shortened(held)), M.P.near_key(held))
+    assert not M.contained("male die", "male die rote kiste")  # a label, not a copy
+
+
+def test_the_corpus_key_follows_the_catalogues_only_when_they_are_read(tmp_path):
+    root = tmp_path / "root"
+    build_fixture(root)
+    versions = {}
+    key = lambda **o: M.fingerprint(root, list(LANGS), M.LOMultiOptions(**config(root, **o).data.options), versions)
+    before, before_ui = key(), key(catalogues=True)
+    assert before != before_ui and key(catalogues=False) == before
+    write_mo(root / M.catalogue_dir("fr") / "sw.mo", [("STR_NEW", "New", None, ["Nouveau"])])
+    assert key() == before and key(catalogues=True) != before_ui
 
 
 def test_catalogues_not_fetched_name_the_command(tmp_path):

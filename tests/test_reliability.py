@@ -227,6 +227,7 @@ def test_longer_cosine_resume_is_replanned_and_differs_from_one_run(tmp_path):
 # ---------------------------------------------------------------- operating-system errors
 
 
+@pytest.mark.filterwarnings("error")  # in-process: a warning a real run would print must fail the one-line check
 def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
@@ -706,10 +707,10 @@ def test_random_kill9_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
         assert rundir.read_status(run).get("status") in (None, "running", "completed")
     assert kills >= 3
     step = int(rundir.complete_checkpoints(run)[-1].name.split("_")[1])
-    if step < 150:
-        partial = run / "checkpoints" / f".step_{step + 1:08d}.tmp-999"
-        partial.mkdir(exist_ok=True)
-        (partial / "model.safetensors").write_bytes(b"\x00" * 10)
+    assert step < 150, "the last attempt finished: nothing left to resume"
+    partial = run / "checkpoints" / f".step_{step + 1:08d}.tmp-999"
+    partial.mkdir(exist_ok=True)
+    (partial / "model.safetensors").write_bytes(b"\x00" * 10)
     # the last resume runs in this process: what it reads was left by the killed processes
     assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0
     assert losses(run) == ref_train

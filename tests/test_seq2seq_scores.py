@@ -442,27 +442,26 @@ def test_a_paired_bootstrap_compares_model_and_baseline_on_the_same_sentences():
 def test_the_interval_is_scipys_percentile_bootstrap():
     """The NumPy interval draws what scipy.stats.bootstrap draws from the same generator and takes the same
     quantiles (NumPy's linear interpolation, written as scipy's to within float rounding), for a vector statistic
-    and for a single sentence."""
+    of 37 sentences and of 2."""
     from scipy.stats import bootstrap
 
     from kilolayer.objectives.text_scores import RESAMPLES, SEED, _interval
 
     values = np.random.default_rng(3).normal(size=(37, 2))
     statistic = lambda rows: np.array([values[rows, 0].mean(), np.median(values[rows, 1])])
-    point, low, high = _interval(statistic, 37)
-    found = bootstrap(
-        (np.arange(37),),
-        statistic,
-        n_resamples=RESAMPLES,
-        vectorized=False,
-        method="percentile",
-        rng=np.random.default_rng(SEED),
-    ).confidence_interval
-    assert point.tolist() == statistic(np.arange(37)).tolist()
-    assert low == pytest.approx(found.low, rel=1e-12) and high == pytest.approx(found.high, rel=1e-12)
-    assert low[0] < point[0] < high[0]
-    one = _interval(statistic, 1)
-    assert one[0].tolist() == one[1].tolist() == one[2].tolist()
+    for n in (37, 2):
+        point, low, high = _interval(statistic, n)
+        found = bootstrap(
+            (np.arange(n),),
+            statistic,
+            n_resamples=RESAMPLES,
+            vectorized=False,
+            method="percentile",
+            rng=np.random.default_rng(SEED),
+        ).confidence_interval
+        assert point.tolist() == statistic(np.arange(n)).tolist()
+        assert low == pytest.approx(found.low, rel=1e-12) and high == pytest.approx(found.high, rel=1e-12)
+        assert low[0] < point[0] < high[0]
 
 
 def test_translates_by_the_paired_interval_when_the_baselines_hold_it():

@@ -122,6 +122,7 @@ def test_corrupt_checkpoint_is_one_line(tmp_path):
     assert_one_line_error(p.returncode, p.stderr, "model.safetensors", "truncated")
 
 
+@pytest.mark.filterwarnings("error")  # in-process: a warning a real run would print must fail the one-line check
 def test_mismatched_checkpoint_is_one_line(tmp_path, capsys):
     """In-process (the corrupt checkpoint's test above crosses the process boundary)."""
     out = tmp_path / "run"
@@ -148,6 +149,7 @@ def test_existing_run_is_never_overwritten(tmp_path):
     assert (out / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.filterwarnings("error")  # in-process: a warning a real run would print must fail the one-line check
 def test_divergence_is_recorded_with_exit_code_3(tmp_path, monkeypatch, capsys):
     """In-process, from the repository root: the exit status main() hands to the interpreter, and its stderr."""
     monkeypatch.chdir(ROOT)

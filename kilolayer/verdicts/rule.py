@@ -46,8 +46,8 @@ RULE = (
 
 
 def t_quantile(df: int, level: float = LEVEL) -> float:
-    """Student-t quantile ``t(level, df)`` (one-sided): scipy.stats.t.ppf's own function, from scipy.special,
-    which imports in a fraction of scipy.stats's second."""
+    """Student-t quantile ``t(level, df)`` (one-sided) for 0 < ``level`` < 1: the function scipy.stats.t.ppf
+    computes, from scipy.special, which imports in a fraction of scipy.stats's second."""
     from scipy.special import stdtrit
 
     return float(stdtrit(df, level))
