@@ -574,7 +574,7 @@ def test_train_command_under_torchrun(tmp_path):
 FAULT = {
     **TINY,
     "train": {
-        "steps": 400,
+        "steps": 500,
         "batch_size": 8,
         "lr": 1e-3,
         "warmup": 2,
@@ -623,7 +623,7 @@ def wait_until(condition, what: str, driver: subprocess.Popen, timeout: float = 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_path):
-    """Two points of one 400-step run are stopped by Ctrl-C on the driver and resumed by re-running the
+    """Two points of one 500-step run are stopped by Ctrl-C on the driver and resumed by re-running the
     command; then one has its `kilolayer train` process and the other its Ray worker killed (SIGKILL)
     mid-run. Ray retries both, and both end with the losses of the same run trained uninterrupted (a plain
     `kilolayer train`, alongside), step for step."""
@@ -659,7 +659,11 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
     # 2. the same command resumes them; kill one's training process past its next regular checkpoint, and
     # the other's Ray worker a few steps after it resumed
     past = {"kill_train": stopped["kill_train"] // 50 * 50 + 55, "kill_worker": stopped["kill_worker"] + 15}
-    assert max(past.values()) < 350, (stopped, "the two ran too far apart to be killed mid-run")
+    # the points start apart when Ray brings up one worker later (seconds on a busy machine): room for that
+    assert max(past.values()) < FAULT["train"]["steps"] - 50, (
+        stopped,
+        "the two ran too far apart to be killed mid-run",
+    )
     driver = study(*cmd)
     wait_until(
         lambda: train_pid(runs["kill_train"]) and last_step(runs["kill_train"]) > past["kill_train"],
@@ -683,10 +687,10 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
     assert alone.wait(timeout=600) == 0, alone.stderr.read()
 
     expected = records(reference, "train")
-    assert [s for s, _ in expected] == list(range(1, 401))
+    assert [s for s, _ in expected] == list(range(1, FAULT["train"]["steps"] + 1))
     for g in groups:
         st = json.loads((runs[g] / "status.json").read_text())
-        assert st["status"] == "completed" and st["step"] == 400, st
+        assert st["status"] == "completed" and st["step"] == FAULT["train"]["steps"], st
         assert records(runs[g], "train") == expected, g  # bit for bit, every step
         assert records(runs[g], "eval") == records(reference, "eval"), g
         # started at 0, resumed from the interrupt's checkpoint, then (Ray's retry) from the newest one
@@ -695,7 +699,9 @@ def test_interrupt_and_killed_workers_resume_to_the_same_losses(ray_head, tmp_pa
         if g == "kill_train":
             assert resumed[2] == (stopped[g] // 50 + 1) * 50, resumed  # the regular checkpoint it passed
         else:
-            assert stopped[g] <= resumed[2] < 400, resumed  # one saved on SIGTERM, or the newest before
+            assert stopped[g] <= resumed[2] < FAULT["train"]["steps"], (
+                resumed
+            )  # one saved on SIGTERM, or the newest before
     assert json.loads((runs["kill_train"] / "status.json").read_text())["pid"] != victim
     assert json.loads((runs["kill_worker"] / "status.json").read_text())["pid"] != trainer
 
