@@ -206,8 +206,13 @@ from kilolayer.cli import main
 from kilolayer.train import distributed as D
 
 def gloo_threads():
-    tasks = "/proc/self/task"
-    return sorted(n for t in os.listdir(tasks) if "gloo" in (n := open(f"{tasks}/{t}/comm").read().strip()))
+    tasks, names = "/proc/self/task", []
+    for t in os.listdir(tasks):
+        try:
+            names.append(open(f"{tasks}/{t}/comm").read().strip())
+        except FileNotFoundError:  # a thread that ended after the listing
+            pass
+    return sorted(n for n in names if "gloo" in n)
 
 seen = {}
 teardown = D.teardown
