@@ -115,9 +115,26 @@ class ModelConfig(_Section):
     branchnorm_steps: int = Field(4000, ge=1, description="BranchNorm's T: updates until it is plain Post-LN")
     # speed options (the model's numbers do not depend on them beyond dtype rounding)
     checkpoint_activations: bool = False
-    attention_fp32_cpu: bool = Field(
-        True, description="on CPU, attend in fp32 when autocast gives bf16/fp16 (PyTorch's bf16 CPU backward is slower)"
+    cpu_attention: Literal["auto", "fp32", "sdpa"] = Field(
+        "auto",
+        description="on a CPU under bf16/fp16 autocast: auto (matrix products around an fp32 softmax up to 256 keys, "
+        "fp32 SDPA beyond), fp32 (SDPA in fp32) or sdpa (SDPA in the autocast dtype) (kilolayer.nn.attention)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _attention_fp32_cpu(cls, data: Any) -> Any:
+        # the switch's boolean form, which configs written by kilolayer 0.1.0's runs hold: true attended in fp32,
+        # false through SDPA in the autocast dtype; read as such so those runs resume with the same numbers
+        if isinstance(data, dict) and "attention_fp32_cpu" in data:
+            data = dict(data)
+            flag = data.pop("attention_fp32_cpu")
+            if not isinstance(flag, bool):
+                raise ValueError(f"model.attention_fp32_cpu={flag!r}: expected true or false (or model.cpu_attention)")
+            if "cpu_attention" in data:
+                raise ValueError("model.attention_fp32_cpu: give model.cpu_attention alone")
+            data["cpu_attention"] = "fp32" if flag else "sdpa"
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

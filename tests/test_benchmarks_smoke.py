@@ -327,7 +327,7 @@ def test_reports_where_bf16_is_slower(train_result_fp32, memory_result, profile_
         "not attainable on this CPU: bf16 GEMM 1.0 GFLOP/s vs fp32 76 GFLOP/s (no bf16 instructions); best "
         f"attainable: fp32 fast path {100 * best['mfu']:.0f}% of the fp32 peak (compile: {best['options']['compile']})"
     )
-    race = next(t for t in targets if "best fast path >= 1.2x the best peer" in t["target"])
+    race = next(t for t in targets if "best fast path >= 1.05x the best peer" in t["target"])
     assert "same fast path, fp32 + torch.compile + fused AdamW (" in race["target"]
     said = run_all.findings(ts, profile_result, memory_result)
     assert said[0] == (
@@ -361,7 +361,7 @@ def test_reports_where_bf16_is_fast(train_result, memory_result, profile_result)
     best = _best_kilolayer_fast(res)
     assert mfu["measured"] == f"{100 * best['mfu']:.0f}% (compile: {best['options']['compile']})"
     assert mfu["met"] == (best["mfu"] >= run_all.MFU_GOAL)
-    race = next(t for t in targets if "best fast path >= 1.2x the best peer" in t["target"])
+    race = next(t for t in targets if "best fast path >= 1.05x the best peer" in t["target"])
     assert "same fast path, bf16 autocast + torch.compile + fused AdamW (" in race["target"]
     said = run_all.findings(ts, profile_result, memory_result)
     assert said[0] == (
@@ -498,7 +498,7 @@ def test_run_all_writes_markdown(train_result, memory_result, profile_result, tm
     names = [t["target"] for t in targets]
     # this issue's goals, each present once per shape it names (the smoke run has one shape)
     assert sum(">= 1.05x the faster peer's" in n for n in names) == 1
-    assert sum("best fast path >= 1.2x the best peer" in n for n in names) == 1
+    assert sum("best fast path >= 1.05x the best peer" in n for n in names) == 1
     assert sum("fast-path MFU >= 30% of the measured bf16 peak" in n for n in names) == 1
     assert sum("<= 1.6 GiB peak" in n for n in names) == 1 + len(memory_result["encoder_decoder"])
     (res,) = train_result["configs"].values()
@@ -508,7 +508,7 @@ def test_run_all_writes_markdown(train_result, memory_result, profile_result, tm
         key=lambda v: v["ratio_vs_best_peer_fast"],
     )
     assert fast["measured"] == f"{best['ratio_vs_best_peer_fast']:.2f}x (compile: {best['options']['compile']})"
-    assert fast["met"] == (best["ratio_vs_best_peer_fast"] >= 1.2)
+    assert fast["met"] == (best["ratio_vs_best_peer_fast"] >= run_all.FAST_GOAL)
     said = "\n".join(run_all.findings(train_result, profile_result, memory_result))
     assert "kilolayer's better compile mode is compile: " in said and "of compile" in said
     assert "compile: layers" in said and "compile: model" in said
@@ -688,21 +688,23 @@ def test_bf16_autocast_matches_fp32(scheme):
         assert err <= TENSOR_RTOL * g32[name].norm() + TENSOR_ATOL_OF_TOTAL * flat32.norm(), name
 
 
-def test_bf16_attention_in_fp32_only_changes_rounding():
-    """``attention_fp32_cpu`` off (bf16 SDPA) and on (fp32 SDPA) agree within bf16 tolerance."""
+@pytest.mark.parametrize("mode", ["auto", "sdpa"])
+def test_cpu_attention_modes_only_change_rounding(mode):
+    """``model.cpu_attention`` auto (matrix products in bf16 at these lengths) and sdpa (bf16 SDPA) agree with
+    fp32 SDPA within bf16 tolerance, and in fp32 every mode gives the same bits."""
     torch.manual_seed(0)
-    a = build_model(_small("deepnorm"))
-    b = build_model(_small("deepnorm", attention_fp32_cpu=False))
+    a = build_model(_small("deepnorm", cpu_attention="fp32"))
+    b = build_model(_small("deepnorm", cpu_attention=mode))
     b.load_state_dict(a.state_dict())
     g = torch.Generator().manual_seed(1)
     src, tgt = torch.randint(0, 32, (4, 16), generator=g), torch.randint(0, 32, (4, 12), generator=g)
     proj = torch.randn(4, 12, 32, generator=g)
     oa, ga = _forward_backward(a, src, tgt, proj, bf16=True)
     ob, gb = _forward_backward(b, src, tgt, proj, bf16=True)
+    assert not torch.equal(oa, ob)  # the mode is in effect
     assert (oa - ob).norm() <= OUT_RTOL * oa.norm()
     fa, fb = torch.cat([g.flatten() for g in ga.values()]), torch.cat([gb[n].flatten() for n in ga])
     assert (fa - fb).norm() <= GRAD_RTOL * fa.norm()
-    # and in fp32 the switch changes nothing at all
     o1, g1 = _forward_backward(a, src, tgt, proj)
     o2, g2 = _forward_backward(b, src, tgt, proj)
     assert torch.equal(o1, o2) and all(torch.equal(g1[n], g2[n]) for n in g1)
@@ -791,6 +793,29 @@ def test_run_all_writes_the_page_again_from_its_results_alone(train_result, memo
     assert run_all.main(["--from-json", str(path), "--out", str(tmp_path / "page.md")]) == 0
     expected = run_all.markdown(train_result, memory_result, profile_result, commands, 2.0)
     assert (tmp_path / "page.md").read_text() == expected
+
+
+@pytest.mark.integration
+def test_the_attention_benchmark_times_each_way_and_the_page_shows_it(train_result, memory_result, profile_result):
+    """``benchmarks.attention --smoke``: every way timed per shape and mask, its table, and its section on the
+    page with its own machine and date where they are not the page's."""
+    from benchmarks import attention
+
+    att = attention.run(smoke=True, threads=1)
+    assert [(r["shape"], r["causal"]) for r in att["rows"]] == [(attention.SMOKE_SHAPES[0], c) for c in (False, True)]
+    assert all(set(r["ms"]) == set(attention.WAYS) and min(r["ms"].values()) > 0 for r in att["rows"])
+    table = attention.format_result(att)
+    ms = att["rows"][1]["ms"]
+    assert f"| 2 x 2 x 16 x 8 | causal | {ms['products']:.1f} | {ms['fp32']:.1f} | {ms['sdpa']:.1f} |" in table
+    commands = ["python -m benchmarks.run_all"]
+    page = run_all.markdown(train_result, memory_result, profile_result, commands, 1.0, att=att)
+    assert "## Attention on a CPU under bf16" in page and table in page
+    assert f"Measured alone on {att['machine']['cpu']}, {att['machine']['date']}." in page
+    same = {**att, "machine": train_result["machine"]}
+    assert "Measured alone" not in run_all.markdown(
+        train_result, memory_result, profile_result, commands, 1.0, att=same
+    )
+    assert "## Attention" not in run_all.markdown(train_result, memory_result, profile_result, commands, 1.0)
 
 
 def test_search_vs_grid_reads_back_only_a_grid_of_the_same_settings(tmp_path):

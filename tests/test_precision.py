@@ -174,6 +174,27 @@ def test_the_builtin_studies_ask_for_auto_and_a_study_trained_at_fp32_keeps_its_
     assert changed_config(point, out) == "its config changed since it ran (train.precision: 'fp32' -> 'auto')"
 
 
+def test_a_changed_cpu_attention_counts_only_for_a_run_trained_at_bf16(monkeypatch, tmp_path):
+    """model.cpu_attention acts under bf16 only: a finished fp32 run launched with another mode is the point's
+    result still; a bf16 one is not."""
+    from kilolayer.study.runner import changed_config
+    from kilolayer.study.spec import expand, load_spec
+
+    point = expand(load_spec("quick", ["train.precision=bf16"]))[0]
+    for trained, expected in [
+        ("fp32", "its config changed since it ran (train.precision: 'fp32' -> 'bf16')"),
+        ("bf16", "its config changed since it ran (model.cpu_attention: 'fp32' -> 'auto')"),
+    ]:
+        out = tmp_path / trained
+        launched = load_config(point.config.model_dump(), ["model.cpu_attention=fp32", f"train.precision={trained}"])
+        (out / "configs" / point.group).mkdir(parents=True)
+        (out / "configs" / point.group / f"{point.name}.yaml").write_text(dump_yaml(launched))
+        point.run_dir(out).mkdir(parents=True)
+        (point.run_dir(out) / rundir.CONFIG).write_text(dump_yaml(launched))
+        rundir.write_status(point.run_dir(out), "completed", point.config.train.steps, "step budget")
+        assert changed_config(point, out) == expected, trained
+
+
 def test_the_search_trains_at_auto_unless_told_and_continues_a_search_trained_at_fp32(monkeypatch, tmp_path):
     from kilolayer.study import search as S
 

@@ -2,9 +2,18 @@
 
 Self-attention keeps Q, K and V in one fused matrix (one GEMM); cross-attention
 fuses K and V. :meth:`Attention.weights` hands out each projection's own
-slice, so every scheme initialises Q, K, V and O separately. With
-``fp32_on_cpu`` (the default), bf16/fp16 inputs on CPU (autocast) are attended
-in fp32: faster there, and the softmax is computed in fp32.
+slice, so every scheme initialises Q, K, V and O separately.
+
+On a CPU under bf16/fp16 autocast, ``cpu_attention`` says how attention runs
+(fp32 inputs and every other device always go through SDPA as they are):
+
+* ``auto`` (the default): up to :data:`MATMUL_MAX_KEYS` keys, as two matrix
+  products in the autocast dtype around an fp32 softmax (:func:`matmul_attention`),
+  which inductor fuses with the rest of a compiled layer; longer, as ``fp32``.
+  PyTorch's fused CPU kernel pays off only at long sequences, and its bf16
+  backward is slower than its fp32 one.
+* ``fp32``: SDPA on the inputs cast to fp32.
+* ``sdpa``: SDPA in the autocast dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +23,37 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+#: how attention runs on a CPU under bf16/fp16 autocast (module docstring)
+CPU_ATTENTION = ("auto", "fp32", "sdpa")
+#: ``auto``'s longest key sequence attended by matrix products: beyond it SDPA's fused fp32 kernel is faster
+#: (forward and backward, one thread, head size 16 to 64: python -m benchmarks.attention)
+MATMUL_MAX_KEYS = 256
+
+
+def matmul_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA's result as ``softmax(q k^T / sqrt(head size)) v``, with the products in the inputs' dtype and the
+    softmax in fp32 (or the inputs' dtype, if wider); ``mask`` and ``is_causal`` as SDPA takes them (bool, True where attention is allowed). A
+    query that may attend to no key gets zeros, as SDPA's CPU kernels give."""
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if is_causal:
+        T, S = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    elif mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    if mask is not None and not is_causal:
+        probs = probs.nan_to_num(0.0)  # a query with every key masked: zeros, not NaN
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    return probs.to(v.dtype) @ v
 
 
 class Attention(nn.Module):
@@ -29,11 +69,13 @@ class Attention(nn.Module):
         head_scale: bool = False,
         dropout: float = 0.0,
         eps: float = 1e-5,
-        fp32_on_cpu: bool = True,
+        cpu_attention: str = "auto",
     ):
         super().__init__()
+        if cpu_attention not in CPU_ATTENTION:
+            raise ValueError(f"cpu_attention={cpu_attention!r}: expected one of {', '.join(CPU_ATTENTION)}")
         self.width, self.heads, self.cross, self.causal = width, heads, cross, causal
-        self.fp32_on_cpu = fp32_on_cpu
+        self.cpu_attention = cpu_attention
         if cross:
             self.q = nn.Linear(width, width, bias=bias)
             self.kv = nn.Linear(width, 2 * width, bias=bias)
@@ -76,14 +118,17 @@ class Attention(nn.Module):
         v = v.view(B, S, H, d // H).transpose(1, 2)
         dropout_p = self.dropout if self.training else 0.0
         is_causal = self.causal and mask is None
-        if self.fp32_on_cpu and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-            # PyTorch's bf16 CPU flash-attention backward is slower than its fp32 one (and less exact)
+        how = self.cpu_attention
+        if how == "sdpa" or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        elif how == "auto" and S <= MATMUL_MAX_KEYS:
+            with torch.autocast("cpu", enabled=False):
+                y = matmul_attention(q, k, v, mask, dropout_p, is_causal)
+        else:
             with torch.autocast("cpu", enabled=False):
                 y = F.scaled_dot_product_attention(
                     q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
                 ).to(q.dtype)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         if self.head_scale is not None:
             y = y * self.head_scale.view(1, H, 1, 1)
         y = y.transpose(1, 2).reshape(B, T, d)

@@ -33,7 +33,7 @@ class Layer(nn.Module):
                 head_scale=scheme.head_scale(s),
                 dropout=cfg.dropout,
                 eps=eps,
-                fp32_on_cpu=cfg.attention_fp32_cpu,
+                cpu_attention=cfg.cpu_attention,
             )
 
         self.self_attn = Residual(attention("self_attn"), d, site("self_attn"), scheme, eps, cfg.dropout)

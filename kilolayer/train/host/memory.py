@@ -18,11 +18,14 @@
   the attention output; per FFN, its input, the hidden pre-activation and
   activation; per cross-attention, Q, its input and output, plus K/V per source
   token. bf16 autocast keeps matmul activations in 2 bytes and LayerNorm inputs
-  in 4; on CPU attention runs in fp32 (``model.attention_fp32_cpu``). The
-  attention itself is O(T) (SDPA's flash/efficient kernels keep only a
-  log-sum-exp per head), except with dropout on CPU, where PyTorch attends
-  through its math path and keeps three fp32 T x S matrices per head (dropout
-  there keeps an fp32 noise tensor; on CUDA a bool mask). With
+  in 4. The attention itself is O(T) (SDPA's flash/efficient kernels keep only
+  a log-sum-exp per head), except where it runs as matrix products: on CPU
+  under bf16 with ``model.cpu_attention: auto`` up to
+  :data:`~kilolayer.nn.attention.MATMUL_MAX_KEYS` keys (Q, K, V in 2 bytes, the
+  fp32 probabilities and their bf16 copy: 6 bytes per head, query and key), and
+  with dropout on CPU, where SDPA takes its math path and keeps three fp32
+  T x S matrices per head; longer sequences under bf16 on CPU attend in fp32
+  (dropout there keeps an fp32 noise tensor; on CUDA a bool mask). With
   ``model.checkpoint_activations`` each layer keeps only its input, and one
   layer is recomputed at a time (likewise for a contrastive text tower whose
   ``objective.options.text_model`` sets it; :mod:`kilolayer.train.parallelize`).
@@ -59,6 +62,7 @@ import torch
 from kilolayer.config import Config, ModelConfig
 from kilolayer.data.base import Source
 from kilolayer.errors import ConfigError
+from kilolayer.nn.attention import MATMUL_MAX_KEYS
 from kilolayer.nn.budget import count_parameters
 from kilolayer.nn.residual import Depth, Site, make_scheme
 
@@ -148,8 +152,17 @@ def _branch_scales(res) -> int:
 @dataclass(frozen=True)
 class _Precision:
     matmul: int  # bytes of a matmul input/output element
-    attention: int  # bytes of Q, K, V and the attention output as attended
     cpu: bool
+    cpu_attention: str  # model.cpu_attention
+
+    def attention(self, keys: int) -> tuple[int, bool]:
+        """(bytes of Q, K, V and the attention output as attended, whether attention runs as matrix products)
+        for ``keys`` keys (:class:`kilolayer.nn.attention.Attention`)."""
+        if self.matmul == 4 or not self.cpu or self.cpu_attention == "sdpa":
+            return self.matmul, False
+        if self.cpu_attention == "auto" and keys <= MATMUL_MAX_KEYS:
+            return self.matmul, True
+        return 4, False
 
     @property
     def dropout_mask(self) -> int:
@@ -167,19 +180,24 @@ def _sublayer_bytes(s: _Sublayer, p: _Precision, batch: int, length: int, source
         per_token += p.matmul * (d + 2 * f) + (p.matmul * f if s.inner_norm else 0)
         per_token += p.dropout_mask * (f + d) if s.dropout else 0
     else:
-        cast_back = p.matmul * d if p.attention != p.matmul else 0  # attention output cast back for out-proj
-        # the Q (or QKV) projection's input, Q, the attention output, a log-sum-exp per head
-        per_token += p.matmul * d + 2 * p.attention * d + cast_back + 4 * h
+        keys = length if s.kind == "self_attn" else source
+        attended, products = p.attention(keys)
+        cast_back = p.matmul * d if attended != p.matmul else 0  # attention output cast back for out-proj
+        # the Q (or QKV) projection's input, Q, the attention output, a log-sum-exp per head (SDPA's)
+        per_token += p.matmul * d + 2 * attended * d + cast_back + (0 if products else 4 * h)
         if s.kind == "self_attn":
-            per_token += 2 * p.attention * d  # K, V of the same tokens
+            per_token += 2 * attended * d  # K, V of the same tokens
         else:
-            per_source += 2 * p.attention * d + (p.matmul * d if p.matmul != 4 else 0)
+            per_source += 2 * attended * d + (p.matmul * d if p.matmul != 4 else 0)
         per_token += (p.matmul * d if s.inner_norm else 0) + (p.matmul * d if s.head_scale else 0)
         per_token += p.dropout_mask * d if s.dropout else 0
     total = (per_token * length + per_source * source) * batch
-    if s.dropout and p.cpu and s.kind != "ffn":
-        # the math path keeps the probabilities, the dropout noise and the dropped probabilities
-        total += 12 * batch * h * length * source
+    if s.kind != "ffn" and products:
+        # fp32 probabilities (softmax's output) and their bf16 copy; with dropout its fp32 noise too
+        total += (10 if s.dropout else 6) * batch * h * length * keys
+    elif s.kind != "ffn" and s.dropout and p.cpu:
+        # SDPA's math path keeps the probabilities, the dropout noise and the dropped probabilities
+        total += 12 * batch * h * length * keys
     return total
 
 
@@ -240,9 +258,7 @@ def estimate_memory(
     n_trainable = n_objective + (0 if tc.freeze_backbone else n_backbone)
 
     bf16 = tc.precision == "bf16"  # auto counts as fp32 (the larger figure): the run decides it after this check
-    prec = _Precision(
-        matmul=2 if bf16 else 4, attention=4 if not bf16 or (cpu and m.attention_fp32_cpu) else 2, cpu=cpu
-    )
+    prec = _Precision(matmul=2 if bf16 else 4, cpu=cpu, cpu_attention=m.cpu_attention)
     batch = max(1, tc.batch_size // tc.accumulate // world)
     ckpt = m.checkpoint_activations
     # the backbone's sequences, as long as the objective shows it (MAE's encoder: the visible patches + CLS)

@@ -1,0 +1,84 @@
+"""Attention as matrix products (``model.cpu_attention: auto`` under bf16 on a CPU) against PyTorch's SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kilolayer.config import ConfigError, ModelConfig
+from kilolayer.nn.attention import MATMUL_MAX_KEYS, Attention, matmul_attention
+
+
+def _qkv(B, H, T, S, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize(
+    "T,S,masked,causal",
+    [(7, 7, False, False), (7, 7, True, False), (7, 7, False, True), (5, 9, False, True), (5, 9, True, False)],
+)
+def test_matmul_attention_is_sdpa_in_float64(T, S, masked, causal):
+    """Forward and gradients equal SDPA's to float64 rounding: padding masks (a query with no key left gets
+    zeros and no gradient, as SDPA gives), causal self-attention and a causal mask with more keys than queries
+    (SDPA's top-left alignment)."""
+    mask = None
+    if masked:
+        mask = torch.rand(2, 1, T, S, generator=torch.Generator().manual_seed(3)) > 0.4
+        mask[0, 0, 1] = False  # every key masked for this query
+    a, b = _qkv(2, 3, T, S, 8), _qkv(2, 3, T, S, 8)
+    ya = F.scaled_dot_product_attention(*a, attn_mask=mask, is_causal=causal)
+    yb = matmul_attention(*b, mask, 0.0, causal)
+    assert torch.allclose(ya, yb, atol=1e-12, rtol=1e-10)
+    if masked:
+        assert torch.equal(yb[0, :, 1], torch.zeros_like(yb[0, :, 1]))
+    grad = torch.randn_like(ya)
+    ya.backward(grad), yb.backward(grad)
+    for ta, tb in zip(a, b):
+        assert torch.isfinite(tb.grad).all()
+        assert torch.allclose(ta.grad, tb.grad, atol=1e-12, rtol=1e-10)
+
+
+def test_matmul_attention_in_bf16_is_within_bf16_rounding_of_fp32():
+    q, k, v = (t.detach().float() for t in _qkv(4, 2, 64, 64, 32))
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    approx = matmul_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.0, True)
+    assert approx.dtype == torch.bfloat16
+    assert (approx.float() - exact).norm() <= 0.01 * exact.norm()
+
+
+@pytest.mark.parametrize("keys", [16, MATMUL_MAX_KEYS + 1])
+def test_auto_attends_short_sequences_as_products_and_long_ones_in_fp32(keys):
+    """Under bf16 autocast on a CPU, ``auto`` gives bit for bit what matrix products give up to
+    MATMUL_MAX_KEYS keys, and what ``fp32`` (SDPA in fp32) gives beyond."""
+    torch.manual_seed(0)
+    auto = Attention(32, 2, causal=True)
+    other = Attention(32, 2, causal=True, cpu_attention="fp32")
+    other.load_state_dict(auto.state_dict())
+    x = torch.randn(2, keys, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_auto, y_fp32 = auto(x), other(x)
+        q, k, v = (t.view(2, keys, 2, 16).transpose(1, 2) for t in auto.qkv(x).chunk(3, dim=-1))
+        with torch.autocast("cpu", enabled=False):
+            products = matmul_attention(q, k, v, None, 0.0, True)
+        y_products = auto.out(products.transpose(1, 2).reshape(2, keys, 32))
+    assert torch.equal(y_auto, y_products if keys <= MATMUL_MAX_KEYS else y_fp32)
+    assert not torch.equal(y_products, y_fp32)
+
+
+def test_cpu_attention_is_checked_and_reads_its_boolean_form():
+    base = {"arch": "decoder", "layers": 2, "width": 32, "heads": 2, "ffn": 64, "vocab_size": 16}
+    assert ModelConfig(**base).cpu_attention == "auto"
+    assert ModelConfig(**base, attention_fp32_cpu=True).cpu_attention == "fp32"
+    assert ModelConfig(**base, attention_fp32_cpu=False).cpu_attention == "sdpa"
+    with pytest.raises(ValueError, match="cpu_attention"):
+        ModelConfig(**base, cpu_attention="flash")
+    with pytest.raises(ValueError, match=r"model.attention_fp32_cpu: give model.cpu_attention alone"):
+        ModelConfig(**base, attention_fp32_cpu=True, cpu_attention="auto")
+    with pytest.raises(ValueError, match=r"attention_fp32_cpu='yes': expected true or false"):
+        ModelConfig(**base, attention_fp32_cpu="yes")
+    with pytest.raises(ValueError, match="cpu_attention='flash': expected one of auto, fp32, sdpa"):
+        Attention(32, 2, cpu_attention="flash")
