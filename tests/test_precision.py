@@ -1,5 +1,5 @@
-"""``train.precision: auto``: decided from a constructed CPU probe and GEMM ratio (no bf16 instructions: fp32 and why;
-bf16 instructions and a faster bf16 GEMM: bf16; bf16 slower: fp32), cached per machine and width; recorded in
+"""``train.precision: auto``: decided from a constructed CPU probe and layer ratio (no bf16 instructions: fp32 and
+why; bf16 instructions and a layer enough faster in bf16: bf16; else fp32), cached per machine and shape; recorded in
 status.json and the checkpoints and reused by a resume whatever the probe says then (bit-exact); an explicit fp32
 never overridden; the built-in studies and the search asking for auto while a study directory and a search
 trained at fp32 on a CPU without bf16 keep their points; the report's and the doctor's precision."""
@@ -24,54 +24,71 @@ NO_BF16 = "auto: this CPU has no bf16 instructions (avx2)"
 
 
 def cpu(monkeypatch, tmp_path: Path, bf16: bool, ratio: float | None = None) -> list[int]:
-    """This CPU as the probe sees it: bf16 instructions or AVX2 only, and the bf16 GEMM ``ratio`` x fp32 (None:
+    """This CPU as the probe sees it: bf16 instructions or AVX2 only, and a layer ``ratio`` x as fast in bf16 (None:
     measuring fails the test). Returns the widths measured. The cache is the test's own."""
     monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(P, "cpu_bf16", lambda: (True, "avx512_bf16") if bf16 else (False, "avx2"))
     measured: list[int] = []
 
-    def speedup(width: int) -> float:
-        assert ratio is not None, "auto measured a GEMM where it needs none"
-        measured.append(width)
+    def speedup(shape: P.LayerShape) -> float:
+        assert ratio is not None, "auto measured a layer where it needs none"
+        measured.append(shape.model.width)
         return ratio
 
-    monkeypatch.setattr(P, "gemm_speedup", speedup)
+    monkeypatch.setattr(P, "layer_speedup", speedup)
     return measured
+
+
+def shaped(width: int, batch: int = 8, **model):
+    """A config of a decoder of ``width`` (64 tokens) trained on micro-batches of ``batch``."""
+    m = {"arch": "decoder", "layers": 2, "width": width, "heads": 2, "ffn": 2 * width, "max_len": 64, **model}
+    return load_config(
+        {"model": m, "objective": {"name": "causal_lm"}, "data": {"name": "synthetic"}}, [f"train.batch_size={batch}"]
+    )
 
 
 def test_auto_is_fp32_without_bf16_instructions_and_measures_nothing(monkeypatch, tmp_path):
     cpu(monkeypatch, tmp_path, bf16=False)
-    assert P.policy("auto", "cpu", 256) == P.Precision("fp32", NO_BF16, P.DECIDED)
+    assert P.policy("auto", "cpu", shaped(256)) == P.Precision("fp32", NO_BF16, P.DECIDED)
 
 
-def test_auto_is_bf16_where_the_bf16_gemm_is_faster_measured_once_per_width(monkeypatch, tmp_path):
+def test_auto_is_bf16_where_a_layer_trains_enough_faster_measured_once_per_shape(monkeypatch, tmp_path):
     measured = cpu(monkeypatch, tmp_path, bf16=True, ratio=1.9)
-    chosen = P.policy("auto", "cpu", 256)
-    assert chosen == P.Precision("bf16", "auto: bf16 GEMM 1.90x fp32 at width 256", P.DECIDED)
-    assert P.policy("auto", "cpu", 256) == chosen and P.policy("auto", "cpu", 64).value == "bf16"
+    chosen = P.policy("auto", "cpu", shaped(256))
+    reason = "auto: a layer trains 1.90x as fast in bf16 (width 256, 8 x 64 tokens)"
+    assert chosen == P.Precision("bf16", reason, P.DECIDED)
+    assert P.policy("auto", "cpu", shaped(256)) == chosen and P.policy("auto", "cpu", shaped(64)).value == "bf16"
     assert measured == [256, 64]  # the second ask at 256 is the cache's
+    P.policy("auto", "cpu", shaped(256, batch=16))
+    P.policy("auto", "cpu", shaped(256, scheme="deepnorm"))
+    assert measured == [256, 64, 256, 256]  # another micro-batch, another scheme: another shape
     assert (tmp_path / "cache" / P.CACHE_FILE).is_file()
 
 
-def test_auto_is_fp32_where_bf16_is_there_but_slower(monkeypatch, tmp_path):
-    cpu(monkeypatch, tmp_path, bf16=True, ratio=0.6)
-    chosen = P.policy("auto", "cpu", 128)
+@pytest.mark.parametrize("ratio", [0.6, P.MIN_LAYER_SPEEDUP - 0.01])
+def test_auto_is_fp32_where_bf16_does_not_pay_for_the_step(monkeypatch, tmp_path, ratio):
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=ratio)
+    chosen = P.policy("auto", "cpu", shaped(128))
     assert (chosen.value, chosen.reason) == (
         "fp32",
-        "auto: bf16 GEMM 0.60x fp32 at width 128, not faster (avx512_bf16)",
+        f"auto: a layer trains {ratio:.2f}x as fast in bf16 (width 128, 8 x 64 tokens), under the 1.3x that pays "
+        "for the step (avx512_bf16)",
     )
 
 
 def test_a_given_precision_is_never_overridden(monkeypatch, tmp_path):
     cpu(monkeypatch, tmp_path, bf16=True, ratio=3.0)
-    recorded = P.Precision("bf16", "auto: bf16 GEMM 3.00x fp32 at width 32", P.DECIDED)
-    assert P.policy("fp32", "cpu", 32, recorded) == P.Precision("fp32", "train.precision", P.GIVEN)
-    assert P.policy("bf16", "cpu", 32) == P.Precision("bf16", "train.precision", P.GIVEN)
+    recorded = P.Precision("bf16", "auto: a layer trains 3.00x as fast in bf16", P.DECIDED)
+    assert P.policy("fp32", "cpu", shaped(32), recorded) == P.Precision("fp32", "train.precision", P.GIVEN)
+    assert P.policy("bf16", "cpu", shaped(32)) == P.Precision("bf16", "train.precision", P.GIVEN)
 
 
-def test_the_gemm_ratio_is_a_positive_number_and_leaves_the_random_streams_alone():
+@pytest.mark.parametrize("arch", [{"arch": "decoder"}, {"arch": "encoder_decoder", "decoder_layers": 1}])
+def test_the_layer_ratio_is_a_positive_number_and_leaves_the_random_streams_alone(arch):
     before = torch.get_rng_state()
-    ratio = P.gemm_speedup(32, seconds=0.02)
+    shape = P.LayerShape.of(shaped(32, batch=256, **arch))
+    assert shape.sequences == P.PROBE_TOKENS // 64  # a large micro-batch is probed at PROBE_TOKENS tokens
+    ratio = P.layer_speedup(P.LayerShape.of(shaped(32, **arch)), seconds=0.02)
     assert 0 < ratio < float("inf")
     assert torch.equal(torch.get_rng_state(), before)
 
@@ -105,10 +122,14 @@ def test_an_auto_run_records_its_precision_says_it_first_and_a_resume_keeps_it_b
     whole, legs = tmp_path / "whole", tmp_path / "legs"
     train(lm(6, precision="auto"), whole)
     assert (
-        capsys.readouterr().err.splitlines()[0] == "kilolayer: precision bf16 (auto: bf16 GEMM 2.00x fp32 at width 32)"
+        capsys.readouterr().err.splitlines()[0]
+        == "kilolayer: precision bf16 (auto: a layer trains 2.00x as fast in bf16 (width 32, 4 x 32 tokens))"
     )
     st = rundir.read_status(whole)
-    assert (st["precision"], st["precision_reason"]) == ("bf16", "auto: bf16 GEMM 2.00x fp32 at width 32")
+    assert (st["precision"], st["precision_reason"]) == (
+        "bf16",
+        "auto: a layer trains 2.00x as fast in bf16 (width 32, 4 x 32 tokens)",
+    )
 
     train(lm(3, precision="auto"), legs, quiet=True)
     rundir.write_status(legs, "failed", 3, "killed")  # a status that lost the fields: the checkpoint still says

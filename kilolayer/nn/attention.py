@@ -40,8 +40,8 @@ def matmul_attention(
     is_causal: bool = False,
 ) -> torch.Tensor:
     """SDPA's result as ``softmax(q k^T / sqrt(head size)) v``, with the products in the inputs' dtype and the
-    softmax in fp32 (or the inputs' dtype, if wider); ``mask`` and ``is_causal`` as SDPA takes them (bool, True where attention is allowed). A
-    query that may attend to no key gets zeros, as SDPA's CPU kernels give."""
+    softmax in fp32 (or the inputs' dtype, if wider); ``mask`` and ``is_causal`` as SDPA takes them (bool, True
+    where attention is allowed). A query that may attend to no key gets zeros, as SDPA's CPU kernels give."""
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
     if is_causal:
         T, S = scores.shape[-2:]

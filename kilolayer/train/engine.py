@@ -154,7 +154,7 @@ class Engine:
     ):
         self.config, tc = config, config.train
         self.env = env if env is not None else D.Dist(device=torch.device("cpu"))
-        self.precision = precision or host.precision_policy(tc.precision, self.env.device, config.model.width).value
+        self.precision = precision or host.precision_policy(tc.precision, self.env.device, config).value
         self.source = source if source is not None else load_source(config)
         seed_everything(tc.seed)
         self.task = build_task(config, self.source)

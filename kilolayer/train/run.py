@@ -197,7 +197,7 @@ class Run:
         if self.env.main:
             tc = self.config.train
             recorded = recorded_precision(self.out, latest) if self.resume and tc.precision == "auto" else None
-            chosen = host.precision_policy(tc.precision, self.env.device, self.config.model.width, recorded)
+            chosen = host.precision_policy(tc.precision, self.env.device, self.config, recorded)
         return D.from_main(chosen, self.env)
 
     def _begin(self, latest: Path | None) -> None:
@@ -601,7 +601,7 @@ def precision_here(config: Config, asked: str | None = None) -> str:
     bf16 as given, ``auto`` as a new run of ``config`` would decide it."""
     tc = config.train
     device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
-    return host.precision_policy(asked or tc.precision, device, config.model.width).value
+    return host.precision_policy(asked or tc.precision, device, config).value
 
 
 def trained_as_asked(run_dir: Path, config: Config) -> bool:

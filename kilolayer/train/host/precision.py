@@ -5,11 +5,15 @@ run's start.
 
 * on CUDA, bf16 where the GPU supports it (``torch.cuda.is_bf16_supported``);
 * on a CPU, bf16 only where the CPU has bf16 instructions (AVX512-BF16 or AMX as torch reports them, else the
-  ``/proc/cpuinfo`` flags: :func:`cpu_bf16`) *and* a short GEMM at the model's width runs faster under bf16
-  autocast than in fp32 (:func:`gemm_speedup`, a ratio above 1). Without those instructions autocast emulates
-  bf16, many times slower than fp32, so nothing is measured. The ratio is measured once per CPU model, thread
-  count, width and torch version and cached in ``precision.json`` of the cache folder (``$KILOLAYER_CACHE``, else
-  ``~/.cache/kilolayer``; delete it to measure again), so the runs of one study on one machine decide alike.
+  ``/proc/cpuinfo`` flags: :func:`cpu_bf16`) *and* one of the model's layers trains faster under bf16 autocast
+  than in fp32: a forward and backward of one layer of the run's shape (width, heads, FFN, scheme, sequence
+  length, micro-batch) on random inputs (:func:`layer_speedup`) at least :data:`MIN_LAYER_SPEEDUP` times as
+  fast. A faster GEMM alone does not decide it: at small widths and short sequences autocast's casts and the fp32
+  LayerNorms cost more than the products save, and the rest of a step (embeddings, loss, optimizer, data) gains
+  nothing from bf16. Without bf16 instructions autocast emulates bf16, many times slower than fp32, so nothing is
+  measured. The ratio is measured once per CPU model, thread count, layer shape and torch version and cached in
+  ``precision.json`` of the cache folder (``$KILOLAYER_CACHE``, else ``~/.cache/kilolayer``; delete it to
+  measure again), so the runs of one study on one machine decide alike.
 
 A run records its precision and the reason (status.json ``precision`` and ``precision_reason``, its checkpoints'
 state.json ``precision``) and a resume of an ``auto`` run reuses it: bf16 and fp32 steps differ in their last
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kilolayer.config import Config, ModelConfig
 from kilolayer.train.host.peak import BF16_CPU_FLAGS, _cache_lock, _read_cache, _write_cache, cpu_flags, cpu_model
 
 AUTO = "auto"
@@ -34,8 +39,6 @@ PRECISIONS = ("fp32", "bf16")
 CACHE_FILE = "precision.json"
 #: how a precision was chosen (:attr:`Precision.source`)
 GIVEN, RECORDED, DECIDED = "given", "recorded", "auto"
-#: the FLOPs of one product of the speed test, at most (its rows shrink as the width grows)
-GEMM_FLOPS = 2e9
 
 
 @dataclass(frozen=True)
@@ -84,37 +87,78 @@ def _fastest(fn: Callable[[], object], seconds: float) -> float:
     return best
 
 
-def gemm_speedup(width: int, seconds: float = 0.4) -> float:
-    """fp32 time over bf16 time of one feed-forward GEMM at ``width`` (rows x width times width x 4 width), the bf16
-    one under autocast as a training step runs it (the fp32 operands cast on every call), each the fastest of
-    repeated products within about ``seconds`` / 2. Above 1: bf16 is faster. The operands come from a private
-    generator: the global random streams do not move."""
-    rows = max(64, min(1024, int(GEMM_FLOPS // (8 * width * width))))
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(rows, width, generator=gen)
-    w = torch.randn(width, 4 * width, generator=gen)
-
-    def bf16():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            torch.mm(a, w)
-
-    return _fastest(lambda: torch.mm(a, w), seconds / 2) / _fastest(bf16, seconds / 2)
+#: how much faster one layer must train in bf16 for ``auto`` to choose it: the rest of the step gains nothing.
+#: Measured on an AVX512-BF16 CPU (kilolayer study quick, one thread per run): layers probed at 1.08-1.22x
+#: trained 10-25% slower as whole runs in bf16, one at 1.36x 10-15% faster, one at 3.7x 1.4x faster.
+MIN_LAYER_SPEEDUP = 1.3
+#: the most tokens the layer probe runs on (a larger micro-batch is probed with fewer sequences of its length)
+PROBE_TOKENS = 4096
 
 
-def cached_speedup(width: int) -> float:
-    """:func:`gemm_speedup` at ``width`` from the cache, measured and cached on the first call for this CPU model,
-    thread count, width and torch version (two processes starting together measure once)."""
+@dataclass(frozen=True)
+class LayerShape:
+    """What decides whether bf16 pays off for a model: one layer's shape and the tokens it sees per step."""
+
+    model: ModelConfig
+    batch: int  # sequences per micro-batch
+
+    @classmethod
+    def of(cls, config: Config) -> LayerShape:
+        tc = config.train
+        return cls(config.model, max(1, tc.batch_size // tc.accumulate))
+
+    @property
+    def sequences(self) -> int:
+        """The sequences the probe runs: the micro-batch, at most :data:`PROBE_TOKENS` tokens of them."""
+        return max(1, min(self.batch, PROBE_TOKENS // self.model.seq_len))
+
+    def key(self) -> str:
+        m = self.model
+        return (
+            f"{m.arch} {m.scheme} width {m.width} heads {m.heads} ffn {m.ffn} {m.activation} "
+            f"attention {m.cpu_attention} | {self.sequences} x {m.seq_len} tokens"
+        )
+
+    def words(self) -> str:
+        return f"width {self.model.width}, {self.sequences} x {self.model.seq_len} tokens"
+
+
+def layer_speedup(shape: LayerShape, seconds: float = 0.6) -> float:
+    """fp32 time over bf16 time of a forward and backward of one layer of ``shape`` (an encoder layer; a decoder
+    layer for a decoder-only model) on random inputs, the bf16 one under autocast as a training step runs it, each
+    the fastest of repeated calls within about ``seconds`` / 2. Above 1: bf16 is faster. The layer and its inputs
+    come from a forked random state: the global random streams do not move."""
+    from kilolayer.nn.layers import Layer
+    from kilolayer.nn.transformer import scheme_for
+
+    m = shape.model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layer = Layer(m, scheme_for(m), "decoder" if m.arch == "decoder" else "encoder", 0)
+        x = torch.randn(shape.sequences, m.seq_len, m.width, requires_grad=True)
+
+    def step(bf16: bool) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = layer(x)
+        y.float().sum().backward()
+
+    return _fastest(lambda: step(False), seconds / 2) / _fastest(lambda: step(True), seconds / 2)
+
+
+def cached_speedup(shape: LayerShape) -> float:
+    """:func:`layer_speedup` of ``shape`` from the cache, measured and cached on the first call for this CPU model,
+    thread count, layer shape and torch version (two processes starting together measure once)."""
     from kilolayer.data.cache import cache_dir
 
     threads = torch.get_num_threads()
-    key = f"cpu|{cpu_model()}, {threads} thread{'s' * (threads != 1)}|width {width}|torch {torch.__version__}"
+    key = f"cpu|{cpu_model()}, {threads} thread{'s' * (threads != 1)}|{shape.key()}|torch {torch.__version__}"
     path = cache_dir() / CACHE_FILE
     entry = _read_cache(path).get(key)
     if not _usable(entry):
         with _cache_lock(path):
             entry = _read_cache(path).get(key)  # another process may have measured meanwhile
             if not _usable(entry):
-                entry = {"speedup": gemm_speedup(width), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                entry = {"speedup": layer_speedup(shape), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                 _write_cache(path, key, entry)  # a read-only cache folder: measured again next time
     return float(entry["speedup"])
 
@@ -124,8 +168,8 @@ def _usable(entry) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
-def auto(device: str | torch.device, width: int) -> Precision:
-    """``train.precision: auto`` decided on ``device`` for a model of ``width`` (module docstring)."""
+def auto(device: str | torch.device, shape: LayerShape) -> Precision:
+    """``train.precision: auto`` decided on ``device`` for a model of ``shape`` (module docstring)."""
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -137,17 +181,20 @@ def auto(device: str | torch.device, width: int) -> Precision:
     has, what = cpu_bf16()
     if not has:
         return Precision("fp32", f"auto: this CPU has no bf16 instructions ({what})", DECIDED)
-    ratio = cached_speedup(width)
-    if ratio > 1:
-        return Precision("bf16", f"auto: bf16 GEMM {ratio:.2f}x fp32 at width {width}", DECIDED)
-    return Precision("fp32", f"auto: bf16 GEMM {ratio:.2f}x fp32 at width {width}, not faster ({what})", DECIDED)
+    ratio = cached_speedup(shape)
+    measured = f"a layer trains {ratio:.2f}x as fast in bf16 ({shape.words()})"
+    if ratio >= MIN_LAYER_SPEEDUP:
+        return Precision("bf16", f"auto: {measured}", DECIDED)
+    return Precision(
+        "fp32", f"auto: {measured}, under the {MIN_LAYER_SPEEDUP}x that pays for the step ({what})", DECIDED
+    )
 
 
-def policy(asked: str, device: str | torch.device, width: int, recorded: Precision | None = None) -> Precision:
-    """The precision of a run that asks for ``asked`` (``train.precision``): fp32 or bf16 as given; ``auto``: the
-    precision the run being resumed recorded (``recorded``), else :func:`auto`."""
+def policy(asked: str, device: str | torch.device, config: Config, recorded: Precision | None = None) -> Precision:
+    """The precision of a run of ``config`` that asks for ``asked`` (``train.precision``): fp32 or bf16 as given;
+    ``auto``: the precision the run being resumed recorded (``recorded``), else :func:`auto`."""
     if asked != AUTO:
         return Precision(asked, "train.precision", GIVEN)
     if recorded is not None:
         return Precision(recorded.value, recorded.reason, RECORDED)
-    return auto(device, width)
+    return auto(device, LayerShape.of(config))
