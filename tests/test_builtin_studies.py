@@ -84,3 +84,12 @@ def test_a_loaded_study_shares_no_part_between_groups():
     assert len(second["grid"]["model.layers,model.width,model.heads,model.ffn"]) == 2
     assert second["base"]["model"]["layers"] == 2 and second["base"]["train"]["betas"] == [0.9, 0.95]
     assert BUILTIN["bamboo_cpu"]()["groups"][1]["base"]["model"]["layers"] == 2
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_a_measured_study_time_says_the_precision_it_was_measured_at(name):
+    """``study --list``'s measured minutes come from a run at the study's default precision (auto), and say what
+    auto trained at there: fp32 (a CPU without bf16 instructions) or bf16 where it paid."""
+    spec = load_spec(name)
+    if spec.expected_basis.startswith("measured"):
+        assert spec.expected_minutes and ("at fp32" in spec.expected_basis or "at auto" in spec.expected_basis), name

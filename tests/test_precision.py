@@ -6,6 +6,7 @@ trained at fp32 on a CPU without bf16 keep their points; the report's and the do
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,9 +24,10 @@ from kilolayer.train.run import recorded_precision, train
 NO_BF16 = "auto: this CPU has no bf16 instructions (avx2)"
 
 
-def cpu(monkeypatch, tmp_path: Path, bf16: bool, ratio: float | None = None) -> list[int]:
-    """This CPU as the probe sees it: bf16 instructions or AVX2 only, and a layer ``ratio`` x as fast in bf16 (None:
-    measuring fails the test). Returns the widths measured. The cache is the test's own."""
+def cpu(monkeypatch, tmp_path: Path, bf16: bool, ratio=None) -> list[int]:
+    """This CPU as the probe sees it: bf16 instructions or AVX2 only, and a layer ``ratio`` x as fast in bf16 (a
+    number, or a function of the width; None: measuring fails the test). Returns the widths measured. The cache is
+    the test's own."""
     monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(P, "cpu_bf16", lambda: (True, "avx512_bf16") if bf16 else (False, "avx2"))
     measured: list[int] = []
@@ -33,18 +35,17 @@ def cpu(monkeypatch, tmp_path: Path, bf16: bool, ratio: float | None = None) -> 
     def speedup(shape: P.LayerShape) -> float:
         assert ratio is not None, "auto measured a layer where it needs none"
         measured.append(shape.model.width)
-        return ratio
+        return ratio(shape.model.width) if callable(ratio) else ratio
 
     monkeypatch.setattr(P, "layer_speedup", speedup)
     return measured
 
 
 def shaped(width: int, batch: int = 8, **model):
-    """A config of a decoder of ``width`` (64 tokens) trained on micro-batches of ``batch``."""
+    """A config of a decoder of ``width`` (64 tokens) trained at auto on micro-batches of ``batch``."""
     m = {"arch": "decoder", "layers": 2, "width": width, "heads": 2, "ffn": 2 * width, "max_len": 64, **model}
-    return load_config(
-        {"model": m, "objective": {"name": "causal_lm"}, "data": {"name": "synthetic"}}, [f"train.batch_size={batch}"]
-    )
+    data = {"model": m, "objective": {"name": "causal_lm"}, "data": {"name": "synthetic"}}
+    return load_config(data, [f"train.batch_size={batch}", "train.precision=auto"])
 
 
 def test_auto_is_fp32_without_bf16_instructions_and_measures_nothing(monkeypatch, tmp_path):
@@ -61,7 +62,7 @@ def test_auto_is_bf16_where_a_layer_trains_enough_faster_measured_once_per_shape
     assert measured == [256, 64]  # the second ask at 256 is the cache's
     P.policy("auto", "cpu", shaped(256, batch=16))
     P.policy("auto", "cpu", shaped(256, scheme="deepnorm"))
-    assert measured == [256, 64, 256, 256]  # another micro-batch, another scheme: another shape
+    assert measured == [256, 64, 256]  # another micro-batch is another shape; another residual scheme is not
     assert (tmp_path / "cache" / P.CACHE_FILE).is_file()
 
 
@@ -81,6 +82,56 @@ def test_a_given_precision_is_never_overridden(monkeypatch, tmp_path):
     recorded = P.Precision("bf16", "auto: a layer trains 3.00x as fast in bf16", P.DECIDED)
     assert P.policy("fp32", "cpu", shaped(32), recorded) == P.Precision("fp32", "train.precision", P.GIVEN)
     assert P.policy("bf16", "cpu", shaped(32)) == P.Precision("bf16", "train.precision", P.GIVEN)
+
+
+def test_runs_compared_with_one_another_share_one_precision(monkeypatch, tmp_path):
+    """A study's or a search's runs: bf16 only where it pays for every shape among them, else fp32 naming the shape
+    that does not pay; the residual scheme is no part of a shape; runs given a precision take no part."""
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=lambda width: {32: 2.0, 64: 1.1, 128: 1.6}[width])
+    wide_and_narrow = P.shared("cpu", [shaped(32), shaped(64), shaped(32, scheme="deepnorm")])
+    assert wide_and_narrow == P.Precision(
+        "fp32",
+        "auto: a layer trains 1.10x as fast in bf16 (width 64, 8 x 64 tokens), under the 1.3x that pays for the step "
+        "(avx512_bf16); one precision for the 2 shapes compared",
+        P.DECIDED,
+    )
+    both = P.shared("cpu", [shaped(32), shaped(128)])
+    assert both.value == "bf16" and both.reason.endswith(
+        "; one precision for the 2 shapes compared: bf16 pays for every one"
+    )
+    assert P.shared("cpu", [shaped(64, scheme="post_ln"), shaped(64, scheme="deepnorm")]) == P.policy(
+        "auto", "cpu", shaped(64)
+    )  # one shape: its own decision
+    given = load_config(shaped(32).model_dump(), ["train.precision=fp32"])
+    assert P.shared("cpu", [given]) is None
+    # handed over: auto decides it in this process and in the runs it starts; given precisions stand
+    assert P.SHARED_ENV not in os.environ
+    with P.sharing(wide_and_narrow):
+        assert P.policy("auto", "cpu", shaped(32)) == wide_and_narrow
+        assert os.environ[P.SHARED_ENV] == f"fp32\t{wide_and_narrow.reason}"
+        assert P.policy("bf16", "cpu", shaped(32)).value == "bf16"
+    assert P.SHARED_ENV not in os.environ and P.policy("auto", "cpu", shaped(32)).value == "bf16"
+
+
+@pytest.mark.integration
+def test_a_study_of_a_wide_and_a_narrow_model_trains_both_at_one_precision(monkeypatch, tmp_path, forked_points):
+    """The narrow model does not pay for bf16, so neither trains in it: each run records the study's decision."""
+    import yaml
+    from test_study import BASE
+
+    from kilolayer.study.runner import run_study
+    from kilolayer.study.spec import load_spec
+
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=lambda width: {32: 2.0, 16: 1.1}[width])
+    base = {**BASE, "train": {**BASE["train"], "precision": "auto", "diagnostics_every": 0}}
+    grid = {"model.width,model.ffn": [[32, 64], [16, 32]]}
+    spec = {"name": "two", "description": "two widths", "groups": [{"name": "g", "base": base, "grid": grid}]}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    results = run_study(load_spec(tmp_path / "spec.yaml"), tmp_path / "study", log=lambda *_: None)
+    assert [r.status for r in results] == ["completed", "completed"]
+    recorded = {(r.precision, r.precision_reason) for r in results}
+    assert recorded == {("fp32", P.shared("cpu", [r.config for r in results]).reason)}
+    assert "width 16" in next(iter(recorded))[1] and P.SHARED_ENV not in os.environ
 
 
 @pytest.mark.parametrize("arch", [{"arch": "decoder"}, {"arch": "encoder_decoder", "decoder_layers": 1}])

@@ -36,6 +36,8 @@ from kilolayer.study.executors import Executor
 from kilolayer.study.executors.cluster import Lost, RayPool, not_shared, read_token
 from kilolayer.study.runner import Result, collect_all, run_analyses, stale_init, train_point
 from kilolayer.study.spec import Point, Queue, StudySpec, expand
+from kilolayer.train import host
+from kilolayer.train.run import shared_precision
 
 LOCK_WAIT_S = 300  # a retried point waits this long for the previous attempt's process to save and exit
 
@@ -63,11 +65,20 @@ def _wait_unlocked(run_dir: Path, seconds: float) -> None:
 
 
 def train_task(
-    point: Point, out: str, token_path: str, token: str, threads: int, nproc: int, cwd: str, train_threads=None
+    point: Point,
+    out: str,
+    token_path: str,
+    token: str,
+    threads: int,
+    nproc: int,
+    cwd: str,
+    train_threads=None,
+    precision: host.Precision | None = None,
 ) -> dict:
     """Task: train one point (skipped if finished). Returns its status, seconds, whether it trained, the node
     and the runner's other lines for the driver to write; raises :class:`TrainingProcessDied` (Ray retries)
-    when the training process was killed."""
+    when the training process was killed. ``precision``: what ``auto`` decides, the driver's decision for every
+    point of the study."""
     import ray
 
     context = ray.get_runtime_context()
@@ -83,17 +94,18 @@ def train_task(
         # a point uses the GPUs it reserved, and none without (Ray leaves them all visible then)
         env = {} if context.get_accelerator_ids().get("GPU") else {"CUDA_VISIBLE_DEVICES": ""}
         lines: list[str] = []
-        a = train_point(
-            point,
-            out_dir,
-            log=lines.append,
-            threads=threads,
-            nproc=nproc,
-            cwd=Path(cwd) if os.path.isdir(cwd) else None,
-            env=env,
-            remote=True,
-            train_threads=train_threads,
-        )
+        with host.precision_sharing(precision):
+            a = train_point(
+                point,
+                out_dir,
+                log=lines.append,
+                threads=threads,
+                nproc=nproc,
+                cwd=Path(cwd) if os.path.isdir(cwd) else None,
+                env=env,
+                remote=True,
+                train_threads=train_threads,
+            )
     finally:
         signal.signal(signal.SIGINT, previous)
     if a.trained and a.status not in FINISHED and (a.crashed or a.status == "interrupted"):
@@ -186,6 +198,19 @@ def run_study_ray(spec: StudySpec, out: Path, executor: Executor, log=print) -> 
     return collect_all(points, out, ran)
 
 
+def _shared_precision(points: list[Point], threads: int) -> host.Precision | None:
+    """``auto`` decided here, at each training process's thread count, once for every point
+    (:func:`kilolayer.train.run.shared_precision`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return shared_precision([p.config for p in points])
+    finally:
+        torch.set_num_threads(before)
+
+
 class _Driver:
     """Submits each point when its dependencies are done and its analyses when it completed, books what
     comes back, shows progress; on any exit but success, cancels what is still out."""
@@ -196,6 +221,7 @@ class _Driver:
         self.pool, self.root, self.nproc, self.train_threads = pool, root, executor.nproc, executor.threads
         self.affinity = NodeAffinitySchedulingStrategy
         self.threads = max(1, int(executor.cpus) // executor.nproc)  # torch threads per training process
+        self.precision = _shared_precision(points, self.threads)
         self.points = points
         self.by_key = {p.key: p for p in points}
         self.cwd = os.getcwd()  # relative paths in configs mean what they mean to the driver
@@ -256,7 +282,14 @@ class _Driver:
         else:
             pool = self.pool
             args = (p, str(self.root), str(pool.token_path), pool.token, self.threads, self.nproc, self.cwd)
-            pool.submit(("train", p.key), train_task, *args, self.train_threads, retry_exceptions=[TrainingProcessDied])
+            pool.submit(
+                ("train", p.key),
+                train_task,
+                *args,
+                self.train_threads,
+                self.precision,
+                retry_exceptions=[TrainingProcessDied],
+            )
 
     def analyse(self, p: Point, node: str | None = None) -> None:
         options = {"num_gpus": 0}

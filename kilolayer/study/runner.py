@@ -43,8 +43,9 @@ from kilolayer.study.analyses import analysis_current, record_failure, run_analy
 from kilolayer.study.executors import forked, run_queue
 from kilolayer.study.executors.local import LocalPool
 from kilolayer.study.spec import Point, Queue, StudySpec, expand
+from kilolayer.train import host
 from kilolayer.train.host import usable_cpus
-from kilolayer.train.run import recorded_precision, trained_as_asked
+from kilolayer.train.run import recorded_precision, shared_precision, trained_as_asked
 
 
 @dataclass(kw_only=True)
@@ -402,7 +403,9 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int
         torch.set_num_threads(share)
     pool = LocalPool(jobs)
     try:
-        run_queue(pool, Queue(spec, points), one)
+        # auto decided once, at the runs' thread count, for every point: the points compared share a precision
+        with host.precision_sharing(shared_precision([p.config for p in points])):
+            run_queue(pool, Queue(spec, points), one)
     finally:
         pool.close()
         torch.set_num_threads(before)

@@ -596,12 +596,22 @@ def recorded_precision(out_dir: Path, checkpoint: Path | None = None) -> host.Pr
     return None
 
 
+def _device_here(config: Config) -> str:
+    tc = config.train
+    return "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def precision_here(config: Config, asked: str | None = None) -> str:
     """What ``asked`` (default: ``config``'s train.precision) runs at for ``config`` on this machine now: fp32 or
     bf16 as given, ``auto`` as a new run of ``config`` would decide it."""
-    tc = config.train
-    device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
-    return host.precision_policy(asked or tc.precision, device, config).value
+    return host.precision_policy(asked or config.train.precision, _device_here(config), config).value
+
+
+def shared_precision(configs: list[Config]) -> host.Precision | None:
+    """``auto`` decided once, on this machine, for runs of ``configs`` compared with one another (a study's, a
+    search's): :func:`kilolayer.train.host.precision.shared`; hand it to them with
+    :func:`~kilolayer.train.host.precision.sharing`."""
+    return host.precision.shared(_device_here(configs[0]), configs) if configs else None
 
 
 def trained_as_asked(run_dir: Path, config: Config) -> bool:

@@ -99,6 +99,8 @@ from kilolayer.study.search.shape import (
     shapes,
     trial_config,
 )
+from kilolayer.train import host
+from kilolayer.train.run import shared_precision
 
 # the search's public face, and the parts its tests and benchmarks drive one at a time
 __all__ = [
@@ -180,6 +182,16 @@ def run_search(
     ``settings.minutes``, everything the search spends from here counts against them: a search whose shortest
     plan does not fit is refused before it writes anything."""
     started = time.perf_counter()
+    checked = check_settings(config, settings)
+    found = shapes(checked, settings.params, settings.depths, settings.tolerance)
+    # the shapes raced against one another train at one precision: auto decided here once for them all, and for
+    # the pre-screen and the time plan too
+    precision = shared_precision([trial_config(checked, s, checked.train.lr) for s in found])
+    with host.precision_sharing(precision):
+        return _search(config, out, settings, log, forecaster, executor, measure, started, precision)
+
+
+def _search(config, out, settings, log, forecaster, executor, measure, started, precision) -> Search:
     executor = executor or Executor()
     out = Path(out)
     config = check_settings(config, settings)
@@ -248,6 +260,7 @@ def run_search(
             study.set_user_attr("lr", config.train.lr)
             _enqueue(study, list(kept), config.train.lr if settings.lr_factor is not None else None)
             racer = _Racer(optuna, study, config, settings, kept, out, log, executor.threads)
+            racer.precision = precision
             with executor.pool(out) as pool:
                 if not pool.in_process:
                     log(

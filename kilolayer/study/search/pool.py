@@ -35,7 +35,7 @@ def _race_rung(racer: _Racer, level: int, pool) -> str:
     queue = racer.todo(level)
     stop = ""
     if not pool.in_process:
-        args = (racer.config, racer.settings, racer.kept, racer.out.resolve(), racer.threads)
+        args = (racer.config, racer.settings, racer.kept, racer.out.resolve(), racer.threads, racer.precision)
     try:
         while True:
             while not stop and queue and pool.busy < pool.slots:
@@ -92,7 +92,9 @@ def trial_task(racer_args: tuple, trial_id: int, level: int, threads: int) -> di
     import torch
     from optuna.trial import Trial
 
-    config, settings, kept, out, train_threads = racer_args
+    from kilolayer.train import host
+
+    config, settings, kept, out, train_threads, precision = racer_args
     optuna = _import_optuna()
     study = _open_study(optuna, out, config, settings, first_rung(config, settings), direction(config, settings.metric))
     lines: list[str] = []
@@ -102,7 +104,8 @@ def trial_task(racer_args: tuple, trial_id: int, level: int, threads: int) -> di
     # stop signals see it (a checkpoint, the trial left running)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        stop = racer.run(Trial(study, trial_id), level)
+        with host.precision_sharing(precision):
+            stop = racer.run(Trial(study, trial_id), level)
     finally:
         signal.signal(signal.SIGINT, previous)
     return {"stop": stop, "log": lines}

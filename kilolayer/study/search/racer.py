@@ -56,6 +56,7 @@ class _Racer:
         self.optuna, self.study, self.config, self.settings = optuna, study, config, settings
         self.kept, self.out, self.log = kept, out, log
         self.threads = threads  # train.threads of every trial's run (``--threads``); None: this process's count
+        self.precision = None  # what auto decides for every trial (host.precision_sharing); None: each its own
         self.lr = config.train.lr
         self.rung = first_rung(config, settings)
         self.rungs = rung_steps(config, settings)

@@ -7,8 +7,8 @@ kilolayer reaches into its modules:
   the load), and the marks that let a run see other kilolayer runs training on the machine;
 * :mod:`.heap`: glibc's heap during CPU training (the trim between checkpointed layers, the held heap);
 * :mod:`.peak`: the peak FLOP/s that MFU divides by (given, a vendor figure, or measured and cached);
-* :mod:`.precision`: the precision a run trains at (``auto``: bf16 where this machine's bf16 GEMM is faster),
-  decided once at the run's start and reused on resume;
+* :mod:`.precision`: the precision a run trains at (``auto``: bf16 where one of its layers trains enough faster
+  in it), decided once at the run's start (once for all the runs of a study or search) and reused on resume;
 * :mod:`.memory`: the memory a config will take at its peak, and the refusal of one that cannot fit.
 """
 
@@ -20,6 +20,8 @@ from kilolayer.train.host.memory import available_memory, check_memory, estimate
 from kilolayer.train.host.peak import DTYPES, cpu_bf16_warning, cpu_model, device_peak, gemm_rate, peak_too_low
 from kilolayer.train.host.precision import Precision
 from kilolayer.train.host.precision import policy as precision_policy
+from kilolayer.train.host.precision import shared as precision_shared
+from kilolayer.train.host.precision import sharing as precision_sharing
 from kilolayer.train.host.threads import (
     AUTO,
     MAX_THREADS,
@@ -55,6 +57,8 @@ __all__ = [
     "others_training",
     "peak_too_low",
     "precision_policy",
+    "precision_shared",
+    "precision_sharing",
     "prepare_checkpointing",
     "thread_policy",
     "usable_cpus",

@@ -15,6 +15,11 @@ run's start.
   ``precision.json`` of the cache folder (``$KILOLAYER_CACHE``, else ``~/.cache/kilolayer``; delete it to
   measure again), so the runs of one study on one machine decide alike.
 
+Runs compared with one another share one precision: a study (:mod:`kilolayer.study.runner`) and a search decide
+``auto`` once for all their runs (:func:`shared`: bf16 only where every shape among them pays for it) and hand
+the decision to each run in the environment (:data:`SHARED_ENV`, :func:`sharing`), so that a shallow-wide and a
+deep-narrow model, or Post-LN and DeepNorm, never differ in precision as well.
+
 A run records its precision and the reason (status.json ``precision`` and ``precision_reason``, its checkpoints'
 state.json ``precision``) and a resume of an ``auto`` run reuses it: bf16 and fp32 steps differ in their last
 bits, so deciding again mid-run would break a bit-exact resume. A precision given as fp32 or bf16 is never
@@ -24,6 +29,8 @@ overridden; ``train.precision: fp32`` is the one flag for runs bit-comparable wi
 from __future__ import annotations
 
 import contextlib
+import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +44,9 @@ AUTO = "auto"
 #: the precisions a step runs at (what ``auto`` resolves to)
 PRECISIONS = ("fp32", "bf16")
 CACHE_FILE = "precision.json"
+#: the environment variable that hands a run the precision its study or search decided for all of its runs
+#: ("bf16" or "fp32", a tab, the reason): :func:`sharing`
+SHARED_ENV = "KILOLAYER_SHARED_PRECISION"
 #: how a precision was chosen (:attr:`Precision.source`)
 GIVEN, RECORDED, DECIDED = "given", "recorded", "auto"
 
@@ -75,18 +85,6 @@ def cpu_bf16() -> tuple[bool, str]:
     return False, capability
 
 
-def _fastest(fn: Callable[[], object], seconds: float) -> float:
-    """The fastest of repeated calls of ``fn`` (at least 3) within about ``seconds``."""
-    fn()  # warm up (and let oneDNN pick its kernel)
-    best, reps, until = float("inf"), 0, time.perf_counter() + seconds
-    while reps < 3 or time.perf_counter() < until:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        reps += 1
-    return best
-
-
 #: how much faster one layer must train in bf16 for ``auto`` to choose it: the rest of the step gains nothing.
 #: Measured on an AVX512-BF16 CPU (kilolayer study quick, one thread per run): layers probed at 1.08-1.22x
 #: trained 10-25% slower as whole runs in bf16, one at 1.36x 10-15% faster, one at 3.7x 1.4x faster.
@@ -97,7 +95,8 @@ PROBE_TOKENS = 4096
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What decides whether bf16 pays off for a model: one layer's shape and the tokens it sees per step."""
+    """What decides whether bf16 pays off for a model: one layer's shape (its residual scheme aside) and the tokens
+    it sees per step."""
 
     model: ModelConfig
     batch: int  # sequences per micro-batch
@@ -115,7 +114,7 @@ class LayerShape:
     def key(self) -> str:
         m = self.model
         return (
-            f"{m.arch} {m.scheme} width {m.width} heads {m.heads} ffn {m.ffn} {m.activation} "
+            f"{m.arch} width {m.width} heads {m.heads} ffn {m.ffn} {m.activation} "
             f"attention {m.cpu_attention} | {self.sequences} x {m.seq_len} tokens"
         )
 
@@ -123,15 +122,16 @@ class LayerShape:
         return f"width {self.model.width}, {self.sequences} x {self.model.seq_len} tokens"
 
 
-def layer_speedup(shape: LayerShape, seconds: float = 0.6) -> float:
-    """fp32 time over bf16 time of a forward and backward of one layer of ``shape`` (an encoder layer; a decoder
-    layer for a decoder-only model) on random inputs, the bf16 one under autocast as a training step runs it, each
-    the fastest of repeated calls within about ``seconds`` / 2. Above 1: bf16 is faster. The layer and its inputs
-    come from a forked random state: the global random streams do not move."""
+def layer_speedup(shape: LayerShape, seconds: float = 1.0) -> float:
+    """fp32 time over bf16 time of a forward and backward of one Pre-LN layer of ``shape`` (an encoder layer; a
+    decoder layer for a decoder-only model) on random inputs, the bf16 one under autocast as a training step runs
+    it, the two taking turns for about ``seconds`` (:func:`_ratio_in_turns`). Above 1: bf16 is faster. Every
+    residual scheme is probed as Pre-LN, so that the schemes a study compares at one shape train at one precision.
+    The layer and its inputs come from a forked random state: the global random streams do not move."""
     from kilolayer.nn.layers import Layer
     from kilolayer.nn.transformer import scheme_for
 
-    m = shape.model
+    m = shape.model.model_copy(update={"scheme": "pre_ln"})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         layer = Layer(m, scheme_for(m), "decoder" if m.arch == "decoder" else "encoder", 0)
@@ -142,7 +142,27 @@ def layer_speedup(shape: LayerShape, seconds: float = 0.6) -> float:
             y = layer(x)
         y.float().sum().backward()
 
-    return _fastest(lambda: step(False), seconds / 2) / _fastest(lambda: step(True), seconds / 2)
+    return _ratio_in_turns(lambda: step(False), lambda: step(True), seconds)
+
+
+def _ratio_in_turns(a: Callable[[], object], b: Callable[[], object], seconds: float) -> float:
+    """The median over rounds of (time of a call of ``a`` / time of a call of ``b``), the two called in turn for
+    at least 7 rounds and about ``seconds`` after a warm-up of a tenth of that: a round's ratio is not moved by
+    the machine's drift, and the median not by one slow round."""
+    warm_until = time.perf_counter() + seconds / 10
+    a(), b()
+    while time.perf_counter() < warm_until:
+        a(), b()
+    ratios: list[float] = []
+    until = time.perf_counter() + seconds
+    while len(ratios) < 7 or time.perf_counter() < until:
+        times = []
+        for fn in (a, b) if len(ratios) % 2 == 0 else (b, a):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        ratios.append(times[0] / times[1] if len(ratios) % 2 == 0 else times[1] / times[0])
+    return statistics.median(ratios)
 
 
 def cached_speedup(shape: LayerShape) -> float:
@@ -190,11 +210,52 @@ def auto(device: str | torch.device, shape: LayerShape) -> Precision:
     )
 
 
+def shared(device: str | torch.device, configs: list[Config]) -> Precision | None:
+    """``auto`` decided once for runs of ``configs`` compared with one another (those that ask for ``auto``; None
+    where none does): bf16 only where :func:`auto` decides bf16 for every distinct layer shape among them, else
+    fp32, with the shape that does not pay named."""
+    shapes = {s.key(): s for s in (LayerShape.of(c) for c in configs if c.train.precision == AUTO)}
+    if not shapes:
+        return None
+    decided = [(s, auto(device, s)) for s in shapes.values()]
+    against = next(((s, d) for s, d in decided if d.value != "bf16"), None)
+    if len(shapes) == 1:
+        return decided[0][1]
+    n = f"one precision for the {len(shapes)} shapes compared"
+    if against is None:
+        return Precision("bf16", f"{decided[0][1].reason}; {n}: bf16 pays for every one", DECIDED)
+    return Precision("fp32", f"{against[1].reason}; {n}", DECIDED)
+
+
+@contextlib.contextmanager
+def sharing(precision: Precision | None):
+    """Within the block, ``auto`` decides ``precision`` (:data:`SHARED_ENV`: for this process and the runs it
+    starts); None changes nothing."""
+    if precision is None:
+        yield
+        return
+    before = os.environ.get(SHARED_ENV)
+    os.environ[SHARED_ENV] = f"{precision.value}\t{precision.reason}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SHARED_ENV, None)
+        else:
+            os.environ[SHARED_ENV] = before
+
+
+def _shared_here() -> Precision | None:
+    value, _, reason = os.environ.get(SHARED_ENV, "").partition("\t")
+    return Precision(value, reason, DECIDED) if value in PRECISIONS and reason else None
+
+
 def policy(asked: str, device: str | torch.device, config: Config, recorded: Precision | None = None) -> Precision:
     """The precision of a run of ``config`` that asks for ``asked`` (``train.precision``): fp32 or bf16 as given;
-    ``auto``: the precision the run being resumed recorded (``recorded``), else :func:`auto`."""
+    ``auto``: the precision the run being resumed recorded (``recorded``), else the one its study or search
+    decided for all of its runs (:func:`sharing`), else :func:`auto`."""
     if asked != AUTO:
         return Precision(asked, "train.precision", GIVEN)
     if recorded is not None:
         return Precision(recorded.value, recorded.reason, RECORDED)
-    return auto(device, LayerShape.of(config))
+    return _shared_here() or auto(device, LayerShape.of(config))
