@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kilolayer.config import ConfigError, ModelConfig
+from kilolayer.config import ModelConfig
 from kilolayer.nn.attention import MATMUL_MAX_KEYS, Attention, matmul_attention
 
 
@@ -82,3 +82,22 @@ def test_cpu_attention_is_checked_and_reads_its_boolean_form():
         ModelConfig(**base, attention_fp32_cpu="yes")
     with pytest.raises(ValueError, match="cpu_attention='flash': expected one of auto, fp32, sdpa"):
         Attention(32, 2, cpu_attention="flash")
+
+
+def test_scores_that_overflow_give_nan_as_sdpa_does_even_with_a_padding_mask():
+    """Only a query with no key left is set to zeros: a NaN from overflowing scores stays visible (a diverging
+    run must look diverged whichever way it attends)."""
+    q = torch.full((1, 1, 3, 4), 3e38)
+    mask = torch.tensor([[True, True, False]] * 3).view(1, 1, 3, 3)
+    assert torch.isnan(F.scaled_dot_product_attention(q, q, q, attn_mask=mask)).all()
+    assert torch.isnan(matmul_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), mask)).all()
+
+
+def test_fp16_on_a_cpu_attends_in_fp32_whatever_its_length():
+    torch.manual_seed(0)
+    auto = Attention(32, 2, causal=True)
+    fp32 = Attention(32, 2, causal=True, cpu_attention="fp32")
+    fp32.load_state_dict(auto.state_dict())
+    x = torch.randn(2, 16, 32)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(auto(x), fp32(x))

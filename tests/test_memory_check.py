@@ -431,3 +431,20 @@ if __name__ == "__main__":
                 f"estimate {r['estimate'] / 2**20:6.0f} MiB  ratio {r['measured'] / r['estimate']:.2f}",
                 flush=True,
             )
+
+
+def test_auto_is_checked_at_the_larger_of_its_two_precisions():
+    """A run at auto decides fp32 or bf16 after the memory check: the check takes whichever needs more (bf16
+    where attention runs as products and keeps its probabilities)."""
+    short = {**MID_DEC, "width": 64, "heads": 8}
+    at = {
+        p: estimate_memory(config(short, {"name": "causal_lm"}, data="synthetic", precision=p))
+        for p in ("fp32", "bf16", "auto")
+    }
+    assert at["bf16"]["total"] > at["fp32"]["total"] and at["auto"] == at["bf16"]
+    wide = {**MID_DEC, "max_len": 512}  # past MATMUL_MAX_KEYS: bf16 attends in fp32 SDPA and keeps less
+    at = {
+        p: estimate_memory(config(wide, {"name": "causal_lm"}, data="synthetic", precision=p))
+        for p in ("fp32", "bf16", "auto")
+    }
+    assert at["fp32"]["total"] > at["bf16"]["total"] and at["auto"] == at["fp32"]

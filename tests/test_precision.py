@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from objective_helpers import tiny_lm
 
 from kilolayer import rundir
@@ -113,10 +114,42 @@ def test_runs_compared_with_one_another_share_one_precision(monkeypatch, tmp_pat
     assert P.SHARED_ENV not in os.environ and P.policy("auto", "cpu", shaped(32)).value == "bf16"
 
 
+def test_a_study_resumed_goes_on_at_the_precision_its_runs_began_with(monkeypatch, tmp_path):
+    """Its runs recorded one precision: that one, whatever this machine would decide now; recorded mixed: decided
+    anew (the report's precision line shows the mix); untrained baselines take no part."""
+    from kilolayer.train.run import shared_precision
+
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=2.0)
+    runs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    for run in runs:
+        run.mkdir()
+    configs = [shaped(32), shaped(64)]
+    assert shared_precision(configs, runs).value == "bf16"  # nothing recorded: decided here
+    rundir.write_status(runs[0], "completed", 4, "step budget", precision="fp32", precision_reason=NO_BF16)
+    assert shared_precision(configs, runs) == P.Precision("fp32", "auto, as this study's runs began: fp32", P.DECIDED)
+    rundir.write_status(runs[1], "interrupted", 2, "signal", precision="bf16", precision_reason="auto")
+    assert shared_precision(configs, runs).value == "bf16"  # mixed: decided here
+    untrained = load_config(shaped(32).model_dump(), ["train.steps=0", "train.untrained=true"])
+    assert shared_precision([untrained]) is None
+
+
+def test_a_handed_precision_this_machine_cannot_use_or_cannot_read_is_passed_over(monkeypatch, tmp_path, capsys):
+    cpu(monkeypatch, tmp_path, bf16=False)
+    monkeypatch.setenv(P.SHARED_ENV, "bf16\tauto: decided on another machine")
+    assert P.policy("auto", "cpu", shaped(32)) == P.Precision("fp32", NO_BF16, P.DECIDED)  # no bf16 here
+    monkeypatch.setenv(P.SHARED_ENV, "fp32\tauto: decided on another machine")
+    assert P.policy("auto", "cpu", shaped(32)).reason == "auto: decided on another machine"
+    monkeypatch.setenv(P.SHARED_ENV, "BF16")
+    assert P.policy("auto", "cpu", shaped(32)) == P.Precision("fp32", NO_BF16, P.DECIDED)
+    P.policy("auto", "cpu", shaped(32))
+    assert capsys.readouterr().err == (
+        f"kilolayer: {P.SHARED_ENV}='BF16': expected fp32 or bf16, a tab and the reason; passed over\n"
+    )  # said once
+
+
 @pytest.mark.integration
 def test_a_study_of_a_wide_and_a_narrow_model_trains_both_at_one_precision(monkeypatch, tmp_path, forked_points):
     """The narrow model does not pay for bf16, so neither trains in it: each run records the study's decision."""
-    import yaml
     from test_study import BASE
 
     from kilolayer.study.runner import run_study
@@ -246,25 +279,30 @@ def test_the_builtin_studies_ask_for_auto_and_a_study_trained_at_fp32_keeps_its_
     assert changed_config(point, out) == "its config changed since it ran (train.precision: 'fp32' -> 'auto')"
 
 
-def test_a_changed_cpu_attention_counts_only_for_a_run_trained_at_bf16(monkeypatch, tmp_path):
-    """model.cpu_attention acts under bf16 only: a finished fp32 run launched with another mode is the point's
-    result still; a bf16 one is not."""
+def test_a_changed_cpu_attention_is_a_speed_option_a_run_keeps(tmp_path):
+    """A finished point launched with another model.cpu_attention is the point's result still, at either
+    precision; a run resumed with a config that names another keeps its own (configs written with the boolean
+    attention_fp32_cpu resume under the default)."""
     from kilolayer.study.runner import changed_config
     from kilolayer.study.spec import expand, load_spec
+    from kilolayer.train.run import resolve_config
 
     point = expand(load_spec("quick", ["train.precision=bf16"]))[0]
-    for trained, expected in [
-        ("fp32", "its config changed since it ran (train.precision: 'fp32' -> 'bf16')"),
-        ("bf16", "its config changed since it ran (model.cpu_attention: 'fp32' -> 'auto')"),
-    ]:
+    for trained in ("fp32", "bf16"):
         out = tmp_path / trained
-        launched = load_config(point.config.model_dump(), ["model.cpu_attention=fp32", f"train.precision={trained}"])
+        launched = load_config(point.config.model_dump(), [f"train.precision={trained}"])
+        old_style = launched.model_dump()
+        old_style["model"].pop("cpu_attention")
+        old_style["model"]["attention_fp32_cpu"] = True
         (out / "configs" / point.group).mkdir(parents=True)
-        (out / "configs" / point.group / f"{point.name}.yaml").write_text(dump_yaml(launched))
+        (out / "configs" / point.group / f"{point.name}.yaml").write_text(yaml.safe_dump(old_style))
         point.run_dir(out).mkdir(parents=True)
-        (point.run_dir(out) / rundir.CONFIG).write_text(dump_yaml(launched))
+        (point.run_dir(out) / rundir.CONFIG).write_text(yaml.safe_dump(old_style))
         rundir.write_status(point.run_dir(out), "completed", point.config.train.steps, "step budget")
+        expected = None if trained == "bf16" else "its config changed since it ran (train.precision: 'fp32' -> 'bf16')"
         assert changed_config(point, out) == expected, trained
+        resumed = resolve_config(point.config.model_dump(), point.run_dir(out), resume=True)
+        assert resumed.model.cpu_attention == "fp32"  # the run's own
 
 
 def test_the_search_trains_at_auto_unless_told_and_continues_a_search_trained_at_fp32(monkeypatch, tmp_path):

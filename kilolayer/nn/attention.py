@@ -7,9 +7,10 @@ slice, so every scheme initialises Q, K, V and O separately.
 On a CPU under bf16/fp16 autocast, ``cpu_attention`` says how attention runs
 (fp32 inputs and every other device always go through SDPA as they are):
 
-* ``auto`` (the default): up to :data:`MATMUL_MAX_KEYS` keys, as two matrix
-  products in the autocast dtype around an fp32 softmax (:func:`matmul_attention`),
-  which inductor fuses with the rest of a compiled layer; longer, as ``fp32``.
+* ``auto`` (the default): in bf16 up to :data:`MATMUL_MAX_KEYS` keys, as two
+  matrix products around an fp32 softmax (:func:`matmul_attention`), which
+  inductor fuses with the rest of a compiled layer; longer, and in fp16 (whose
+  scores overflow at 65,504), as ``fp32``.
   PyTorch's fused CPU kernel pays off only at long sequences, and its bf16
   backward is slower than its fp32 one.
 * ``fp32``: SDPA on the inputs cast to fp32.
@@ -50,7 +51,8 @@ def matmul_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     if mask is not None and not is_causal:
-        probs = probs.nan_to_num(0.0)  # a query with every key masked: zeros, not NaN
+        # a query with every key masked: zeros, not NaN (a NaN from overflowing scores stays one, as in SDPA)
+        probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
     return probs.to(v.dtype) @ v
@@ -121,7 +123,7 @@ class Attention(nn.Module):
         how = self.cpu_attention
         if how == "sdpa" or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-        elif how == "auto" and S <= MATMUL_MAX_KEYS:
+        elif how == "auto" and q.dtype == torch.bfloat16 and S <= MATMUL_MAX_KEYS:
             with torch.autocast("cpu", enabled=False):
                 y = matmul_attention(q, k, v, mask, dropout_p, is_causal)
         else:

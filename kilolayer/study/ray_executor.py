@@ -198,7 +198,7 @@ def run_study_ray(spec: StudySpec, out: Path, executor: Executor, log=print) -> 
     return collect_all(points, out, ran)
 
 
-def _shared_precision(points: list[Point], threads: int) -> host.Precision | None:
+def _shared_precision(points: list[Point], root: Path, threads: int) -> host.Precision | None:
     """``auto`` decided here, at each training process's thread count, once for every point
     (:func:`kilolayer.train.run.shared_precision`)."""
     import torch
@@ -206,7 +206,8 @@ def _shared_precision(points: list[Point], threads: int) -> host.Precision | Non
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return shared_precision([p.config for p in points])
+        auto = [p for p in points if p.config.train.precision == "auto"]
+        return shared_precision([p.config for p in auto], [p.run_dir(root) for p in auto])
     finally:
         torch.set_num_threads(before)
 
@@ -221,7 +222,7 @@ class _Driver:
         self.pool, self.root, self.nproc, self.train_threads = pool, root, executor.nproc, executor.threads
         self.affinity = NodeAffinitySchedulingStrategy
         self.threads = max(1, int(executor.cpus) // executor.nproc)  # torch threads per training process
-        self.precision = _shared_precision(points, self.threads)
+        self.precision = _shared_precision(points, root, self.threads)
         self.points = points
         self.by_key = {p.key: p for p in points}
         self.cwd = os.getcwd()  # relative paths in configs mean what they mean to the driver

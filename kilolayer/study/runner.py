@@ -45,7 +45,7 @@ from kilolayer.study.executors.local import LocalPool
 from kilolayer.study.spec import Point, Queue, StudySpec, expand
 from kilolayer.train import host
 from kilolayer.train.host import usable_cpus
-from kilolayer.train.run import recorded_precision, shared_precision, trained_as_asked
+from kilolayer.train.run import SPEED_OPTIONS, shared_precision, trained_as_asked
 
 
 @dataclass(kw_only=True)
@@ -139,8 +139,8 @@ def changed_config(point: Point, out: Path) -> str | None:
     the same folder). None when they agree, the run has not finished, or no launch config is recorded.
     ``train.init_from`` is left out: where a source run lies is :func:`stale_init`'s question. A changed
     ``train.precision`` counts only where the run trained at another precision than the point asks for here
-    (:func:`~kilolayer.train.run.trained_as_asked`); ``model.cpu_attention`` only where it trained at bf16,
-    the one precision it acts in."""
+    (:func:`~kilolayer.train.run.trained_as_asked`); the model's speed options
+    (:data:`~kilolayer.train.run.SPEED_OPTIONS`) never do."""
     path = Path(out) / "configs" / point.group / f"{point.name}.yaml"
     if not path.is_file() or not RunDir(point.run_dir(out)).finished:
         return None
@@ -151,12 +151,8 @@ def changed_config(point: Point, out: Path) -> str | None:
     changes = {k: v for k, v in config_changes(launched, point.config).items() if k != "train.init_from"}
     if "train.precision" in changes and trained_as_asked(point.run_dir(out), point.config):
         del changes["train.precision"]
-    if (
-        "model.cpu_attention" in changes
-        and (trained := recorded_precision(point.run_dir(out)))
-        and trained.value == "fp32"
-    ):
-        del changes["model.cpu_attention"]
+    for section, key in SPEED_OPTIONS:
+        changes.pop(f"{section}.{key}", None)  # a run keeps its own
     if not changes:
         return None
     shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changes.items())[:3])
@@ -404,7 +400,8 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int
     pool = LocalPool(jobs)
     try:
         # auto decided once, at the runs' thread count, for every point: the points compared share a precision
-        with host.precision_sharing(shared_precision([p.config for p in points])):
+        auto = [p for p in points if p.config.train.precision == "auto"]
+        with host.precision_sharing(shared_precision([p.config for p in auto], [p.run_dir(out) for p in auto])):
             run_queue(pool, Queue(spec, points), one)
     finally:
         pool.close()

@@ -504,10 +504,15 @@ def _quiet(message: str) -> None:
     """Ranks other than 0 do not repeat rank 0's warnings."""
 
 
+#: model keys that change a run's speed and nothing beyond dtype rounding: a config given with a resume may differ
+#: from the run on them, and the run keeps its own
+SPEED_OPTIONS = {("model", "cpu_attention")}
+
+
 def resolve_config(config, out_dir: Path, resume: bool, sets: list[str] | None = None) -> Config:
     """The config a run uses. Resuming a run that has a config.yaml: that file, plus ``sets``; a config
     given as well must agree with it on model, objective and data (the train section may change,
-    e.g. more steps)."""
+    e.g. more steps; the model's :data:`SPEED_OPTIONS` stay the run's own)."""
     saved = Path(out_dir) / rundir.CONFIG
     if resume and saved.is_file():
         original = load_config(saved)
@@ -516,6 +521,8 @@ def resolve_config(config, out_dir: Path, resume: bool, sets: list[str] | None =
             for section in ("model", "objective", "data"):
                 a, b = getattr(cfg, section).model_dump(), getattr(original, section).model_dump()
                 for key in a:
+                    if (section, key) in SPEED_OPTIONS:
+                        continue  # the run keeps its own
                     if a[key] != b.get(key):
                         raise ConfigError(
                             f"{section}.{key}={a[key]!r}: differs from the run being resumed "
@@ -607,11 +614,18 @@ def precision_here(config: Config, asked: str | None = None) -> str:
     return host.precision_policy(asked or config.train.precision, _device_here(config), config).value
 
 
-def shared_precision(configs: list[Config]) -> host.Precision | None:
+def shared_precision(configs: list[Config], runs: list[Path] = ()) -> host.Precision | None:
     """``auto`` decided once, on this machine, for runs of ``configs`` compared with one another (a study's, a
-    search's): :func:`kilolayer.train.host.precision.shared`; hand it to them with
-    :func:`~kilolayer.train.host.precision.sharing`."""
-    return host.precision.shared(_device_here(configs[0]), configs) if configs else None
+    search's): :func:`kilolayer.train.host.precision.shared`; hand it to them with ``host.precision_sharing``.
+    ``runs``: the directories of those runs that may exist already; where the ones that recorded a precision all
+    recorded the same, that one, so that a study resumed on another machine or at another thread count goes on
+    at the precision it began with."""
+    configs = [c for c in configs if c.train.steps > 0]  # an untrained baseline takes no step at any precision
+    found = {r.value for d in runs if (r := recorded_precision(d)) is not None}
+    if len(found) == 1:
+        value = found.pop()
+        return host.Precision(value, f"auto, as this study's runs began: {value}", "auto")
+    return host.precision_shared(_device_here(configs[0]), configs) if configs else None
 
 
 def trained_as_asked(run_dir: Path, config: Config) -> bool:

@@ -248,6 +248,9 @@ def estimate_memory(
     from kilolayer.nn.transformer import Backbone, Stack
 
     m, tc = config.model, config.train
+    if tc.precision == "auto":  # decided at the run's start, after this check: the larger of the two
+        at = [config.model_copy(update={"train": tc.model_copy(update={"precision": p})}) for p in ("fp32", "bf16")]
+        return max((estimate_memory(c, device, world, source) for c in at), key=lambda e: e["total"])
     world = world or _world()
     device = torch.device(device)
     cpu = device.type != "cuda"
@@ -257,7 +260,7 @@ def estimate_memory(
     n_params = n_backbone + n_objective
     n_trainable = n_objective + (0 if tc.freeze_backbone else n_backbone)
 
-    bf16 = tc.precision == "bf16"  # auto counts as fp32 (the larger figure): the run decides it after this check
+    bf16 = tc.precision == "bf16"
     prec = _Precision(matmul=2 if bf16 else 4, cpu=cpu, cpu_attention=m.cpu_attention)
     batch = max(1, tc.batch_size // tc.accumulate // world)
     ckpt = m.checkpoint_activations

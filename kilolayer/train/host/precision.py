@@ -6,19 +6,21 @@ run's start.
 * on CUDA, bf16 where the GPU supports it (``torch.cuda.is_bf16_supported``);
 * on a CPU, bf16 only where the CPU has bf16 instructions (AVX512-BF16 or AMX as torch reports them, else the
   ``/proc/cpuinfo`` flags: :func:`cpu_bf16`) *and* one of the model's layers trains faster under bf16 autocast
-  than in fp32: a forward and backward of one layer of the run's shape (width, heads, FFN, scheme, sequence
-  length, micro-batch) on random inputs (:func:`layer_speedup`) at least :data:`MIN_LAYER_SPEEDUP` times as
-  fast. A faster GEMM alone does not decide it: at small widths and short sequences autocast's casts and the fp32
-  LayerNorms cost more than the products save, and the rest of a step (embeddings, loss, optimizer, data) gains
-  nothing from bf16. Without bf16 instructions autocast emulates bf16, many times slower than fp32, so nothing is
-  measured. The ratio is measured once per CPU model, thread count, layer shape and torch version and cached in
-  ``precision.json`` of the cache folder (``$KILOLAYER_CACHE``, else ``~/.cache/kilolayer``; delete it to
-  measure again), so the runs of one study on one machine decide alike.
+  than in fp32: a forward and backward of one layer of the run's shape (width, heads, FFN, sequence length,
+  micro-batch; its residual scheme aside) on random inputs (:func:`layer_speedup`), at least
+  :data:`MIN_LAYER_SPEEDUP` times as fast. A faster GEMM alone does not decide it: at small widths and short
+  sequences autocast's casts and the fp32 LayerNorms cost more than the products save, and the rest of a step
+  (embeddings, loss, optimizer, data) gains nothing from bf16. Without bf16 instructions autocast emulates bf16,
+  many times slower than fp32, so nothing is measured. The ratio is measured once per CPU model, thread count,
+  layer shape and torch version and cached in ``precision.json`` of the cache folder (``$KILOLAYER_CACHE``, else
+  ``~/.cache/kilolayer``; delete it to measure again).
 
-Runs compared with one another share one precision: a study (:mod:`kilolayer.study.runner`) and a search decide
-``auto`` once for all their runs (:func:`shared`: bf16 only where every shape among them pays for it) and hand
-the decision to each run in the environment (:data:`SHARED_ENV`, :func:`sharing`), so that a shallow-wide and a
-deep-narrow model, or Post-LN and DeepNorm, never differ in precision as well.
+Runs compared with one another share one precision: a study (:mod:`kilolayer.study.runner`, on Ray too) and a
+search decide ``auto`` once for all their runs (:func:`shared`: bf16 only where every shape among them pays for
+it; a study whose runs already recorded one precision keeps it) and hand the decision to each run in the
+environment (:data:`SHARED_ENV`, :func:`sharing`), so that a shallow-wide and a deep-narrow model, or Post-LN and
+DeepNorm, do not differ in precision as well. Runs a user starts one by one decide each for itself: give them
+``train.precision`` to compare them.
 
 A run records its precision and the reason (status.json ``precision`` and ``precision_reason``, its checkpoints'
 state.json ``precision``) and a resume of an ``auto`` run reuses it: bf16 and fp32 steps differ in their last
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,8 +89,8 @@ def cpu_bf16() -> tuple[bool, str]:
 
 
 #: how much faster one layer must train in bf16 for ``auto`` to choose it: the rest of the step gains nothing.
-#: Measured on an AVX512-BF16 CPU (kilolayer study quick, one thread per run): layers probed at 1.08-1.22x
-#: trained 10-25% slower as whole runs in bf16, one at 1.36x 10-15% faster, one at 3.7x 1.4x faster.
+#: Calibrated once, on a 2-core AVX512-BF16 CPU (kilolayer study quick, one thread per run): layers probed at
+#: 1.08-1.22x trained 10-25% slower as whole runs in bf16, one at 1.36x 10-15% faster, one at 3.7x 1.4x faster.
 MIN_LAYER_SPEEDUP = 1.3
 #: the most tokens the layer probe runs on (a larger micro-batch is probed with fewer sequences of its length)
 PROBE_TOKENS = 4096
@@ -245,9 +248,28 @@ def sharing(precision: Precision | None):
             os.environ[SHARED_ENV] = before
 
 
-def _shared_here() -> Precision | None:
-    value, _, reason = os.environ.get(SHARED_ENV, "").partition("\t")
-    return Precision(value, reason, DECIDED) if value in PRECISIONS and reason else None
+def _shared_here(device: str | torch.device) -> Precision | None:
+    """The precision :data:`SHARED_ENV` hands this run, if any it can train at: a value that is not "fp32" or
+    "bf16", a tab and a reason is said once and passed over, and so is bf16 on a CPU without bf16 instructions
+    (a study driven from another machine), where autocast would emulate it."""
+    raw = os.environ.get(SHARED_ENV, "")
+    value, _, reason = raw.partition("\t")
+    if not raw:
+        return None
+    if value not in PRECISIONS or not reason.strip():
+        if raw not in _SAID:
+            _SAID.add(raw)
+            print(
+                f"kilolayer: {SHARED_ENV}={raw!r}: expected fp32 or bf16, a tab and the reason; passed over",
+                file=sys.stderr,
+            )
+        return None
+    if value == "bf16" and torch.device(device).type == "cpu" and not cpu_bf16()[0]:
+        return None
+    return Precision(value, reason, DECIDED)
+
+
+_SAID: set[str] = set()
 
 
 def policy(asked: str, device: str | torch.device, config: Config, recorded: Precision | None = None) -> Precision:
@@ -258,4 +280,4 @@ def policy(asked: str, device: str | torch.device, config: Config, recorded: Pre
         return Precision(asked, "train.precision", GIVEN)
     if recorded is not None:
         return Precision(recorded.value, recorded.reason, RECORDED)
-    return _shared_here() or auto(device, LayerShape.of(config))
+    return _shared_here(device) or auto(device, LayerShape.of(config))
