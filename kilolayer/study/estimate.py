@@ -40,6 +40,8 @@ from kilolayer.errors import ConfigError, KilolayerError
 from kilolayer.study.executors import forked
 from kilolayer.study.runner import run_analysis, threads_per_job
 from kilolayer.study.spec import Point, Queue, StudySpec, expand
+from kilolayer.train import host
+from kilolayer.train.run import shared_precision
 
 
 @dataclass
@@ -194,11 +196,14 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
     threads = threads_per_job(jobs) or torch.get_num_threads()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    auto = [p.config for p in points if p.config.train.precision == "auto"]
     try:
+        precision = shared_precision(auto)  # as the study decides it for all its points, at their thread count
         distinct = len({_signature(p) for p in points})
         log(
             f"[estimate] {distinct} distinct point(s) to probe (seeds of a point cost the same), each timed over "
             f"{probe_steps} steps after 2 warm-up steps, with {threads} thread(s)"
+            + (f"; train.precision auto: {precision.value} ({precision.reason})" if precision else "")
         )
         startup = 0.0 if forked.available() else startup_seconds()
         costs: dict[str, PointCost] = {}
@@ -209,7 +214,8 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
             # set-up (data, tokenizer, model) can take minutes before the first step: say what is being probed
             log(f"[estimate] probing {p.key} ({len(costs) + 1}/{distinct}) ...")
             t0 = time.perf_counter()
-            c = probe(p, probe_steps)
+            with host.precision_sharing(precision):
+                c = probe(p, probe_steps)
             c.total = extrapolate(p.config, c, startup)
             costs[sig] = c
             rate = f"{c.step * 1000:.0f} ms/step" if c.step else "no training"
