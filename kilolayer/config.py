@@ -117,8 +117,9 @@ class ModelConfig(_Section):
     checkpoint_activations: bool = False
     cpu_attention: Literal["auto", "fp32", "sdpa"] = Field(
         "auto",
-        description="on a CPU under bf16/fp16 autocast: auto (matrix products around an fp32 softmax up to 256 keys, "
-        "fp32 SDPA beyond), fp32 (SDPA in fp32) or sdpa (SDPA in the autocast dtype) (kilolayer.nn.attention)",
+        description="on a CPU under bf16/fp16 autocast: auto (bf16 matrix products around an fp32 softmax up to 256 "
+        "keys, fp32 SDPA beyond and in fp16), fp32 (SDPA in fp32) or sdpa (SDPA in the autocast dtype) "
+        "(kilolayer.nn.attention)",
     )
 
     @model_validator(mode="before")

@@ -10,9 +10,11 @@ On a CPU under bf16/fp16 autocast, ``cpu_attention`` says how attention runs
 * ``auto`` (the default): in bf16 up to :data:`MATMUL_MAX_KEYS` keys, as two
   matrix products around an fp32 softmax (:func:`matmul_attention`), which
   inductor fuses with the rest of a compiled layer; longer, and in fp16 (whose
-  scores overflow at 65,504), as ``fp32``.
-  PyTorch's fused CPU kernel pays off only at long sequences, and its bf16
-  backward is slower than its fp32 one.
+  scores overflow at 65,504), as ``fp32``. The products are faster than
+  PyTorch's fused CPU kernels at the lengths measured (``python -m
+  benchmarks.attention``), whose bf16 backward is slower than their fp32 one;
+  but they keep each head's T x S probabilities for the backward, where the
+  fused kernels keep O(T).
 * ``fp32``: SDPA on the inputs cast to fp32.
 * ``sdpa``: SDPA in the autocast dtype.
 """
@@ -27,8 +29,10 @@ from torch import nn
 
 #: how attention runs on a CPU under bf16/fp16 autocast (module docstring)
 CPU_ATTENTION = ("auto", "fp32", "sdpa")
-#: ``auto``'s longest key sequence attended by matrix products: beyond it SDPA's fused fp32 kernel is faster
-#: (forward and backward, one thread, head size 16 to 64: python -m benchmarks.attention)
+#: ``auto``'s longest key sequence attended by matrix products: beyond it fp32 SDPA, whose memory does not grow
+#: with the square of the length (the products keep 6 bytes per head, query and key for the backward: 200 MB a
+#: layer at 512 keys, batch 16 and 8 heads), at 1.0-1.7x their time at 512-1,024 keys (python -m
+#: benchmarks.attention)
 MATMUL_MAX_KEYS = 256
 
 
