@@ -271,8 +271,8 @@ def findings(ts: dict, prof: dict, mem: dict, hp: dict | None = None) -> list[st
             )
         if f:
             out.append(
-                f"{label} profile, fast path ({f['options']['precision']}): matmul {_pct(f['share']['matmul'])}, "
-                f"attention (fp32 SDPA) "
+                f"{label} profile, fast path ({f['options']['precision']}): matmul {_pct(f['share']['matmul'])} "
+                f"(attention's products among them, model.cpu_attention: auto), SDPA kernels "
                 f"{_pct(f['share']['attention'])}, inductor's fused elementwise kernels "
                 f"{_pct(f['share']['compiled kernels'])}, other elementwise {_pct(f['share']['elementwise/norm/copy'])}"
                 f", optimizer {_pct(f['share']['optimizer'])}, host {_pct(f['share']['host overhead'])}."
@@ -392,13 +392,12 @@ def _side_by_side_section(sb: dict | None) -> list[str]:
     ]
 
 
-def _attention_section(att: dict | None, machine: dict) -> list[str]:
-    """How ``model.cpu_attention``'s three ways compare on this CPU; its machine and date where they are not the
-    page's."""
+def _attention_section(att: dict | None) -> list[str]:
+    """How ``model.cpu_attention``'s three ways compare, with the machine and date they were measured on."""
     if not att:
         return []
     own = att["machine"]
-    where = "" if own["date"] == machine["date"] else f" Measured alone on {own['cpu']}, {own['date']}."
+    where = f" Measured on {own['cpu']}, {own['date']}."
     return [
         "## Attention on a CPU under bf16",
         "",
@@ -484,7 +483,7 @@ def markdown(
         "",
         profile_step.format_result(prof),
         "",
-        *_attention_section(att, m),
+        *_attention_section(att),
         "## Peak memory vs depth",
         "",
         memory.format_result(mem),

@@ -798,7 +798,7 @@ def test_run_all_writes_the_page_again_from_its_results_alone(train_result, memo
 @pytest.mark.integration
 def test_the_attention_benchmark_times_each_way_and_the_page_shows_it(train_result, memory_result, profile_result):
     """``benchmarks.attention --smoke``: every way timed per shape and mask, its table, and its section on the
-    page with its own machine and date where they are not the page's."""
+    page with the machine and date it was measured on."""
     from benchmarks import attention
 
     att = attention.run(smoke=True, threads=1)
@@ -810,11 +810,7 @@ def test_the_attention_benchmark_times_each_way_and_the_page_shows_it(train_resu
     commands = ["python -m benchmarks.run_all"]
     page = run_all.markdown(train_result, memory_result, profile_result, commands, 1.0, att=att)
     assert "## Attention on a CPU under bf16" in page and table in page
-    assert f"Measured alone on {att['machine']['cpu']}, {att['machine']['date']}." in page
-    same = {**att, "machine": train_result["machine"]}
-    assert "Measured alone" not in run_all.markdown(
-        train_result, memory_result, profile_result, commands, 1.0, att=same
-    )
+    assert f"Measured on {att['machine']['cpu']}, {att['machine']['date']}." in page
     assert "## Attention" not in run_all.markdown(train_result, memory_result, profile_result, commands, 1.0)
 
 
