@@ -125,8 +125,8 @@ class ModelConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _attention_fp32_cpu(cls, data: Any) -> Any:
-        # the switch's boolean form, which configs written by kilolayer 0.1.0's runs hold: true attended in fp32,
-        # false through SDPA in the autocast dtype; read as such so those runs resume with the same numbers
+        # the switch's boolean form, which older run directories' configs hold: true attended in fp32, false
+        # through SDPA in the autocast dtype; read as such so that those runs resume with the same numbers
         if isinstance(data, dict) and "attention_fp32_cpu" in data:
             data = dict(data)
             flag = data.pop("attention_fp32_cpu")

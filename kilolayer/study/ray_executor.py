@@ -34,10 +34,9 @@ from kilolayer.rundir import FINISHED, STATUSES, RunDir
 from kilolayer.study.analyses import analysis_current, record_failure
 from kilolayer.study.executors import Executor
 from kilolayer.study.executors.cluster import Lost, RayPool, not_shared, read_token
-from kilolayer.study.runner import Result, collect_all, run_analyses, stale_init, train_point
+from kilolayer.study.runner import Result, collect_all, run_analyses, stale_init, study_precision, train_point
 from kilolayer.study.spec import Point, Queue, StudySpec, expand
 from kilolayer.train import host
-from kilolayer.train.run import shared_precision
 
 LOCK_WAIT_S = 300  # a retried point waits this long for the previous attempt's process to save and exit
 
@@ -200,14 +199,13 @@ def run_study_ray(spec: StudySpec, out: Path, executor: Executor, log=print) -> 
 
 def _shared_precision(points: list[Point], root: Path, threads: int) -> host.Precision | None:
     """``auto`` decided here, at each training process's thread count, once for every point
-    (:func:`kilolayer.train.run.shared_precision`)."""
+    (:func:`kilolayer.study.runner.study_precision`)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        auto = [p for p in points if p.config.train.precision == "auto"]
-        return shared_precision([p.config for p in auto], [p.run_dir(root) for p in auto])
+        return study_precision(points, root)
     finally:
         torch.set_num_threads(before)
 

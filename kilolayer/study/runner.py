@@ -370,6 +370,13 @@ def collect_all(points: list[Point], out: Path, ran: set[str]) -> list[Result]:
     return results
 
 
+def study_precision(points: list[Point], out: Path) -> host.Precision | None:
+    """What ``auto`` decides for every point of a study whose runs lie under ``out``, once, on this machine
+    (:func:`kilolayer.train.run.shared_precision`); None where no point asks for it."""
+    auto = [p for p in points if p.config.train.precision == "auto"]
+    return shared_precision([p.config for p in auto], [p.run_dir(out) for p in auto])
+
+
 def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int | str | None = None) -> list[Result]:
     """Train every point on the local executor, ``jobs`` at a time in the spec's order: a free slot takes the first
     point whose dependencies have ended (its ``init_from`` point, its ``after`` group: :class:`Queue`).
@@ -400,8 +407,7 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int
     pool = LocalPool(jobs)
     try:
         # auto decided once, at the runs' thread count, for every point: the points compared share a precision
-        auto = [p for p in points if p.config.train.precision == "auto"]
-        with host.precision_sharing(shared_precision([p.config for p in auto], [p.run_dir(out) for p in auto])):
+        with host.precision_sharing(study_precision(points, out)):
             run_queue(pool, Queue(spec, points), one)
     finally:
         pool.close()
