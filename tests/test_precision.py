@@ -126,7 +126,7 @@ def test_a_study_resumed_goes_on_at_the_precision_its_runs_began_with(monkeypatc
     configs = [shaped(32), shaped(64)]
     assert shared_precision(configs, runs).value == "bf16"  # nothing recorded: decided here
     rundir.write_status(runs[0], "completed", 4, "step budget", precision="fp32", precision_reason=NO_BF16)
-    assert shared_precision(configs, runs) == P.Precision("fp32", "auto, as this study's runs began: fp32", P.DECIDED)
+    assert shared_precision(configs, runs) == P.Precision("fp32", "auto, as the runs compared began: fp32", P.DECIDED)
     rundir.write_status(runs[1], "interrupted", 2, "signal", precision="bf16", precision_reason="auto")
     assert shared_precision(configs, runs).value == "bf16"  # mixed: decided here
     untrained = load_config(shaped(32).model_dump(), ["train.steps=0", "train.untrained=true"])
@@ -322,6 +322,33 @@ def test_the_search_trains_at_auto_unless_told_and_continues_a_search_trained_at
     cpu(monkeypatch, tmp_path / "bf16", bf16=True, ratio=1.5)
     with pytest.raises(ConfigError, match=r"config\.train\.precision differ"):
         S._check_same_search(out, S.check_settings(tiny, settings), settings)
+
+
+def test_a_search_resumed_goes_on_at_the_precision_its_trials_began_with_and_a_bad_out_is_refused_first(
+    monkeypatch, tmp_path
+):
+    from kilolayer.study import search as S
+
+    settings = S.Settings(params=28_000, depths=(1, 3), tolerance=0.1)
+    tiny = load_config("configs/digits_mae.yaml", ["train.steps=12"])
+    cpu(monkeypatch, tmp_path, bf16=True)  # measuring a layer fails the test
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(ConfigError, match="a file, not a directory"):
+        S.run_search(tiny, a_file, settings, log=lambda _: None)  # refused before any probe
+    assert a_file.read_text() == "mine"
+
+    handed = []
+    monkeypatch.setattr(S, "_search", lambda *args: handed.append(args[-1]))
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=2.0)
+    out = tmp_path / "search"
+    S.run_search(tiny, out, settings, log=lambda _: None)  # a new search: decided here
+    (out / S.TRIALS / "000-x").mkdir(parents=True)
+    S._check_same_search(out, S.check_settings(tiny, settings), settings)
+    rundir.write_status(out / S.TRIALS / "000-x", "interrupted", 4, "signal", precision="fp32", precision_reason="x")
+    S.run_search(tiny, out, settings, log=lambda _: None)  # bf16 would pay 2.0x: the trial's fp32 stands
+    assert [p.value for p in handed] == ["bf16", "fp32"]
+    assert handed[1] == P.Precision("fp32", "auto, as the runs compared began: fp32", P.DECIDED)
 
 
 def test_the_report_and_the_doctor_say_the_precision(monkeypatch, tmp_path):

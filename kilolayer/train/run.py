@@ -624,7 +624,7 @@ def shared_precision(configs: list[Config], runs: list[Path] = ()) -> host.Preci
     found = {r.value for d in runs if (r := recorded_precision(d)) is not None}
     if len(found) == 1:
         value = found.pop()
-        return host.Precision(value, f"auto, as this study's runs began: {value}", "auto")
+        return host.Precision(value, f"auto, as the runs compared began: {value}", "auto")
     return host.precision_shared(_device_here(configs[0]), configs) if configs else None
 
 

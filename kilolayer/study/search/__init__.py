@@ -182,21 +182,21 @@ def run_search(
     ``settings.minutes``, everything the search spends from here counts against them: a search whose shortest
     plan does not fit is refused before it writes anything."""
     started = time.perf_counter()
-    checked = check_settings(config, settings)
-    found = shapes(checked, settings.params, settings.depths, settings.tolerance)
-    # the shapes raced against one another train at one precision: auto decided here once for them all, and for
-    # the pre-screen and the time plan too
-    precision = shared_precision([trial_config(checked, s, checked.train.lr) for s in found])
-    with host.precision_sharing(precision):
-        return _search(config, out, settings, log, forecaster, executor, measure, started, precision)
-
-
-def _search(config, out, settings, log, forecaster, executor, measure, started, precision) -> Search:
-    executor = executor or Executor()
     out = Path(out)
     config = check_settings(config, settings)
-    optuna = _import_optuna()
+    _check_out(out)
     found = shapes(config, settings.params, settings.depths, settings.tolerance)
+    # the shapes raced against one another train at one precision: auto decided here once for them all, and for
+    # the pre-screen and the time plan too; a re-run goes on at the one its trials recorded
+    trials = sorted((out / TRIALS).iterdir()) if (out / TRIALS).is_dir() else []
+    precision = shared_precision([trial_config(config, s, config.train.lr) for s in found], trials)
+    with host.precision_sharing(precision):
+        return _search(config, out, settings, found, log, forecaster, executor, measure, started, precision)
+
+
+def _search(config, out, settings, found, log, forecaster, executor, measure, started, precision) -> Search:
+    executor = executor or Executor()
+    optuna = _import_optuna()
     lo, hi = settings.depths or default_depths(config.model)
     if not found:
         least = narrowest(config.model, lo)
@@ -206,7 +206,6 @@ def _search(config, out, settings, log, forecaster, executor, measure, started, 
             f"--params or --tolerance"
         )
     left_out = (found[-1].layers + 1, hi) if found[-1].layers < hi else None
-    _check_out(out)
     _check_same_search(out, config, settings, write=False)
     saved = rundir.read_json(out / SETTINGS, None) if out.is_dir() else None
     if settings.metric != config.train.early_stop_metric and (saved or {}).get("metric") != settings.metric:
