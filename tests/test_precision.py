@@ -63,7 +63,8 @@ def test_auto_is_bf16_where_a_layer_trains_enough_faster_measured_once_per_shape
     assert measured == [256, 64]  # the second ask at 256 is the cache's
     P.policy("auto", "cpu", shaped(256, batch=16))
     P.policy("auto", "cpu", shaped(256, scheme="deepnorm"))
-    assert measured == [256, 64, 256]  # another micro-batch is another shape; another residual scheme is not
+    P.policy("auto", "cpu", shaped(256, dropout=0.1))
+    assert measured == [256, 64, 256, 256]  # another micro-batch or dropout is another shape; a residual scheme not
     assert (tmp_path / "cache" / P.CACHE_FILE).is_file()
 
 
