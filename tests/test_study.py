@@ -918,6 +918,8 @@ def test_a_study_with_unfinished_points_exits_1_and_its_last_line_says_where_the
     )
     assert study_cli.cmd_study(args) == code
     last = capsys.readouterr().out.strip().splitlines()[-1]
+    (entry,) = json.loads((out / "invocations.json").read_text())["invocations"]
+    assert (entry["trained"], entry["executor"]) == (0, "local --jobs 1")  # the fake run trained nothing here
     if code:
         assert last.startswith("1 of 2 points did not finish (deepnet/scheme=deepnorm_seed=0)")
         assert f"their logs: {out / 'logs'}/GROUP/POINT.log" in last
@@ -967,3 +969,23 @@ def test_the_smoothness_plot_dots_the_untrained_groups_lines(tmp_path, monkeypat
     (ax,) = figures[0].axes
     drawn = [line for line in ax.get_lines() if len(line.get_xdata())]
     assert sorted((line.get_linestyle(), len(line.get_xdata())) for line in drawn) == [("-", 3), (":", 3)]
+
+
+def test_a_report_rendered_again_says_what_the_invocations_that_trained_took(tmp_path):
+    import datetime
+
+    from kilolayer.study import clock
+
+    began = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    assert clock.wall_line(tmp_path, 6.0) == "this invocation took 0.1 min wall-clock"  # nothing recorded
+    clock.record(tmp_path, began, 3000.0, 5, "local --jobs 2")
+    clock.record(tmp_path, began, 1800.0, 3, "local --jobs 1")  # resumed after an interrupt
+    clock.record(tmp_path, began, 3.0, 0, "local --jobs 2")  # rendered again: trained nothing
+    assert clock.wall_line(tmp_path, 3.0) == (
+        "this invocation took 0.1 min wall-clock; the 2 invocations that trained points took 80.0 min "
+        "(local --jobs 1, local --jobs 2)"
+    )
+    (tmp_path / clock.FILE).write_text("{not json")
+    assert clock.invocations(tmp_path) == []  # unreadable: passed over, and the next record starts afresh
+    clock.record(tmp_path, began, 60.0, 1, "ray")
+    assert clock.wall_line(tmp_path, 60.0).endswith("the invocation that trained points took 1.0 min (ray)")

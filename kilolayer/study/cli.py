@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 from pathlib import Path
@@ -45,12 +46,15 @@ def cmd_study(args) -> int:
     say_claim_notes(spec)
     if executor.name != "ray":  # a cluster's nodes may hold data the driver does not
         check_data(points)
-    t0 = time.perf_counter()
+    t0, began = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
     with study_lock(Path(args.out)):
+        from kilolayer.study import clock
         from kilolayer.study.registered import record_claims
 
         record_claims(spec, points, Path(args.out))  # before anything trains: a later change is post hoc
         results = _run(spec, args)
+        runner = "ray" if executor.name == "ray" else f"{executor.name} --jobs {executor.jobs}"
+        clock.record(Path(args.out), began, time.perf_counter() - t0, sum(r.ran for r in results), runner)
     md, html, findings = write_report(spec, results, Path(args.out), time.perf_counter() - t0)
     for f in findings:
         print(f"{f.verdict.verdict:>13s}: {f.title}")

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kilolayer.rundir import RunDir
+from kilolayer.study import clock
 from kilolayer.study.claim_plots import claim_plots
 from kilolayer.study.directions_report import directions_section
 from kilolayer.study.findings import evaluate_findings
@@ -111,7 +112,7 @@ def render_markdown(spec, results, findings: list[Finding], out: Path, wall_seco
         f"- **runs**: {len(results)} ({sum(r.ran for r in results)} trained in this invocation, the rest reused); "
         f"seeds {seeds}",
         f"- **compute**: {train_s / 60:.1f} min of training time in total, {tokens:,} tokens processed; "
-        f"this invocation took {wall_seconds / 60:.1f} min wall-clock",
+        f"{clock.wall_line(out, wall_seconds)}",
         *([f"- **precision**: {_text(precisions)}"] if precisions else []),
         "",
         "## Verdicts",
