@@ -7,6 +7,7 @@ trained at fp32 on a CPU without bf16 keep their points; the report's and the do
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -166,6 +167,14 @@ def test_a_study_of_a_wide_and_a_narrow_model_trains_both_at_one_precision(monke
     recorded = {(r.precision, r.precision_reason) for r in results}
     assert recorded == {("fp32", P.shared("cpu", [r.config for r in results]).reason)}
     assert "width 16" in next(iter(recorded))[1] and P.SHARED_ENV not in os.environ
+    # the report's command names the study's decision, and run by hand it continues the run as it is
+    from kilolayer.cli import main
+
+    command = shlex.split(results[0].command)
+    assert command[-2:] == ["--set", "train.precision=fp32"]
+    before = (results[0].point.run_dir(tmp_path / "study") / "metrics.jsonl").read_text()
+    assert main(command[1:]) == 0
+    assert (results[0].point.run_dir(tmp_path / "study") / "metrics.jsonl").read_text() == before
 
 
 @pytest.mark.parametrize("arch", [{"arch": "decoder"}, {"arch": "encoder_decoder", "decoder_layers": 1}])

@@ -45,7 +45,7 @@ from kilolayer.study.executors.local import LocalPool
 from kilolayer.study.spec import Point, Queue, StudySpec, expand
 from kilolayer.train import host
 from kilolayer.train.host import usable_cpus
-from kilolayer.train.run import SPEED_OPTIONS, shared_precision, trained_as_asked
+from kilolayer.train.run import SPEED_OPTIONS, recorded_precision, shared_precision, trained_as_asked
 
 
 @dataclass(kw_only=True)
@@ -85,9 +85,14 @@ def train_command(point: Point, out: Path, nproc: int = 1, threads: int | str | 
 
 
 def shell_command(point: Point, out: Path, threads: int | str | None = None) -> str:
-    """The command as a user would type it (to rerun a point by hand, or send it to a cluster)."""
-    cmd = train_command(point, out, threads=threads)
-    return shlex.join(["kilolayer", *cmd[3:]])
+    """The command as a user would type it (to rerun a point by hand, or send it to a cluster). A point that asks
+    for ``auto`` and has trained names the precision its run recorded: the study decided it once for the runs it
+    compares, and a run started by hand elsewhere would decide for itself."""
+    cmd = ["kilolayer", *train_command(point, out, threads=threads)[3:]]
+    recorded = recorded_precision(point.run_dir(out)) if point.config.train.precision == "auto" else None
+    if recorded is not None:
+        cmd += ["--set", f"train.precision={recorded.value}"]
+    return shlex.join(cmd)
 
 
 def source_dir(point: Point, out: Path) -> Path | None:
