@@ -661,3 +661,34 @@ def test_the_warm_up_is_not_charged_to_the_first_shape():
     assert calls[0] == min(found, key=lambda f: f.flops_per_token).name
     assert calls[1:] == [f.name for f in found]
     assert list(costs.values()) == [S.Cost(0.1, 0.01, 0.5)] * len(found)
+
+
+@pytest.mark.parametrize(
+    "executor, count",
+    [
+        ({"threads": 1}, 1),  # --threads 1: the trials' count
+        ({"name": "ray", "cpus_per_run": 1.0}, 1),  # a Ray trial's process trains at the CPUs it reserves
+        ({}, 2),  # the default: the policy's count, this process's own
+    ],
+)
+def test_the_pre_screen_replays_at_the_thread_count_its_trials_train_at(tmp_path, monkeypatch, executor, count):
+    """A trial starts from its shape's replay: both halves at one count, so that a trial's steps are one run's
+    at the count it records."""
+    import torch
+
+    from kilolayer.study.executors import Executor
+
+    seen = []
+
+    def forecaster(config):
+        seen.append(torch.get_num_threads())
+        return "diverges", "stub"
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        S.run_search(tiny(), tmp_path / "s", settings(), forecaster=forecaster, executor=Executor(**executor))
+        assert set(seen) == {count} and len(seen) == 3  # every shape's replay
+        assert torch.get_num_threads() == 2  # restored after
+    finally:
+        torch.set_num_threads(before)

@@ -68,6 +68,17 @@ class Executor:
     def gpus(self) -> float:
         return self.gpus_per_run or 0
 
+    @property
+    def unit_threads(self) -> int | None:
+        """The torch threads each unit's run trains at where this executor fixes them: a count given with
+        ``--threads``, else on Ray the CPUs a unit reserves; None where the thread policy's default count decides,
+        as it does for this process too (``auto`` follows the load: no count to match)."""
+        if isinstance(self.threads, int):
+            return self.threads
+        if self.name == "ray" and self.threads is None:
+            return max(1, int(self.cpus))
+        return None
+
     @contextlib.contextmanager
     def pool(self, out: Path):
         """The pool that runs units for a study or search in ``out`` (for Ray: a directory every node sees)."""

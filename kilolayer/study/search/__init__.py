@@ -229,14 +229,15 @@ def _search(config, out, settings, found, log, forecaster, executor, measure, st
         else:
             plan = None
         steps, keep = forecast_steps(config, settings), starts_from_prescreen(config, settings)
-        screens = prescreen(
-            config,
-            found,
-            out,
-            settings.keep_forecast_failures,
-            forecaster or (lambda c: doctor_forecast(c, steps, out / STARTS / config_key(c) if keep else None)),
-            log,
-        )
+        with host.torch_threads(executor.unit_threads):  # a trial starts from its replay: one thread count for both
+            screens = prescreen(
+                config,
+                found,
+                out,
+                settings.keep_forecast_failures,
+                forecaster or (lambda c: doctor_forecast(c, steps, out / STARTS / config_key(c) if keep else None)),
+                log,
+            )
         kept = {s.name: s for s, sc in zip(found, screens) if sc.kept}
         rung = first_rung(config, settings)
         dirn = direction(config, settings.metric)

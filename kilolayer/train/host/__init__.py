@@ -30,6 +30,7 @@ from kilolayer.train.host.threads import (
     Training,
     crowded,
     others_training,
+    torch_threads,
     usable_cpus,
 )
 from kilolayer.train.host.threads import policy as thread_policy
@@ -61,5 +62,6 @@ __all__ = [
     "precision_sharing",
     "prepare_checkpointing",
     "thread_policy",
+    "torch_threads",
     "usable_cpus",
 ]

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kilolayer.files import write_atomic
-from kilolayer.train.host.threads import usable_cpus
+from kilolayer.train.host.threads import torch_threads, usable_cpus
 from kilolayer.train.metrics import Peak, finite_positive
 
 CACHE_FILE = "peak_flops.json"
@@ -115,16 +115,6 @@ def quick_gemm_rate(
         n *= 2
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def cpu_peak(dtype: torch.dtype, budget_s: float = 1.5) -> tuple[float, int]:
     """(FLOP/s, n) of this CPU at torch's thread count: the larger of the measured multi-threaded rate and
     threads (at most the usable CPUs) x the measured one-thread rate. On a machine that other processes keep
@@ -134,7 +124,7 @@ def cpu_peak(dtype: torch.dtype, budget_s: float = 1.5) -> tuple[float, int]:
     if threads == 1:
         return quick_gemm_rate(dtype, budget_s)
     flops, n = quick_gemm_rate(dtype, budget_s / 2)
-    with _threads(1):
+    with torch_threads(1):
         single, n1 = quick_gemm_rate(dtype, budget_s / 2)
     scaled = single * min(threads, usable_cpus())
     return (flops, n) if flops >= scaled else (scaled, n1)

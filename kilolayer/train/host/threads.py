@@ -103,6 +103,18 @@ def cgroup_quota(root: Path | None = None, own: Path | None = None) -> int | Non
         return None
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch's intra-op thread count set to ``n`` inside (None: left as it is), restored after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (affinity), capped by a cgroup CPU quota: the default count."""
     try:
