@@ -118,7 +118,7 @@ def test_the_policy_takes_a_given_count_then_a_recorded_one_then_the_environment
     assert T.policy(recorded=2).count == 2 and T.policy(recorded=2).source == T.RECORDED
     assert T.policy() == T.Threads(3, "OMP_NUM_THREADS", source=T.ENVIRONMENT)
     capped = T.policy(recorded=4)  # a launcher's share caps a recorded count
-    assert capped.count == 3 and "below the 4 the run recorded" in capped.reason
+    assert capped.count == 3 and "below the 4 the run recorded" in capped.reason and capped.recorded == 4
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(T, "usable_cpus", lambda: 4)
     monkeypatch.setattr(T, "other_work", lambda: 1.2)
@@ -273,6 +273,22 @@ def test_a_resume_reuses_the_recorded_default_count_on_a_machine_that_changed(tm
     fresh = tmp_path / "fresh"
     train(RUN, fresh, choose_threads=True, quiet=True)
     assert counted == [1] * 6  # a new run takes the cores it has now
+
+
+def test_a_resume_a_launcher_gives_fewer_threads_says_so_even_when_quiet(tmp_path, counted, monkeypatch, capsys):
+    """A study at a larger --jobs shares the cores out: its share wins over the recorded count, and the point's
+    log says that this resume is not bit-exact."""
+    run = tmp_path / "run"
+    train(RUN, run, choose_threads=True, quiet=True, sets=["train.steps=3"])
+    capsys.readouterr()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    counted.clear()
+    train(None, run, resume=True, choose_threads=True, quiet=True, sets=["train.steps=6"])
+    assert counted == [1, 1, 1]
+    assert capsys.readouterr().err.strip() == (
+        "kilolayer: warning: resumed at 1 thread (OMP_NUM_THREADS), not at the 2 this run recorded: its numbers "
+        "differ from an uninterrupted run's in the last bits"
+    )
 
 
 def test_a_resumed_auto_run_follows_the_load_again(tmp_path, counted):

@@ -153,8 +153,8 @@ def add_executor_options(p, command: str) -> None:
         "--executor",
         default="local",
         metavar="|".join(EXECUTORS),
-        help=f"{local}; ray: one Ray task per {unit}, on a cluster (pip install 'kilolayer[ray]'); results never "
-        "depend on which",
+        help=f"{local}; ray: one Ray task per {unit}, on a cluster (pip install 'kilolayer[ray]'); results do "
+        "not depend on which at the same --threads",
     )
     p.add_argument(
         "--jobs",

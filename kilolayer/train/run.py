@@ -307,10 +307,16 @@ class Run:
     def run(self) -> dict:
         """Train from the start step to ``train.steps``; every way out is recorded in status.json."""
         tc, engine = self.config.train, self.engine
+        chosen = self.threads.threads
         if self.env.main and not self.quiet and self.announce:
-            rundir.say(self.threads.threads.line(), sys.stderr)
+            rundir.say(chosen.line(), sys.stderr)
             if self.crowded:
                 rundir.warn(self.crowded)
+        elif self.env.main and chosen.recorded is not None:  # said even under --quiet: a study's log keeps it
+            rundir.warn(
+                f"resumed at {chosen.count} thread{'s' * (chosen.count != 1)} (OMP_NUM_THREADS), not at the "
+                f"{chosen.recorded} this run recorded: its numbers differ from an uninterrupted run's in the last bits"
+            )
         if self.env.main and not self.quiet:
             rundir.say(self.precision.line(), sys.stderr)
         with self._recorded(), self._logs():

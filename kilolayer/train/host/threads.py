@@ -59,6 +59,7 @@ class Threads:
     reason: str
     adaptive: bool = False
     source: str = GIVEN
+    recorded: int | None = None  # a resumed run's recorded count this one differs from (not a bit-exact resume)
 
     def line(self) -> str:
         """The run's first line: the count and why (an ``auto`` count adds that it is not bit-reproducible)."""
@@ -210,7 +211,7 @@ def policy(given: int | str | None = None, recorded: int | None = None, device: 
     if recorded:
         if env is not None and env < recorded:
             reason = f"OMP_NUM_THREADS, below the {recorded} the run recorded (not a bit-exact resume)"
-            return Threads(env, reason, source=ENVIRONMENT)
+            return Threads(env, reason, source=ENVIRONMENT, recorded=recorded)
         return Threads(recorded, "the count the run recorded (a resume is bit-exact only at it)", source=RECORDED)
     if env is not None:
         return Threads(env, why, source=ENVIRONMENT)
