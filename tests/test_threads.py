@@ -202,6 +202,13 @@ def test_the_quota_of_this_processs_own_cgroup_counts(tmp_path):
     (tmp_path / "user.slice" / "job" / "cpu.max").write_text("300000 100000\n")
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert T.cgroup_quota(tmp_path, own) == 3
+    # a quota on the parent (a pod's) over a container without one: the parent's
+    (tmp_path / "user.slice" / "job" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "user.slice" / "cpu.max").write_text("200000 100000\n")
+    assert T.cgroup_quota(tmp_path, own) == 2
+    # both: the smaller
+    (tmp_path / "user.slice" / "job" / "cpu.max").write_text("100000 100000\n")
+    assert T.cgroup_quota(tmp_path, own) == 1
 
 
 # ---------------------------------------------------------------- runs (in-process)

@@ -80,22 +80,29 @@ CGROUP_ROOT, OWN_CGROUP = Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")
 
 
 def cgroup_quota(root: Path | None = None, own: Path | None = None) -> int | None:
-    """The CPUs a cgroup CPU quota allows (v2's ``cpu.max`` of this process's own cgroup, else of the root; v1's
-    ``cpu.cfs_quota_us``/``cpu.cfs_period_us``), rounded up; None without a quota or where it cannot be read."""
+    """The CPUs a cgroup CPU quota allows, rounded up: v2's ``cpu.max``, the smallest along the path from this
+    process's own cgroup up to the root (a container's quota may sit on its parent, the pod), else v1's
+    ``cpu.cfs_quota_us``/``cpu.cfs_period_us``; None without a quota or where none can be read."""
     root, own = root or CGROUP_ROOT, own or OWN_CGROUP
-    places = []
+    places = [root]
     try:
         for line in own.read_text().splitlines():
             if line.startswith("0::"):
-                places.append(root / line[3:].strip().lstrip("/"))
+                place = root / line[3:].strip().lstrip("/")
+                places = [place, *(p for p in place.parents if p == root or root in p.parents)]
     except OSError:
         pass
-    for place in (*places, root):
+    quotas, found = [], False
+    for place in places:
         try:
             quota, period = (place / "cpu.max").read_text().split()[:2]
-            return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+            found = True
+            if quota != "max":
+                quotas.append(max(1, math.ceil(int(quota) / int(period))))
         except (OSError, ValueError, ZeroDivisionError):
             continue
+    if found:
+        return min(quotas, default=None)
     try:
         quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
         period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
