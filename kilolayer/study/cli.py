@@ -60,14 +60,6 @@ def cmd_study(args) -> int:
         print(f"{f.verdict.verdict:>13s}: {f.title}")
     print(f"report: {html}")
     print(f"        {md}")
-    unfinished = [r for r in results if r.status not in ("completed", "diverged")]
-    if unfinished:
-        named = ", ".join(r.point.key for r in unfinished[:3]) + (", ..." if len(unfinished) > 3 else "")
-        print(
-            f"{len(unfinished)} of {len(results)} points did not finish ({named}); their logs: "
-            f"{Path(args.out) / 'logs'}/GROUP/POINT.log; "
-            "re-running the study resumes them"
-        )
     from kilolayer import rundir
     from kilolayer.study.analyses import failed_analyses
 
@@ -83,6 +75,14 @@ def cmd_study(args) -> int:
         print(
             f"{len(failed)} analyses of completed points failed ({named}); why each failed: {where} of its point's "
             f"run (the first: {failed[0].why}); re-running the study runs them again"
+        )
+    unfinished = [r for r in results if r.status not in ("completed", "diverged")]
+    if unfinished:  # the last line: how many points failed, and where to look
+        named = ", ".join(r.point.key for r in unfinished[:3]) + (", ..." if len(unfinished) > 3 else "")
+        print(
+            f"{len(unfinished)} of {len(results)} points did not finish ({named}); their logs: "
+            f"{Path(args.out) / 'logs'}/GROUP/POINT.log (a point that never started says why in its run's "
+            "status.json); re-running the study resumes them"
         )
     return 1 if unfinished or failed else 0
 
