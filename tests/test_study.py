@@ -989,3 +989,15 @@ def test_a_report_rendered_again_says_what_the_invocations_that_trained_took(tmp
     assert clock.invocations(tmp_path) == []  # unreadable: passed over, and the next record starts afresh
     clock.record(tmp_path, began, 60.0, 1, "ray")
     assert clock.wall_line(tmp_path, 60.0).endswith("the invocation that trained points took 1.0 min (ray)")
+
+
+def test_a_study_or_search_given_threads_auto_says_once_that_its_runs_are_not_bit_reproducible(capsys):
+    from kilolayer.study.cli import say_adaptive_threads
+    from kilolayer.study.executors import Executor
+
+    say_adaptive_threads(Executor(threads="auto"), "point")
+    say_adaptive_threads(Executor(threads=2), "trial")
+    say_adaptive_threads(Executor(), "trial")
+    assert capsys.readouterr().out == (
+        "--threads auto: each point's run follows the machine's load, so its losses are not bit-reproducible\n"
+    )

@@ -34,6 +34,7 @@ def cmd_study(args) -> int:
     if args.estimate and args.executor == "ray":
         raise ConfigError("--estimate times points on this machine; use it without --executor ray")
     executor = executors.from_args(args, "study")
+    say_adaptive_threads(executor, "point")
     if args.estimate:
         return _estimate(args, executor.jobs)
     if not args.spec or not args.out:
@@ -85,6 +86,13 @@ def cmd_study(args) -> int:
             "status.json); re-running the study resumes them"
         )
     return 1 if unfinished or failed else 0
+
+
+def say_adaptive_threads(executor, unit: str) -> None:
+    """``--threads auto``, said once: each run's own first line says it, but a study's or search's runs are
+    quiet."""
+    if executor.threads == "auto":
+        print(f"--threads auto: each {unit}'s run follows the machine's load, so its losses are not bit-reproducible")
 
 
 def say_claim_notes(spec) -> None:
@@ -280,6 +288,7 @@ def cmd_search(args) -> int:
     if args.forecast_steps is not None and args.forecast_steps < 1:
         raise ConfigError(f"--forecast-steps {args.forecast_steps}: expected an integer >= 1")
     executor = executors.from_args(args, "search")
+    say_adaptive_threads(executor, "trial")
     config = load_config(args.config, args.set)
     search = run_search(config, Path(args.out), settings, executor=executor)
     md, html = write_report(search)
