@@ -13,7 +13,9 @@ $(BIN)/python:
 
 $(BASE): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, from the pinned CPU wheel, so nothing pulls a CUDA build
+	# torch first, pinned, so nothing pulls another build: pip takes the CPU wheel where the machine keeps one
+	# (this project's CI); from PyPI alone on Linux it is a CUDA build: PIP_INDEX_URL=https://download.pytorch.org/whl/cpu
+	# make ... installs the CPU one
 	$(BIN)/pip install --quiet torch==2.13.0
 	# pyproject.toml holds ranges; constraints.txt the exact versions this project is tested with
 	$(BIN)/pip install --quiet -c constraints.txt -e .
