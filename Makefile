@@ -14,7 +14,7 @@ $(BIN)/python:
 $(BASE): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned, so nothing pulls another build: pip takes the CPU wheel where the machine keeps one
-	# (this project's CI); from PyPI alone on Linux it is a CUDA build: PIP_INDEX_URL=https://download.pytorch.org/whl/cpu
+	# (this project's CI); from PyPI alone on Linux it is a CUDA build: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 	# make ... installs the CPU one
 	$(BIN)/pip install --quiet torch==2.13.0
 	# pyproject.toml holds ranges; constraints.txt the exact versions this project is tested with
