@@ -647,6 +647,12 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
     results = run_study(spec, out, jobs=2, log=lambda *_: None)
     bad = [(r.point.key, r.status, r.reason) for r in results if not r.ok]
     assert not bad, bad
+    # --jobs 2 shares the usable CPUs out: each point trained at its share, fixed, from OMP_NUM_THREADS
+    from kilolayer.study.runner import threads_per_job
+
+    share = threads_per_job(2)
+    trained = [rundir.read_status(r.point.run_dir(out)) for r in results if r.point.config.train.steps > 0]
+    assert {(st.get("threads"), st.get("threads_reason")) for st in trained} == {(share, "OMP_NUM_THREADS")}
     assert all(r.smoothness and len(r.smoothness["cosine"]) == r.point.config.model.layers + 1 for r in results)
     for r in results:
         if r.point.group in caps and r.point.group not in ("mae", "mlm"):
