@@ -89,7 +89,8 @@ def shell_command(point: Point, out: Path, threads: int | str | None = None) -> 
     for ``auto`` and has trained names the precision its run recorded: the study decided it once for the runs it
     compares, and a run started by hand elsewhere would decide for itself."""
     cmd = ["kilolayer", *train_command(point, out, threads=threads)[3:]]
-    recorded = recorded_precision(point.run_dir(out)) if point.config.train.precision == "auto" else None
+    auto = point.config is not None and point.config.train.precision == "auto"
+    recorded = recorded_precision(point.run_dir(out)) if auto else None
     if recorded is not None:
         cmd += ["--set", f"train.precision={recorded.value}"]
     return shlex.join(cmd)
