@@ -412,6 +412,7 @@ def test_evaluate_writes_the_direction_table(root, tmp_path, capsys):
     [
         ({"languages": ["en", "xx"]}, "unknown 'xx'; allowed: ca, cs, da, de"),
         ({"languages": ["de"]}, "is one language"),
+        ({"languages": []}, "is no language"),
         ({"languages": ["en", "de", "en"]}, "names a language twice"),
         ({"languages": ["de", "fr"], "directions": "english_centric"}, "has no 'en'"),
         ({"directions": [["en", "ja"]]}, "is not two different languages"),

@@ -158,7 +158,8 @@ def resolve_languages(opts: LOMultiOptions) -> list[str]:
     if len(set(langs)) != len(langs):
         raise ConfigError(f"data.options.languages: {langs} names a language twice")
     if len(langs) < 2:
-        raise ConfigError(f"data.options.languages: {langs} is one language; {NAME} translates between two or more")
+        few = "no language" if not langs else "one language"
+        raise ConfigError(f"data.options.languages: {langs} is {few}; {NAME} translates between two or more")
     return langs
 
 
