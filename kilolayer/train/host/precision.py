@@ -130,8 +130,7 @@ def layer_speedup(shape: LayerShape, seconds: float = 1.0) -> float:
     decoder layer for a decoder-only model) on random inputs, the bf16 one under autocast as a training step runs
     it, the two taking turns for about ``seconds`` (:func:`_ratio_in_turns`). Above 1: bf16 is faster. Every
     residual scheme is probed as Pre-LN, so that the schemes a study compares at one shape train at one precision.
-    The layer runs eagerly whatever ``train.compile`` says: compiling gains bf16 more than fp32 (docs/benchmarks.md),
-    so a compiled run is judged conservatively.
+    The layer runs eagerly whatever ``train.compile`` says: a compiled run is judged by its eager layer.
     The layer and its inputs come from a forked random state: the global random streams do not move."""
     from kilolayer.nn.layers import Layer
     from kilolayer.nn.transformer import scheme_for
