@@ -126,12 +126,17 @@ def targets(ts: dict, mem: dict, sb: dict | None = None) -> list[dict]:
         fast = [v for v in _kilolayer_fast(res) if "ratio_vs_best_peer_fast" in v]
         if fast:
             best = max(fast, key=lambda v: v["ratio_vs_best_peer_fast"])
-            r = best["ratio_vs_best_peer_fast"]
+            r, how = best["ratio_vs_best_peer_fast"], _mode(best)
+            m = res.get("rematch")
+            if m:  # the two rows timed again alone: the figure the target reads
+                best = _variant(res, m["kilolayer"])
+                r = m["ratio"]
+                how = f"{_mode(best)}; {m['rounds']} rounds head to head, {common.interval_words(m)}"
             out.append(
                 {
                     "target": f"{res['label']}: kilolayer's best fast path >= {FAST_GOAL:.2f}x the best peer on the "
                     f"same fast path, {words} ({res['best_peer_fast']})",
-                    "measured": f"{r:.2f}x ({_mode(best)})",
+                    "measured": f"{r:.2f}x ({how})",
                     "met": r >= FAST_GOAL,
                 }
             )
@@ -252,10 +257,17 @@ def findings(ts: dict, prof: dict, mem: dict, hp: dict | None = None) -> list[st
             each = ", ".join(
                 f"{m} {v['ratio_vs_best_peer_fast']:.2f}x after {_compile_s(v)} of compile" for m, v in modes.items()
             )
+            m = res.get("rematch")
+            again = (
+                f" Timed again alone, {m['rounds']} rounds head to head: {m['ratio']:.2f}x "
+                f"({common.interval_words(m)})."
+                if m
+                else ""
+            )
             out.append(
                 f"{label}, every library on the same fast path ({words}): "
                 f"kilolayer's better compile mode is {_mode(best)}, at {best['ratio_vs_best_peer_fast']:.2f}x the "
-                f"best peer, {peer_fast['name']} ({_compile_s(peer_fast)} of compile); by mode: {each}."
+                f"best peer, {peer_fast['name']} ({_compile_s(peer_fast)} of compile); by mode: {each}.{again}"
             )
         k, x = _profile_row(prof, label, "kilolayer", False), _profile_row(prof, label, res["faster_peer"], False)
         f = _profile_row(prof, label, "kilolayer", True)
@@ -468,9 +480,12 @@ def markdown(
         "drops all of kilolayer's.",
         "`x faster peer` is the median over rounds of (faster peer's eager fp32 step time / this step time), so",
         "it can differ from the ratio of the tokens/s medians when rounds vary; `x best peer fast path` is the",
-        "same against the fastest peer fast-path row. MFU = tokens/s x model FLOPs per token",
-        "(`kilolayer.training_flops` per sample / tokens + 6 d V for the head) / the best large-GEMM rate of the",
-        "precision the row's matmuls run in (fp32 or bf16), measured in this run.",
+        "same against the fastest peer fast-path row. The fast-path target reads a rematch: after the race,",
+        "kilolayer's fastest fast-path row and the fastest peer's take turns alone for more rounds, so that",
+        "neither the race's few rounds nor picking the better of kilolayer's two compile modes by them decides it;",
+        "its interval is the sign test's for the median of the per-round ratios. MFU = tokens/s x model FLOPs",
+        "per token (`kilolayer.training_flops` per sample / tokens + 6 d V for the head) / the best large-GEMM",
+        "rate of the precision the row's matmuls run in (fp32 or bf16), measured in this run.",
         *_fast_rows_text(ts),
         "",
         train_step.format_result(ts),

@@ -43,6 +43,9 @@ SMOKE_CONFIGS = {"smoke": Spec(width=32, layers=2, heads=2, ffn=64, seq_len=16, 
 # the loss check: d256x12's layers, 4 of them, so 3 x 50 steps stay within a few minutes
 LOSS_SPEC = CONFIGS["d256x12"].with_(layers=4)
 BATCH, SMOKE_BATCH = 16, 2
+#: rounds of the rematch the fast-path target reads (benchmarks.common.rematch): 24 rounds put the median's 95%
+#: interval between the 7th and 18th ratios
+REMATCH_ROUNDS = 24
 SCHEME = "deepnorm"
 
 
@@ -72,10 +75,17 @@ PEERS = PEER_LIBRARIES
 
 
 def measure(
-    spec: Spec, batch_size: int, rounds: int, variants: list[Variant], seed: int = 0, backend: str = "inductor"
+    spec: Spec,
+    batch_size: int,
+    rounds: int,
+    variants: list[Variant],
+    seed: int = 0,
+    backend: str = "inductor",
+    rematch_rounds: int = 0,
 ) -> dict:
-    """One config's race on this CPU (:func:`benchmarks.common.race`), with the model FLOPs per token."""
-    res = common.race(spec, batch_size, rounds, variants, seed=seed, backend=backend)
+    """One config's race on this CPU (:func:`benchmarks.common.race`, with its rematch of kilolayer's fastest
+    fast path against the fastest peer's), with the model FLOPs per token."""
+    res = common.race(spec, batch_size, rounds, variants, seed=seed, backend=backend, rematch_rounds=rematch_rounds)
     res["model_flops_per_token"] = model_flops_per_token(spec)
     return res
 
@@ -149,20 +159,27 @@ def run(
     configs: list[str] | None = None,
     warm_cache: bool = False,
     fast_precision: str = "auto",
+    rematch_rounds: int | None = None,
 ) -> dict:
     """Measure every config; compiles start from an empty inductor cache unless ``warm_cache``. The fast path
     runs in ``fast_precision`` (``auto``: decided from the GEMM peaks measured first,
     :func:`benchmarks.common.choose_fast_precision`)."""
+    args = (smoke, rounds, loss_steps, configs, fast_precision, rematch_rounds)
     if warm_cache:
-        return _run(smoke, rounds, loss_steps, configs, fast_precision)
+        return _run(*args)
     with common.fresh_compiles():
-        result = _run(smoke, rounds, loss_steps, configs, fast_precision)
+        result = _run(*args)
     result["compile_cache"] = "fresh"
     return result
 
 
 def _run(
-    smoke: bool, rounds: int | None, loss_steps: int | None, configs: list[str] | None, fast_precision: str
+    smoke: bool,
+    rounds: int | None,
+    loss_steps: int | None,
+    configs: list[str] | None,
+    fast_precision: str,
+    rematch_rounds: int | None,
 ) -> dict:
     specs = SMOKE_CONFIGS if smoke else CONFIGS
     if configs:
@@ -173,6 +190,7 @@ def _run(
     batch_size = SMOKE_BATCH if smoke else BATCH
     backend = "aot_eager" if smoke else "inductor"  # smoke runs skip inductor's C++ build
     rounds = rounds or (1 if smoke else 6)
+    rematch_rounds = (2 if smoke else REMATCH_ROUNDS) if rematch_rounds is None else rematch_rounds
     result: dict = {
         "machine": common.machine(),
         "load_before": common.load_average(),
@@ -188,7 +206,7 @@ def _run(
     result["configs"] = {}
     for key, spec in specs.items():
         spec = spec.with_(scheme=SCHEME)
-        res = measure(spec, batch_size, rounds, rows, backend=backend)
+        res = measure(spec, batch_size, rounds, rows, backend=backend, rematch_rounds=rematch_rounds)
         common.add_mfu(res, res["model_flops_per_token"], result["peak_flops"])
         result["configs"][key] = res
     # re-measure, after the models, the peaks that some row's MFU is against: the better of the two is the peak
@@ -227,6 +245,14 @@ def fast_precision(result: dict) -> str:
     return fast_choice(result)["precision"]
 
 
+def rematch_words(m: dict) -> str:
+    """A config's rematch in one line: the ratio, its interval and what was timed."""
+    return (
+        f"Rematch, {m['rounds']} rounds of one step each, the two alone: {m['kilolayer']} at {m['ratio']:.2f}x "
+        f"{m['peer']} (median of the per-round ratios; {common.interval_words(m)})"
+    )
+
+
 def fast_path_words(precision: str) -> str:
     """The fast path's switches in words."""
     return f"{'bf16 autocast' if precision == 'bf16' else 'fp32'} + torch.compile + fused AdamW"
@@ -254,6 +280,9 @@ def format_result(result: dict) -> str:
         )
         lines.append("")
         lines.append(common.format_race(res))
+        if "rematch" in res:
+            lines.append("")
+            lines.append(rematch_words(res["rematch"]))
     la = result["loss_agreement"]
     lines.append("")
     per_mode = "; ".join(
@@ -274,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.train_step", description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--rounds", type=int, help="timed rounds per config (default 6; smoke 1)")
+    parser.add_argument(
+        "--rematch-rounds",
+        type=int,
+        help=f"rounds of kilolayer's fastest fast path against the fastest peer's, alone (default {REMATCH_ROUNDS}; "
+        "smoke 2; 0: none)",
+    )
     parser.add_argument("--loss-steps", type=int, help="steps of the fp32-vs-fast-path loss check (default 50)")
     parser.add_argument("--config", action="append", help=f"only this config ({', '.join(CONFIGS)}); repeatable")
     common.add_fast_precision_arg(parser)
@@ -282,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     common.apply_threads(args.threads)
-    result = run(args.smoke, args.rounds, args.loss_steps, args.config, args.warm_cache, args.fast_precision)
+    result = run(
+        args.smoke, args.rounds, args.loss_steps, args.config, args.warm_cache, args.fast_precision, args.rematch_rounds
+    )
     return common.finish(result, format_result(result), args.out)
 
 

@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -252,7 +253,7 @@ def test_the_race_runs_the_chosen_fast_path(monkeypatch, peaks, requested, want)
     """train_step's run: the rows and the loss check follow the choice made from the measured peaks."""
     raced, checked = [], []
 
-    def fake_measure(spec, batch_size, rounds, variants, seed=0, backend="inductor"):
+    def fake_measure(spec, batch_size, rounds, variants, seed=0, backend="inductor", rematch_rounds=0):
         raced.append(variants)
         return {"variants": [], "model_flops_per_token": 1.0}
 
@@ -503,15 +504,56 @@ def test_run_all_writes_markdown(train_result, memory_result, profile_result, tm
     assert sum("<= 1.6 GiB peak" in n for n in names) == 1 + len(memory_result["encoder_decoder"])
     (res,) = train_result["configs"].values()
     fast = next(t for t in targets if "best fast path" in t["target"])
-    best = max(
-        (v for v in res["variants"] if v["peer"] == "kilolayer" and v["options"]["compile"] and "error" not in v),
-        key=lambda v: v["ratio_vs_best_peer_fast"],
+    # the target reads the rematch: kilolayer's fastest fast-path row (by median) against the fastest peer's
+    m = res["rematch"]
+    timed = {v["name"]: v for v in res["variants"] if "step_ms" in v}
+    ours = min((v for v in timed.values() if v["peer"] == "kilolayer" and v["options"]["compile"]), key=_step_ms)
+    assert (m["kilolayer"], m["peer"], m["rounds"]) == (ours["name"], res["best_peer_fast"], 2)
+    assert len(m["ratios"]) == 2 and m["ratio"] == pytest.approx(statistics.median(m["ratios"]))
+    assert m["interval"] == [min(m["ratios"]), max(m["ratios"])] and m["coverage"] == 0.5  # 2 rounds: their range
+    mode = ours["options"]["compile"]
+    lo, hi = m["interval"]
+    assert (
+        fast["measured"]
+        == f"{m['ratio']:.2f}x (compile: {mode}; 2 rounds head to head, 50% interval {lo:.2f}-{hi:.2f})"
     )
-    assert fast["measured"] == f"{best['ratio_vs_best_peer_fast']:.2f}x (compile: {best['options']['compile']})"
-    assert fast["met"] == (best["ratio_vs_best_peer_fast"] >= run_all.FAST_GOAL)
+    assert fast["met"] == (m["ratio"] >= run_all.FAST_GOAL)
     said = "\n".join(run_all.findings(train_result, profile_result, memory_result))
     assert "kilolayer's better compile mode is compile: " in said and "of compile" in said
     assert "compile: layers" in said and "compile: model" in said
+    assert f"Timed again alone, 2 rounds head to head: {m['ratio']:.2f}x (50% interval" in said
+    assert f"Rematch, 2 rounds of one step each, the two alone: {ours['name']} at {m['ratio']:.2f}x" in (
+        train_step.format_result(train_result)
+    )
+
+
+def _step_ms(row: dict) -> float:
+    return row["step_ms"]
+
+
+def _below(k: int, n: int) -> float:
+    """P(Binomial(n, 1/2) < k), counted."""
+    return sum(math.comb(n, i) for i in range(k)) / 2**n
+
+
+@pytest.mark.parametrize(
+    "n, ends, coverage",
+    [
+        # the sign test's interval: x_(k), x_(n+1-k), covering the median with probability 1 - 2 P(B(n, 1/2) < k)
+        (24, (7, 18), 1 - 2 * _below(7, 24)),
+        (20, (6, 15), 1 - 2 * _below(6, 20)),
+        (9, (2, 8), 1 - 2 * _below(2, 9)),
+        (8, (1, 8), 1 - 2 * _below(1, 8)),  # k = 2 would cover 93%: the range
+        (5, (1, 5), 1 - 2 * _below(1, 5)),  # too few for 95%: the range, and its coverage (94%)
+        (1, (1, 1), 0.0),
+    ],
+)
+def test_the_median_interval_is_the_sign_tests(n, ends, coverage):
+    values = [float(i) for i in range(n, 0, -1)]  # order does not matter
+    lo, hi, cov = common.median_interval(values)
+    assert (lo, hi) == ends and cov == pytest.approx(coverage, abs=1e-12)
+    if n > 1:
+        assert common.median_interval(values, level=0.5)[2] >= 0.5
 
 
 @pytest.mark.integration
