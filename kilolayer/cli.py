@@ -217,19 +217,13 @@ def _threads(args):
     if args.command not in COMPUTING:
         yield
         return
-    import torch
-
-    from kilolayer.train.host import thread_policy
+    from kilolayer.train.host import thread_policy, torch_threads
     from kilolayer.train.run import recorded_threads
 
     target = Path(getattr(args, "target", "") or "")
     recorded = recorded_threads(target) if args.command == "doctor" and target.is_dir() else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(thread_policy(recorded=recorded).count)
-    try:
+    with torch_threads(thread_policy(recorded=recorded).count):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def main(argv: list[str] | None = None) -> int:

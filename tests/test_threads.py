@@ -5,6 +5,7 @@ different loads giving the same losses bit for bit."""
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import json
 import os
@@ -500,3 +501,17 @@ def test_two_default_runs_started_at_different_loads_give_the_same_losses(tmp_pa
     _finish(_train(idle))
     assert len(_losses(busy)) == 24 and _losses(busy) == _losses(idle)
     assert rundir.read_status(busy)["threads"] == rundir.read_status(idle)["threads"] == T.usable_cpus()
+
+
+def test_the_thread_count_is_set_in_the_host_package_only():
+    """Every command, executor and analysis that computes sets torch's thread count through the host package's
+    one context (``host.torch_threads``, which restores it), never with ``torch.set_num_threads`` of its own."""
+    package = Path(T.__file__).parents[3] / "kilolayer"
+    found = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "set_num_threads":
+                    found.add(path.relative_to(package.parent).as_posix())
+    assert found == {"kilolayer/train/host/threads.py"}
+

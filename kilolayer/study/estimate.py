@@ -194,10 +194,8 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
     """Probe every distinct point of ``spec`` and return per-point and total estimates (seconds)."""
     points = expand(spec)
     threads = threads_per_job(jobs) or torch.get_num_threads()
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     auto = [p.config for p in points if p.config.train.precision == "auto"]
-    try:
+    with host.torch_threads(threads):
         precision = shared_precision(auto)  # as the study decides it for all its points, at their thread count
         distinct = len({_signature(p) for p in points})
         log(
@@ -220,8 +218,6 @@ def estimate(spec: StudySpec, jobs: int = 1, probe_steps: int = 5, log: Callable
             costs[sig] = c
             rate = f"{c.step * 1000:.0f} ms/step" if c.step else "no training"
             log(f"[estimate] {p.key}: {rate}, {c.total / 60:.1f} min (probed in {time.perf_counter() - t0:.0f}s)")
-    finally:
-        torch.set_num_threads(old)
     per_point = {p.key: costs[_signature(p)].total for p in points}
     groups = [[per_point[p.key] for p in points if p.group == g.name] for g in spec.groups]
     return {

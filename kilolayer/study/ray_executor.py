@@ -118,12 +118,11 @@ def train_task(
 
 
 def analysis_task(point: Point, out: str, threads: int) -> list[str]:
-    """Task: run a finished point's analyses (those not yet on disk). Returns the log lines."""
-    import torch
-
-    torch.set_num_threads(threads)
+    """Task: run a finished point's analyses (those not yet on disk), at ``threads`` torch threads. Returns the log
+    lines."""
     lines: list[str] = []
-    run_analyses(point, Path(out), log=lines.append)
+    with host.torch_threads(threads):
+        run_analyses(point, Path(out), log=lines.append)
     return lines
 
 
@@ -200,14 +199,8 @@ def run_study_ray(spec: StudySpec, out: Path, executor: Executor, log=print) -> 
 def _shared_precision(points: list[Point], root: Path, threads: int) -> host.Precision | None:
     """``auto`` decided here, at each training process's thread count, once for every point
     (:func:`kilolayer.study.runner.study_precision`)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with host.torch_threads(threads):
         return study_precision(points, root)
-    finally:
-        torch.set_num_threads(before)
 
 
 class _Driver:

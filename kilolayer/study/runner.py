@@ -388,11 +388,10 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int
     point whose dependencies have ended (its ``init_from`` point, its ``after`` group: :class:`Queue`).
     ``threads``: each run's train.threads, default the CPUs shared among the jobs. Runs the analyses (in this
     process, beside the points still training, at a point's share of the CPUs) and returns the results."""
-    import torch
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     points = expand(spec)
+    share = threads_per_job(jobs)
     ran: set[str] = set()
     lock = threading.Lock()
 
@@ -406,16 +405,12 @@ def run_study(spec: StudySpec, out: Path, jobs: int = 1, log=print, threads: int
             ran.add(p.key)
         run_analyses(p, out, say)
 
-    share = threads_per_job(jobs)
-    before = torch.get_num_threads()
-    if share:
-        torch.set_num_threads(share)
-    pool = LocalPool(jobs)
-    try:
-        # auto decided once, at the runs' thread count, for every point: the points compared share a precision
-        with host.precision_sharing(study_precision(points, out)):
-            run_queue(pool, Queue(spec, points), one)
-    finally:
-        pool.close()
-        torch.set_num_threads(before)
+    with host.torch_threads(share):
+        pool = LocalPool(jobs)
+        try:
+            # auto decided once, at the runs' thread count, for every point: the points compared share a precision
+            with host.precision_sharing(study_precision(points, out)):
+                run_queue(pool, Queue(spec, points), one)
+        finally:
+            pool.close()
     return collect_all(points, out, ran)

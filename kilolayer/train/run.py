@@ -691,35 +691,32 @@ def train(
         threads = host.thread_policy(tc.threads, recorded)
     else:
         threads = None  # the process's own setting, unannounced
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads.count)
-    signals = StopSignals().install()
-    run, error = None, None
-    try:
-        with host.Training():  # marked before looking, so two runs started together see each other
-            crowded = host.crowded(threads)
-            run = Run(
-                config,
-                out,
-                resume=resume,
-                quiet=quiet,
-                overwrite=overwrite,
-                signals=signals,
-                threads=threads,
-                on_eval=on_eval,
-                resume_hint=resume_hint,
-                crowded=crowded,
-            )
-            return run.run()
-    except BaseException as err:
-        error = err
-        raise
-    finally:
-        signals.restore()
-        if run is not None:
-            run.close()
-        run = None  # its engine's model holds the process group: let go of it first (see D.teardown)
-        D.teardown(error)
-        error = None  # the exception's traceback holds this frame
-        torch.set_num_threads(before)
+    with host.torch_threads(threads.count if threads is not None else None):
+        signals = StopSignals().install()
+        run, error = None, None
+        try:
+            with host.Training():  # marked before looking, so two runs started together see each other
+                crowded = host.crowded(threads)
+                run = Run(
+                    config,
+                    out,
+                    resume=resume,
+                    quiet=quiet,
+                    overwrite=overwrite,
+                    signals=signals,
+                    threads=threads,
+                    on_eval=on_eval,
+                    resume_hint=resume_hint,
+                    crowded=crowded,
+                )
+                return run.run()
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            signals.restore()
+            if run is not None:
+                run.close()
+            run = None  # its engine's model holds the process group: let go of it first (see D.teardown)
+            D.teardown(error)
+            error = None  # the exception's traceback holds this frame

@@ -89,7 +89,6 @@ def trial_task(racer_args: tuple, trial_id: int, level: int, threads: int) -> di
         # a trial uses the GPUs it reserved, and none without (Ray leaves them all visible then); read when this
         # worker first touches CUDA, and every trial of a search reserves alike
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    import torch
     from optuna.trial import Trial
 
     from kilolayer.train import host
@@ -99,12 +98,11 @@ def trial_task(racer_args: tuple, trial_id: int, level: int, threads: int) -> di
     study = _open_study(optuna, out, config, settings, first_rung(config, settings), direction(config, settings.metric))
     lines: list[str] = []
     racer = _Racer(optuna, study, config, settings, kept, out, lines.append, train_threads)
-    torch.set_num_threads(threads)
     # Ray workers ignore SIGINT, and ray.cancel interrupts a running task by simulating one: let training's
     # stop signals see it (a checkpoint, the trial left running)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with host.precision_sharing(precision):
+        with host.torch_threads(threads), host.precision_sharing(precision):
             stop = racer.run(Trial(study, trial_id), level)
     finally:
         signal.signal(signal.SIGINT, previous)
