@@ -8,6 +8,7 @@ import contextlib
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -31,6 +32,9 @@ COMPILE_MODES = (False, "layers", "model")
 COMPILE_LABELS = {"layers": "per-layer compile", "model": "whole-model compile"}
 #: the libraries kilolayer races against
 PEER_LIBRARIES = ("torchscale", "x-transformers")
+#: a race's rematch (:func:`rematch`) takes every peer fast-path row whose median step time is within this
+#: fraction of the fastest one's
+REMATCH_PEER_SPREAD = 0.05
 
 
 # ---------------------------------------------------------------- the training step
@@ -259,10 +263,11 @@ def race(
     fastest peer on the fast path / this). ``deadline`` (a ``time.perf_counter()`` value): a variant not yet
     prepared by then is skipped with a note, so a run stays within its time budget; so is one with a ``skip``.
 
-    ``rematch_rounds``: then kilolayer's fastest fast-path row and the fastest peer's race alone for that many
-    more rounds (``rematch``, :func:`rematch`). The race's own ratio of the better of kilolayer's rows is the
-    best of several medians of a few rounds each, so it leans towards kilolayer; the rematch times the two
-    chosen rows afresh, as many times as asked, and gives its ratio an interval."""
+    ``rematch_rounds``: then kilolayer's fastest fast-path row races the peers' fast-path rows within
+    :data:`REMATCH_PEER_SPREAD` of the fastest one for that many more rounds (``rematch``, :func:`rematch`). In
+    the race every step follows another model's, each row always the same one, and the better of kilolayer's
+    rows is the best of several medians of a few rounds; the rematch times the chosen rows afresh, each step
+    after one of its own model, and gives the ratio an interval."""
     device = torch.device(device)
     inputs, targets = fixed_batch(spec, batch_size, seed, device)
     tokens = batch_size * spec.tokens_per_sample()
@@ -304,7 +309,10 @@ def race(
     ours = _fastest([v.name for v in timed_ if v.peer == "kilolayer" and v.options.fast], by_name)
     rematched = None
     if rematch_rounds and ours and best_fast:
-        rematched = rematch(by_name[ours], by_name[best_fast], rematch_rounds, inputs, targets)
+        # every peer fast path near the fastest one: six rounds of the race may not tell them apart
+        near = median(by_name[best_fast]["times"]) * (1 + REMATCH_PEER_SPREAD)
+        peers = [by_name[v.name] for v in timed_ if v.peer_fast and median(by_name[v.name]["times"]) <= near]
+        rematched = rematch(by_name[ours], peers, rematch_rounds, inputs, targets)
     out = []
     for e in entries:
         row = {k: v for k, v in e.items() if k not in ("step", "times", "traceback")}
@@ -336,24 +344,51 @@ def race(
     }
 
 
-def rematch(ours: dict, peer: dict, rounds: int, inputs, targets) -> dict:
-    """``rounds`` more rounds of one step each of two prepared race entries alone, the order alternating:
-    the median of the per-round ratios (the peer's step time / ours) and its distribution-free interval, with
-    that interval's coverage (:func:`median_interval`; at least 95% from 9 rounds)."""
-    times: dict[str, list[float]] = {ours["name"]: [], peer["name"]: []}
-    for r in range(rounds):
-        for e in (ours, peer) if r % 2 == 0 else (peer, ours):
-            times[e["name"]].append(timed(lambda step=e["step"]: step(inputs, targets)))
-    ratios = [b / a for a, b in zip(times[ours["name"]], times[peer["name"]])]
-    lo, hi, coverage = median_interval(ratios)
+def rematch(ours: dict, peers: Sequence[dict], rounds: int, inputs, targets) -> dict:
+    """Kilolayer's fastest fast-path entry of a race against each of ``peers`` (prepared entries) for ``rounds``
+    more rounds, with no other row stepping. In a round each entry takes two steps in a row and only the second
+    is timed, so every timed step follows a step of its own model, as in training; the entries' order rotates
+    from round to round, so each goes first equally often. Per peer: the per-round ratios (its step time / ours),
+    their median, the sign test's interval of that median (:func:`median_interval`; at least 95% from 6 rounds)
+    and the median of the rounds where kilolayer went first and of those where the peer did. The top-level
+    figures are those of the peer with the lowest median ratio, the strongest. A step that fails ends the
+    rematch with its ``error`` (the race's own figures stand)."""
+    entries = [ours, *peers]
+    times: dict[str, list[float]] = {e["name"]: [] for e in entries}
+    first: list[str] = []
+    try:
+        for r in range(rounds):
+            k = r % len(entries)
+            order = entries[k:] + entries[:k]
+            first.append(order[0]["name"])
+            for e in order:
+                e["step"](inputs, targets)  # untimed: the timed step follows a step of its own model
+                times[e["name"]].append(timed(lambda step=e["step"]: step(inputs, targets)))
+    except Exception as err:  # a recompile that fails, memory running out: a note, not a lost run
+        return {"kilolayer": ours["name"], "rounds": rounds, "error": one_line(err)}
+    by_peer = {}
+    for p in peers:
+        ratios = [b / a for a, b in zip(times[ours["name"]], times[p["name"]])]
+        lo, hi, coverage = median_interval(ratios)
+        went_first = {
+            who: [x for x, f in zip(ratios, first) if f == name]
+            for who, name in (("kilolayer", ours["name"]), ("peer", p["name"]))
+        }
+        by_peer[p["name"]] = {
+            "ratio": statistics.median(ratios),
+            "interval": [lo, hi],
+            "coverage": coverage,
+            "ratios": ratios,
+            "ratio_by_first": {who: statistics.median(x) for who, x in went_first.items() if x},
+        }
+    strongest = min(by_peer, key=lambda name: by_peer[name]["ratio"])
     return {
         "kilolayer": ours["name"],
-        "peer": peer["name"],
         "rounds": rounds,
-        "ratio": statistics.median(ratios),
-        "interval": [lo, hi],
-        "coverage": coverage,
-        "ratios": ratios,
+        "first": first,
+        "peer": strongest,
+        **by_peer[strongest],
+        "peers": by_peer,
     }
 
 
@@ -368,16 +403,18 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
     probability 1 - 2 P(Binomial(n, 1/2) < k) >= ``level`` (the sign test's interval; it assumes only that the
     values are independent draws). With too few values for any such k: their range, and its coverage, below
     ``level``."""
-    from scipy.stats import binom
-
     xs = sorted(values)
     n = len(xs)
     if not n:
         raise ValueError("median_interval: no values")
+
+    def below(k: int) -> float:  # P(Binomial(n, 1/2) < k)
+        return sum(math.comb(n, i) for i in range(k)) / 2**n
+
     k = 1
-    while k + 1 <= (n + 1) // 2 and binom.cdf(k, n, 0.5) <= (1 - level) / 2:
-        k += 1  # P(B < k + 1) = cdf(k)
-    return xs[k - 1], xs[n - k], float(1 - 2 * binom.cdf(k - 1, n, 0.5))
+    while k + 1 <= (n + 1) // 2 and below(k + 1) <= (1 - level) / 2:
+        k += 1
+    return xs[k - 1], xs[n - k], 1 - 2 * below(k)
 
 
 def _fastest(names: list[str], by_name: dict) -> str | None:

@@ -43,8 +43,8 @@ SMOKE_CONFIGS = {"smoke": Spec(width=32, layers=2, heads=2, ffn=64, seq_len=16, 
 # the loss check: d256x12's layers, 4 of them, so 3 x 50 steps stay within a few minutes
 LOSS_SPEC = CONFIGS["d256x12"].with_(layers=4)
 BATCH, SMOKE_BATCH = 16, 2
-#: rounds of the rematch the fast-path target reads (benchmarks.common.rematch): 24 rounds put the median's 95%
-#: interval between the 7th and 18th ratios
+#: rounds of the rematch the fast-path target reads (benchmarks.common.rematch): 24 rounds put the median's
+#: interval (98%) between the 7th and 18th ratios
 REMATCH_ROUNDS = 24
 SCHEME = "deepnorm"
 
@@ -246,10 +246,18 @@ def fast_precision(result: dict) -> str:
 
 
 def rematch_words(m: dict) -> str:
-    """A config's rematch in one line: the ratio, its interval and what was timed."""
+    """A config's rematch in one line: each peer's ratio with its interval, and the ratios by who went first."""
+    if "error" in m:
+        return f"Rematch of {m['kilolayer']}: stopped ({m['error']}); the race's figures stand"
+    each = "; ".join(
+        f"{name}: {p['ratio']:.2f}x ({common.interval_words(p)}; "
+        + ", ".join(f"{who} first {x:.2f}x" for who, x in p["ratio_by_first"].items())
+        + ")"
+        for name, p in sorted(m["peers"].items(), key=lambda item: item[1]["ratio"])  # the strongest first
+    )
     return (
-        f"Rematch, {m['rounds']} rounds of one step each, the two alone: {m['kilolayer']} at {m['ratio']:.2f}x "
-        f"{m['peer']} (median of the per-round ratios; {common.interval_words(m)})"
+        f"Rematch, {m['rounds']} rounds, each row's timed step after an untimed one of its own, no other row "
+        f"stepping: {m['kilolayer']} against {each}"
     )
 
 
@@ -316,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: compile from an empty one)"
     )
     args = parser.parse_args(argv)
+    if args.rematch_rounds is not None and 0 < args.rematch_rounds < 6 and not args.smoke:
+        parser.error(f"--rematch-rounds={args.rematch_rounds}: expected 0 (none) or at least 6 (a 95% interval)")
+    if args.rematch_rounds is not None and args.rematch_rounds < 0:
+        parser.error(f"--rematch-rounds={args.rematch_rounds}: expected 0 (none) or at least 6 (a 95% interval)")
     common.apply_threads(args.threads)
     result = run(
         args.smoke, args.rounds, args.loss_steps, args.config, args.warm_cache, args.fast_precision, args.rematch_rounds

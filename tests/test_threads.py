@@ -514,4 +514,3 @@ def test_the_thread_count_is_set_in_the_host_package_only():
                 if node.func.attr == "set_num_threads":
                     found.add(path.relative_to(package.parent).as_posix())
     assert found == {"kilolayer/train/host/threads.py"}
-
