@@ -96,8 +96,8 @@ def _mfu_target(ts: dict, res: dict) -> dict | None:
 
 
 def side_by_side_targets(sb: dict | None) -> list[dict]:
-    """Per shape: two runs side by side within :data:`SIDE_BY_SIDE_GOAL` x one alone, at ``train.threads: auto`` and
-    inside a study at ``--jobs 2``; and one run alone at the default count (every core) within
+    """Per shape: two runs side by side within :data:`SIDE_BY_SIDE_GOAL` x one alone, at ``train.threads: auto`` (over
+    the faster of its own run alone and the default count's) and inside a study at ``--jobs 2``; and one run alone at the default count (every core) within
     :data:`ALONE_NOISE` of the fastest count's."""
     out = []
     rows = sb["rows"] if sb else []
@@ -105,14 +105,22 @@ def side_by_side_targets(sb: dict | None) -> list[dict]:
         mine = {r["threads"]: r for r in rows if r["shape"] == shape}
         every = next(r for name, r in mine.items() if name.startswith("every core"))
         for name in ("auto", side_by_side.STUDY):
-            if name in mine:
-                out.append(
-                    {
-                        "target": f"{shape}: two runs side by side <= {SIDE_BY_SIDE_GOAL}x one alone's time ({name})",
-                        "measured": f"{mine[name]['ratio']:.2f}x (every core: {every['ratio']:.2f}x)",
-                        "met": mine[name]["ratio"] <= SIDE_BY_SIDE_GOAL,
-                    }
-                )
+            if name not in mine:
+                continue
+            row, measured = mine[name], f"{mine[name]['ratio']:.2f}x"
+            ratio = row["ratio"]
+            if name == "auto":
+                # on an idle machine auto takes every core: a slow run alone must not flatter the pair
+                fastest_alone = row["side_by_side_s"] / min(row["alone_s"], every["alone_s"])
+                measured += f"; over the faster run alone, auto's or every core's: {fastest_alone:.2f}x"
+                ratio = max(ratio, fastest_alone)
+            out.append(
+                {
+                    "target": f"{shape}: two runs side by side <= {SIDE_BY_SIDE_GOAL}x one alone's time ({name})",
+                    "measured": f"{measured} (every core side by side: {every['ratio']:.2f}x)",
+                    "met": ratio <= SIDE_BY_SIDE_GOAL,
+                }
+            )
         # the fixed counts (auto follows the load: a policy, not a count)
         counts = {n: r for n, r in mine.items() if n not in (side_by_side.STUDY, "auto")}
         fastest = min(counts, key=lambda n: counts[n]["alone_s"])
@@ -414,7 +422,14 @@ def _side_by_side_section(sb: dict | None) -> list[str]:
         side_by_side.format_result(sb),
         "",
         f"Each cell is the wall time of `kilolayer train` ({sb['steps']} steps of a reversal task, start-up",
-        "included): alone, then two started together (the mean of the two). `auto` (`--threads auto`) takes the",
+        "included): alone, then two started together (the mean of the two)"
+        + (
+            f"; each setting was measured {sb['repeats']} times, settings taking turns, and a cell is the median"
+            " (the ratio: the median pair's over the median run alone's)"
+            if sb.get("repeats", 1) > 1
+            else ""
+        )
+        + ". `auto` (`--threads auto`) takes the",
         "usable CPUs less those other work keeps busy and re-checks that every second, so its losses are not",
         "bit-reproducible; `every core` gives each process every usable CPU, the default count (fixed for the",
         "run), and two such processes' spinning threads fight over the cores. `study --jobs 2` is `kilolayer",

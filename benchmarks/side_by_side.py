@@ -10,10 +10,12 @@ with ``OMP_NUM_THREADS`` removed from its environment. The settings:
 * ``study --jobs 2``: ``kilolayer study`` of one point (alone, ``--jobs 1``: the default count) against the same
   study with a second seed at ``--jobs 2`` (each point one share of the CPUs); the pair's time is the study's.
 
-Per setting: one run alone, then two started together (each one's wall time); the ratio is the mean of the two
-runs' times over the run alone's. Settings take turns shape by shape, so drift in the machine's load hits each.
+Per setting: one run alone, then two started together (each one's wall time), :data:`REPEATS` times; a cell is the
+median over the repeats (a pair's time is the mean of its two runs), and the ratio is the median pair's time over
+the median run alone's. A run of a few seconds moves by several percent with the machine, so one pair cannot
+decide a bound. Settings take turns within each repeat, shape by shape, so drift in the machine's load hits each.
 
-    python -m benchmarks.side_by_side [--smoke] [--out FILE]
+    python -m benchmarks.side_by_side [--smoke] [--repeats N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ SHAPES = [
     ("6L x 256 (3L-3L)", {"layers": 3, "decoder_layers": 3, "width": 256, "heads": 4, "ffn": 1024}),
 ]
 STEPS, SMOKE_STEPS = 60, 2
+#: alone-and-pair measurements per setting and shape (the cells are their medians)
+REPEATS = 3
 
 
 def config(model: dict, steps: int) -> dict:
@@ -92,35 +96,45 @@ def study(cfg: dict, work: Path, seeds: list[int]) -> float:
 STUDY = "study --jobs 2"
 
 
-def run(smoke: bool = False) -> dict:
+def run(smoke: bool = False, repeats: int = REPEATS) -> dict:
     cpus = usable_cpus()
     settings = [("auto", "auto"), (f"every core ({cpus} threads)", cpus), ("one thread", 1), (STUDY, None)]
     rows, load = [], common.load_average()
+    repeats = 1 if smoke else repeats
     with tempfile.TemporaryDirectory(prefix="kilolayer-side-by-side-") as tmp:
         for shape, model in SHAPES[:1] if smoke else SHAPES:
             cfg = config(model, SMOKE_STEPS if smoke else STEPS)
             cfg_path = Path(tmp) / f"{len(rows)}.yaml"
             cfg_path.write_text(yaml.safe_dump(cfg))
-            for name, threads in settings:
-                work = Path(tmp) / f"{len(rows)}-{name.split()[0]}"
-                work.mkdir()
-                if name == STUDY:
-                    alone, pair = study(cfg, work, [0]), [study(cfg, work, [0, 1])]
-                else:
-                    alone = race(cfg_path, work, 1, threads)[0]
-                    pair = race(cfg_path, work, 2, threads)
+            times = {name: ([], []) for name, _ in settings}  # alone, pair (the mean of its two runs)
+            for r in range(repeats):
+                for name, threads in settings:
+                    work = Path(tmp) / f"{len(rows)}-{name.split()[0]}-{r}"
+                    work.mkdir()
+                    if name == STUDY:
+                        alone, pair = study(cfg, work, [0]), [study(cfg, work, [0, 1])]
+                    else:
+                        alone = race(cfg_path, work, 1, threads)[0]
+                        pair = race(cfg_path, work, 2, threads)
+                    times[name][0].append(alone)
+                    times[name][1].append(statistics.fmean(pair))
+                    print({"shape": shape, "threads": name, "repeat": r, "alone_s": alone, "pair_s": pair}, flush=True)
+            for name, _ in settings:
+                alone_runs, pair_runs = times[name]
+                alone, pair = statistics.median(alone_runs), statistics.median(pair_runs)
                 rows.append(
                     {
                         "shape": shape,
                         "threads": name,
                         "alone_s": alone,
-                        "side_by_side_s": statistics.fmean(pair),
-                        "ratio": statistics.fmean(pair) / alone,
+                        "side_by_side_s": pair,
+                        "ratio": pair / alone,
+                        "alone_runs": alone_runs,
+                        "side_by_side_runs": pair_runs,
                     }
                 )
-                print(rows[-1], flush=True)
     steps = SMOKE_STEPS if smoke else STEPS
-    return {"machine": common.machine(), "load": load, "cpus": cpus, "steps": steps, "rows": rows}
+    return {"machine": common.machine(), "load": load, "cpus": cpus, "steps": steps, "repeats": repeats, "rows": rows}
 
 
 def format_result(res: dict) -> str:
@@ -131,17 +145,36 @@ def format_result(res: dict) -> str:
         ("side_by_side_s", "side by side s (each)"),
         ("ratio", "side by side / alone"),
     ]
-    rows = [{**r, "ratio": f"{r['ratio']:.2f}x", "alone_s": f"{r['alone_s']:.1f}"} for r in res["rows"]]
-    rows = [{**r, "side_by_side_s": f"{float(r['side_by_side_s']):.1f}"} for r in rows]
+    rows = [
+        {
+            **r,
+            "ratio": f"{r['ratio']:.2f}x",
+            "alone_s": _cell(r["alone_s"], r.get("alone_runs")),
+            "side_by_side_s": _cell(r["side_by_side_s"], r.get("side_by_side_runs")),
+        }
+        for r in res["rows"]
+    ]
     return common.table(rows, columns)
+
+
+def _cell(median: float, runs: list[float] | None) -> str:
+    """A median, with the range of its runs where there were several."""
+    if runs and len(runs) > 1:
+        return f"{median:.1f} ({min(runs):.1f}-{max(runs):.1f})"
+    return f"{median:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
-    parser.add_argument("--smoke", action="store_true", help="one shape, two steps")
+    parser.add_argument("--smoke", action="store_true", help="one shape, two steps, one repeat")
+    parser.add_argument(
+        "--repeats", type=int, default=REPEATS, help=f"alone-and-pair measurements per cell (default {REPEATS})"
+    )
     args = parser.parse_args(argv)
-    res = run(smoke=args.smoke)
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: expected a positive count")
+    res = run(smoke=args.smoke, repeats=args.repeats)
     return common.finish(res, format_result(res), args.out)
 
 
