@@ -11,9 +11,10 @@ with ``OMP_NUM_THREADS`` removed from its environment. The settings:
   study with a second seed at ``--jobs 2`` (each point one share of the CPUs); the pair's time is the study's.
 
 Per setting: one run alone, then two started together (each one's wall time), :data:`REPEATS` times; a cell is the
-median over the repeats (a pair's time is the mean of its two runs), and the ratio is the median pair's time over
-the median run alone's. A run of a few seconds moves by several percent with the machine, so one pair cannot
-decide a bound. Settings take turns within each repeat, shape by shape, so drift in the machine's load hits each.
+median over the repeats (a pair's time is the mean of its two runs), and the ratio is the median over the repeats
+of each pair's time over the run alone just before it (:func:`paired_ratio`). A run of a few seconds moves by
+several percent with the machine, so one pair cannot decide a bound. Settings take turns within each repeat,
+shape by shape, so drift in the machine's load hits each.
 
     python -m benchmarks.side_by_side [--smoke] [--repeats N] [--out FILE]
 """
@@ -99,7 +100,7 @@ STUDY = "study --jobs 2"
 def run(smoke: bool = False, repeats: int = REPEATS) -> dict:
     cpus = usable_cpus()
     settings = [("auto", "auto"), (f"every core ({cpus} threads)", cpus), ("one thread", 1), (STUDY, None)]
-    rows, load = [], common.load_average()
+    rows, load, machine = [], common.load_average(), common.machine()  # the date the measurement started
     repeats = 1 if smoke else repeats
     with tempfile.TemporaryDirectory(prefix="kilolayer-side-by-side-") as tmp:
         for shape, model in SHAPES[:1] if smoke else SHAPES:
@@ -117,24 +118,31 @@ def run(smoke: bool = False, repeats: int = REPEATS) -> dict:
                         alone = race(cfg_path, work, 1, threads)[0]
                         pair = race(cfg_path, work, 2, threads)
                     times[name][0].append(alone)
-                    times[name][1].append(statistics.fmean(pair))
+                    times[name][1].append(pair)
                     print({"shape": shape, "threads": name, "repeat": r, "alone_s": alone, "pair_s": pair}, flush=True)
             for name, _ in settings:
-                alone_runs, pair_runs = times[name]
-                alone, pair = statistics.median(alone_runs), statistics.median(pair_runs)
+                alone_runs, pairs = times[name]
+                pair_runs = [statistics.fmean(pair) for pair in pairs]
                 rows.append(
                     {
                         "shape": shape,
                         "threads": name,
-                        "alone_s": alone,
-                        "side_by_side_s": pair,
-                        "ratio": pair / alone,
+                        "alone_s": statistics.median(alone_runs),
+                        "side_by_side_s": statistics.median(pair_runs),
+                        "ratio": paired_ratio(pair_runs, alone_runs),
                         "alone_runs": alone_runs,
                         "side_by_side_runs": pair_runs,
+                        "pairs": pairs,  # each run of each pair: an uneven split shows here
                     }
                 )
     steps = SMOKE_STEPS if smoke else STEPS
-    return {"machine": common.machine(), "load": load, "cpus": cpus, "steps": steps, "repeats": repeats, "rows": rows}
+    return {"machine": machine, "load": load, "cpus": cpus, "steps": steps, "repeats": repeats, "rows": rows}
+
+
+def paired_ratio(pair_runs: list[float], alone_runs: list[float]) -> float:
+    """The median over the repeats of each pair's time over its own repeat's run alone: the two were measured
+    minutes apart, so drift in the machine's speed cancels within a repeat."""
+    return statistics.median(p / a for p, a in zip(pair_runs, alone_runs, strict=True))
 
 
 def format_result(res: dict) -> str:

@@ -275,9 +275,10 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | Literal["auto"] | None = Field(
         None,
-        description="intra-op threads of the training process, fixed for the run (default: every usable core, "
-        "kilolayer.train.host.threads; a resume reuses the count its run recorded, since float reductions, and so "
-        "bit-exact losses, follow it); auto: follow the machine's load during the run (not bit-reproducible)",
+        description="intra-op threads of the training process: a count, fixed for the run (default: "
+        "OMP_NUM_THREADS if set, else every usable core, kilolayer.train.host.threads; a resume reuses the count its "
+        "run recorded, since float reductions, and so bit-exact losses, follow it); or auto: follow the machine's "
+        "load during the run (not bit-reproducible)",
     )
     parallel: Literal["none", "ddp", "fsdp"] = Field("ddp", description="used only under torchrun")
     diverge_factor: float = Field(

@@ -385,7 +385,7 @@ def test_an_interrupted_search_continues_without_training_a_finished_trial_again
     assert len({t.number for t in search.trials}) == len(search.shapes)
 
 
-def test_a_crashing_trial_is_recorded_failed_and_the_search_goes_on(tmp_path, monkeypatch):
+def test_a_crashing_trial_is_recorded_failed_and_the_search_goes_on(tmp_path, monkeypatch, capsys):
     real_train = run_module.train
 
     def crash_first(config, run, **kw):
@@ -405,6 +405,15 @@ def test_a_crashing_trial_is_recorded_failed_and_the_search_goes_on(tmp_path, mo
         f"1 of {len(search.ranked)} trials failed; their run directories: {search.ranked[-1].run} (each one's "
         "reason is in the report); re-running the search goes on"
     )
+    # the command exits non-zero, its last line the failed trials (the search itself stands in for re-running it)
+    import kilolayer.study.search as search_module
+    import kilolayer.study.search.report as report_module
+
+    monkeypatch.setattr(search_module, "run_search", lambda *a, **kw: search)
+    monkeypatch.setattr(report_module, "write_report", lambda got: (tmp_path / "r.md", tmp_path / "r.html"))
+    capsys.readouterr()
+    assert main(["search", "configs/digits_mae.yaml", "--out", str(tmp_path / "s"), "--params", "28k"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == failed_trials(search)
 
 
 def test_a_step_budget_stops_the_search_and_a_larger_one_continues_it(tmp_path):

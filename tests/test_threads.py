@@ -50,6 +50,22 @@ def test_the_count_is_the_usable_cpus_less_the_busy_ones_and_at_least_one(usable
     assert T.choose(usable, busy) == count
 
 
+@pytest.mark.parametrize(
+    "usable, busy, following, count",
+    [
+        (2, 0.0, 1, 1),  # two auto runs on two cores: one each, even before either sees the other's load
+        (16, 0.0, 1, 8),  # a run alone at 16 makes room for one started after it: 8 each, not 15 and 1
+        (16, 8.0, 1, 8),  # the settled split: each sees the other's 8
+        (16, 12.0, 1, 4),  # other work beside them still comes first
+        (16, 0.0, 3, 4),
+        (3, 0.0, 1, 1),  # an odd core is left over, never over-committed
+        (1, 0.0, 5, 1),
+    ],
+)
+def test_auto_runs_share_the_cores_evenly_whenever_they_started(usable, busy, following, count):
+    assert T.choose(usable, busy, following) == count
+
+
 def test_a_cgroup_quota_caps_the_cpus(tmp_path):
     none = tmp_path / "no_self_cgroup"
     (tmp_path / "cpu.max").write_text("150000 100000\n")
@@ -92,8 +108,10 @@ def test_an_adaptive_count_follows_other_work_at_each_check(monkeypatch):
     applied = []
     monkeypatch.setattr(torch, "set_num_threads", applied.append)
     now = [0.0]
-    adapter = T.Adapter(T.Threads(2, "idle", adaptive=True), clock=lambda: now[0], probe=FakeProbe([1.0, 1.0, 0.1]))
-    assert adapter.check() is None  # not yet time
+    probe = FakeProbe([0.0, 1.0, 1.0, 0.1])
+    adapter = T.Adapter(T.Threads(2, "idle", adaptive=True), clock=lambda: now[0], probe=probe, following=lambda: 0)
+    assert adapter.check() is None and probe.readings == [1.0, 1.0, 0.1]  # the first step checks: still idle
+    assert adapter.check() is None and len(probe.readings) == 3  # not yet time
     now[0] += T.CHECK_S
     assert adapter.check().count == 1 and applied == [1]  # another run started: share the cores
     now[0] += T.CHECK_S
@@ -101,6 +119,43 @@ def test_an_adaptive_count_follows_other_work_at_each_check(monkeypatch):
     now[0] += T.CHECK_S
     changed = adapter.check()
     assert changed.count == 2 and applied == [1, 2] and "0.1 kept busy" in changed.reason  # it ended
+
+
+def test_an_auto_run_makes_room_for_one_started_after_it(monkeypatch):
+    """16 cores: a run alone at 16; another auto run marks itself and takes 16 // 2 = 8 (16 are busy, so the load
+    alone would give it 1); at its next check the first sees the second's mark and goes to 8, not 15."""
+    monkeypatch.setattr(T, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    now, following = [0.0], [0]
+    first = T.Adapter(T.Threads(16, "idle", adaptive=True), lambda: now[0], FakeProbe([0.0, 1.0]), lambda: following[0])
+    assert first.check() is None and first.count == 16
+    following[0] = 1  # the second run's mark appears; it is still starting (one CPU busy)
+    now[0] += T.CHECK_S
+    changed = first.check()
+    assert changed.count == 8 and "1.0 kept busy by other work, shared with 1 other auto run" in changed.reason
+
+
+def test_auto_starts_at_its_share_beside_other_auto_runs(tmp_path, monkeypatch):
+    where = tmp_path / "marks"
+    monkeypatch.setattr(T, "TRAINING_DIR", where)
+    monkeypatch.setattr(T, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(T, "other_work", lambda: 0.0)
+    with T.Training(where, following=True) as mine:  # this run's own mark does not count
+        assert mine.path.name.endswith(".auto.lock")
+        assert T.auto().count == 4
+        fixed = _live_mark(where, 4242)  # a run at a fixed count: its load counts, its mark does not
+        try:
+            assert T.auto().count == 4 and T.others_training(where, following=True) == []
+            os.rename(where / "4242-abcdef12.lock", where / "4242-abcdef12.auto.lock")
+            assert T.others_training(where, following=True) == [4242] and T.others_training(where) == [4242]
+            assert T.auto() == T.Threads(
+                2,
+                "auto: 4 usable CPUs, 0.0 kept busy by other work, shared with 1 other auto run",
+                adaptive=True,
+                source=T.AUTO,
+            )
+        finally:
+            os.close(fixed)
 
 
 def test_a_count_other_than_auto_never_adapts(monkeypatch):
@@ -123,6 +178,7 @@ def test_the_policy_takes_a_given_count_then_a_recorded_one_then_the_environment
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(T, "usable_cpus", lambda: 4)
     monkeypatch.setattr(T, "other_work", lambda: 1.2)
+    monkeypatch.setattr(T, "TRAINING_DIR", Path(os.devnull) / "none")  # no marks, no neighbours
     assert T.policy() == T.Threads(4, "every usable CPU: 4 by affinity and CPU quota", source=T.DEFAULT)
     assert T.policy(device="cuda").source == T.DEVICE
     auto = T.policy(given="auto", recorded=2)  # auto wins over a recorded count, and follows the load

@@ -23,6 +23,37 @@ from kilolayer.study.spec import expand, load_spec
 from kilolayer.verdicts.rule import HELD, INCONCLUSIVE, NOT_HELD, decide, t_quantile
 
 
+@pytest.fixture(autouse=True)
+def no_data(monkeypatch):
+    """A verdict is a rule applied to evidence: the evidence here is made up, so no test may load a data source
+    (a corpus that a fresh machine has not fetched would fail it there, and only there)."""
+    from kilolayer.data import SOURCES
+
+    class Unloadable:
+        """A source as a config reads it (its options and fields), refusing to be built: building loads its data."""
+
+        def __init__(self, name):
+            self.name, self.source = name, real_get(name)
+
+        def __getattr__(self, attr):
+            return getattr(self.source, attr)
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError(f"a verdict test loaded the data source {self.name!r}")
+
+    real_get = SOURCES.get
+    monkeypatch.setattr(SOURCES, "get", Unloadable)
+
+
+def test_no_verdict_test_can_load_a_data_source():
+    from kilolayer.config import load_config
+    from kilolayer.data import load_source
+
+    config = load_config("configs/digits_mae.yaml")  # a config still reads its source's options
+    with pytest.raises(AssertionError, match="a verdict test loaded the data source 'digits'"):
+        load_source(config)
+
+
 def _builtin(name: str):
     return builtin_claim(name, "quick")
 

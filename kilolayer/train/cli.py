@@ -82,15 +82,15 @@ def add_threads_option(p, whose: str = "") -> None:
     """``--threads N|auto``: train.threads of a run (``whose``: of each run a command starts, e.g. each point of
     a study), declared here once for ``kilolayer train``, ``study`` and ``search``."""
     default = (
-        "default: every usable core"
+        "default: OMP_NUM_THREADS if set, else every usable core"
         if not whose
         else "default: the usable cores shared among the runs at once (ray: --cpus-per-run / --nproc-per-run)"
     )
     p.add_argument(
         "--threads",
         metavar="N|auto",
-        help=f"intra-op threads of {whose or 'the run'} (train.threads), fixed for the run; {default}, and a "
-        "resume reuses the count its run recorded; auto: follow the machine's load (not bit-reproducible)",
+        help=f"intra-op threads of {whose or 'the run'} (train.threads): a count, fixed for the run ({default}, "
+        "and a resume reuses the count its run recorded), or auto: follow the machine's load (not bit-reproducible)",
     )
 
 

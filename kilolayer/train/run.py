@@ -684,18 +684,19 @@ def train(
     host.check_memory(config, config.train.device)
     tc = config.train
     recorded = recorded_threads(out) if resume else None
-    if choose_threads:
-        device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
-        threads = host.thread_policy(tc.threads, recorded, device)
-    elif tc.threads is not None or recorded:
-        threads = host.thread_policy(tc.threads, recorded)
-    else:
-        threads = None  # the process's own setting, unannounced
-    with host.torch_threads(threads.count if threads is not None else None):
-        signals = StopSignals().install()
-        run, error = None, None
-        try:
-            with host.Training():  # marked before looking, so two runs started together see each other
+    # marked before the count is chosen, so two runs started together see each other (auto shares by the marks)
+    with host.Training(following=tc.threads == host.AUTO):
+        if choose_threads:
+            device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
+            threads = host.thread_policy(tc.threads, recorded, device)
+        elif tc.threads is not None or recorded:
+            threads = host.thread_policy(tc.threads, recorded)
+        else:
+            threads = None  # the process's own setting, unannounced
+        with host.torch_threads(threads.count if threads is not None else None):
+            signals = StopSignals().install()
+            run, error = None, None
+            try:
                 crowded = host.crowded(threads)
                 run = Run(
                     config,
@@ -710,13 +711,13 @@ def train(
                     crowded=crowded,
                 )
                 return run.run()
-        except BaseException as err:
-            error = err
-            raise
-        finally:
-            signals.restore()
-            if run is not None:
-                run.close()
-            run = None  # its engine's model holds the process group: let go of it first (see D.teardown)
-            D.teardown(error)
-            error = None  # the exception's traceback holds this frame
+            except BaseException as err:
+                error = err
+                raise
+            finally:
+                signals.restore()
+                if run is not None:
+                    run.close()
+                run = None  # its engine's model holds the process group: let go of it first (see D.teardown)
+                D.teardown(error)
+                error = None  # the exception's traceback holds this frame

@@ -12,10 +12,11 @@ software and count give the same losses bit for bit. The rule, first match wins:
 5. otherwise every usable core (:func:`usable_cpus`: this process's affinity, capped by a cgroup CPU quota),
    as PyTorch users expect: the same count for the same command on the same machine, whatever else runs.
 
-``auto`` is the one count that follows the machine's load: the usable CPUs less those other work keeps busy,
-re-checked every :data:`CHECK_S` seconds (:class:`Adapter`), so two runs started together settle on sharing
-the cores. Its losses depend on when the load changed: such a run says in its first line that it is not
-bit-reproducible.
+``auto`` is the one count that follows the machine's load: the usable CPUs less those other work keeps busy, and
+at most an even share of them among the ``auto`` runs training on this machine (their marks, below), re-checked
+at the first step and then every :data:`CHECK_S` seconds (:class:`Adapter`). Two ``auto`` runs, started together
+or one after the other, split the cores evenly; a run at a fixed count beside them is other work. Its losses
+depend on when the load changed: such a run says in its first line that it is not bit-reproducible.
 
 OpenMP spins one thread per core, so two processes that each take every core slow each other several-fold
 (docs/benchmarks.md, "Runs side by side"). Every training process marks itself while it trains
@@ -69,10 +70,11 @@ class Threads:
         return head
 
 
-def choose(usable: int, busy: float) -> int:
+def choose(usable: int, busy: float, following: int = 0) -> int:
     """Threads for a process that may use ``usable`` CPUs while other work keeps ``busy`` of them busy (in CPUs,
-    rounded half up): what is left, at least one."""
-    return max(1, min(usable, usable - math.floor(busy + 0.5)))
+    rounded half up): what is left, at least one, and at most an even share among this process and ``following``
+    other load-following runs (each would otherwise keep what it took first, however unevenly)."""
+    return max(1, min(usable, usable - math.floor(busy + 0.5), usable // (following + 1)))
 
 
 #: the cgroup file system, and the file that names this process's own cgroup
@@ -231,16 +233,25 @@ def policy(given: int | str | None = None, recorded: int | None = None, device: 
 
 def auto() -> Threads:
     """``train.threads: auto``: the usable CPUs less those other work keeps busy now (all of them where the load
-    cannot be read), to be followed during the run by an :class:`Adapter`."""
+    cannot be read), at most an even share among the ``auto`` runs training here (:func:`choose`), to be followed
+    during the run by an :class:`Adapter`."""
     usable = usable_cpus()
-    busy = other_work()
+    busy, following = other_work(), len(others_training(following=True))
     if busy is None:
-        return Threads(usable, f"{AUTO}: {usable} usable CPUs, their load unknown here", adaptive=True, source=AUTO)
-    return Threads(choose(usable, busy), _auto_reason(usable, busy), adaptive=True, source=AUTO)
+        count = choose(usable, 0.0, following)
+        why = f"{AUTO}: {usable} usable CPUs, their load unknown here{_following_words(following)}"
+        return Threads(count, why, adaptive=True, source=AUTO)
+    return Threads(choose(usable, busy, following), _auto_reason(usable, busy, following), adaptive=True, source=AUTO)
 
 
-def _auto_reason(usable: int, busy: float) -> str:
-    return f"{AUTO}: {usable} usable CPUs, {busy:.1f} kept busy by other work"
+def _auto_reason(usable: int, busy: float, following: int = 0) -> str:
+    return f"{AUTO}: {usable} usable CPUs, {busy:.1f} kept busy by other work{_following_words(following)}"
+
+
+def _following_words(following: int) -> str:
+    if not following:
+        return ""
+    return f", shared with {following} other {AUTO} run{'s' * (following != 1)}"
 
 
 # ---------------------------------------------------------------- other training processes on this machine
@@ -249,16 +260,18 @@ def _auto_reason(usable: int, busy: float) -> str:
 class Training:
     """This process's mark, while it trains, that a kilolayer run computes on this machine: a file in
     :data:`TRAINING_DIR` that it holds an ``flock`` on. The kernel drops the lock with the process, so a killed
-    run leaves no live mark. Where the folder cannot be written there is no mark (and no neighbour is seen)."""
+    run leaves no live mark. Where the folder cannot be written there is no mark (and no neighbour is seen).
+    ``following``: the run's count is ``auto`` (its mark says so: such runs share the cores evenly)."""
 
-    def __init__(self, where: Path | None = None):
+    def __init__(self, where: Path | None = None, following: bool = False):
         self.where = where or TRAINING_DIR
+        self.following = following
         self.fd: int | None = None
         self.path: Path | None = None
 
     def __enter__(self) -> Training:
         with contextlib.suppress(OSError):
-            self.fd, self.path = _mark(self.where)
+            self.fd, self.path = _mark(self.where, FOLLOWING if self.following else "")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -269,7 +282,11 @@ class Training:
             self.fd = None
 
 
-def _mark(where: Path) -> tuple[int, Path]:
+#: the tag in the mark of a run whose count is ``auto``
+FOLLOWING = ".auto"
+
+
+def _mark(where: Path, tag: str = "") -> tuple[int, Path]:
     import fcntl
 
     try:
@@ -281,7 +298,7 @@ def _mark(where: Path) -> tuple[int, Path]:
     try:
         os.fchmod(fd, 0o644)  # others open it to test the lock
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        path = where / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.lock"
+        path = where / f"{os.getpid()}-{uuid.uuid4().hex[:8]}{tag}.lock"
         os.rename(tmp, path)  # a mark appears already locked, so no one takes it for a dead run's
     except OSError:
         os.close(fd)
@@ -291,9 +308,9 @@ def _mark(where: Path) -> tuple[int, Path]:
     return fd, path
 
 
-def others_training(where: Path | None = None) -> list[int]:
-    """The PIDs of the other kilolayer processes training on this machine now (their marks are locked); a dead
-    run's mark is removed on the way."""
+def others_training(where: Path | None = None, following: bool = False) -> list[int]:
+    """The PIDs of the other kilolayer processes training on this machine now (their marks are locked), only those
+    at ``auto`` if ``following``; a dead run's mark is removed on the way."""
     import fcntl
 
     where = where or TRAINING_DIR
@@ -303,6 +320,8 @@ def others_training(where: Path | None = None) -> list[int]:
         return []
     pids = []
     for path in marks:
+        if following and not path.name.endswith(f"{FOLLOWING}.lock"):
+            continue
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -346,14 +365,17 @@ def crowded(threads: Threads | None, others: list[int] | None = None, usable: in
 
 
 class Adapter:
-    """Re-checks an ``auto`` count every :data:`CHECK_S` seconds during a run (:meth:`check`, called once a
-    step): when other work starts or stops, the count follows (:func:`choose`). Any other count stays."""
+    """Re-checks an ``auto`` count at the first step and then every :data:`CHECK_S` seconds (:meth:`check`, called
+    once a step; the first reading covers the run's set-up, when a run started beside it may have begun): when
+    other work or another ``auto`` run starts or stops, the count follows (:func:`choose`). Any other count
+    stays. ``following``: how many other ``auto`` runs train here now (default: their marks)."""
 
-    def __init__(self, threads: Threads, clock=time.monotonic, probe: LoadProbe | None = None):
+    def __init__(self, threads: Threads, clock=time.monotonic, probe: LoadProbe | None = None, following=None):
         self.threads, self.clock = threads, clock
         self.usable = usable_cpus()
         self.probe = probe or (LoadProbe() if threads.adaptive else None)
-        self.next_check = clock() + CHECK_S
+        self.following = following or (lambda: len(others_training(following=True)))
+        self.next_check = clock()
 
     @property
     def count(self) -> int:
@@ -367,9 +389,10 @@ class Adapter:
         busy = self.probe.busy()
         if busy is None:
             return None
-        count = choose(self.usable, busy)
+        following = self.following()
+        count = choose(self.usable, busy, following)
         if count == self.threads.count:
             return None
-        self.threads = Threads(count, _auto_reason(self.usable, busy), adaptive=True, source=AUTO)
+        self.threads = Threads(count, _auto_reason(self.usable, busy, following), adaptive=True, source=AUTO)
         torch.set_num_threads(count)
         return self.threads
