@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kilolayer.config import ModelConfig
-from kilolayer.nn.attention import MATMUL_MAX_KEYS, Attention, matmul_attention
+from kilolayer.nn.attention import CAUSAL_SPLIT_MIN, MATMUL_MAX_KEYS, Attention, matmul_attention
 
 
 def _qkv(B, H, T, S, D, seed=0):
@@ -19,7 +19,15 @@ def _qkv(B, H, T, S, D, seed=0):
 
 @pytest.mark.parametrize(
     "T,S,masked,causal",
-    [(7, 7, False, False), (7, 7, True, False), (7, 7, False, True), (5, 9, False, True), (5, 9, True, False)],
+    [
+        (7, 7, False, False),
+        (7, 7, True, False),
+        (7, 7, False, True),
+        (5, 9, False, True),
+        (5, 9, True, False),
+        (CAUSAL_SPLIT_MIN, CAUSAL_SPLIT_MIN, False, True),  # causal in two halves of queries
+        (CAUSAL_SPLIT_MIN + 7, CAUSAL_SPLIT_MIN + 7, False, True),  # an odd count: halves of 35 and 36
+    ],
 )
 def test_matmul_attention_is_sdpa_in_float64(T, S, masked, causal):
     """Forward and gradients equal SDPA's to float64 rounding: padding masks (a query with no key left gets
@@ -48,6 +56,26 @@ def test_matmul_attention_in_bf16_is_within_bf16_rounding_of_fp32():
     approx = matmul_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.0, True)
     assert approx.dtype == torch.bfloat16
     assert (approx.float() - exact).norm() <= 0.01 * exact.norm()
+
+
+def test_causal_attention_in_halves_gives_the_whole_products_forward_bit_for_bit():
+    """In bf16, the two halves of queries give the forward of the whole causal product to the last bit (a masked
+    key adds an exact zero); the gradients of the queries too, those of the keys and values within one more bf16
+    rounding (each is the sum of the halves' products)."""
+    q, k, v = (
+        t.detach().bfloat16().requires_grad_() for t in _qkv(4, 2, 2 * CAUSAL_SPLIT_MIN, 2 * CAUSAL_SPLIT_MIN, 32)
+    )
+    whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    T = q.shape[-2]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()  # the same mask, given: no split
+    halves, ref = matmul_attention(q, k, v, None, 0.0, True), matmul_attention(*whole, causal)
+    assert torch.equal(halves, ref)
+    grad = torch.randn_like(ref)
+    halves.backward(grad), ref.backward(grad)
+    assert torch.equal(q.grad, whole[0].grad)
+    for split, one in ((k.grad, whole[1].grad), (v.grad, whole[2].grad)):
+        assert (split.float() - one.float()).abs().max() <= 2 * 2**-8 * one.float().abs().max()
+        assert (split.float() - one.float()).norm() <= 0.01 * one.float().norm()
 
 
 @pytest.mark.parametrize("keys", [16, MATMUL_MAX_KEYS + 1])
