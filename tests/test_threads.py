@@ -158,8 +158,33 @@ def test_auto_starts_at_its_share_beside_other_auto_runs(tmp_path, monkeypatch):
                 adaptive=True,
                 source=T.AUTO,
             )
+            # a run pinned to other CPUs than this one's takes none of ours
+            monkeypatch.setattr(T.os, "sched_getaffinity", lambda pid: {0, 1} if pid == 0 else {2, 3})
+            assert T.others_training(where, following=True) == [] and T.others_training(where) == [4242]
         finally:
             os.close(fixed)
+
+
+def test_an_unread_load_lowers_an_auto_count_only_to_its_share(monkeypatch):
+    monkeypatch.setattr(T, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    now, following = [0.0], [0]
+    adapter = T.Adapter(T.Threads(4, "", adaptive=True), lambda: now[0], FakeProbe([None, None]), lambda: following[0])
+    assert adapter.check() is None and adapter.count == 4  # no load read: never raised on a guess
+    following[0], now[0] = 3, T.CHECK_S
+    changed = adapter.check()
+    assert changed.count == 2 and "their load unknown here, shared with 3 other auto runs" in changed.reason
+
+
+def test_an_auto_run_is_marked_as_one_before_its_count_is_chosen(tmp_path, counted, monkeypatch):
+    where = tmp_path / "marks"
+    monkeypatch.setattr(T, "TRAINING_DIR", where)
+    seen = []
+    monkeypatch.setattr(T, "other_work", lambda: seen.append(sorted(p.name for p in where.iterdir())) or 0.0)
+    train(RUN, tmp_path / "run", choose_threads=True, sets=["train.threads=auto", "train.steps=1"])
+    assert len(seen) == 1 and len(seen[0]) == 1  # its own mark, there when the count was chosen
+    assert seen[0][0].startswith(f"{os.getpid()}-") and seen[0][0].endswith(".auto.lock")
+    assert list(where.iterdir()) == []  # gone with the run
 
 
 def test_a_count_other_than_auto_never_adapts(monkeypatch):

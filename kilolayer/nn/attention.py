@@ -39,9 +39,9 @@ CPU_ATTENTION = ("auto", "fp32", "sdpa")
 MATMUL_MAX_KEYS = 256
 #: causal self-attention of at least this many positions runs as two halves of queries (:func:`matmul_attention`):
 #: at 128 positions that takes a layer's attention forward and backward from 11.0 to 8.7 ms (batch 16, 4 heads
-#: of 64) and from 9.7 to 6.3 ms (2 heads), compiled, one thread; shorter ones gain less than the extra products
-#: cost
-CAUSAL_SPLIT_MIN = 64
+#: of 64) and from 9.7 to 6.3 ms (2 heads), compiled, one thread; at 96 from 8.0 to 7.1 ms (4 heads), while at
+#: 64 the halves' smaller products cost more than the quarter saves (3.9 to 4.7 ms)
+CAUSAL_SPLIT_MIN = 96
 
 
 def matmul_attention(
@@ -58,8 +58,11 @@ def matmul_attention(
 
     Causal self-attention of :data:`CAUSAL_SPLIT_MIN` positions or more runs as two halves of the queries: the
     first against the first half of the keys alone (every later key is masked for it), the second against all
-    of them. The forward is the same to the last bit (a masked key adds an exact zero); the keys' and values'
-    gradients are the sums of the halves' products, so they round once more."""
+    of them. The forward and the queries' gradients are the whole product's up to the order of its sums (a
+    masked key adds an exact zero); the keys' and values' gradients are the sums of the halves' bf16 products,
+    so they round up to twice more. ``mask`` with ``is_causal`` is refused, as SDPA refuses it."""
+    if is_causal and mask is not None:
+        raise ValueError("matmul_attention: give mask or is_causal, not both")
     T, S = q.shape[-2], k.shape[-2]
     if is_causal and T == S and T >= CAUSAL_SPLIT_MIN:
         h = T // 2

@@ -684,10 +684,11 @@ def train(
     host.check_memory(config, config.train.device)
     tc = config.train
     recorded = recorded_threads(out) if resume else None
-    # marked before the count is chosen, so two runs started together see each other (auto shares by the marks)
-    with host.Training(following=tc.threads == host.AUTO):
+    device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
+    # marked before the count is chosen, so two runs started together see each other (CPU runs at auto share the
+    # cores by the marks; a GPU run's threads only feed its device)
+    with host.Training(following=tc.threads == host.AUTO and device == "cpu"):
         if choose_threads:
-            device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
             threads = host.thread_policy(tc.threads, recorded, device)
         elif tc.threads is not None or recorded:
             threads = host.thread_policy(tc.threads, recorded)

@@ -13,9 +13,10 @@ software and count give the same losses bit for bit. The rule, first match wins:
    as PyTorch users expect: the same count for the same command on the same machine, whatever else runs.
 
 ``auto`` is the one count that follows the machine's load: the usable CPUs less those other work keeps busy, and
-at most an even share of them among the ``auto`` runs training on this machine (their marks, below), re-checked
-at the first step and then every :data:`CHECK_S` seconds (:class:`Adapter`). Two ``auto`` runs, started together
-or one after the other, split the cores evenly; a run at a fixed count beside them is other work. Its losses
+at most an even share of them among the CPU runs at ``auto`` training on this machine on the same CPUs (their
+marks, below), re-checked at the first step and then every :data:`CHECK_S` seconds (:class:`Adapter`). Two
+``auto`` runs with nothing else computing split the cores evenly, started together or one after the other; a run
+at a fixed count beside them is other work, and they share what it leaves (not always evenly). Its losses
 depend on when the load changed: such a run says in its first line that it is not bit-reproducible.
 
 OpenMP spins one thread per core, so two processes that each take every core slow each other several-fold
@@ -309,8 +310,9 @@ def _mark(where: Path, tag: str = "") -> tuple[int, Path]:
 
 
 def others_training(where: Path | None = None, following: bool = False) -> list[int]:
-    """The PIDs of the other kilolayer processes training on this machine now (their marks are locked), only those
-    at ``auto`` if ``following``; a dead run's mark is removed on the way."""
+    """The PIDs of the other kilolayer processes training on this machine now (their marks are locked); if
+    ``following``, only the CPU runs at ``auto`` that may run on one of this process's CPUs (a run pinned to other
+    CPUs takes none of ours). A dead run's mark is removed on the way."""
     import fcntl
 
     where = where or TRAINING_DIR
@@ -331,13 +333,22 @@ def others_training(where: Path | None = None, following: bool = False) -> list[
         except OSError as err:
             pid = path.name.split("-")[0]
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and pid.isdigit() and int(pid) != os.getpid():
-                pids.append(int(pid))
+                if not following or _shares_cpus(int(pid)):
+                    pids.append(int(pid))
         else:
             with contextlib.suppress(OSError):
                 path.unlink()  # its process has ended
         finally:
             os.close(fd)
     return pids
+
+
+def _shares_cpus(pid: int) -> bool:
+    """Whether process ``pid`` may run on one of this process's CPUs (True where either affinity cannot be read)."""
+    try:
+        return bool(os.sched_getaffinity(pid) & os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return True
 
 
 def crowded(threads: Threads | None, others: list[int] | None = None, usable: int | None = None) -> str:
@@ -386,13 +397,15 @@ class Adapter:
         if self.probe is None or self.clock() < self.next_check:
             return None
         self.next_check = self.clock() + CHECK_S
-        busy = self.probe.busy()
-        if busy is None:
-            return None
-        following = self.following()
-        count = choose(self.usable, busy, following)
+        busy, following = self.probe.busy(), self.following()
+        if busy is None:  # the load unread (too short an interval, or no /proc/stat): only the share may lower it
+            count = min(self.threads.count, choose(self.usable, 0.0, following))
+            why = f"{AUTO}: {self.usable} usable CPUs, their load unknown here{_following_words(following)}"
+        else:
+            count = choose(self.usable, busy, following)
+            why = _auto_reason(self.usable, busy, following)
         if count == self.threads.count:
             return None
-        self.threads = Threads(count, _auto_reason(self.usable, busy, following), adaptive=True, source=AUTO)
+        self.threads = Threads(count, why, adaptive=True, source=AUTO)
         torch.set_num_threads(count)
         return self.threads
