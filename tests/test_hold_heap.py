@@ -191,7 +191,8 @@ def test_a_held_heap_reuses_the_last_steps_pages():
     # held, next to none. Two pairs of processes, summed, so one odd process does not decide.
     faults = _faults_per_step()
     held, default = sum(faults["hold"]), sum(faults["default"])
-    assert default > 2000, faults  # the premise: glibc's default does hand pages back between steps
+    if default <= 2000:  # the premise is glibc's, not kilolayer's: here its default kept the pages itself
+        pytest.skip(f"glibc's default handed no pages back between steps here (faults a step: {faults})")
     assert held < default / 4, faults
 
 
