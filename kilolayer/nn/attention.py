@@ -13,11 +13,11 @@ On a CPU under bf16/fp16 autocast, ``cpu_attention`` says how attention runs
   scores overflow at 65,504), as ``fp32``. Causal self-attention of
   :data:`CAUSAL_SPLIT_MIN` positions or more skips the quarter of the products
   that the mask would discard: the first half of the queries attends to the
-  first half of the keys alone, as flash attention skips masked blocks. The products are faster than
-  PyTorch's fused CPU kernels at the lengths measured (``python -m
-  benchmarks.attention``), whose bf16 backward is slower than their fp32 one;
-  but they keep each head's T x S probabilities for the backward, where the
-  fused kernels keep O(T).
+  first half of the keys alone, as flash attention skips masked blocks. The
+  products are faster than PyTorch's fused CPU kernels at the lengths measured
+  (``python -m benchmarks.attention``), whose bf16 backward is slower than
+  their fp32 one; but they keep each head's T x S probabilities for the
+  backward, where the fused kernels keep O(T).
 * ``fp32``: SDPA on the inputs cast to fp32.
 * ``sdpa``: SDPA in the autocast dtype.
 """
