@@ -242,10 +242,16 @@ def run(
         "sweep_spec": sweep.to_dict(),
         "rows": [],
     }
-    # torchscale, the one peer with checkpointing, follows kilolayer's checkpointed curve to the deepest point
-    plan = [("kilolayer", True, depths), ("kilolayer", False, depths), ("torchscale", True, depths)]
+    # torchscale, the one peer with checkpointing, follows kilolayer's checkpointed curve to the deepest point; a
+    # smoke run (a fresh interpreter a point, seconds each) measures kilolayer's two curves and the encoder-decoder,
+    # the variants on the decoder's deepest point alone
+    plan = [("kilolayer", True, depths), ("kilolayer", False, depths)]
     if not smoke:
-        plan += [("torchscale", False, peer_depths), ("x-transformers", False, peer_depths)]
+        plan += [
+            ("torchscale", True, depths),
+            ("torchscale", False, peer_depths),
+            ("x-transformers", False, peer_depths),
+        ]
     for peer, ckpt, ds in plan:
         variants = peer == "kilolayer" and ckpt
         result["rows"] += series(peer, sweep.with_(checkpoint=ckpt), sorted(ds), batch_size, cap_gib, threads, variants)
@@ -253,7 +259,7 @@ def run(
         spec = SMOKE_ENCDEC if smoke else ENCDEC
         result["encoder_decoder_spec"] = spec.to_dict()
         row = measure("kilolayer", spec, batch_size, threads)
-        if "peak_gib" in row:
+        if "peak_gib" in row and not smoke:
             _add_variants(row, "kilolayer", spec, batch_size, threads)
         result["encoder_decoder"] = [row]
     result["load_after"] = common.load_average()
@@ -312,7 +318,7 @@ def format_result(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, two points (finishes in seconds)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, kilolayer alone (finishes in seconds)")
     parser.add_argument(
         "--threads",
         type=int,

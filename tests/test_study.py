@@ -632,7 +632,7 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
         else:
             base["data"]["options"]["train_size"] = 256
             base["train"]["batch_size"] = 64
-        base["train"]["eval_batches"] = -(-128 // base["train"]["batch_size"])  # about 128 samples an evaluation
+        base["train"]["eval_batches"] = -(-64 // base["train"]["batch_size"])  # about 64 samples an evaluation
         if base["train"]["steps"]:
             # MAE and MLM reach their caps at full size too (docs/results.md, "Bamboo on real data": MAE flat by
             # the convergence rule, MLM still improving): they are cut short here (to 40 steps: their fine-tuning
