@@ -614,6 +614,8 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
     from kilolayer.study.builtin import BUILTIN
 
     monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
+    # the points' count must come from --jobs, not from the suite's own OMP_NUM_THREADS
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     lo_help.load_corpus.cache_clear()
     pages = tmp_path / "pages"
     build_fixture(pages)

