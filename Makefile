@@ -36,10 +36,11 @@ install: $(STAMP)
 # two pytest-xdist workers (one per core of the CI machine; each in-process test uses one torch thread)
 TEST_WORKERS ?= 2
 
-# the Debian-packaged corpora some tests read (de_en, fr_en): apt-get download + dpkg -x into the kilolayer cache, no
-# system install, fetched once; where apt-get cannot fetch them, those tests skip and name this command
+# the Debian-packaged corpora some tests read (de_en, fr_en, lo_help: a few MB): apt-get download + dpkg -x into the
+# kilolayer cache, no system install, fetched once; where apt-get cannot fetch them, those tests skip and name this
+# command
 data: $(STAMP)
-	@$(BIN)/python -m kilolayer.data.debian fetch de_en fr_en >/dev/null 2>&1 || echo "kilolayer: could not fetch the de_en/fr_en packages (python -m kilolayer.data.debian fetch de_en fr_en); the tests that read them skip"
+	@$(BIN)/python -m kilolayer.data.debian fetch de_en fr_en lo_help >/dev/null 2>&1 || echo "kilolayer: could not fetch the de_en/fr_en/lo_help packages (python -m kilolayer.data.debian fetch de_en fr_en lo_help); the tests that read them skip"
 
 test: $(STAMP) data
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
