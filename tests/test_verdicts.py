@@ -887,3 +887,61 @@ def test_near_zero_variance_within_float_rounding_is_decided_by_the_sign_test():
     # a spread well beyond rounding is seed noise: t-bounds
     v = decide({0: 0.30, 1: 0.31}, 0.1, rounding=4e-6)
     assert v.verdict == HELD and v.test == "t" and v.lower == pytest.approx(0.305 - t_quantile(1) * 0.005)
+
+
+# ---------------------------------------------------------------- many-to-many translation scores
+
+
+def _directions_record(model_bleu: dict[str, float], pooled: float) -> dict:
+    """A test record as the test_scores analysis writes it for a many-to-many run: the pooled scores (``pooled``
+    BLEU) and every direction's, with their means. en-ja has chrF alone (no BLEU tokenizer)."""
+    from kilolayer.objectives.directions import averages
+
+    rows = {}
+    for d in ("en-de", "de-en", "en-ja"):
+        s, t = d.split("-")
+        model = {"chrf": 50.0, **({"bleu": model_bleu[d]} if d in model_bleu else {})}
+        copy = {"chrf": 20.0, **({"bleu": 2.0} if t != "ja" else {})}
+        nearest = {"chrf": 30.0, **({"bleu": 10.0} if t != "ja" else {})}
+        rows[d] = {"source": s, "target": t, "pairs": 8, "model": model, "copy": copy, "nearest": nearest}
+    table = {"directions": rows, "averages": averages(rows, ("model", "copy", "nearest"))}
+    return {"split": "test", "metrics": {"loss": 0.5, "bleu": pooled, "chrf": 50.0}, "directions": table}
+
+
+def test_multilingual_bleu_is_the_mean_over_directions_on_test(tmp_path):
+    """DeepNet reports a many-to-many model's BLEU averaged over its directions: a claim reads that mean on test,
+    not the BLEU of every direction's pairs pooled. Here the deeper model's mean is 2.0 / 2.1 points above the wide
+    one's (32.0 + 0.1 x seed against 30.0), while its pooled BLEU is 5 points below: held by the mean, where the
+    pooled score would say the opposite."""
+    from helpers import study_results
+
+    from kilolayer.verdicts.measures import MEASURES, TEST
+
+    claim = builtin_claim("deepnet_multilingual_wide", "deepnet_multilingual")
+    results = [
+        r
+        for r in study_results("deepnet_multilingual", lambda p: ("completed", {"loss": 0.5, "bleu": 1.0}, []))
+        if r.point.group in ("deeper", "wide")
+    ]
+    for r in results:
+        seed = r.point.values["train.seed"]
+        if r.point.group == "deeper":  # en-de and de-en 30 and 34 (+ 0.1 x seed): mean 32 (+ 0.1 x seed)
+            r.test = _directions_record({"en-de": 30.0 + 0.1 * seed, "de-en": 34.0 + 0.1 * seed}, pooled=20.0)
+        else:
+            r.test = _directions_record({"en-de": 29.0, "de-en": 31.0}, pooled=25.0)
+    f = claim(results, tmp_path)
+    assert f.verdict.verdict == HELD and f.verdict.mean == pytest.approx(2.05)
+    assert "mean over its directions" in f.rule
+    assert f.notes[-1].startswith(
+        "Baselines on the same test pairs, means over each run's directions: copy BLEU 2.00, chrF 20.00; nearest "
+        "BLEU 10.00, chrF 30.00. 4 of 4 completed runs translate"
+    )
+    # on validation, and for a run of one direction, the evaluation's own (pooled) score
+    bleu = MEASURES["bleu"]
+    deeper = next(r for r in results if r.point.group == "deeper")
+    assert bleu.read(deeper, tmp_path, "validation") == 1.0 and bleu.read(deeper, tmp_path, TEST) == 32.0
+    deeper.test = {"split": "test", "metrics": {"bleu": 20.0}}
+    assert bleu.read(deeper, tmp_path, TEST) == 20.0
+    # a many-to-many run none of whose directions has a BLEU score has no BLEU (not its pooled one)
+    deeper.test = _directions_record({}, pooled=20.0)
+    assert bleu.read(deeper, tmp_path, TEST) is None and MEASURES["chrf"].read(deeper, tmp_path, TEST) == 50.0

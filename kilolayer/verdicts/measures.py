@@ -105,22 +105,56 @@ def _loss_vs_chance(r, out, split: str) -> float | None:
     return loss / c
 
 
+def direction_means(r) -> dict | None:
+    """``{system: scores}`` of a many-to-many run's test record: each system's (the model's, the baselines') mean
+    over every direction scored (:func:`kilolayer.objectives.directions.averages`, BLEU over the directions with a
+    BLEU tokenizer); None for a run of one direction, or not scored on test."""
+    table = (r.test or {}).get("directions") if r is not None else None
+    if not table:
+        return None
+    return {system: groups["all"] for system, groups in (table.get("averages") or {}).items() if "all" in groups}
+
+
+def translation_read(key: str) -> Callable:
+    """A translation score: on test, a many-to-many run's mean over its directions, as the multilingual literature
+    reports it (a direction without the score, such as BLEU into a language without a tokenizer, is left out of
+    the mean; a run none of whose directions has it has no value); else the evaluation's score of the pooled
+    pairs (one direction's, for a one-to-one run)."""
+    pooled = split_score(key)
+
+    def read(r, out, split: str) -> float | None:
+        means = direction_means(r) if split == TEST else None
+        if means is None:
+            return pooled(r, out, split)
+        value = (means.get("model") or {}).get(key)
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+    return read
+
+
 def baselines_note(runs, out, split: str) -> list[str]:
     """Beside a translation score: what copying the source and the nearest training pair's target score on the
-    same evaluation pairs (each run's baselines.json, or its test scores'), and how many runs translate (BLEU and
-    chrF both above the better of the two)."""
+    same evaluation pairs (each run's baselines.json, or its test scores'; a many-to-many run's means over its
+    directions), and how many runs translate (BLEU and chrF both above the better of the two)."""
     from kilolayer.objectives.baselines import translates
     from kilolayer.rundir import read_baselines
 
     texts, verdicts = [], []
     for r in runs:
-        if split == TEST:
+        means = direction_means(r) if split == TEST else None
+        if means is not None:
+            scores = means.get("model") or {}
+            found = {name: means[name] for name in ("copy", "nearest") if name in means} or None
+        elif split == TEST:
             scores, found = (r.test or {}).get("metrics") or {}, (r.test or {}).get("baselines")
         else:
             scores, found = r.eval, read_baselines(r.point.run_dir(out)).get("baselines")
         if not found:
             continue
-        text = "; ".join(f"{name} BLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}" for name, s in found.items())
+        text = "; ".join(
+            f"{name} " + ", ".join(f"{label} {s[k]:.2f}" for k, label in (("bleu", "BLEU"), ("chrf", "chrF")) if k in s)
+            for name, s in found.items()
+        )
         if text not in texts:
             texts.append(text)
         v = translates(scores, found) if r.status == "completed" else None
@@ -128,7 +162,9 @@ def baselines_note(runs, out, split: str) -> list[str]:
             verdicts.append(v.translates)
     if not texts:
         return []
-    note = f"Baselines on the same {split} pairs: {' / '.join(texts)}."
+    means = any(direction_means(r) is not None for r in runs) if split == TEST else False
+    pairs = f"{split} pairs, means over each run's directions" if means else f"{split} pairs"
+    note = f"Baselines on the same {pairs}: {' / '.join(texts)}."
     if verdicts:
         note += (
             f" {sum(verdicts)} of {len(verdicts)} completed runs translate (BLEU and chrF above the better of "
@@ -142,10 +178,11 @@ def translation_score(key: str, label: str) -> Measure:
     nothing scores, and the baselines of the same pairs are quoted beside the verdict."""
     return Measure(
         key,
-        f"{label} at the standing checkpoint (greedy decoding, sacrebleu)",
+        f"{label} at the standing checkpoint (greedy decoding, sacrebleu; on test, a many-to-many run's mean over "
+        "its directions)",
         f" {label}",
         "higher",
-        split_score(key),
+        translation_read(key),
         lambda r, out: 0.0,
         f"a diverged run scores {label} 0, what a model that produces nothing scores",
         split_key=key,
