@@ -22,7 +22,7 @@ def cmd_study(args) -> int:
             spec = load_spec(name)
             if spec.expected_minutes:
                 m = spec.expected_minutes
-                mins = f"~{m:.0f} min" if m < 120 else f"~{m / 60:.1f} h"
+                mins = f"~{m:.0f} min" if m < 120 else f"~{m / 60:.1f} h" if m < 6000 else f"~{m / 60:,.0f} h"
                 mins += f" on 2 CPU cores ({spec.expected_basis})" if spec.expected_basis else " on 2 CPU cores"
             else:
                 mins = "time not measured (kilolayer study NAME --estimate)"
