@@ -352,6 +352,16 @@ def test_auto_follows_the_load_and_says_first_that_it_is_not_bit_reproducible(tm
     assert "not bit-reproducible" not in T.policy(given=2).line()
 
 
+def test_a_quiet_auto_run_still_says_it_is_not_bit_reproducible(tmp_path, counted, capsys):
+    train(RUN, tmp_path / "run", choose_threads=True, quiet=True, sets=["train.threads=auto", "train.steps=1"])
+    assert capsys.readouterr().err.strip() == (
+        "kilolayer: warning: train.threads: auto follows the machine's load, so this run's losses are not "
+        "bit-reproducible (give a count for that)"
+    )
+    train(RUN, tmp_path / "fixed", choose_threads=True, quiet=True, sets=["train.steps=1"])
+    assert capsys.readouterr().err == ""
+
+
 def test_a_resume_reuses_the_recorded_default_count_on_a_machine_that_changed(tmp_path, counted, monkeypatch):
     run = tmp_path / "run"
     train(RUN, run, choose_threads=True, quiet=True, sets=["train.steps=3"])

@@ -317,6 +317,11 @@ class Run:
                 f"resumed at {chosen.count} thread{'s' * (chosen.count != 1)} (OMP_NUM_THREADS), not at the "
                 f"{chosen.recorded} this run recorded: its numbers differ from an uninterrupted run's in the last bits"
             )
+        elif self.env.main and chosen.adaptive:  # said even under --quiet, as above
+            rundir.warn(
+                f"train.threads: {host.AUTO} follows the machine's load, so this run's losses are not "
+                "bit-reproducible (give a count for that)"
+            )
         if self.env.main and not self.quiet:
             rundir.say(self.precision.line(), sys.stderr)
         with self._recorded(), self._logs():
