@@ -243,15 +243,11 @@ def run(
         "rows": [],
     }
     # torchscale, the one peer with checkpointing, follows kilolayer's checkpointed curve to the deepest point; a
-    # smoke run (a fresh interpreter a point, seconds each) measures kilolayer's two curves and the encoder-decoder,
-    # the variants on the decoder's deepest point alone
-    plan = [("kilolayer", True, depths), ("kilolayer", False, depths)]
+    # smoke run (a fresh interpreter a point, seconds each) measures the checkpointed curves and kilolayer's plain
+    # one, the variants on kilolayer's deepest decoder point alone
+    plan = [("kilolayer", True, depths), ("kilolayer", False, depths), ("torchscale", True, depths)]
     if not smoke:
-        plan += [
-            ("torchscale", True, depths),
-            ("torchscale", False, peer_depths),
-            ("x-transformers", False, peer_depths),
-        ]
+        plan += [("torchscale", False, peer_depths), ("x-transformers", False, peer_depths)]
     for peer, ckpt, ds in plan:
         variants = peer == "kilolayer" and ckpt
         result["rows"] += series(peer, sweep.with_(checkpoint=ckpt), sorted(ds), batch_size, cap_gib, threads, variants)
@@ -318,7 +314,7 @@ def format_result(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, kilolayer alone (finishes in seconds)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one depth (finishes in seconds)")
     parser.add_argument(
         "--threads",
         type=int,

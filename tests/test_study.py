@@ -651,8 +651,10 @@ def test_bamboo_cpu_recipes_plateau_and_its_verdicts_match_a_hand_count(tmp_path
     assert not bad, bad
     # --jobs 2 shares the usable CPUs out: each point trained at its share, fixed, from OMP_NUM_THREADS
     from kilolayer.study.runner import threads_per_job
+    from kilolayer.train import host
 
     share = threads_per_job(2)
+    assert share == max(1, host.usable_cpus() // 2)  # the usable CPUs shared out by the two jobs
     trained = [rundir.read_status(r.point.run_dir(out)) for r in results if r.point.config.train.steps > 0]
     assert {(st.get("threads"), st.get("threads_reason")) for st in trained} == {(share, "OMP_NUM_THREADS")}
     assert all(r.smoothness and len(r.smoothness["cosine"]) == r.point.config.model.layers + 1 for r in results)

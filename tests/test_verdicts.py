@@ -934,8 +934,23 @@ def test_multilingual_bleu_is_the_mean_over_directions_on_test(tmp_path):
     assert "mean over its directions" in f.rule
     assert f.notes[-1].startswith(
         "Baselines on the same test pairs, means over each run's directions: copy BLEU 2.00, chrF 20.00; nearest "
-        "BLEU 10.00, chrF 30.00. 4 of 4 completed runs translate"
+        "BLEU 10.00, chrF 30.00. 4 of 4 completed runs translate (BLEU and chrF above the better of copying and the "
+        "nearest training pair's target, the means' point estimates)."
     )
+    # runs read over different pairs are not compared: one side pooled, or means over other directions
+    pooled = [r for r in results if r.point.group == "wide"]
+    for r in pooled:
+        r.test = {"split": "test", "metrics": {"loss": 0.5, "bleu": 25.0, "chrf": 50.0}}
+    f = claim(results, tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE
+    assert "the runs' bleu covers different pairs, so their values are not comparable: the mean over 2 directions " in (
+        f.verdict.reason
+    )
+    assert "(de-en, en-de) for deeper/" in f.verdict.reason and "the pooled pairs for wide/" in f.verdict.reason
+    for r in pooled:  # scored where Japanese had a BLEU tokenizer: en-ja enters its mean
+        r.test = _directions_record({"en-de": 29.0, "de-en": 31.0, "en-ja": 30.0}, pooled=25.0)
+    f = claim(results, tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "the mean over 3 directions (de-en, en-de, en-ja)" in f.verdict.reason
     # on validation, and for a run of one direction, the evaluation's own (pooled) score
     bleu = MEASURES["bleu"]
     deeper = next(r for r in results if r.point.group == "deeper")

@@ -704,7 +704,7 @@ def train(
             signals = StopSignals().install()
             run, error = None, None
             try:
-                crowded = host.crowded(threads)
+                crowded = host.crowded(threads) if device == "cpu" else ""  # a GPU run's threads feed its device
                 run = Run(
                     config,
                     out,

@@ -736,6 +736,22 @@ def _pretraining_improving(runs: list, results: list) -> str:
     return f"their pre-training runs ({groups}), {text}"
 
 
+def _mixed_bases(measure: Measure, judging: Judging, out, split: str) -> str:
+    """Why the runs read cannot be compared where the measure covers different things in different runs (the
+    directions a translation score averages), naming each basis and its runs; "" where they agree."""
+    if measure.basis is None:
+        return ""
+    bases: dict[str, list[str]] = {}
+    for key in judging.used:
+        r = judging.read[key]
+        if r.status != "diverged":  # a diverged run's value is the measure's for any basis
+            bases.setdefault(measure.basis(r, out, split), []).append(key)
+    if len(bases) < 2:
+        return ""
+    each = "; ".join(f"{basis} for {', '.join(keys)}" for basis, keys in bases.items())
+    return f"the runs' {measure.name} covers different pairs, so their values are not comparable: {each}"
+
+
 def judge(claim: Claim, results: list, groups, out) -> Finding:
     """The finding of ``claim`` from a study's ``results`` (``groups``: the spec's groups by name, or the one
     group the claim reads)."""
@@ -773,6 +789,11 @@ def judge(claim: Claim, results: list, groups, out) -> Finding:
         # the claim's premise is unmet: a held says nothing, and so does a did not hold, unless the claimed-better
         # side learned nothing (which contradicts the claim whatever the other side did)
         if v.verdict == HELD or (v.verdict == NOT_HELD and not judging.unlearned):
+            v.verdict = INCONCLUSIVE
+    mixed = _mixed_bases(measure, judging, out, split)
+    if mixed:
+        v.reason += f"; {mixed}"
+        if v.verdict in (HELD, NOT_HELD):
             v.verdict = INCONCLUSIVE
     improving, moving = _improving(list(judging.read.values()), lambda r: convergence_of(measure, r))
     pretraining = _pretraining_improving(list(judging.read.values()), results)

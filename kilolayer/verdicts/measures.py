@@ -42,6 +42,9 @@ class Measure:
     analysis: str | None = None  # the study analysis whose result it reads: every group it reads must list it
     diagnostics: bool = False  # reads the stability diagnostics a run logs only with train.diagnostics_every
     positive: bool = False  # every value is above 0 (a loss, a norm): a ratio of two is defined
+    # basis(run, out, split): what the run's value covers, where that can differ between runs (the directions a
+    # translation score averages); runs compared on different bases make a verdict inconclusive. None: the same
+    basis: Callable | None = None
 
     @property
     def lower_is_better(self) -> bool:
@@ -132,6 +135,22 @@ def translation_read(key: str) -> Callable:
     return read
 
 
+def translation_basis(key: str) -> Callable:
+    """What a run's translation score covers: on test, a many-to-many run's mean over the directions that have the
+    score (BLEU needs a tokenizer of the target language, which may be missing where the run was scored); else
+    the pooled pairs."""
+
+    def basis(r, out, split: str) -> str:
+        means = direction_means(r) if split == TEST else None
+        if means is None:
+            return "the pooled pairs"
+        rows = (r.test.get("directions") or {}).get("directions") or {}
+        having = sorted(d for d, row in rows.items() if key in (row.get("model") or {}))
+        return f"the mean over {len(having)} directions ({', '.join(having)})"
+
+    return basis
+
+
 def baselines_note(runs, out, split: str) -> list[str]:
     """Beside a translation score: what copying the source and the nearest training pair's target score on the
     same evaluation pairs (each run's baselines.json, or its test scores'; a many-to-many run's means over its
@@ -168,7 +187,7 @@ def baselines_note(runs, out, split: str) -> list[str]:
     if verdicts:
         note += (
             f" {sum(verdicts)} of {len(verdicts)} completed runs translate (BLEU and chrF above the better of "
-            "copying and the nearest training pair's target)."
+            "copying and the nearest training pair's target" + (", the means' point estimates" if means else "") + ")."
         )
     return [note]
 
@@ -188,6 +207,7 @@ def translation_score(key: str, label: str) -> Measure:
         split_key=key,
         convergence=(key, 0.5, False),
         note=baselines_note,
+        basis=translation_basis(key),
     )
 
 

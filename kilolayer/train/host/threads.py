@@ -226,7 +226,7 @@ def policy(given: int | str | None = None, recorded: int | None = None, device: 
             return Threads(env, reason, source=ENVIRONMENT, recorded=recorded)
         reason = "the count the run recorded (a resume is bit-exact only at it)"
         usable = usable_cpus()
-        if recorded > usable:
+        if device == "cpu" and recorded > usable:
             reason += f"; more than the {usable} usable CPU{'s' * (usable != 1)} here, which it oversubscribes"
         return Threads(recorded, reason, source=RECORDED)
     if env is not None:
