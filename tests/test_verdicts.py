@@ -951,6 +951,21 @@ def test_multilingual_bleu_is_the_mean_over_directions_on_test(tmp_path):
         r.test = _directions_record({"en-de": 29.0, "de-en": 31.0, "en-ja": 30.0}, pooled=25.0)
     f = claim(results, tmp_path)
     assert f.verdict.verdict == INCONCLUSIVE and "the mean over 3 directions (de-en, en-de, en-ja)" in f.verdict.reason
+    # a diverged wide run scores BLEU 0 whatever it would have covered: no basis of its own, so the others agree
+    # and the verdict stands on them (d = 32.0 - 30.0 and 32.1 - 0)
+    for r in pooled:
+        r.test = _directions_record({"en-de": 29.0, "de-en": 31.0}, pooled=25.0)
+    pooled[1].status, pooled[1].test = "diverged", None
+    f = claim(results, tmp_path)
+    assert "covers different pairs" not in f.verdict.reason and f.verdict.per_seed == pytest.approx({0: 2.0, 1: 32.1})
+    # one seed: fewer than 2 seeds is inconclusive by the rule, and mixed bases are named beside it
+    one = [r for r in results if r.point.values["train.seed"] == 0]
+    one[-1].test = {"split": "test", "metrics": {"loss": 0.5, "bleu": 25.0, "chrf": 50.0}}
+    f = claim(one, tmp_path)
+    assert f.verdict.verdict == INCONCLUSIVE and "covers different pairs" in f.verdict.reason
+    # a failed run is not read, so it has no basis either
+    one[-1].status, one[-1].eval = "failed", {}
+    assert "covers different pairs" not in claim(one, tmp_path).verdict.reason
     # on validation, and for a run of one direction, the evaluation's own (pooled) score
     bleu = MEASURES["bleu"]
     deeper = next(r for r in results if r.point.group == "deeper")
