@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import attention, common, heap, memory, profile_step, side_by_side, train_step
+from benchmarks import attention, common, heap, memory, profile_step, side_by_side, study_points, train_step
 
 GiB = 1024**3
 
@@ -476,6 +476,27 @@ def _attention_section(att: dict | None) -> list[str]:
     ]
 
 
+def _study_points_section(sp: dict | None) -> list[str]:
+    """Where the built-in CPU studies' points gain from bf16 and compile, with the machine and date measured."""
+    if not sp:
+        return []
+    return [
+        "## The built-in studies' points: bf16 and compile",
+        "",
+        "What a study's points would gain from bf16 autocast and from `train.compile: layers` within their step",
+        "caps (`python -m benchmarks.study_points`): each point's config as its study trains it, four runs of it",
+        "(eager fp32, eager bf16, and each compiled), one thread each, two at a time as `kilolayer study --jobs 2`",
+        "runs points, every compile from an empty cache. `step ms` is the steady step; `fixed s` the rest of the run",
+        "(set-up, the first steps, compiling, one evaluation); `x eager fp32 at the cap` the point's time at its",
+        "step cap against eager fp32's (above 1: faster). `auto here` is what `train.precision: auto` decides for",
+        "the point's layer shape on this machine ([speed.md](speed.md#precision-auto)); a study decides once for",
+        "all of its points.",
+        "",
+        study_points.format_result(sp),
+        "",
+    ]
+
+
 def markdown(
     ts: dict,
     mem: dict,
@@ -485,6 +506,7 @@ def markdown(
     hp: dict | None = None,
     sb: dict | None = None,
     att: dict | None = None,
+    sp: dict | None = None,
 ) -> str:
     m = ts["machine"]
     v = m["versions"]
@@ -568,6 +590,7 @@ def markdown(
         "",
         *_heap_section(hp),
         *_side_by_side_section(sb),
+        *_study_points_section(sp),
     ]
     return "\n".join(lines)
 
@@ -607,10 +630,10 @@ def main(argv: list[str] | None = None) -> int:
             res[name] = json.loads(Path(path).read_text())
         if args.replace:
             common.write_json(Path(args.from_json), res)
-        ts, prof, mem, hp, sb, att = (
-            res.get(k) for k in ("train_step", "profile", "memory", "heap", "side_by_side", "attention")
+        ts, prof, mem, hp, sb, att, sp = (
+            res.get(k) for k in ("train_step", "profile", "memory", "heap", "side_by_side", "attention", "study_points")
         )
-        Path(args.out).write_text(markdown(ts, mem, prof, res["commands"], res["seconds"], hp, sb, att))
+        Path(args.out).write_text(markdown(ts, mem, prof, res["commands"], res["seconds"], hp, sb, att, sp))
         print(f"wrote {args.out} from {args.from_json}")
         return 0
     common.apply_threads(args.threads)
@@ -628,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     print(heap.format_result(hp), flush=True)
     sb = side_by_side.run(smoke=args.smoke)
     print(side_by_side.format_result(sb), flush=True)
+    sp = study_points.run(smoke=args.smoke)
+    print(study_points.format_result(sp), flush=True)
     seconds = time.perf_counter() - t0
     smoke = " --smoke" if args.smoke else ""
     extra = f"{smoke} --threads {args.threads}"
@@ -643,10 +668,11 @@ def main(argv: list[str] | None = None) -> int:
         f"python -m benchmarks.memory{extra} --out memory.json",
         f"python -m benchmarks.heap{smoke} --out heap.json",
         f"python -m benchmarks.side_by_side{smoke} --out side_by_side.json",
+        f"python -m benchmarks.study_points{smoke} --out study_points.json",
     ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(ts, mem, prof, commands, seconds, hp, sb, att))
+    out.write_text(markdown(ts, mem, prof, commands, seconds, hp, sb, att, sp))
     json_path = Path(args.json) if args.json else out.with_suffix(".json")
     common.write_json(
         json_path,
@@ -657,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             "heap": hp,
             "side_by_side": sb,
             "attention": att,
+            "study_points": sp,
             "seconds": seconds,
             "commands": commands,
         },

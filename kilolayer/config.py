@@ -246,7 +246,7 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32",
         description="the steps' precision: fp32, bf16 (autocast), or auto: bf16 where this machine has bf16 "
-        "instructions and one of the model's layers trains at least 1.3x as fast in it, else fp32, decided once at "
+        "instructions and the run's training step runs at least 1.05x as fast in it, else fp32, decided once at "
         "the run's start (once for all the runs of a study or search) and kept on resume "
         "(kilolayer.train.host.precision)",
     )

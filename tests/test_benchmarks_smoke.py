@@ -32,7 +32,7 @@ from kilolayer.train.parallelize import checkpoint_layers, transformer_layers
 
 # benchmarks/ sits next to tests/ and is not an installed package: make it importable under any runner
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import common, gpu, heap, memory, profile_step, run_all, side_by_side, train_step
+from benchmarks import common, gpu, heap, memory, profile_step, run_all, side_by_side, study_points, train_step
 
 
 def _positive(x) -> bool:
@@ -643,7 +643,7 @@ def test_run_all_reports_the_held_heap(train_result, memory_result, profile_resu
 
 
 def test_scripts_have_help(capsys):
-    for mod in (train_step, memory, profile_step, run_all, gpu, heap):
+    for mod in (train_step, memory, profile_step, run_all, gpu, heap, study_points):
         with pytest.raises(SystemExit) as exit_info:
             mod.main(["--help"])
         assert exit_info.value.code == 0
@@ -1054,3 +1054,55 @@ def test_side_by_side_takes_turns_within_each_repeat_and_keeps_every_run(monkeyp
     assert auto["ratio"] == pytest.approx((2.5 / 1.0 + 13.5 / 12.0) / 2)
     with pytest.raises(SystemExit):
         side_by_side.main(["--repeats", "0"])
+
+
+# ---------------------------------------------------------------- the built-in studies' points
+
+
+def test_a_study_points_variant_is_judged_at_the_points_step_cap():
+    """A compiled run with a faster step and a compile to pay for: its time at the cap, its ratio to eager fp32 and
+    the step it repays its compile at, from the steady step (the median of the last half of the intervals, so a
+    first interval holding the compile does not count)."""
+    records = [{"step": 10, "train_s": 30.0}, {"step": 20, "train_s": 1.0}, {"step": 30, "train_s": 0.8}]
+    records += [{"step": 40, "train_s": 0.6}, {"step": 50, "train_s": 0.6}]
+    assert study_points.steady_step(records) == pytest.approx(0.06)
+    eager = {"precision": "fp32", "compile": False, "step_s": 0.1, "fixed_s": 5.0}
+    compiled = {"precision": "fp32", "compile": "layers", "step_s": 0.06, "fixed_s": 25.0}
+    slower = {"precision": "bf16", "compile": "layers", "step_s": 0.12, "fixed_s": 30.0}
+    failed = {"precision": "bf16", "compile": False, "error": "kilolayer: error: out of memory"}
+    point = {"study": "s", "point": "g/p", "cap": 1000, "auto": "fp32", "variants": [eager, compiled, slower, failed]}
+    study_points.summarize(point)
+    assert eager["x_eager_fp32"] == 1.0 and eager["repays_after"] is None
+    assert compiled["at_cap_s"] == pytest.approx(85.0) and compiled["x_eager_fp32"] == pytest.approx(105 / 85)
+    assert compiled["repays_after"] == pytest.approx(500.0)  # 20 s more to save at 0.04 s a step
+    assert slower["repays_after"] == float("inf") and "at_cap_s" not in failed
+    text = study_points.format_result(
+        {"machine": {"date": "d", "cpu": "c"}, "bf16_instructions": "f", "steps": 60, "jobs": 2, "points": [point]}
+    )
+    assert (
+        "| s | g/p | 1,000 | fp32 | fp32 + compile | 60.0 | 1.67 | 25.0 | 1.24 | after 500 steps (within the cap) |"
+        in text
+    )
+    assert "| bf16 + compile | 120.0 | 0.83 | 30.0 | 0.70 | never (no faster step) |" in text
+    assert "| bf16 | failed: kilolayer: error: out of memory |" in text
+    point["cap"] = 400
+    study_points.summarize(point)
+    assert "after 500 steps (beyond the cap)" in study_points.format_result(
+        {"machine": {"date": "d", "cpu": "c"}, "bf16_instructions": "f", "steps": 60, "jobs": 2, "points": [point]}
+    )
+
+
+@pytest.mark.integration
+def test_the_study_points_benchmark_runs_a_studys_point_and_the_page_shows_it(
+    train_result, memory_result, profile_result
+):
+    """``benchmarks.study_points --smoke``: quick's smallest DeepNet point as its study configures it, eager fp32 (and
+    bf16 where the CPU has bf16 instructions), timed and shown with the machine and date on the page."""
+    sp = study_points.run(smoke=True, jobs=2)
+    (row,) = sp["points"]
+    assert (row["study"], row["cap"]) == ("quick", 200) and row["auto"] in ("fp32", "bf16")
+    assert [v["precision"] for v in row["variants"]][0] == "fp32" and all("error" not in v for v in row["variants"])
+    assert all(v["step_s"] > 0 and v["run_s"] > v["step_s"] * sp["steps"] for v in row["variants"])
+    page = run_all.markdown(train_result, memory_result, profile_result, ["x"], 1.0, sp=sp)
+    assert "## The built-in studies' points: bf16 and compile" in page and study_points.format_result(sp) in page
+    assert sp["machine"]["date"] in page

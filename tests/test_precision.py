@@ -1,5 +1,5 @@
-"""``train.precision: auto``: decided from a constructed CPU probe and layer ratio (no bf16 instructions: fp32 and
-why; bf16 instructions and a layer enough faster in bf16: bf16; else fp32), cached per machine and shape; recorded in
+"""``train.precision: auto``: decided from a constructed CPU probe and step ratio (no bf16 instructions: fp32 and
+why; bf16 instructions and a step enough faster in bf16: bf16; else fp32), cached per machine and step; recorded in
 status.json and the checkpoints and reused by a resume whatever the probe says then (bit-exact); an explicit fp32
 never overridden; the built-in studies and the search asking for auto while a study directory and a search
 trained at fp32 on a CPU without bf16 keep their points; the report's and the doctor's precision."""
@@ -20,6 +20,7 @@ from objective_helpers import tiny_lm
 from kilolayer import rundir
 from kilolayer.config import dump_yaml, load_config
 from kilolayer.errors import ConfigError
+from kilolayer.train import engine as E
 from kilolayer.train.host import precision as P
 from kilolayer.train.run import recorded_precision, train
 
@@ -27,93 +28,116 @@ NO_BF16 = "auto: this CPU has no bf16 instructions (avx2)"
 
 
 def cpu(monkeypatch, tmp_path: Path, bf16: bool, ratio=None) -> list[int]:
-    """This CPU as the probe sees it: bf16 instructions or AVX2 only, and a layer ``ratio`` x as fast in bf16 (a
-    number, or a function of the width; None: measuring fails the test). Returns the widths measured. The cache is
-    the test's own."""
+    """This CPU as the probe sees it: bf16 instructions or AVX2 only, and a training step ``ratio`` x as fast in bf16
+    (a number, or a function of the width; None: measuring fails the test). Returns the widths measured. The cache
+    is the test's own."""
     monkeypatch.setenv("KILOLAYER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(P, "cpu_bf16", lambda: (True, "avx512_bf16") if bf16 else (False, "avx2"))
     measured: list[int] = []
 
-    def speedup(shape: P.LayerShape) -> float:
-        assert ratio is not None, "auto measured a layer where it needs none"
-        measured.append(shape.model.width)
-        return ratio(shape.model.width) if callable(ratio) else ratio
+    def speedup(config) -> float:
+        assert ratio is not None, "auto measured a step where it needs none"
+        assert (config.model.scheme, config.train.compile, config.train.hold_heap) == ("pre_ln", False, False)
+        measured.append(config.model.width)
+        return ratio(config.model.width) if callable(ratio) else ratio
 
-    monkeypatch.setattr(P, "layer_speedup", speedup)
+    monkeypatch.setattr(E, "step_speedup", speedup)
     return measured
 
 
 def shaped(width: int, batch: int = 8, **model):
     """A config of a decoder of ``width`` (64 tokens) trained at auto on micro-batches of ``batch``."""
-    m = {"arch": "decoder", "layers": 2, "width": width, "heads": 2, "ffn": 2 * width, "max_len": 64, **model}
-    data = {"model": m, "objective": {"name": "causal_lm"}, "data": {"name": "synthetic"}}
+    m = {"arch": "decoder", "layers": 2, "width": width, "heads": 2, "ffn": 2 * width, "max_len": 64, "vocab_size": 262}
+    m.update(model)
+    text = {"name": "stdlib_bytes", "options": {"seq_len": 64, "max_bytes": 200_000, "eval_windows": 16}}
+    data = {"model": m, "objective": {"name": "causal_lm"}, "data": text}
     return load_config(data, [f"train.batch_size={batch}", "train.precision=auto"])
+
+
+def policy(asked: str, config, recorded=None) -> P.Precision:
+    """What a run of ``config`` asking for ``asked`` trains at, measured as a run measures it."""
+    return P.policy(asked, "cpu", config, E.step_speedup, recorded)
+
+
+def shared(configs) -> P.Precision | None:
+    return P.shared("cpu", configs, E.step_speedup)
 
 
 def test_auto_is_fp32_without_bf16_instructions_and_measures_nothing(monkeypatch, tmp_path):
     cpu(monkeypatch, tmp_path, bf16=False)
-    assert P.policy("auto", "cpu", shaped(256)) == P.Precision("fp32", NO_BF16, P.DECIDED)
+    assert policy("auto", shaped(256)) == P.Precision("fp32", NO_BF16, P.DECIDED)
 
 
-def test_auto_is_bf16_where_a_layer_trains_enough_faster_measured_once_per_shape(monkeypatch, tmp_path):
+def test_auto_is_bf16_where_a_step_runs_enough_faster_measured_once_per_step(monkeypatch, tmp_path):
     measured = cpu(monkeypatch, tmp_path, bf16=True, ratio=1.9)
-    chosen = P.policy("auto", "cpu", shaped(256))
-    reason = "auto: a layer trains 1.90x as fast in bf16 (width 256, 8 x 64 tokens)"
+    chosen = policy("auto", shaped(256))
+    reason = (
+        "auto: a training step runs 1.90x as fast in bf16 (causal_lm on stdlib_bytes, decoder 2L width 256, 8 x 64 "
+        "tokens)"
+    )
     assert chosen == P.Precision("bf16", reason, P.DECIDED)
-    assert P.policy("auto", "cpu", shaped(256)) == chosen and P.policy("auto", "cpu", shaped(64)).value == "bf16"
+    assert policy("auto", shaped(256)) == chosen and policy("auto", shaped(64)).value == "bf16"
     assert measured == [256, 64]  # the second ask at 256 is the cache's
-    P.policy("auto", "cpu", shaped(256, batch=16))
-    P.policy("auto", "cpu", shaped(256, scheme="deepnorm"))
-    P.policy("auto", "cpu", shaped(256, dropout=0.1))
-    assert measured == [256, 64, 256, 256]  # another micro-batch or dropout is another shape; a residual scheme not
+    policy("auto", shaped(256, batch=16))
+    policy("auto", shaped(256, dropout=0.1))
+    policy("auto", shaped(256, layers=3))
+    assert measured == [256, 64, 256, 256, 256]  # another micro-batch, dropout or depth is another step
+    policy("auto", shaped(256, scheme="deepnorm"))
+    policy("auto", load_config(shaped(256).model_dump(), ["train.seed=3", "train.lr=0.1", "train.steps=7"]))
+    policy("auto", load_config(shaped(256, batch=16).model_dump(), ["train.accumulate=2", "train.compile=model"]))
+    assert len(measured) == 5  # a residual scheme, seed, budget, accumulation to the same micro-batch or compile not
     assert (tmp_path / "cache" / P.CACHE_FILE).is_file()
 
 
-@pytest.mark.parametrize("ratio", [0.6, P.MIN_LAYER_SPEEDUP - 0.01])
-def test_auto_is_fp32_where_bf16_does_not_pay_for_the_step(monkeypatch, tmp_path, ratio):
+@pytest.mark.parametrize("ratio,said", [(0.6, "0.60x"), (1.04, "1.04x"), (1.0497, "1.050x")])
+def test_auto_is_fp32_where_bf16_does_not_pay_for_the_step(monkeypatch, tmp_path, ratio, said):
+    """Under the 1.05x that pays, however close: a ratio that two decimals would round onto it gets three."""
     cpu(monkeypatch, tmp_path, bf16=True, ratio=ratio)
-    chosen = P.policy("auto", "cpu", shaped(128))
+    chosen = policy("auto", shaped(128))
     assert (chosen.value, chosen.reason) == (
         "fp32",
-        f"auto: a layer trains {ratio:.2f}x as fast in bf16 (width 128, 8 x 64 tokens), under the 1.3x that pays "
-        "for the step (avx512_bf16)",
+        f"auto: a training step runs {said} as fast in bf16 (causal_lm on stdlib_bytes, decoder 2L width 128, "
+        "8 x 64 tokens), under the 1.05x that pays (avx512_bf16)",
     )
+    cpu(monkeypatch, tmp_path / "at", bf16=True, ratio=P.MIN_STEP_SPEEDUP)
+    assert policy("auto", shaped(128)).value == "bf16"  # at the cut: bf16
 
 
 def test_a_given_precision_is_never_overridden(monkeypatch, tmp_path):
     cpu(monkeypatch, tmp_path, bf16=True, ratio=3.0)
-    recorded = P.Precision("bf16", "auto: a layer trains 3.00x as fast in bf16", P.DECIDED)
-    assert P.policy("fp32", "cpu", shaped(32), recorded) == P.Precision("fp32", "train.precision", P.GIVEN)
-    assert P.policy("bf16", "cpu", shaped(32)) == P.Precision("bf16", "train.precision", P.GIVEN)
+    recorded = P.Precision("bf16", "auto: a training step runs 3.00x as fast in bf16", P.DECIDED)
+    assert policy("fp32", shaped(32), recorded) == P.Precision("fp32", "train.precision", P.GIVEN)
+    assert policy("bf16", shaped(32)) == P.Precision("bf16", "train.precision", P.GIVEN)
 
 
 def test_runs_compared_with_one_another_share_one_precision(monkeypatch, tmp_path):
-    """A study's or a search's runs: bf16 only where it pays for every shape among them, else fp32 naming the shape
-    that does not pay; the residual scheme is no part of a shape; runs given a precision take no part."""
-    cpu(monkeypatch, tmp_path, bf16=True, ratio=lambda width: {32: 2.0, 64: 1.1, 128: 1.6}[width])
-    wide_and_narrow = P.shared("cpu", [shaped(32), shaped(64), shaped(32, scheme="deepnorm")])
+    """A study's or a search's runs: bf16 only where it pays for every step among them, else fp32 naming the step
+    that does not pay; the residual scheme is no part of a step; runs given a precision take no part."""
+    measured = cpu(monkeypatch, tmp_path, bf16=True, ratio=lambda width: {32: 2.0, 64: 1.04, 128: 1.6}[width])
+    wide_and_narrow = shared([shaped(32), shaped(64), shaped(32, scheme="deepnorm"), shaped(128)])
+    assert measured == [32, 64]  # the first step that does not pay decides: the ones after it are not measured
     assert wide_and_narrow == P.Precision(
         "fp32",
-        "auto: a layer trains 1.10x as fast in bf16 (width 64, 8 x 64 tokens), under the 1.3x that pays for the step "
-        "(avx512_bf16); one precision for the 2 shapes compared",
+        "auto: a training step runs 1.04x as fast in bf16 (causal_lm on stdlib_bytes, decoder 2L width 64, 8 x 64 "
+        "tokens), under the 1.05x that pays (avx512_bf16); one precision for the 3 steps compared",
         P.DECIDED,
     )
-    both = P.shared("cpu", [shaped(32), shaped(128)])
+    both = shared([shaped(32), shaped(128)])
     assert both.value == "bf16" and both.reason.endswith(
-        "; one precision for the 2 shapes compared: bf16 pays for every one"
+        "; one precision for the 2 steps compared: bf16 pays for every one"
     )
-    assert P.shared("cpu", [shaped(64, scheme="post_ln"), shaped(64, scheme="deepnorm")]) == P.policy(
-        "auto", "cpu", shaped(64)
-    )  # one shape: its own decision
+    assert shared([shaped(64, scheme="post_ln"), shaped(64, scheme="deepnorm")]) == policy(
+        "auto", shaped(64)
+    )  # one step: its own decision
     given = load_config(shaped(32).model_dump(), ["train.precision=fp32"])
-    assert P.shared("cpu", [given]) is None
+    assert shared([given]) is None
     # handed over: auto decides it in this process and in the runs it starts; given precisions stand
     assert P.SHARED_ENV not in os.environ
     with P.sharing(wide_and_narrow):
-        assert P.policy("auto", "cpu", shaped(32)) == wide_and_narrow
+        assert policy("auto", shaped(32)) == wide_and_narrow
         assert os.environ[P.SHARED_ENV] == f"fp32\t{wide_and_narrow.reason}"
-        assert P.policy("bf16", "cpu", shaped(32)).value == "bf16"
-    assert P.SHARED_ENV not in os.environ and P.policy("auto", "cpu", shaped(32)).value == "bf16"
+        assert policy("bf16", shaped(32)).value == "bf16"
+    assert P.SHARED_ENV not in os.environ and policy("auto", shaped(32)).value == "bf16"
 
 
 def test_a_study_resumed_goes_on_at_the_precision_its_runs_began_with(monkeypatch, tmp_path):
@@ -138,12 +162,12 @@ def test_a_study_resumed_goes_on_at_the_precision_its_runs_began_with(monkeypatc
 def test_a_handed_precision_this_machine_cannot_use_or_cannot_read_is_passed_over(monkeypatch, tmp_path, capsys):
     cpu(monkeypatch, tmp_path, bf16=False)
     monkeypatch.setenv(P.SHARED_ENV, "bf16\tauto: decided on another machine")
-    assert P.policy("auto", "cpu", shaped(32)) == P.Precision("fp32", NO_BF16, P.DECIDED)  # no bf16 here
+    assert policy("auto", shaped(32)) == P.Precision("fp32", NO_BF16, P.DECIDED)  # no bf16 here
     monkeypatch.setenv(P.SHARED_ENV, "fp32\tauto: decided on another machine")
-    assert P.policy("auto", "cpu", shaped(32)).reason == "auto: decided on another machine"
+    assert policy("auto", shaped(32)).reason == "auto: decided on another machine"
     monkeypatch.setenv(P.SHARED_ENV, "BF16")
-    assert P.policy("auto", "cpu", shaped(32)) == P.Precision("fp32", NO_BF16, P.DECIDED)
-    P.policy("auto", "cpu", shaped(32))
+    assert policy("auto", shaped(32)) == P.Precision("fp32", NO_BF16, P.DECIDED)
+    policy("auto", shaped(32))
     assert capsys.readouterr().err == (
         f"kilolayer: {P.SHARED_ENV}='BF16': expected fp32 or bf16, a tab and the reason; passed over\n"
     )  # said once
@@ -157,7 +181,7 @@ def test_a_study_of_a_wide_and_a_narrow_model_trains_both_at_one_precision(monke
     from kilolayer.study.runner import run_study
     from kilolayer.study.spec import load_spec
 
-    cpu(monkeypatch, tmp_path, bf16=True, ratio=lambda width: {32: 2.0, 16: 1.1}[width])
+    cpu(monkeypatch, tmp_path, bf16=True, ratio=lambda width: {32: 2.0, 16: 1.02}[width])
     base = {**BASE, "train": {**BASE["train"], "precision": "auto", "diagnostics_every": 0}}
     grid = {"model.width,model.ffn": [[32, 64], [16, 32]]}
     spec = {"name": "two", "description": "two widths", "groups": [{"name": "g", "base": base, "grid": grid}]}
@@ -165,7 +189,7 @@ def test_a_study_of_a_wide_and_a_narrow_model_trains_both_at_one_precision(monke
     results = run_study(load_spec(tmp_path / "spec.yaml"), tmp_path / "study", log=lambda *_: None)
     assert [r.status for r in results] == ["completed", "completed"]
     recorded = {(r.precision, r.precision_reason) for r in results}
-    assert recorded == {("fp32", P.shared("cpu", [r.config for r in results]).reason)}
+    assert recorded == {("fp32", shared([r.config for r in results]).reason)}
     assert "width 16" in next(iter(recorded))[1] and P.SHARED_ENV not in os.environ
     # the report's command names the study's decision, and run by hand it continues the run as it is
     from kilolayer.cli import main
@@ -177,14 +201,29 @@ def test_a_study_of_a_wide_and_a_narrow_model_trains_both_at_one_precision(monke
     assert (results[0].point.run_dir(tmp_path / "study") / "metrics.jsonl").read_text() == before
 
 
-@pytest.mark.parametrize("arch", [{"arch": "decoder"}, {"arch": "encoder_decoder", "decoder_layers": 1}])
-def test_the_layer_ratio_is_a_positive_number_and_leaves_the_random_streams_alone(arch):
-    before = torch.get_rng_state()
-    shape = P.LayerShape.of(shaped(32, batch=256, **arch))
-    assert shape.sequences == P.PROBE_TOKENS // 64  # a large micro-batch is probed at PROBE_TOKENS tokens
-    ratio = P.layer_speedup(P.LayerShape.of(shaped(32, **arch)), seconds=0.02)
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_the_step_ratio_is_a_positive_number_and_leaves_the_random_streams_alone(arch):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    config = shaped(32)
+    if arch == "encoder_decoder":
+        config = load_config(
+            {
+                "model": {"arch": arch, "layers": 1, "decoder_layers": 1, "width": 32, "heads": 2, "ffn": 64},
+                "objective": {"name": "seq2seq"},
+                "data": {"name": "synthetic", "task": "reverse"},
+            },
+            ["train.precision=auto"],
+        )
+    probe = P.StepShape.of(config)
+    ratio = E.step_speedup(probe.config, seconds=0.02)
     assert 0 < ratio < float("inf")
-    assert torch.equal(torch.get_rng_state(), before)
+    after = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1])
+    assert torch.equal(after[0], before[0]) and after[1] == before[1] and (after[2] == before[2]).all()
 
 
 def test_this_cpus_probe_names_what_it_found():
@@ -217,12 +256,14 @@ def test_an_auto_run_records_its_precision_says_it_first_and_a_resume_keeps_it_b
     train(lm(6, precision="auto"), whole)
     assert (
         capsys.readouterr().err.splitlines()[0]
-        == "kilolayer: precision bf16 (auto: a layer trains 2.00x as fast in bf16 (width 32, 4 x 32 tokens))"
+        == "kilolayer: precision bf16 (auto: a training step runs 2.00x as fast in bf16 (causal_lm on stdlib_bytes, "
+        "decoder 2L width 32, 4 x 32 tokens))"
     )
     st = rundir.read_status(whole)
     assert (st["precision"], st["precision_reason"]) == (
         "bf16",
-        "auto: a layer trains 2.00x as fast in bf16 (width 32, 4 x 32 tokens)",
+        "auto: a training step runs 2.00x as fast in bf16 (causal_lm on stdlib_bytes, decoder 2L width 32, 4 x 32 "
+        "tokens)",
     )
 
     train(lm(3, precision="auto"), legs, quiet=True)

@@ -154,7 +154,7 @@ class Engine:
     ):
         self.config, tc = config, config.train
         self.env = env if env is not None else D.Dist(device=torch.device("cpu"))
-        self.precision = precision or host.precision_policy(tc.precision, self.env.device, config).value
+        self.precision = precision or host.precision_policy(tc.precision, self.env.device, config, step_speedup).value
         self.source = source if source is not None else load_source(config)
         seed_everything(tc.seed)
         self.task = build_task(config, self.source)
@@ -417,3 +417,25 @@ class Engine:
         if "reference" in extra:
             self.reference = extra["reference"].to(self.env.device)
         return dropped
+
+
+def step_speedup(config: Config, seconds: float = 1.0) -> float:
+    """fp32 time over bf16 time of a training step of ``config`` (above 1: bf16 is faster): one engine of it on the
+    CPU, whose steps alternate between fp32 and bf16 autocast for at least seven rounds and about ``seconds``
+    (:func:`kilolayer.train.host.precision.ratio_in_turns`), the step's batch, forward, backward and update each
+    time. Both precisions step through the same batches, the n-th step of each on the n-th batch: batches of
+    different lengths would otherwise decide the ratio. ``train.precision: auto`` gives it the probe's config
+    (:class:`~kilolayer.train.host.precision.StepShape`). The global random streams are as they were before it."""
+    saved = rng_state()
+    try:
+        engine = Engine(config, precision="fp32")
+        taken = {"fp32": 0, "bf16": 0}
+
+        def one(precision: str) -> None:
+            taken[precision] += 1
+            engine.precision = precision
+            engine.update(taken[precision], engine.train_step(taken[precision]))
+
+        return host.ratio_in_turns(lambda: one("fp32"), lambda: one("bf16"), seconds)
+    finally:
+        set_rng_state(*saved)

@@ -53,6 +53,7 @@ from kilolayer.errors import ConfigError, DivergedError, KilolayerError
 from kilolayer.files import write_atomic
 from kilolayer.train import checkpoint as ckpt
 from kilolayer.train import distributed as D
+from kilolayer.train import engine as E
 from kilolayer.train import host
 from kilolayer.train import metrics as M
 from kilolayer.train.engine import Engine, StepStats
@@ -197,7 +198,7 @@ class Run:
         if self.env.main:
             tc = self.config.train
             recorded = recorded_precision(self.out, latest) if self.resume and tc.precision == "auto" else None
-            chosen = host.precision_policy(tc.precision, self.env.device, self.config, recorded)
+            chosen = host.precision_policy(tc.precision, self.env.device, self.config, E.step_speedup, recorded)
         return D.from_main(chosen, self.env)
 
     def _begin(self, latest: Path | None) -> None:
@@ -622,7 +623,7 @@ def _device_here(config: Config) -> str:
 def precision_here(config: Config, asked: str | None = None) -> str:
     """What ``asked`` (default: ``config``'s train.precision) runs at for ``config`` on this machine now: fp32 or
     bf16 as given, ``auto`` as a new run of ``config`` would decide it."""
-    return host.precision_policy(asked or config.train.precision, _device_here(config), config).value
+    return host.precision_policy(asked or config.train.precision, _device_here(config), config, E.step_speedup).value
 
 
 def shared_precision(configs: list[Config], runs: list[Path] = ()) -> host.Precision | None:
@@ -636,7 +637,7 @@ def shared_precision(configs: list[Config], runs: list[Path] = ()) -> host.Preci
     if len(found) == 1:
         value = found.pop()
         return host.Precision(value, f"auto, as the runs compared began: {value}", "auto")
-    return host.precision_shared(_device_here(configs[0]), configs) if configs else None
+    return host.precision_shared(_device_here(configs[0]), configs, E.step_speedup) if configs else None
 
 
 def trained_as_asked(run_dir: Path, config: Config) -> bool:

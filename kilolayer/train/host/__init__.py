@@ -18,7 +18,7 @@ from kilolayer.train.host.heap import apply as apply_heap
 from kilolayer.train.host.heap import heap_held, hold_heap, prepare_checkpointing
 from kilolayer.train.host.memory import available_memory, check_memory, estimate_memory, format_estimate
 from kilolayer.train.host.peak import DTYPES, cpu_bf16_warning, cpu_model, device_peak, gemm_rate, peak_too_low
-from kilolayer.train.host.precision import Precision
+from kilolayer.train.host.precision import Precision, ratio_in_turns
 from kilolayer.train.host.precision import policy as precision_policy
 from kilolayer.train.host.precision import shared as precision_shared
 from kilolayer.train.host.precision import sharing as precision_sharing
@@ -60,6 +60,7 @@ __all__ = [
     "precision_policy",
     "precision_shared",
     "precision_sharing",
+    "ratio_in_turns",
     "prepare_checkpointing",
     "thread_policy",
     "torch_threads",

@@ -5,18 +5,18 @@ run's start.
 
 * on CUDA, bf16 where the GPU supports it (``torch.cuda.is_bf16_supported``);
 * on a CPU, bf16 only where the CPU has bf16 instructions (AVX512-BF16 or AMX as torch reports them, else the
-  ``/proc/cpuinfo`` flags: :func:`cpu_bf16`) *and* one of the model's layers trains faster under bf16 autocast
-  than in fp32: a forward and backward of one layer of the run's shape (width, heads, FFN, sequence length,
-  micro-batch; its residual scheme aside) on random inputs (:func:`layer_speedup`), at least
-  :data:`MIN_LAYER_SPEEDUP` times as fast. A faster GEMM alone does not decide it: at small widths and short
-  sequences autocast's casts and the fp32 LayerNorms cost more than the products save, and the rest of a step
-  (embeddings, loss, optimizer, data) gains nothing from bf16. Without bf16 instructions autocast emulates bf16,
-  many times slower than fp32, so nothing is measured. The ratio is measured once per CPU model, thread count,
-  layer shape and torch version and cached in ``precision.json`` of the cache folder (``$KILOLAYER_CACHE``, else
-  ``~/.cache/kilolayer``; delete it to measure again).
+  ``/proc/cpuinfo`` flags: :func:`cpu_bf16`) *and* the run's training step is measured to run at least
+  :data:`MIN_STEP_SPEEDUP` times as fast under bf16 autocast as in fp32: the whole step, the run's own model,
+  objective, data and micro-batch, eager, taking turns with fp32 (``measure``:
+  :func:`kilolayer.train.engine.step_speedup`; :class:`StepShape` says what it runs). A faster GEMM alone does not
+  decide it: at small widths and short sequences autocast's casts and the fp32 LayerNorms cost more than the
+  products save, and embeddings, loss, optimizer and data gain little. Without bf16 instructions autocast
+  emulates bf16, many times slower than fp32, so nothing is measured. The ratio is measured once per CPU model,
+  thread count, step and torch version and cached in ``precision.json`` of the cache folder
+  (``$KILOLAYER_CACHE``, else ``~/.cache/kilolayer``; delete it to measure again).
 
 Runs compared with one another share one precision: a study (:mod:`kilolayer.study.runner`, on Ray too) and a
-search decide ``auto`` once for all their runs (:func:`shared`: bf16 only where every shape among them pays for
+search decide ``auto`` once for all their runs (:func:`shared`: bf16 only where every step among them pays for
 it; a study whose runs already recorded one precision keeps it) and hand the decision to each run in the
 environment (:data:`SHARED_ENV`, :func:`sharing`), so that a shallow-wide and a deep-narrow model, or Post-LN and
 DeepNorm, do not differ in precision as well. Runs a user starts one by one decide each for itself: give them
@@ -31,6 +31,8 @@ overridden; ``train.precision: fp32`` is the one flag for runs bit-comparable wi
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import statistics
 import sys
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kilolayer.config import Config, ModelConfig
+from kilolayer.config import Config
 from kilolayer.train.host.peak import BF16_CPU_FLAGS, _cache_lock, _read_cache, _write_cache, cpu_flags, cpu_model
 
 AUTO = "auto"
@@ -88,70 +90,69 @@ def cpu_bf16() -> tuple[bool, str]:
     return False, capability
 
 
-#: how much faster one layer must train in bf16 for ``auto`` to choose it: the rest of the step gains nothing.
-#: Calibrated once, on a 2-core AVX512-BF16 CPU (kilolayer study quick, one thread per run): layers probed at
-#: 1.08-1.22x trained 10-25% slower as whole runs in bf16, one at 1.36x 10-15% faster, one at 3.7x 1.4x faster.
-MIN_LAYER_SPEEDUP = 1.3
-#: the most tokens the layer probe runs on (a larger micro-batch is probed with fewer sequences of its length)
-PROBE_TOKENS = 4096
+#: how much faster a whole training step must run in bf16 for ``auto`` to choose it: beyond the few percent that
+#: repeated probes of one config spread by, so that a config is not decided by the probe's noise
+MIN_STEP_SPEEDUP = 1.05
 
 
 @dataclass(frozen=True)
-class LayerShape:
-    """What decides whether bf16 pays off for a model: one layer's shape (its residual scheme aside) and the tokens
-    it sees per step."""
+class StepShape:
+    """What decides whether bf16 pays off for a run: its training step with the seed, the budget and every setting
+    that does not change a step's work left out (``config``: the probe's config, :meth:`of`)."""
 
-    model: ModelConfig
-    batch: int  # sequences per micro-batch
+    config: Config
 
     @classmethod
-    def of(cls, config: Config) -> LayerShape:
+    def of(cls, config: Config) -> StepShape:
+        """The step of ``config``'s run as the probe runs it: one micro-batch a step, eager (a compiled run is
+        judged by its eager step), Pre-LN whatever the run's residual scheme (so that the schemes a study compares
+        at one shape train at one precision), no held heap (the probe shares its process), no diagnostics, no
+        weights loaded, seed 0, on the CPU."""
         tc = config.train
-        return cls(config.model, max(1, tc.batch_size // tc.accumulate))
-
-    @property
-    def sequences(self) -> int:
-        """The sequences the probe runs: the micro-batch, at most :data:`PROBE_TOKENS` tokens of them."""
-        return max(1, min(self.batch, PROBE_TOKENS // self.model.seq_len))
+        model = config.model.model_copy(update={"scheme": "pre_ln"})
+        train = tc.model_copy(
+            update={
+                "batch_size": max(1, tc.batch_size // tc.accumulate),
+                "accumulate": 1,
+                "precision": "fp32",
+                "compile": False,
+                "hold_heap": False,
+                "diagnostics_every": 0,
+                "diagnostics_until": 0,
+                "init_from": None,
+                "freeze_backbone": False,
+                "untrained": False,
+                "steps": max(tc.steps, 1),
+                "seed": 0,
+                "device": "cpu",
+                "threads": None,
+            }
+        )
+        return cls(config.model_copy(update={"model": model, "train": train}))
 
     def key(self) -> str:
-        m = self.model
-        return (
-            f"{m.arch} width {m.width} heads {m.heads} ffn {m.ffn} {m.activation} dropout {m.dropout:g} "
-            f"attention {m.cpu_attention} | {self.sequences} x {m.seq_len} tokens"
-        )
+        """The words, and a digest of everything that makes the step's work (model, objective, data, micro-batch,
+        optimizer, schedule)."""
+        c = self.config
+        work = {
+            "model": c.model.model_dump(mode="json"),
+            "objective": c.objective.model_dump(mode="json"),
+            "data": c.data.model_dump(mode="json"),
+            "train": c.train.model_dump(mode="json", include={"batch_size", "fused_optimizer", "clip", "schedule"}),
+        }
+        digest = hashlib.sha256(json.dumps(work, sort_keys=True).encode()).hexdigest()[:12]
+        return f"step {self.words()} {digest}"
 
     def words(self) -> str:
-        return f"width {self.model.width}, {self.sequences} x {self.model.seq_len} tokens"
+        m, c = self.config.model, self.config
+        depth = f"{m.layers}L-{m.decoder_layers}L" if m.arch == "encoder_decoder" else f"{m.layers}L"
+        return (
+            f"{c.objective.name} on {c.data.name}, {m.arch} {depth} width {m.width}, "
+            f"{c.train.batch_size} x {m.seq_len} tokens"
+        )
 
 
-def layer_speedup(shape: LayerShape, seconds: float = 1.0) -> float:
-    """fp32 time over bf16 time of a forward and backward of one Pre-LN layer of ``shape`` (an encoder layer; a
-    decoder layer for a decoder-only model) on random inputs, the bf16 one under autocast as a training step runs
-    it, the two taking turns for about ``seconds`` (:func:`_ratio_in_turns`). Above 1: bf16 is faster. Every
-    residual scheme is probed as Pre-LN, so that the schemes a study compares at one shape train at one precision.
-    The layer runs eagerly whatever ``train.compile`` says: a compiled run is judged by its eager layer.
-    The layer and its inputs come from a forked random state: the global random streams do not move."""
-    from kilolayer.nn.layers import Layer
-    from kilolayer.nn.transformer import scheme_for
-
-    m = shape.model.model_copy(update={"scheme": "pre_ln"})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        layer = Layer(m, scheme_for(m), "decoder" if m.arch == "decoder" else "encoder", 0)
-        x = torch.randn(shape.sequences, m.seq_len, m.width, requires_grad=True)
-
-    inputs = [x, *layer.parameters()]
-
-    def step(bf16: bool) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            y = layer(x)
-        torch.autograd.grad(y.float().sum(), inputs)  # every gradient a step computes, none kept: nothing trains
-
-    return _ratio_in_turns(lambda: step(False), lambda: step(True), seconds)
-
-
-def _ratio_in_turns(a: Callable[[], object], b: Callable[[], object], seconds: float) -> float:
+def ratio_in_turns(a: Callable[[], object], b: Callable[[], object], seconds: float) -> float:
     """The median over rounds of (time of a call of ``a`` / time of a call of ``b``), the two called in turn for
     at least 7 rounds and about ``seconds`` after a warm-up of a tenth of that: a round's ratio is not moved by
     the machine's drift, and the median not by one slow round."""
@@ -171,9 +172,14 @@ def _ratio_in_turns(a: Callable[[], object], b: Callable[[], object], seconds: f
     return statistics.median(ratios)
 
 
-def cached_speedup(shape: LayerShape) -> float:
-    """:func:`layer_speedup` of ``shape`` from the cache, measured and cached on the first call for this CPU model,
-    thread count, layer shape and torch version (two processes starting together measure once)."""
+#: what measures a step's speed-up (:func:`kilolayer.train.engine.step_speedup`): the probe's config in, fp32 time
+#: over bf16 time out
+Measure = Callable[[Config], float]
+
+
+def cached_speedup(shape: StepShape, measure: Measure) -> float:
+    """``measure`` of ``shape``'s step from the cache, measured and cached on the first call for this CPU model,
+    thread count, step and torch version (two processes starting together measure once)."""
     from kilolayer.data.cache import cache_dir
 
     threads = torch.get_num_threads()
@@ -184,7 +190,7 @@ def cached_speedup(shape: LayerShape) -> float:
         with _cache_lock(path):
             entry = _read_cache(path).get(key)  # another process may have measured meanwhile
             if not _usable(entry):
-                entry = {"speedup": layer_speedup(shape), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                entry = {"speedup": measure(shape.config), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                 _write_cache(path, key, entry)  # a read-only cache folder: measured again next time
     return float(entry["speedup"])
 
@@ -194,8 +200,9 @@ def _usable(entry) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
-def auto(device: str | torch.device, shape: LayerShape) -> Precision:
-    """``train.precision: auto`` decided on ``device`` for a model of ``shape`` (module docstring)."""
+def auto(device: str | torch.device, config: Config, measure: Measure) -> Precision:
+    """``train.precision: auto`` decided on ``device`` for a run of ``config`` (module docstring); ``measure`` times
+    its step where the CPU has bf16 instructions."""
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -207,30 +214,39 @@ def auto(device: str | torch.device, shape: LayerShape) -> Precision:
     has, what = cpu_bf16()
     if not has:
         return Precision("fp32", f"auto: this CPU has no bf16 instructions ({what})", DECIDED)
-    ratio = cached_speedup(shape)
-    measured = f"a layer trains {ratio:.2f}x as fast in bf16 ({shape.words()})"
-    if ratio >= MIN_LAYER_SPEEDUP:
+    shape = StepShape.of(config)
+    ratio = cached_speedup(shape, measure)
+    measured = f"a training step runs {_times(ratio)} as fast in bf16 ({shape.words()})"
+    if ratio >= MIN_STEP_SPEEDUP:
         return Precision("bf16", f"auto: {measured}", DECIDED)
-    return Precision(
-        "fp32", f"auto: {measured}, under the {MIN_LAYER_SPEEDUP}x that pays for the step ({what})", DECIDED
-    )
+    return Precision("fp32", f"auto: {measured}, under the {MIN_STEP_SPEEDUP}x that pays ({what})", DECIDED)
 
 
-def shared(device: str | torch.device, configs: list[Config]) -> Precision | None:
+def _times(ratio: float) -> str:
+    """``ratio`` to two decimals, or three where two would round it onto :data:`MIN_STEP_SPEEDUP` from below."""
+    if ratio < MIN_STEP_SPEEDUP and round(ratio, 2) >= MIN_STEP_SPEEDUP:
+        return f"{ratio:.3f}x"
+    return f"{ratio:.2f}x"
+
+
+def shared(device: str | torch.device, configs: list[Config], measure: Measure) -> Precision | None:
     """``auto`` decided once for runs of ``configs`` compared with one another (those that ask for ``auto``; None
-    where none does): bf16 only where :func:`auto` decides bf16 for every distinct layer shape among them, else
-    fp32, with the shape that does not pay named."""
-    shapes = {s.key(): s for s in (LayerShape.of(c) for c in configs if c.train.precision == AUTO)}
-    if not shapes:
+    where none does): bf16 only where :func:`auto` decides bf16 for every distinct step among them, else fp32,
+    with the first step (in ``configs``' order) that does not pay named; the steps after it are not measured."""
+    steps = {s.key(): c for c in configs if c.train.precision == AUTO and (s := StepShape.of(c))}
+    if not steps:
         return None
-    decided = [(s, auto(device, s)) for s in shapes.values()]
-    against = next(((s, d) for s, d in decided if d.value != "bf16"), None)
-    if len(shapes) == 1:
-        return decided[0][1]
-    n = f"one precision for the {len(shapes)} shapes compared"
-    if against is None:
-        return Precision("bf16", f"{decided[0][1].reason}; {n}: bf16 pays for every one", DECIDED)
-    return Precision("fp32", f"{against[1].reason}; {n}", DECIDED)
+    decided = []
+    for config in steps.values():
+        decided.append(auto(device, config, measure))
+        if decided[-1].value != "bf16":
+            break
+    if len(steps) == 1:
+        return decided[0]
+    n = f"one precision for the {len(steps)} steps compared"
+    if decided[-1].value == "bf16":
+        return Precision("bf16", f"{decided[0].reason}; {n}: bf16 pays for every one", DECIDED)
+    return Precision("fp32", f"{decided[-1].reason}; {n}", DECIDED)
 
 
 @contextlib.contextmanager
@@ -275,12 +291,14 @@ def _shared_here(device: str | torch.device) -> Precision | None:
 _SAID: set[str] = set()
 
 
-def policy(asked: str, device: str | torch.device, config: Config, recorded: Precision | None = None) -> Precision:
+def policy(
+    asked: str, device: str | torch.device, config: Config, measure: Measure, recorded: Precision | None = None
+) -> Precision:
     """The precision of a run of ``config`` that asks for ``asked`` (``train.precision``): fp32 or bf16 as given;
     ``auto``: the precision the run being resumed recorded (``recorded``), else the one its study or search
-    decided for all of its runs (:func:`sharing`), else :func:`auto`."""
+    decided for all of its runs (:func:`sharing`), else :func:`auto` (``measure`` times the step)."""
     if asked != AUTO:
         return Precision(asked, "train.precision", GIVEN)
     if recorded is not None:
         return Precision(recorded.value, recorded.reason, RECORDED)
-    return _shared_here(device) or auto(device, LayerShape.of(config))
+    return _shared_here(device) or auto(device, config, measure)
