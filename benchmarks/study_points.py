@@ -4,16 +4,17 @@ For each point below (the largest shapes of ``quick``, ``bamboo_cpu`` and ``deep
 ``kilolayer train`` runs of :data:`STEPS` steps, as the point's config asks but at one thread: eager fp32, eager
 bf16 autocast, and each of them with ``train.compile: layers``. Each run evaluates once, at its last step, as
 the point would (a compiled layer compiles again for evaluation); checkpoints and stability diagnostics are
-off. ``--jobs 2`` (the default) runs two of them at once, as ``kilolayer study --jobs 2`` runs its points. Every
-run compiles from an empty inductor cache of its own.
+off. The runs go one at a time (``--jobs 1``, the default): a run beside another is slowed by what that one
+does (compiling or stepping), which would decide the ratios. Every run compiles from an empty inductor cache
+of its own.
 
 From each run: its steady step (the median of the last half of its 10-step intervals) and its fixed cost (the
 run's seconds less its steps at that step: set-up, the first steps, compiling, the evaluation). A point's time
 at its step cap (``train.steps``) is then fixed cost + cap x step, per variant; ``x eager fp32`` divides the
 eager fp32 estimate by it (above 1: faster), and a compiled variant repays its compile after (its fixed cost
 less the eager one's) / (the eager step less its step) steps. ``auto`` is what ``train.precision: auto``
-decides for the point's layer shape here (:mod:`kilolayer.train.host.precision`, at one thread); a study
-decides once for all its points.
+decides for the point's step here, with the ratio its probe measured (:mod:`kilolayer.train.host.precision`,
+at one thread, from the cache where it holds the step); a study decides once for all its points.
 
     python -m benchmarks.study_points [--smoke] [--jobs K] [--out FILE]
 """
@@ -36,17 +37,14 @@ import yaml
 from benchmarks import common
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, SMOKE_STEPS = 60, 4
+STEPS, SMOKE_STEPS = 40, 4
 LOG_EVERY, SMOKE_LOG_EVERY = 10, 1
 #: (study, point): the points measured
 POINTS = [
     ("quick", "deepnet/scheme=deepnorm_layers=18_decoder_layers=18_seed=0"),
     ("quick", "mae/layers=16_width=64_heads=1_ffn=256_seed=0"),
-    ("quick", "supervised/layers=4_width=128_heads=2_ffn=512_seed=0"),
     ("bamboo_cpu", "supervised/layers=8_width=48_heads=3_ffn=192_seed=0"),
-    ("bamboo_cpu", "contrastive/layers=8_width=48_heads=3_ffn=192_seed=0"),
     ("bamboo_cpu", "mae/layers=8_width=48_heads=3_ffn=192_seed=0"),
-    ("bamboo_cpu", "mae/layers=2_width=96_heads=6_ffn=384_seed=0"),
     ("bamboo_cpu", "text_classify/layers=8_width=48_heads=3_ffn=192_seed=0"),
     ("bamboo_cpu", "mlm/layers=8_width=48_heads=3_ffn=192_seed=0"),
     ("bamboo_cpu", "next_token/layers=8_width=48_heads=3_ffn=192_seed=0"),
@@ -120,21 +118,23 @@ def run_variant(config: dict, precision: str, compile_mode, steps: int, log_ever
     }
 
 
-def layer_probe(config: dict) -> dict:
-    """What ``train.precision: auto`` decides for ``config``'s step here, at one thread."""
+def step_probe(config: dict) -> dict:
+    """What ``train.precision: auto`` decides for ``config``'s step here, at one thread, and the ratio it read."""
     import torch
 
     from kilolayer.config import load_config
     from kilolayer.train.engine import step_speedup
-    from kilolayer.train.host.precision import auto
+    from kilolayer.train.host.precision import StepShape, auto, cached_speedup, cpu_bf16
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        decided = auto("cpu", load_config(config), step_speedup)
+        cfg = load_config(config)
+        decided = auto("cpu", cfg, step_speedup)
+        ratio = cached_speedup(StepShape.of(cfg), step_speedup)[0] if cpu_bf16()[0] else None
     finally:
         torch.set_num_threads(before)
-    return {"auto": decided.value, "auto_reason": decided.reason}
+    return {"auto": decided.value, "auto_reason": decided.reason, "probe_x": ratio}
 
 
 def summarize(point: dict) -> None:
@@ -151,7 +151,7 @@ def summarize(point: dict) -> None:
         v["repays_after"] = None if v is base else (max(0.0, extra) / saved if saved > 0 else float("inf"))
 
 
-def run(smoke: bool = False, jobs: int = 2) -> dict:
+def run(smoke: bool = False, jobs: int = 1) -> dict:
     from kilolayer.train.host.precision import cpu_bf16
 
     points = SMOKE_POINTS if smoke else POINTS
@@ -165,7 +165,7 @@ def run(smoke: bool = False, jobs: int = 2) -> dict:
     rows, configs = [], []
     for study, key in points:
         configs.append(point_config(study, key))
-        rows.append({"study": study, "point": key, "cap": configs[-1]["train"]["steps"], **layer_probe(configs[-1])})
+        rows.append({"study": study, "point": key, "cap": configs[-1]["train"]["steps"], **step_probe(configs[-1])})
     tasks = [(row, config, p, c) for row, config in zip(rows, configs) for p, c in variants]
     with ThreadPoolExecutor(jobs) as pool:
         done = list(pool.map(lambda t: run_variant(t[1], t[2], t[3], steps, log_every), tasks))
@@ -195,20 +195,21 @@ def format_result(res: dict) -> str:
         f"Measured {res['machine']['date']} on {res['machine']['cpu']} (bf16 instructions: {res['bf16_instructions']}),"
         f" {res['steps']} steps a run, {res['jobs']} runs at a time, one thread each.",
         "",
-        "| study | point | step cap | auto here | run | step ms | x eager fp32 step | fixed s "
+        "| study | point | step cap | auto here (probe) | run | step ms | x eager fp32 step | fixed s "
         "| x eager fp32 at the cap | compile repays |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["points"]:
+        auto = f"{row['auto']} ({row['probe_x']:.2f}x)" if row.get("probe_x") else row["auto"]
         for v in row["variants"]:
             if "error" in v:
                 lines.append(
-                    f"| {row['study']} | {row['point']} | {row['cap']:,} | {row['auto']} | {_variant_name(v)} | "
+                    f"| {row['study']} | {row['point']} | {row['cap']:,} | {auto} | {_variant_name(v)} | "
                     f"failed: {v['error']} | - | - | - | - |"
                 )
                 continue
             lines.append(
-                f"| {row['study']} | {row['point']} | {row['cap']:,} | {row['auto']} | {_variant_name(v)} | "
+                f"| {row['study']} | {row['point']} | {row['cap']:,} | {auto} | {_variant_name(v)} | "
                 f"{v['step_s'] * 1000:,.1f} | {v['step_x']:.2f} | {v['fixed_s']:.1f} | {v['x_eager_fp32']:.2f} | "
                 f"{_repays(v, row['cap']) if v['compile'] else '-'} |"
             )
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.study_points", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--smoke", action="store_true", help="one small point, eager only, a few steps")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each (default 1)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs}: expected 1 or more")

@@ -26,6 +26,17 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def cpu_without_bf16(request, monkeypatch):
+    """``train.precision: auto`` decides as on a CPU without bf16 instructions (fp32, nothing timed), so that no
+    test's runs, output or time depend on how fast this CPU computes in bf16; tests marked ``bf16_as_is`` see the
+    CPU as it is, and tests/test_precision.py constructs the CPUs it needs."""
+    if request.node.get_closest_marker("bf16_as_is") is None:
+        from kilolayer.train.host import precision
+
+        monkeypatch.setattr(precision, "cpu_bf16", lambda: (False, "avx2"))
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """``trained_run(config)``: the run directory of the raw ``config`` trained in-process, once per session and

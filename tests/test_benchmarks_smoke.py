@@ -1098,7 +1098,7 @@ def test_the_study_points_benchmark_runs_a_studys_point_and_the_page_shows_it(
 ):
     """``benchmarks.study_points --smoke``: quick's smallest DeepNet point as its study configures it, eager fp32 (and
     bf16 where the CPU has bf16 instructions), timed and shown with the machine and date on the page."""
-    sp = study_points.run(smoke=True, jobs=2)
+    sp = study_points.run(smoke=True)
     (row,) = sp["points"]
     assert (row["study"], row["cap"]) == ("quick", 200) and row["auto"] in ("fp32", "bf16")
     assert [v["precision"] for v in row["variants"]][0] == "fp32" and all("error" not in v for v in row["variants"])

@@ -13,6 +13,7 @@ step's two halves, the one place where gradients are computed and applied.
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -419,13 +420,19 @@ class Engine:
         return dropped
 
 
+#: the batches the step probe cycles through: each is stepped in both precisions before any step is timed
+PROBE_BATCHES = 4
+
+
 def step_speedup(config: Config, seconds: float = 1.0) -> float:
     """fp32 time over bf16 time of a training step of ``config`` (above 1: bf16 is faster): one engine of it on the
-    CPU, whose steps alternate between fp32 and bf16 autocast for at least seven rounds and about ``seconds``
-    (:func:`kilolayer.train.host.precision.ratio_in_turns`), the step's batch, forward, backward and update each
-    time. Both precisions step through the same batches, the n-th step of each on the n-th batch: batches of
-    different lengths would otherwise decide the ratio. ``train.precision: auto`` gives it the probe's config
-    (:class:`~kilolayer.train.host.precision.StepShape`). The global random streams are as they were before it."""
+    CPU, whose steps alternate between fp32 and bf16 autocast for an even number of rounds, at least eight, and
+    about ``seconds`` (:func:`kilolayer.train.host.precision.ratio_in_turns`), the step's batch, forward, backward
+    and update each time. Both precisions cycle through the same :data:`PROBE_BATCHES` batches, each stepped in
+    both before any step is timed: batches of other lengths would otherwise decide a round, and a tensor shape
+    met for the first time costs bf16's matrix products a set-up that a long run pays once. ``train.precision:
+    auto`` gives it the probe's config (:class:`~kilolayer.train.host.precision.StepShape`). The global random
+    streams are as they were before it."""
     saved = rng_state()
     try:
         engine = Engine(config, precision="fp32")
@@ -434,8 +441,12 @@ def step_speedup(config: Config, seconds: float = 1.0) -> float:
         def one(precision: str) -> None:
             taken[precision] += 1
             engine.precision = precision
-            engine.update(taken[precision], engine.train_step(taken[precision]))
+            engine.update(taken[precision], engine.train_step(1 + (taken[precision] - 1) % PROBE_BATCHES))
 
+        for _ in range(PROBE_BATCHES):
+            one("fp32"), one("bf16")
         return host.ratio_in_turns(lambda: one("fp32"), lambda: one("bf16"), seconds)
     finally:
+        engine = None
+        gc.collect()  # the probe's model, optimizer and data go before the run builds its own
         set_rng_state(*saved)

@@ -42,8 +42,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kilolayer.config import Config
-from kilolayer.train.host.peak import BF16_CPU_FLAGS, _cache_lock, _read_cache, _write_cache, cpu_flags, cpu_model
+from kilolayer.config import Config, ModelConfig
+from kilolayer.errors import KilolayerError
+from kilolayer.train.host.peak import (
+    BF16_CPU_FLAGS,
+    BUSY_LOAD,
+    _busy_note,
+    _cache_lock,
+    _read_cache,
+    _write_cache,
+    cpu_flags,
+    cpu_model,
+    load_per_cpu,
+)
 
 AUTO = "auto"
 #: the precisions a step runs at (what ``auto`` resolves to)
@@ -90,9 +101,14 @@ def cpu_bf16() -> tuple[bool, str]:
     return False, capability
 
 
-#: how much faster a whole training step must run in bf16 for ``auto`` to choose it: beyond the few percent that
-#: repeated probes of one config spread by, so that a config is not decided by the probe's noise
+#: how much faster a whole training step must run in bf16 for ``auto`` to choose it: a chosen margin of about the
+#: few percent that repeated probes of one step spread by, so that a step within it of fp32 keeps fp32 (a
+#: precision whose runs compare bit for bit with fp32 runs)
 MIN_STEP_SPEEDUP = 1.05
+#: the probe's method, in its cache key: a changed method measures again
+PROBE_VERSION = 1
+#: the residual schemes' own options, which the probe (always Pre-LN) leaves at their defaults
+SCHEME_OPTIONS = ("layerscale_init", "ds_init_variant", "admin_omega", "branchnorm_steps")
 
 
 @dataclass(frozen=True)
@@ -109,7 +125,9 @@ class StepShape:
         at one shape train at one precision), no held heap (the probe shares its process), no diagnostics, no
         weights loaded, seed 0, on the CPU."""
         tc = config.train
-        model = config.model.model_copy(update={"scheme": "pre_ln"})
+        # Pre-LN, and so none of the other schemes' options: they do not change the step the probe times
+        plain = {k: ModelConfig.model_fields[k].default for k in SCHEME_OPTIONS}
+        model = config.model.model_copy(update={"scheme": "pre_ln", **plain})
         train = tc.model_copy(
             update={
                 "batch_size": max(1, tc.batch_size // tc.accumulate),
@@ -138,10 +156,10 @@ class StepShape:
             "model": c.model.model_dump(mode="json"),
             "objective": c.objective.model_dump(mode="json"),
             "data": c.data.model_dump(mode="json"),
-            "train": c.train.model_dump(mode="json", include={"batch_size", "fused_optimizer", "clip", "schedule"}),
+            "train": c.train.model_dump(mode="json", include={"batch_size", "fused_optimizer"}),
         }
         digest = hashlib.sha256(json.dumps(work, sort_keys=True).encode()).hexdigest()[:12]
-        return f"step {self.words()} {digest}"
+        return f"step v{PROBE_VERSION} {self.words()} {digest}"
 
     def words(self) -> str:
         m, c = self.config.model, self.config
@@ -154,15 +172,16 @@ class StepShape:
 
 def ratio_in_turns(a: Callable[[], object], b: Callable[[], object], seconds: float) -> float:
     """The median over rounds of (time of a call of ``a`` / time of a call of ``b``), the two called in turn for
-    at least 7 rounds and about ``seconds`` after a warm-up of a tenth of that: a round's ratio is not moved by
-    the machine's drift, and the median not by one slow round."""
+    an even number of rounds, at least 8, and about ``seconds``, after a warm-up of a tenth of that: a round's
+    ratio is not moved by the machine's drift, the median not by one slow round, and as many rounds call ``a``
+    first as call ``b`` first."""
     warm_until = time.perf_counter() + seconds / 10
     a(), b()
     while time.perf_counter() < warm_until:
         a(), b()
     ratios: list[float] = []
     until = time.perf_counter() + seconds
-    while len(ratios) < 7 or time.perf_counter() < until:
+    while len(ratios) < 8 or len(ratios) % 2 or time.perf_counter() < until:
         times = []
         for fn in (a, b) if len(ratios) % 2 == 0 else (b, a):
             t0 = time.perf_counter()
@@ -177,27 +196,48 @@ def ratio_in_turns(a: Callable[[], object], b: Callable[[], object], seconds: fl
 Measure = Callable[[Config], float]
 
 
-def cached_speedup(shape: StepShape, measure: Measure) -> float:
-    """``measure`` of ``shape``'s step from the cache, measured and cached on the first call for this CPU model,
-    thread count, step and torch version (two processes starting together measure once)."""
+def cached_speedup(shape: StepShape, measure: Measure) -> tuple[float, float | None]:
+    """``measure`` of ``shape``'s step from the cache, and the load per CPU it was measured at (None where the
+    system does not say): measured and cached on the first call for this CPU model, thread count, step and torch
+    version (two processes starting together measure once), and measured again by the first call that finds the
+    machine quieter than :data:`~kilolayer.train.host.peak.BUSY_LOAD` where it was measured busier (other work's
+    threads take turns with the probe's and can decide its rounds)."""
     from kilolayer.data.cache import cache_dir
 
     threads = torch.get_num_threads()
     key = f"cpu|{cpu_model()}, {threads} thread{'s' * (threads != 1)}|{shape.key()}|torch {torch.__version__}"
     path = cache_dir() / CACHE_FILE
+    load = load_per_cpu()
     entry = _read_cache(path).get(key)
-    if not _usable(entry):
+    if _stale(entry, load):
         with _cache_lock(path):
             entry = _read_cache(path).get(key)  # another process may have measured meanwhile
-            if not _usable(entry):
+            if _stale(entry, load):
+                print(
+                    f"kilolayer: timing training steps of {shape.words()} in bf16 against fp32, once on this "
+                    "machine (train.precision: auto)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 entry = {"speedup": measure(shape.config), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                if load is not None:
+                    entry["load_per_cpu"] = round(load, 2)
                 _write_cache(path, key, entry)  # a read-only cache folder: measured again next time
-    return float(entry["speedup"])
+    return float(entry["speedup"]), entry.get("load_per_cpu")
 
 
 def _usable(entry) -> bool:
     value = entry.get("speedup") if isinstance(entry, dict) else None
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+def _stale(entry, load: float | None) -> bool:
+    """Whether a cache entry must be measured (again): missing or damaged, or taken on a busy machine that is
+    quieter now."""
+    if not _usable(entry):
+        return True
+    then = entry.get("load_per_cpu")
+    return isinstance(then, (int, float)) and then >= BUSY_LOAD and load is not None and load < BUSY_LOAD
 
 
 def auto(device: str | torch.device, config: Config, measure: Measure) -> Precision:
@@ -214,9 +254,15 @@ def auto(device: str | torch.device, config: Config, measure: Measure) -> Precis
     has, what = cpu_bf16()
     if not has:
         return Precision("fp32", f"auto: this CPU has no bf16 instructions ({what})", DECIDED)
+    if config.train.steps == 0:
+        return Precision("fp32", "auto: an untrained run takes no step to time", DECIDED)
     shape = StepShape.of(config)
-    ratio = cached_speedup(shape, measure)
-    measured = f"a training step runs {_times(ratio)} as fast in bf16 ({shape.words()})"
+    try:
+        ratio, load = cached_speedup(shape, measure)
+    except (KilolayerError, OSError, RuntimeError) as err:  # the run itself says what is wrong, if it is
+        said = " ".join(str(err).split())[:200]
+        return Precision("fp32", f"auto: timing a step of {shape.words()} failed ({said})", DECIDED)
+    measured = f"a training step runs {_times(ratio)} as fast in bf16 ({shape.words()}{_busy_note(load)})"
     if ratio >= MIN_STEP_SPEEDUP:
         return Precision("bf16", f"auto: {measured}", DECIDED)
     return Precision("fp32", f"auto: {measured}, under the {MIN_STEP_SPEEDUP}x that pays ({what})", DECIDED)
