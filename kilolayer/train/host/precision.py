@@ -150,7 +150,7 @@ class StepShape:
 
     def key(self) -> str:
         """The words, and a digest of everything that makes the step's work (model, objective, data, micro-batch,
-        optimizer, schedule)."""
+        fused optimizer) and of the probe's method (:data:`PROBE_VERSION`)."""
         c = self.config
         work = {
             "model": c.model.model_dump(mode="json"),
