@@ -202,16 +202,13 @@ def format_result(res: dict) -> str:
     for row in res["points"]:
         auto = f"{row['auto']} ({row['probe_x']:.2f}x)" if row.get("probe_x") else row["auto"]
         for v in row["variants"]:
+            cells = f"| {row['study']} | {row['point']} | {row['cap']:,} | {auto} | {_variant_name(v)} | "
             if "error" in v:
-                lines.append(
-                    f"| {row['study']} | {row['point']} | {row['cap']:,} | {auto} | {_variant_name(v)} | "
-                    f"failed: {v['error']} | - | - | - | - |"
-                )
+                lines.append(cells + f"failed: {v['error']} | - | - | - | - |")
                 continue
             lines.append(
-                f"| {row['study']} | {row['point']} | {row['cap']:,} | {auto} | {_variant_name(v)} | "
-                f"{v['step_s'] * 1000:,.1f} | {v['step_x']:.2f} | {v['fixed_s']:.1f} | {v['x_eager_fp32']:.2f} | "
-                f"{_repays(v, row['cap']) if v['compile'] else '-'} |"
+                cells + f"{v['step_s'] * 1000:,.1f} | {v['step_x']:.2f} | {v['fixed_s']:.1f} | "
+                f"{v['x_eager_fp32']:.2f} | {_repays(v, row['cap']) if v['compile'] else '-'} |"
             )
     return "\n".join(lines)
 
